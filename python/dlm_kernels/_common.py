@@ -1,0 +1,164 @@
+"""Framework-neutral pieces shared by the torch and JAX front ends.
+
+Nothing here imports torch or jax: constants of the schedule, the variant table,
+the static configuration of the token-statistics primitive, scalar validation and
+the chunk-size heuristic of the chunked backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+EPS = 1e-12
+
+#: Megatron-Bridge DiffusionGemma SFT variants.
+VARIANTS = ("base-sft", "reweighted-ce", "loo-ce", "reweighted-loo-ce")
+_VARIANT_ALIASES = {"loo-reweighted-ce": "reweighted-loo-ce"}
+REWEIGHTED_VARIANTS = frozenset({"reweighted-ce", "reweighted-loo-ce"})
+LOO_VARIANTS = frozenset({"loo-ce", "reweighted-loo-ce"})
+
+BACKEND_ENV = "DLM_KERNELS_BACKEND"
+PALLAS_INTERPRET_ENV = "DLM_KERNELS_PALLAS_INTERPRET"
+
+
+def normalize_variant(variant: str) -> str:
+    """Canonical variant name; ``loo-reweighted-ce`` is an alias of ``reweighted-loo-ce``."""
+    if not isinstance(variant, str):
+        raise ValueError(f"variant must be a string, one of {VARIANTS}; got {variant!r}")
+    name = _VARIANT_ALIASES.get(variant, variant)
+    if name not in VARIANTS:
+        raise ValueError(
+            f"variant must be one of {VARIANTS} (or alias 'loo-reweighted-ce'); got {variant!r}"
+        )
+    return name
+
+
+def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optional[float]:
+    """A finite, strictly positive Python scalar (bools are rejected)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not _is_real_scalar(value):
+        raise ValueError(f"{name} must be a finite positive float; got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a finite positive float; got {value!r}")
+    return value
+
+
+def check_loss_weight(name: str, value) -> float:
+    """A finite, non-negative Python scalar (bools are rejected)."""
+    if isinstance(value, bool) or not _is_real_scalar(value):
+        raise ValueError(f"{name} must be a finite non-negative float; got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite non-negative float; got {value!r}")
+    return value
+
+
+def check_vocab_size(vocab_size) -> int:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int; got {vocab_size!r}")
+    return vocab_size
+
+
+def _is_real_scalar(value) -> bool:
+    if isinstance(value, (int, float)):
+        return True
+    # numpy / framework 0-d scalars that convert exactly.
+    shape = getattr(value, "shape", None)
+    if shape == () or shape == ():
+        try:
+            float(value)
+        except Exception:  # a tracer, or not a number
+            return False
+        return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsConfig:
+    """Static (hashable) configuration of one token-statistics call.
+
+    temperature:       T of the student distribution p = softmax(s), s = r / T (entropy, KL).
+    ce_temperature:    temperature of the ``logp`` term; equal to ``temperature`` by default.
+    teacher_temperature: T_kl of the teacher distribution q = softmax(u / T_kl).
+    softcap:           c in cap(z) = c * tanh(z / c); None for no cap.
+    has_teacher:       teacher logits are given (the ``kl`` output is 0 otherwise).
+    teacher_grad:      the VJP also returns d(teacher logits).
+    chunk_size:        vocabulary chunk of the chunked backends (None = heuristic).
+    """
+
+    temperature: float = 1.0
+    ce_temperature: float = 1.0
+    teacher_temperature: float = 1.0
+    softcap: Optional[float] = None
+    has_teacher: bool = False
+    teacher_grad: bool = False
+    chunk_size: Optional[int] = None
+
+    @property
+    def separate_ce(self) -> bool:
+        return self.ce_temperature != self.temperature
+
+
+def make_config(
+    *,
+    temperature=1.0,
+    ce_temperature=None,
+    teacher_temperature=None,
+    softcap=None,
+    has_teacher=False,
+    teacher_grad=False,
+    chunk_size=None,
+) -> StatsConfig:
+    temperature = check_positive_float("temperature", temperature)
+    ce_temperature = check_positive_float("ce_temperature", ce_temperature, allow_none=True)
+    teacher_temperature = check_positive_float(
+        "teacher_temperature", teacher_temperature, allow_none=True
+    )
+    softcap = check_positive_float("softcap", softcap, allow_none=True)
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
+    if teacher_grad and not has_teacher:
+        raise ValueError("teacher_grad=True needs teacher_logits")
+    return StatsConfig(
+        temperature=temperature,
+        ce_temperature=temperature if ce_temperature is None else ce_temperature,
+        teacher_temperature=temperature if teacher_temperature is None else teacher_temperature,
+        softcap=softcap,
+        has_teacher=bool(has_teacher),
+        teacher_grad=bool(teacher_grad),
+        chunk_size=chunk_size,
+    )
+
+
+# Bytes of float32 temporaries one vocabulary chunk may occupy per live buffer.
+CHUNK_BYTES_BUDGET = 8 * 1024 * 1024
+
+
+def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig) -> int:
+    """Vocabulary chunk of the framework-native chunked backends.
+
+    Each live float32 temporary of a chunk is ``[N, C]``; C is picked so one such buffer
+    stays under ``CHUNK_BYTES_BUDGET`` (8 MiB), a multiple of 128 columns, at least 128 and
+    at most K. Peak extra memory is then a handful of these buffers, independent of K.
+    """
+    if cfg.chunk_size is not None:
+        return max(1, min(cfg.chunk_size, vocab))
+    c = CHUNK_BYTES_BUDGET // (4 * max(n_rows, 1))
+    c = max(128, (c // 128) * 128)
+    return max(1, min(c, vocab))
+
+
+def env_backend() -> Optional[str]:
+    value = os.environ.get(BACKEND_ENV, "").strip()
+    return value or None
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"

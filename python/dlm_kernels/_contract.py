@@ -1,0 +1,99 @@
+"""The Tunix-compatible batch contract, defined once for both front ends.
+
+:func:`make_contract` builds ``WeightedSum``, ``DiffusionTokenBatch`` and
+``DiffusionDistillationBatch`` for one framework's ops adapter; the JAX front end
+registers them as pytrees, the torch front end uses them as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import _checks as C
+
+
+def weighted_mean(xp, unreduced_sum, denominator):
+    """unreduced_sum / denominator, and exactly 0 (gradient too) when the denominator is 0."""
+    safe = xp.where(denominator > 0, denominator, 1.0)
+    return xp.where(denominator > 0, unreduced_sum / safe, 0.0)
+
+
+def make_contract(xp, module: str):
+    """(WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch) for ops adapter ``xp``."""
+
+    @dataclasses.dataclass(frozen=True)
+    class WeightedSum:
+        """A loss kept as ``unreduced_sum`` over ``denominator`` (sums across micro-batches
+        or devices add field by field); ``compute()`` is their ratio, 0 for a 0 denominator."""
+
+        unreduced_sum: object  # [] float32
+        denominator: object  # [] float32
+
+        def compute(self):
+            return weighted_mean(xp, self.unreduced_sum, self.denominator)
+
+        def replace(self, **fields):
+            return dataclasses.replace(self, **fields)
+
+    @dataclasses.dataclass(frozen=True)
+    class DiffusionTokenBatch:
+        """Target-aligned diffusion batch: position (b, l) predicts ``target_ids[b, l]``
+        from ``model_inputs`` (the noisy canvas); it is active when its weight is non-zero.
+
+        model_inputs: [B, L] int;  target_ids: [B, L] int;  loss_weights: [B, L] float.
+        """
+
+        model_inputs: object
+        target_ids: object
+        loss_weights: object
+
+        @classmethod
+        def create(cls, *, model_inputs, target_ids, loss_weights):
+            batch = cls(model_inputs=model_inputs, target_ids=target_ids, loss_weights=loss_weights)
+            return batch.validate()
+
+        def validate(self):
+            """Static checks always; value checks (finite, non-negative weights; active
+            targets >= 0) on concrete arrays. Returns self."""
+            C.check_token_batch_static(xp, self.model_inputs, self.target_ids, self.loss_weights)
+            C.check_token_batch_values(xp, self.target_ids, self.loss_weights)
+            return self
+
+        def replace(self, **fields):
+            return dataclasses.replace(self, **fields)
+
+    @dataclasses.dataclass(frozen=True)
+    class DiffusionDistillationBatch:
+        """A student batch plus the teacher's logits at the same positions.
+
+        student_batch: DiffusionTokenBatch;  teacher_logits: [B, L, K] float.
+        Teacher values (finite at active positions) are checked by ``opd_loss`` when its
+        soft term is enabled, so a batch for a hard-only loss may carry any teacher array.
+        """
+
+        student_batch: object
+        teacher_logits: object
+
+        @classmethod
+        def create(cls, *, student_batch, teacher_logits):
+            return cls(student_batch=student_batch, teacher_logits=teacher_logits).validate()
+
+        def validate(self):
+            if not isinstance(self.student_batch, DiffusionTokenBatch):
+                raise TypeError(
+                    f"student_batch must be a DiffusionTokenBatch; "
+                    f"got {type(self.student_batch).__name__}"
+                )
+            self.student_batch.validate()
+            C.check_logits_for_batch(xp, "teacher_logits", self.teacher_logits,
+                                     self.student_batch.target_ids.shape)
+            return self
+
+        def replace(self, **fields):
+            return dataclasses.replace(self, **fields)
+
+    classes = (WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch)
+    for cls in classes:
+        cls.__module__ = module
+        cls.__qualname__ = cls.__name__
+    return classes

@@ -1,0 +1,257 @@
+"""Every objective of DESIGN §3, written once on top of the token-statistics primitive.
+
+:class:`Frontend` binds the objectives to one framework's ops adapter (``xp``), its
+``token_stats`` and its contract classes; ``dlm_kernels.torch`` and ``dlm_kernels.jax`` each
+make one and export its methods. Each objective does only cheap ``[B, L]`` arithmetic
+around one primitive call, so autodiff flows through the primitive's VJP.
+"""
+
+from __future__ import annotations
+
+from . import _checks as C
+from ._common import (
+    EPS,
+    LOO_VARIANTS,
+    REWEIGHTED_VARIANTS,
+    check_loss_weight,
+    check_positive_float,
+    check_vocab_size,
+    normalize_variant,
+    shape_str,
+)
+
+
+def rf_alpha(t):
+    """Rectified-flow schedule alpha(t) = 1 - t."""
+    return 1.0 - t
+
+
+def rf_alpha_dot(t):
+    """Rectified-flow schedule derivative alpha'(t) = -1 (same shape as t)."""
+    return 0.0 * t - 1.0
+
+
+def _total(xp, x):  # [B, L] -> []
+    return xp.rowsum(xp.rowsum(x))
+
+
+class Frontend:
+    """The public objectives of one front end (see the module docstring)."""
+
+    def __init__(self, xp, token_stats, weighted_sum, token_batch, distillation_batch):
+        self.xp = xp
+        self.token_stats = token_stats
+        self.WeightedSum = weighted_sum
+        self.DiffusionTokenBatch = token_batch
+        self.DiffusionDistillationBatch = distillation_batch
+
+    # -- schedule -------------------------------------------------------------------------
+
+    def _loo_delta(self, alpha, vocab_size):
+        """delta = log1p(K·alpha / max(1 - alpha, EPS)), [B] float32."""
+        alpha = self.xp.as_f32(alpha)
+        return self.xp.log1p(vocab_size * alpha / self.xp.clamp_min(1.0 - alpha, EPS))
+
+    def reweight(self, variant, t, alpha, alpha_dot):
+        """Time weight [B]: -alpha_dot / max(alpha, EPS) for reweighted variants, else 1."""
+        xp = self.xp
+        if normalize_variant(variant) in REWEIGHTED_VARIANTS:
+            return -xp.as_f32(alpha_dot) / xp.clamp_min(xp.as_f32(alpha), EPS)
+        return xp.as_f32(t) * 0.0 + 1.0
+
+    def loo_to_denoiser_logits(self, logits, xt, alpha, vocab_size):
+        """LOO -> denoiser logits: logits [B, L, K] + delta[b] at column xt [B, L]; float32.
+
+        delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B]. Materialises a
+        [B, L, K] array; the losses apply the same shift inside the fused primitive instead.
+        """
+        xp = self.xp
+        vocab_size = check_vocab_size(vocab_size)
+        C.require_rank(xp, "logits", logits, 3, "[B, L, K]")
+        C.require_float(xp, "logits", logits)
+        C.require_array(xp, "xt", xt)
+        C.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
+        C.require_int(xp, "xt", xt)
+        delta = self._loo_delta(alpha, vocab_size)
+        C.require_shape("alpha", delta, logits.shape[:1], "[B]")
+        cols = xp.arange(logits.shape[-1], logits)
+        bump = xp.where(cols[None, None, :] == xt[:, :, None], delta[:, None, None], 0.0)
+        return xp.f32(logits) + bump
+
+    # -- Megatron-Bridge DiffusionGemma SFT ----------------------------------------------------
+
+    def _sft_terms(self, logits, x0, xt, t, loss_mask, variant, vocab_size,
+                   diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend):
+        """(w [B], Σ_l M·CE [B], Σ_l M [B]) for one SFT batch."""
+        xp = self.xp
+        variant = normalize_variant(variant)
+        vocab_size = check_vocab_size(vocab_size)
+        clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
+                                    allow_none=True)
+        C.require_rank(xp, "logits", logits, 3, "[B, L, K]")
+        C.require_float(xp, "logits", logits)
+        bl = tuple(logits.shape[:2])
+        for name, arr in (("x0", x0), ("xt", xt)):
+            C.require_array(xp, name, arr)
+            C.require_shape(name, arr, bl, "logits.shape[:2] [B, L]")
+            C.require_int(xp, name, arr)
+        C.require_array(xp, "loss_mask", loss_mask)
+        C.require_shape("loss_mask", loss_mask, bl, "logits.shape[:2] [B, L]")
+        C.require_array(xp, "t", t)
+        C.require_shape("t", t, bl[:1], "[B]")
+        alpha = alpha_fn(t)
+        w = self.reweight(variant, t, alpha, alpha_dot_fn(t))
+        if clip is not None:
+            w = xp.clamp_max(w, clip)
+        mask = xp.f32(loss_mask)
+        shift_ids = shift = None
+        if variant in LOO_VARIANTS:
+            shift_ids = xt
+            shift = xp.broadcast_to(self._loo_delta(alpha, vocab_size)[:, None], bl)
+        stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
+                                 backend=backend)
+        ce_sum = -xp.rowsum(mask * stats.logp)
+        return w, ce_sum, xp.rowsum(mask)
+
+    def diffusion_sft_loss(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
+                           diffusion_weight_clip=None, alpha_fn=rf_alpha,
+                           alpha_dot_fn=rf_alpha_dot, backend=None):
+        """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
+
+        loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
+        tokens x0 [B, L], noisy tokens xt [B, L], times t [B] and loss_mask M [B, L].
+        ``variant`` picks the time weight w and the LOO shift (``VARIANTS``);
+        ``diffusion_weight_clip`` bounds w from above.
+        """
+        w, ce_sum, count = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
+                                           diffusion_weight_clip, alpha_fn, alpha_dot_fn,
+                                           backend)
+        return w * ce_sum / self.xp.clamp_min(count, 1.0)
+
+    def diffusion_sft_logps(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
+                            diffusion_weight_clip=None, alpha_fn=rf_alpha,
+                            alpha_dot_fn=rf_alpha_dot, backend=None):
+        """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as the loss)."""
+        w, ce_sum, _ = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
+                                       diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend)
+        return -w * ce_sum
+
+    # -- Tunix batch contract --------------------------------------------------------------
+
+    def validate_diffusion_logits(self, batch, logits, name="logits"):
+        """Check logits [B, L, K] against a DiffusionTokenBatch: shapes and dtype always,
+        active targets in [0, K) when the arrays are concrete."""
+        if not isinstance(batch, self.DiffusionTokenBatch):
+            raise TypeError(f"batch must be a DiffusionTokenBatch; got {type(batch).__name__}")
+        C.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
+        C.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
+                                   logits.shape[-1])
+
+    def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
+                        return_entropy=False, backend=None):
+        """Target log-probs [B, L] at ``temperature`` (and the entropy [B, L] when
+        ``return_entropy``); exactly 0 at inactive positions; detached when ``stop_gradient``."""
+        temperature = check_positive_float("temperature", temperature)
+        self.validate_diffusion_logits(batch, logits)
+        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
+                                 temperature=temperature, backend=backend)
+        logps, entropy = stats.logp, stats.entropy
+        if stop_gradient:
+            logps, entropy = self.xp.stop_gradient(logps), self.xp.stop_gradient(entropy)
+        return (logps, entropy) if return_entropy else logps
+
+    def compute_diffusion_per_token_logps(self, model, batch, logits_fn, *, temperature=1.0,
+                                          stop_gradient=True, return_entropy=False,
+                                          backend=None):
+        """``per_token_logps(logits_fn(model, batch.model_inputs), batch, ...)``."""
+        logits = logits_fn(model, batch.model_inputs)
+        return self.per_token_logps(logits, batch, temperature=temperature,
+                                    stop_gradient=stop_gradient,
+                                    return_entropy=return_entropy, backend=backend)
+
+    def weighted_cross_entropy(self, logits, batch, *, backend=None):
+        """WeightedSum(Σ w·CE, Σ w) at T = 1."""
+        self.validate_diffusion_logits(batch, logits)
+        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights, backend=backend)
+        w = self.xp.f32(batch.loss_weights)
+        return self.WeightedSum(-_total(self.xp, w * stats.logp), _total(self.xp, w))
+
+    def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
+                 hard_loss_weight=0.0, backend=None):
+        """On-policy distillation: (WeightedSum total, {"distill/soft_loss", "distill/hard_loss"}).
+
+        soft = T²·KL(softmax(u/T) ‖ softmax(z/T)), hard = CE(z) at T = 1; one pass over the
+        student logits serves both. The teacher is stop-gradient. A disabled term (weight 0)
+        neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
+        """
+        xp = self.xp
+        temperature = check_positive_float("temperature", temperature)
+        soft_w = check_loss_weight("soft_loss_weight", soft_loss_weight)
+        hard_w = check_loss_weight("hard_loss_weight", hard_loss_weight)
+        if soft_w == 0.0 and hard_w == 0.0:
+            raise ValueError(
+                "soft_loss_weight and hard_loss_weight are both 0: nothing to optimise")
+        if not isinstance(batch, self.DiffusionDistillationBatch):
+            raise TypeError(
+                f"batch must be a DiffusionDistillationBatch; got {type(batch).__name__}")
+        student = batch.student_batch
+        C.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
+        teacher = None
+        if soft_w > 0.0:
+            teacher = batch.teacher_logits
+            C.require_shape("teacher_logits", teacher, student_logits.shape,
+                            "student_logits.shape")
+            C.check_teacher_values(xp, teacher, student.loss_weights)
+        C.check_token_batch_values(xp, student.target_ids, student.loss_weights,
+                                   student_logits.shape[-1] if hard_w > 0.0 else None)
+        stats = self.token_stats(student_logits, student.target_ids, student.loss_weights,
+                                 temperature=temperature, ce_temperature=1.0,
+                                 teacher_logits=teacher, backend=backend)
+        w = xp.f32(student.loss_weights)
+        denominator = _total(xp, w)
+        zero = denominator * 0.0
+        soft = _total(xp, w * stats.kl) * (temperature * temperature) if soft_w > 0.0 else zero
+        hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
+        total = soft_w * soft + hard_w * hard
+        aux = {
+            "distill/soft_loss": self.WeightedSum(soft, denominator),
+            "distill/hard_loss": self.WeightedSum(hard, denominator),
+        }
+        return self.WeightedSum(total, denominator), aux
+
+    def merge_diffusion_batches(self, batches):
+        """Concatenate batches on the batch axis. All must have one type and the same
+        trailing shapes and dtypes; everything is checked before anything is built."""
+        batches = list(batches)
+        if not batches:
+            raise ValueError("batches must be a non-empty sequence of batches; got an empty one")
+        kind = type(batches[0])
+        if kind not in (self.DiffusionTokenBatch, self.DiffusionDistillationBatch):
+            raise TypeError(
+                f"batches[0] must be a DiffusionTokenBatch or DiffusionDistillationBatch; "
+                f"got {kind.__name__}")
+        for i, b in enumerate(batches):
+            if type(b) is not kind:
+                raise TypeError(
+                    f"batches[{i}] is a {type(b).__name__}, but batches[0] is a "
+                    f"{kind.__name__}: all batches must have the same structure")
+        concat = self.xp.concat
+        if kind is self.DiffusionDistillationBatch:
+            _same_trailing("teacher_logits", [b.teacher_logits for b in batches])
+            students = self.merge_diffusion_batches([b.student_batch for b in batches])
+            return kind.create(student_batch=students,
+                               teacher_logits=concat([b.teacher_logits for b in batches]))
+        fields = ("model_inputs", "target_ids", "loss_weights")
+        for f in fields:
+            _same_trailing(f, [getattr(b, f) for b in batches])
+        return kind.create(**{f: concat([getattr(b, f) for b in batches]) for f in fields})
+
+
+def _same_trailing(name, arrays):
+    first = arrays[0]
+    for i, a in enumerate(arrays):
+        if tuple(a.shape[1:]) != tuple(first.shape[1:]) or a.dtype != first.dtype:
+            raise ValueError(
+                f"batches[{i}].{name} has shape {shape_str(a.shape)} and dtype {a.dtype}; "
+                f"batches[0].{name} has {shape_str(first.shape)} and {first.dtype}: "
+                f"only the batch axis may differ")

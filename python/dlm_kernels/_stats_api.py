@@ -1,0 +1,103 @@
+"""Framework-neutral plumbing of the public ``token_stats`` primitive.
+
+Both front ends validate the same way, fold leading dimensions into rows the same way and
+hand the same flat arguments to a backend implementation. A backend implementation is an
+object with
+
+  name                                    registry key ("reference", "chunked", ...)
+  unsupported_reason(platform) -> str|None  why it cannot run on arrays of that platform
+  custom_vjp: bool                        False: differentiate ``compute`` with autodiff
+  compute(z, u, y, active, x, d, cfg)     -> (lse, logp, entropy, kl)       [custom_vjp=False]
+  forward(z, u, y, active, x, d, cfg)     -> Stats (outputs + residuals)    [custom_vjp=True]
+  backward(z, u, y, active, x, d, stats, grads, cfg) -> (dz, du or None)    [custom_vjp=True]
+
+with z: [N, K] student logits, u: [N, K] teacher logits or None, y: [N] int targets,
+active: [N] bool, x: [N] int shift ids or None, d: [N] float32 shift or None,
+grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import _checks
+from ._common import make_config
+
+
+class TokenStats(NamedTuple):
+    """Per-row outputs of :func:`token_stats`, each float32 with the logits' leading shape.
+
+    lse:     logsumexp of the (capped, shifted) logits divided by ``temperature``.
+    logp:    log-probability of the target at ``ce_temperature`` (CE = -logp).
+    entropy: entropy of softmax(logits / temperature).
+    kl:      KL(softmax(teacher / teacher_temperature) || softmax(logits / temperature));
+             0 when no teacher is given.
+    Inactive rows (weight 0) are exactly 0 in every field.
+    """
+
+    lse: object
+    logp: object
+    entropy: object
+    kl: object
+
+
+TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (custom VJP).
+
+    Args:
+      logits: [..., K] student logits (float32, bfloat16 or float16).
+      targets: [...] integer target ids; active targets must lie in [0, K) (a target outside
+        gives logp = NaN rather than a silent wrong value).
+      weights: [...] optional; a row is active when its weight is non-zero (the weight's
+        value is not applied here). Inactive rows read nothing that can leak: their outputs
+        and gradients are exact zeros. None = every row active.
+      temperature: T > 0 of p = softmax(s), s = (cap(z) + d·[k == x]) / T.
+      ce_temperature: temperature of the ``logp`` term (default: ``temperature``); a
+        different value costs one more running sum in the same pass.
+      softcap: c > 0 for cap(z) = c·tanh(z / c), or None.
+      shift_ids, shift: LOO shift; ``shift`` ([...] or scalar, float) is added to the logit
+        at column ``shift_ids`` ([...] int) before the temperature.
+      teacher_logits: [..., K] optional teacher logits u for ``kl``.
+      teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
+      teacher_grad: also differentiate with respect to ``teacher_logits``.
+      chunk_size: vocabulary chunk of the chunked backend (default: a heuristic).
+      backend: None (auto), "reference", "chunked", "triton" or "pallas".
+
+    Returns:
+      TokenStats(lse, logp, entropy, kl), each float32 of shape [...].
+    """
+
+
+def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
+            shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size):
+    """Validate, build the static config and flatten leading dims into rows.
+
+    Returns (cfg, rows_shape, flat) with flat = (z [N, K], u [N, K] | None, y [N], active [N],
+    x [N] | None, d [N] f32 | None).
+    """
+    _checks.check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_logits)
+    cfg = make_config(
+        temperature=temperature,
+        ce_temperature=ce_temperature,
+        teacher_temperature=teacher_temperature,
+        softcap=softcap,
+        has_teacher=teacher_logits is not None,
+        teacher_grad=teacher_grad,
+        chunk_size=chunk_size,
+    )
+    rows = tuple(logits.shape[:-1])
+    k = logits.shape[-1]
+    n = 1
+    for dim in rows:
+        n *= dim
+    z = logits.reshape(n, k)
+    u = teacher_logits.reshape(n, k) if teacher_logits is not None else None
+    y = targets.reshape(n)
+    if weights is None:
+        active = y == y  # all True, same device/sharding as the targets
+    else:
+        active = weights.reshape(n) != 0
+    x = d = None
+    if shift_ids is not None:
+        x = shift_ids.reshape(n)
+        d = xp.broadcast_to(xp.as_f32(shift), rows).reshape(n)
+    return cfg, rows, (z, u, y, active, x, d)

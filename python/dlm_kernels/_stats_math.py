@@ -1,0 +1,233 @@
+"""The token-statistics math of DESIGN §2, written once over an array namespace.
+
+Every function takes ``xp``, a small adapter (``dlm_kernels.torch._ops.TorchOps`` or
+``dlm_kernels.jax._ops.JaxOps``) that maps the handful of operations whose spelling
+differs between torch and jax.numpy. The chunked backends of both frameworks loop over
+vocabulary chunks with :func:`chunk_partial` / :func:`merge` / :func:`finalize` in the
+forward pass and :func:`chunk_grads` in the backward pass; the reference backend uses
+:func:`reference_stats` under the framework's own autodiff.
+
+Notation (per row): ``z`` student logits, ``r = cap(z) + d·[k == x]`` the shifted logits,
+``s = r / T``, ``p = softmax(s)``; ``s' = r / T_ce`` for the ``logp`` term;
+``t = u / T_kl`` and ``q = softmax(t)`` for the teacher. All math is float32.
+
+The streaming state of a row is ``(m, a, b, m2, a2, mu, au, cu)``:
+  m, a, b     running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m)  (b relative to m: no cancellation
+              between lse and Σ p s in the entropy)
+  m2, a2      the same max and sum for s' (only when T_ce != T)
+  mu, au, cu  running max of t, Σ e^{t-mu}, Σ e^{t-mu}(t - s)   (teacher)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._common import StatsConfig
+
+NEG_INF = float("-inf")
+
+
+class State(NamedTuple):
+    m: object  # [N] f32
+    a: object
+    b: object
+    m2: object
+    a2: object
+    mu: object
+    au: object
+    cu: object
+
+
+def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
+    """r = cap(z) + d·[k == x].
+
+    z: [N, C] any float dtype; col_ids: the column id of each entry, broadcastable to
+    [N, C] ([1, C] for a chunk, [N, 1] for a gathered column) -> [N, C] float32.
+    """
+    r = xp.f32(z)
+    if cfg.softcap is not None:
+        r = xp.tanh(r * (1.0 / cfg.softcap)) * cfg.softcap
+    if shift_ids is not None:
+        r = r + xp.where(col_ids == shift_ids[:, None], shift[:, None], 0.0)
+    return r
+
+
+def empty_state(xp, n, like) -> State:
+    neg = xp.full((n,), NEG_INF, like)
+    zero = xp.full((n,), 0.0, like)
+    return State(neg, zero, zero, neg, zero, neg, zero, zero)
+
+
+def _row_lse_parts(xp, s):
+    """Chunk max, Σ e^{s-m}, Σ e^{s-m}(s-m) over the last axis of s: [N, C]."""
+    m = xp.rowmax(s)
+    ms = xp.where(m == NEG_INF, 0.0, m)
+    e = xp.exp(s - ms[:, None])
+    a = xp.rowsum(e)
+    b = xp.rowsum(xp.where(e > 0, e * (s - ms[:, None]), 0.0))
+    return m, a, b
+
+
+def chunk_partial(xp, z, u, cols, valid, shift_ids, shift, cfg: StatsConfig) -> State:
+    """Partial state of one vocabulary chunk.
+
+    z, u: [N, C] student / teacher logits (u may be None); cols: [C] global column ids;
+    valid: [C] bool or None, columns that belong to this chunk (others count as -inf).
+    """
+    r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
+    if valid is not None:
+        r = xp.where(valid[None, :], r, NEG_INF)
+    s = r * (1.0 / cfg.temperature)
+    m, a, b = _row_lse_parts(xp, s)
+    zero = xp.zeros_like(a)
+    m2, a2 = m, a
+    if cfg.separate_ce:
+        m2, a2, _ = _row_lse_parts(xp, r * (1.0 / cfg.ce_temperature))
+    mu, au, cu = m, zero, zero
+    if cfg.has_teacher:
+        t = xp.f32(u) * (1.0 / cfg.teacher_temperature)
+        if valid is not None:
+            t = xp.where(valid[None, :], t, NEG_INF)
+        mu = xp.rowmax(t)
+        mus = xp.where(mu == NEG_INF, 0.0, mu)
+        eu = xp.exp(t - mus[:, None])
+        au = xp.rowsum(eu)
+        cu = xp.rowsum(xp.where(eu > 0, eu * (t - s), 0.0))
+    return State(m, a, b, m2, a2, mu, au, cu)
+
+
+def _rescale(xp, m_part, m):
+    """e^{m_part - m} with an all -inf row guarded (gives 0 for an empty part)."""
+    ms = xp.where(m == NEG_INF, 0.0, m)
+    return xp.exp(m_part - ms)
+
+
+def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
+    """Associative merge of two partial states (chunks, split-K blocks or vocab shards)."""
+    m = xp.maximum(s1.m, s2.m)
+    f1, f2 = _rescale(xp, s1.m, m), _rescale(xp, s2.m, m)
+    a = f1 * s1.a + f2 * s2.a
+    # b is relative to the running max: Σ e^{s-m}(s-m) = f·(b_i + (m_i - m)·a_i).
+    b1 = xp.where(s1.a > 0, f1 * (s1.b + (s1.m - m) * s1.a), 0.0)
+    b2 = xp.where(s2.a > 0, f2 * (s2.b + (s2.m - m) * s2.a), 0.0)
+    b = b1 + b2
+    m2, a2 = m, a
+    if cfg.separate_ce:
+        m2 = xp.maximum(s1.m2, s2.m2)
+        a2 = _rescale(xp, s1.m2, m2) * s1.a2 + _rescale(xp, s2.m2, m2) * s2.a2
+    mu, au, cu = m, a * 0.0, a * 0.0
+    if cfg.has_teacher:
+        mu = xp.maximum(s1.mu, s2.mu)
+        g1, g2 = _rescale(xp, s1.mu, mu), _rescale(xp, s2.mu, mu)
+        au = g1 * s1.au + g2 * s2.au
+        cu = g1 * s1.cu + g2 * s2.cu
+    return State(m, a, b, m2, a2, mu, au, cu)
+
+
+class Stats(NamedTuple):
+    """Per-row outputs and residuals, all [N] float32."""
+
+    lse: object  # logsumexp(s)
+    logp: object  # s'_y - lse_ce
+    entropy: object  # -Σ p log p
+    kl: object  # KL(q || p); 0 without a teacher
+    lse_ce: object  # logsumexp(s') (== lse when T_ce == T)
+    lse_u: object  # logsumexp(t) (0 without a teacher)
+
+
+def target_logit(xp, z, targets, shift_ids, shift, cfg: StatsConfig):
+    """r_y: the shifted (capped) logit at the target column, [N] f32; NaN if y is outside [0, K)."""
+    k = z.shape[-1]
+    in_range = (targets >= 0) & (targets < k)
+    y = xp.where(in_range, targets, 0)
+    zy = xp.gather_cols(z, y)[:, None]  # [N, 1]
+    r = shifted_logits(xp, zy, y[:, None], shift_ids, shift, cfg)[:, 0]
+    return xp.where(in_range, r, float("nan"))
+
+
+def finalize(xp, state: State, r_y, active, cfg: StatsConfig) -> Stats:
+    """Row statistics from a merged state; inactive rows give exact zeros."""
+    lse = state.m + xp.log(state.a)
+    entropy = xp.log(state.a) - state.b / state.a
+    lse_ce = lse
+    if cfg.separate_ce:
+        lse_ce = state.m2 + xp.log(state.a2)
+    logp = r_y * (1.0 / cfg.ce_temperature) - lse_ce
+    zero = xp.zeros_like(lse)
+    kl, lse_u = zero, zero
+    if cfg.has_teacher:
+        lse_u = state.mu + xp.log(state.au)
+        kl = state.cu / state.au - lse_u + lse
+    outs = [xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl, lse_ce, lse_u)]
+    return Stats(*outs)
+
+
+def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats, grads,
+                cfg: StatsConfig):
+    """d(student logits) and d(teacher logits) of one chunk, both [N, C] float32.
+
+    With p = softmax(r/T), p' = softmax(r/T_ce), q = softmax(u/T_kl):
+      dr_k = [g_lse·p_k - g_H·p_k·(log p_k + H) + g_kl·(p_k - q_k)] / T
+             + g_lp·([k == y] - p'_k) / T_ce
+      dz_k = dr_k·cap'(z_k);   du_k = g_kl·q_k·(log q_k - log p_k - kl) / T_kl
+    Terms with p_k = 0 (or q_k = 0) contribute exactly 0. Inactive rows give exact zeros.
+    """
+    r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
+    s = r * (1.0 / cfg.temperature)
+    logp_k = s - stats.lse[:, None]
+    p = xp.exp(logp_k)
+    g_lse, g_lp, g_h, g_kl = grads
+    ds = (g_lse[:, None] - g_h[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)) * p
+    du = None
+    if cfg.has_teacher:
+        logq = xp.f32(u) * (1.0 / cfg.teacher_temperature) - stats.lse_u[:, None]
+        q = xp.exp(logq)
+        ds = ds + g_kl[:, None] * (p - q)
+        if cfg.teacher_grad:
+            du = g_kl[:, None] * xp.where(q > 0, q * (logq - logp_k - stats.kl[:, None]), 0.0)
+            du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
+    p_ce = p
+    if cfg.separate_ce:
+        p_ce = xp.exp(r * (1.0 / cfg.ce_temperature) - stats.lse_ce[:, None])
+    onehot = xp.where(cols[None, :] == targets[:, None], 1.0, 0.0)
+    dr = ds * (1.0 / cfg.temperature) + g_lp[:, None] * (onehot - p_ce) * (1.0 / cfg.ce_temperature)
+    if cfg.softcap is not None:
+        th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
+        dr = dr * (1.0 - th * th)
+    dz = xp.where(active[:, None], dr, 0.0)
+    return dz, du
+
+
+def reference_stats(xp, z, u, targets, active, shift_ids, shift, cfg: StatsConfig):
+    """Full-materialisation float32 statistics, differentiable by the framework's autodiff.
+
+    z, u: [N, K]; returns (lse, logp, entropy, kl) [N] f32. Inactive rows are replaced by
+    zeros before any math, so NaN/inf there reach neither values nor gradients.
+    """
+    k = z.shape[-1]
+    cols = xp.arange(k, z)
+    z = xp.where(active[:, None], xp.f32(z), 0.0)
+    r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
+    s = r * (1.0 / cfg.temperature)
+    lse = xp.logsumexp(s)
+    logp_all = s - lse[:, None]
+    p = xp.exp(logp_all)
+    pos = p > 0
+    entropy = -xp.rowsum(xp.where(pos, p * xp.where(pos, logp_all, 0.0), 0.0))
+    s_ce = r * (1.0 / cfg.ce_temperature)
+    lse_ce = xp.logsumexp(s_ce) if cfg.separate_ce else lse
+    in_range = (targets >= 0) & (targets < k)
+    y = xp.where(in_range, targets, 0)
+    logp = xp.where(in_range, xp.gather_cols(s_ce, y) - lse_ce, float("nan"))
+    kl = xp.zeros_like(lse)
+    if cfg.has_teacher:
+        u = xp.where(active[:, None], xp.f32(u), 0.0)
+        if not cfg.teacher_grad:
+            u = xp.stop_gradient(u)
+        t = u * (1.0 / cfg.teacher_temperature)
+        logq = t - xp.logsumexp(t)[:, None]
+        q = xp.exp(logq)
+        qpos = q > 0
+        diff = xp.where(qpos, logq, 0.0) - xp.where(qpos, logp_all, 0.0)
+        kl = xp.rowsum(xp.where(qpos, q * diff, 0.0))
+    return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))

@@ -1,0 +1,105 @@
+"""The array-namespace adapter of the JAX front end (see ``dlm_kernels._stats_math``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class JaxOps:
+    """The few operations whose jax.numpy spelling differs from torch, as static methods."""
+
+    exp = staticmethod(jnp.exp)
+    log = staticmethod(jnp.log)
+    log1p = staticmethod(jnp.log1p)
+    tanh = staticmethod(jnp.tanh)
+    where = staticmethod(jnp.where)
+    maximum = staticmethod(jnp.maximum)
+
+    @staticmethod
+    def f32(x):
+        return jnp.asarray(x).astype(jnp.float32)
+
+    @staticmethod
+    def rowmax(x):  # [N, C] -> [N]
+        return jnp.max(x, axis=-1)
+
+    @staticmethod
+    def rowsum(x):  # [..., C] -> [...]
+        return jnp.sum(x, axis=-1)
+
+    @staticmethod
+    def logsumexp(x):  # [N, K] -> [N]
+        return jax.nn.logsumexp(x, axis=-1)
+
+    @staticmethod
+    def full(shape, value, like):
+        return jnp.full(shape, value, dtype=jnp.float32)
+
+    @staticmethod
+    def zeros_like(x):
+        return jnp.zeros_like(x)
+
+    @staticmethod
+    def arange(n, like):
+        return jnp.arange(n, dtype=jnp.int32)
+
+    @staticmethod
+    def gather_cols(z, idx):  # z [N, K], idx [N] -> [N]
+        return jnp.take_along_axis(z, idx[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+    @staticmethod
+    def stop_gradient(x):
+        return jax.lax.stop_gradient(x)
+
+    # -- objectives -----------------------------------------------------------
+    @staticmethod
+    def clamp_min(x, v):
+        return jnp.maximum(x, v)
+
+    @staticmethod
+    def clamp_max(x, v):
+        return jnp.minimum(x, v)
+
+    @staticmethod
+    def as_f32(x):
+        return jnp.asarray(x, dtype=jnp.float32)
+
+    @staticmethod
+    def broadcast_to(x, shape):
+        return jnp.broadcast_to(x, shape)
+
+    @staticmethod
+    def concat(xs):
+        return jnp.concatenate(list(xs), axis=0)
+
+    # -- validation -----------------------------------------------------------
+    @staticmethod
+    def is_array(x):
+        return isinstance(x, (jax.Array, np.ndarray))
+
+    @staticmethod
+    def is_int(x):
+        return jnp.issubdtype(x.dtype, jnp.integer)
+
+    @staticmethod
+    def is_float(x):
+        return jnp.issubdtype(x.dtype, jnp.floating)
+
+    @staticmethod
+    def concrete(x):
+        """x as a float64/int64 NumPy array, or None when x is a tracer."""
+        if isinstance(x, jax.core.Tracer):
+            return None
+        x = np.asarray(x)
+        return x.astype(np.float64) if np.issubdtype(x.dtype, np.floating) else x
+
+    @staticmethod
+    def platform(x):
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            return jax.default_backend()
+        try:
+            return next(iter(x.devices())).platform
+        except Exception:  # abstract arrays
+            return jax.default_backend()

@@ -1,0 +1,61 @@
+"""The chunked backend: torch ops over vocabulary chunks, O(N) float32 residuals.
+
+Forward keeps the streaming state of DESIGN §2 per row and merges chunk partials; backward
+recomputes p (and q) chunk by chunk and writes d(logits) slice by slice. Live float32
+temporaries are a few [N, C] buffers (C from ``chunk_size_for``), never [N, K].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _stats_math as M
+from .._common import chunk_size_for
+from ._ops import TorchOps as xp
+
+
+def _chunks(n, k, cfg):
+    c = chunk_size_for(n, k, cfg)
+    return [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
+
+
+class ChunkedTorch:
+    name = "chunked"
+    custom_vjp = True
+
+    @staticmethod
+    def unsupported_reason(platform):
+        return None
+
+    @staticmethod
+    @torch.no_grad()
+    def forward(z, u, y, active, x, d, cfg):
+        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+        n, k = z.shape
+        state = None
+        for c0, c1 in _chunks(n, k, cfg):
+            cols = torch.arange(c0, c1, device=z.device)  # [C]
+            part = M.chunk_partial(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols,
+                                   None, x, d, cfg)
+            state = part if state is None else M.merge(xp, state, part, cfg)
+        r_y = M.target_logit(xp, z, y, x, d, cfg)
+        return M.finalize(xp, state, r_y, active, cfg)
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(z, u, y, active, x, d, stats, grads, cfg, out=None):
+        # -> dz [N, K] in z's dtype (written into ``out`` when given), du [N, K] or None
+        n, k = z.shape
+        dz = torch.empty(z.shape, dtype=z.dtype, device=z.device) if out is None else out
+        du = torch.empty(u.shape, dtype=u.dtype, device=u.device) if cfg.teacher_grad else None
+        for c0, c1 in _chunks(n, k, cfg):
+            cols = torch.arange(c0, c1, device=z.device)
+            gz, gu = M.chunk_grads(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols, y,
+                                   active, x, d, stats, grads, cfg)
+            dz[:, c0:c1] = gz
+            if du is not None:
+                du[:, c0:c1] = gu
+        return dz, du
+
+
+IMPLEMENTATION = ChunkedTorch()

@@ -1,0 +1,101 @@
+"""The array-namespace adapter of the torch front end (see ``dlm_kernels._stats_math``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class TorchOps:
+    """The few operations whose torch spelling differs from jax.numpy, as static methods."""
+
+    exp = staticmethod(torch.exp)
+    log = staticmethod(torch.log)
+    log1p = staticmethod(torch.log1p)
+    tanh = staticmethod(torch.tanh)
+    where = staticmethod(torch.where)
+    maximum = staticmethod(torch.maximum)
+
+    @staticmethod
+    def f32(x):
+        return x.float()
+
+    @staticmethod
+    def rowmax(x):  # [N, C] -> [N]
+        return x.amax(dim=-1)
+
+    @staticmethod
+    def rowsum(x):  # [..., C] -> [...]
+        return x.sum(dim=-1)
+
+    @staticmethod
+    def logsumexp(x):  # [N, K] -> [N]
+        return torch.logsumexp(x, dim=-1)
+
+    @staticmethod
+    def full(shape, value, like):
+        return torch.full(shape, value, dtype=torch.float32, device=like.device)
+
+    @staticmethod
+    def zeros_like(x):
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def arange(n, like):
+        return torch.arange(n, device=like.device)
+
+    @staticmethod
+    def gather_cols(z, idx):  # z [N, K], idx [N] -> [N]
+        return z.gather(-1, idx.long()[:, None])[:, 0]
+
+    @staticmethod
+    def stop_gradient(x):
+        return x.detach()
+
+    # -- objectives -----------------------------------------------------------
+    @staticmethod
+    def clamp_min(x, v):
+        return torch.clamp(x, min=v)
+
+    @staticmethod
+    def clamp_max(x, v):
+        return torch.clamp(x, max=v)
+
+    @staticmethod
+    def as_f32(x):
+        return torch.as_tensor(x, dtype=torch.float32) if not torch.is_tensor(x) else x.float()
+
+    @staticmethod
+    def broadcast_to(x, shape):
+        return torch.broadcast_to(x, shape)
+
+    @staticmethod
+    def concat(xs):
+        return torch.cat(list(xs), dim=0)
+
+    # -- validation -----------------------------------------------------------
+    @staticmethod
+    def is_array(x):
+        return torch.is_tensor(x)
+
+    @staticmethod
+    def is_int(x):
+        return not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool
+
+    @staticmethod
+    def is_float(x):
+        return x.dtype.is_floating_point
+
+    @staticmethod
+    def concrete(x):
+        """x as a float64/int64 NumPy array, or None under tracing (torch.compile)."""
+        if torch.compiler.is_compiling() or x.device.type == "meta":
+            return None
+        x = x.detach()
+        if x.dtype.is_floating_point:
+            x = x.double()
+        return x.cpu().numpy()
+
+    @staticmethod
+    def platform(x):
+        return x.device.type
