@@ -1,0 +1,201 @@
+"""Parity of the token-statistics primitive (values and VJPs) against the float64 oracle.
+
+One suite class, one subclass per framework x backend (kernel backends add theirs in
+their own files). Inputs are fresh random draws; inactive rows carry NaN/inf logits and
+sentinel targets (-1, K + 5) that must not leak into anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import oracle
+from harness import DTYPES, assert_close, assert_exact_zero, framework
+
+SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130)]
+
+FEATURES = {
+    "plain": dict(),
+    "temperature": dict(temperature=0.7),
+    "ce_temperature": dict(temperature=1.6, ce_temperature=1.0),
+    "softcap": dict(softcap=4.0),
+    "shift": dict(shift=True),
+    "teacher": dict(teacher=True, temperature=1.3),
+    "teacher_grad": dict(teacher=True, teacher_grad=True, teacher_temperature=0.8),
+    "all": dict(temperature=0.9, ce_temperature=1.2, softcap=5.0, shift=True, teacher=True,
+                teacher_grad=True, teacher_temperature=1.1),
+}
+
+
+def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True):
+    """Framework kwargs, oracle kwargs and float64 copies of what the framework sees."""
+    n = math.prod(rows)
+    z64 = rng.normal(size=rows + (k,)) * 3.0
+    active = rng.uniform(size=rows) < active_frac
+    if n > 1:
+        active.reshape(-1)[0] = True
+    w = np.where(active, rng.uniform(0.5, 2.0, size=rows), 0.0).astype(np.float32)
+    y = rng.integers(0, k, size=rows)
+    if poison:  # inactive rows: NaN/inf logits, sentinel targets
+        flat_z, flat_y = z64.reshape(n, k), y.reshape(n)
+        for i in np.flatnonzero(~active.reshape(n)):
+            flat_z[i, :] = np.nan if i % 2 else np.inf
+            flat_y[i] = -1 if i % 2 else k + 5
+    z = fw.array(z64, dtype)
+    api_kw = {key: feat[key] for key in ("temperature", "ce_temperature", "softcap",
+                                         "teacher_temperature", "teacher_grad") if key in feat}
+    ora_kw = dict(T=feat.get("temperature", 1.0), T_ce=feat.get("ce_temperature"),
+                  T_kl=feat.get("teacher_temperature"), softcap=feat.get("softcap"))
+    case = dict(z=z, y=fw.array(y), w=fw.array(w), api_kw=api_kw, ora_kw=ora_kw, n=n, k=k,
+                rows=rows, z_np=fw.numpy(z).reshape(n, k), y_np=y.reshape(n),
+                active=active.reshape(n), u=None)
+    if feat.get("shift"):
+        x = rng.integers(0, k, size=rows)
+        d = rng.uniform(0.0, 6.0, size=rows).astype(np.float32)
+        api_kw.update(shift_ids=fw.array(x), shift=fw.array(d))
+        ora_kw.update(x=x.reshape(n), d=d.reshape(n).astype(np.float64))
+    if feat.get("teacher"):
+        u = fw.array(rng.normal(size=rows + (k,)) * 3.0, dtype)
+        case["u"] = u
+        ora_kw["u"] = fw.numpy(u).reshape(n, k)
+    return case
+
+
+class TokenStatsSuite:
+    FW = None
+    BACKEND = None
+    CHUNK_SIZES = (None,)
+
+    @property
+    def fw(self):
+        return framework(self.FW)
+
+    def run_case(self, case, rng, chunk_size=None):
+        api = self.fw.api
+        u = case["u"]
+        teacher_grad = case["api_kw"].get("teacher_grad", False)
+
+        def fn(z, *maybe_u):
+            teacher = maybe_u[0] if maybe_u else u
+            return api.token_stats(z, case["y"], case["w"], teacher_logits=teacher,
+                                   chunk_size=chunk_size, backend=self.BACKEND, **case["api_kw"])
+
+        primals = [case["z"]] + ([u] if teacher_grad else [])
+        cots = [rng.normal(size=case["rows"]).astype(np.float32) for _ in range(4)]
+        outs, grads = self.fw.vjp(fn, primals, cots)
+        return outs, grads, [c.reshape(case["n"]) for c in cots]
+
+    def check(self, case, rng, dtype, chunk_size=None):
+        outs, grads, cots = self.run_case(case, rng, chunk_size)
+        n, k = case["n"], case["k"]
+        expected = oracle.token_stats(case["z_np"], case["y_np"], case["active"], **case["ora_kw"])
+        for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs, expected):
+            assert_close(got.reshape(n), exp, "float32", name)
+        dz, du = oracle.token_stats_vjp(case["z_np"], case["y_np"], case["active"], cots,
+                                        **case["ora_kw"])
+        assert_close(grads[0].reshape(n, k), dz, dtype, "d logits")
+        if len(grads) > 1:
+            assert_close(grads[1].reshape(n, k), du, dtype, "d teacher_logits")
+        inactive = ~case["active"]
+        assert_exact_zero(grads[0].reshape(n, k)[inactive], "d logits of inactive rows")
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("rows,k", SHAPES, ids=lambda v: str(v))
+    def test_parity_shapes_dtypes(self, rng, rows, k, dtype):
+        case = make_case(self.fw, rng, rows, k, dtype, FEATURES["all"])
+        for chunk_size in self.CHUNK_SIZES:
+            self.check(case, rng, dtype, chunk_size)
+
+    @pytest.mark.parametrize("feature", list(FEATURES))
+    def test_parity_features(self, rng, feature):
+        case = make_case(self.fw, rng, (4, 3), 301, "float32", FEATURES[feature])
+        for chunk_size in self.CHUNK_SIZES:
+            self.check(case, rng, "float32", chunk_size)
+
+    def test_all_rows_inactive_give_exact_zeros(self, rng):
+        case = make_case(self.fw, rng, (2, 3), 50, "float32", FEATURES["all"], active_frac=0.0)
+        case["w"] = self.fw.array(np.zeros((2, 3), np.float32))
+        case["active"] = np.zeros(6, bool)
+        outs, grads, _ = self.run_case(case, rng)
+        for name, v in zip(("lse", "logp", "entropy", "kl", "d logits", "d teacher"),
+                           list(outs) + list(grads)):
+            assert_exact_zero(v, name)
+
+    def test_neg_inf_logits_in_active_rows(self, rng):
+        fw = self.fw
+        case = make_case(fw, rng, (3, 2), 97, "float32", FEATURES["teacher_grad"], poison=False)
+        z = case["z_np"].copy()
+        u = case["ora_kw"]["u"].copy()
+        z[:, ::3] = -np.inf  # masked-out vocabulary entries in the student ...
+        u[:, 1::4] = -np.inf  # ... and in the teacher, at other columns
+        z[np.arange(6), case["y_np"]] = 1.0  # the target itself stays finite
+        u[:, ::3] = -np.inf  # q = 0 wherever p = 0, so the KL stays finite
+        case.update(z=fw.array(z.reshape(3, 2, 97), "float32"), z_np=z,
+                    u=fw.array(u.reshape(3, 2, 97), "float32"))
+        case["ora_kw"]["u"] = u
+        outs, grads, _ = self.run_case(case, rng)
+        for name, v in zip(("lse", "logp", "entropy", "kl"), outs):
+            assert np.isfinite(v).all(), f"{name} not finite with -inf logits: {v}"
+        assert np.isfinite(grads[0]).all() and np.isfinite(grads[1]).all()
+        self.check(case, rng, "float32")
+
+    def test_active_target_out_of_range_is_nan_not_silent(self, rng):
+        fw = self.fw
+        z = fw.array(rng.normal(size=(4, 11)), "float32")
+        y = fw.array(np.array([0, 11, -3, 10]))
+        st = fw.api.token_stats(z, y, backend=self.BACKEND)
+        logp = fw.numpy(st.logp)
+        assert np.isfinite(logp[[0, 3]]).all() and np.isnan(logp[[1, 2]]).all(), logp
+
+    def test_weights_none_means_all_active(self, rng):
+        fw = self.fw
+        z64 = rng.normal(size=(5, 33))
+        y = rng.integers(0, 33, 5)
+        st = fw.api.token_stats(fw.array(z64, "float32"), fw.array(y), backend=self.BACKEND)
+        exp = oracle.token_stats(z64.astype(np.float32), y, np.ones(5, bool))
+        for got, e in zip(st, exp):
+            assert_close(fw.numpy(got), e)
+
+
+class ChunkedSuite(TokenStatsSuite):
+    BACKEND = "chunked"
+    CHUNK_SIZES = (None, 100)  # one chunk, and many ragged ones
+
+
+class TestTorchReference(TokenStatsSuite):
+    FW, BACKEND = "torch", "reference"
+
+
+class TestTorchChunked(ChunkedSuite):
+    FW = "torch"
+
+    def test_noncontiguous_inputs(self, rng):
+        """Transposed and sliced logits give the same answer as contiguous copies."""
+        import torch
+
+        fw = self.fw
+        base = fw.array(rng.normal(size=(40, 6, 2)) * 3, "float32")
+        z = base.permute(1, 2, 0)[:, :, 3:]  # [6, 2, 37], no unit stride on the last dim
+        assert not z.is_contiguous()
+        y = fw.array(rng.integers(0, 37, (6, 2)))
+        u = fw.array(rng.normal(size=(6, 2, 37)), "float32")
+        kw = dict(teacher_logits=u, temperature=0.8, backend=self.BACKEND, chunk_size=16)
+        z1 = z.detach().clone().requires_grad_(True)
+        z2 = z.detach().contiguous().requires_grad_(True)
+        s1, s2 = fw.api.token_stats(z1, y, **kw), fw.api.token_stats(z2, y, **kw)
+        g1, = torch.autograd.grad(sum(v.sum() for v in s1), z1)
+        g2, = torch.autograd.grad(sum(v.sum() for v in s2), z2)
+        for a, b in zip(s1, s2):
+            assert_close(fw.numpy(a), fw.numpy(b))
+        assert_close(fw.numpy(g1), fw.numpy(g2))
+
+
+class TestJaxReference(TokenStatsSuite):
+    FW, BACKEND = "jax", "reference"
+
+
+class TestJaxChunked(ChunkedSuite):
+    FW = "jax"
