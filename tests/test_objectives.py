@@ -1,0 +1,262 @@
+"""Every public objective x framework x backend against the float64 oracle, gradients too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import oracle
+from harness import DTYPES, assert_close, assert_exact_zero, framework
+
+ALL_VARIANTS = ("base-sft", "reweighted-ce", "loo-ce", "reweighted-loo-ce", "loo-reweighted-ce")
+
+
+def sft_inputs(rng, b=3, l=5, k=37, t=None, empty_row=True):
+    logits = rng.normal(size=(b, l, k)) * 3
+    x0 = rng.integers(0, k, (b, l))
+    xt = np.where(rng.uniform(size=(b, l)) < 0.5, k - 1, x0)  # masked positions hold id K-1
+    t = rng.uniform(0.05, 0.95, b) if t is None else np.asarray(t, np.float64)
+    mask = (rng.uniform(size=(b, l)) < 0.7).astype(np.float32)
+    mask[0, 0] = 1.0
+    if empty_row and b > 1:
+        mask[-1] = 0.0
+    return logits, x0, xt, t.astype(np.float32), mask
+
+
+class ObjectivesSuite:
+    FW = None
+    BACKEND = None
+
+    @property
+    def fw(self):
+        return framework(self.FW)
+
+    def sft(self, fn_name, arrays, dtype, **kw):
+        fw = self.fw
+        logits, x0, xt, t, mask = arrays
+        z = fw.array(logits, dtype)
+        fn = getattr(fw.api, fn_name)
+        return fw, z, lambda z_: (fn(z_, fw.array(x0), fw.array(xt), fw.array(t), fw.array(mask),
+                                     backend=self.BACKEND, **kw),)
+
+    # -- Megatron SFT ------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("variant", ALL_VARIANTS)
+    def test_sft_loss_and_grad(self, rng, variant, dtype):
+        arrays = sft_inputs(rng)
+        clip = 3.0 if variant.startswith("re") else None
+        fw, z, fn = self.sft("diffusion_sft_loss", arrays, dtype, variant=variant, vocab_size=37,
+                             diffusion_weight_clip=clip)
+        cot = rng.normal(size=3).astype(np.float32)
+        (loss,), (grad,) = fw.vjp(fn, [z], [cot])
+        z64 = fw.numpy(z)
+        _, x0, xt, t, mask = arrays
+        t64 = t.astype(np.float64)
+        assert_close(loss, oracle.sft_loss(z64, x0, xt, t64, mask, variant, 37, clip), "float32", "loss")
+        assert_close(grad, oracle.sft_loss_grad(z64, x0, xt, t64, mask, variant, 37, cot, clip),
+                     dtype, "d logits")
+        assert loss[-1] == 0.0, "an empty mask row must give loss 0"
+        assert_exact_zero(grad[-1], "d logits of the empty mask row")
+
+    @pytest.mark.parametrize("variant", ALL_VARIANTS)
+    def test_sft_logps_is_minus_loss_times_count(self, rng, variant):
+        arrays = sft_inputs(rng)
+        fw, z, loss_fn = self.sft("diffusion_sft_loss", arrays, "float32", variant=variant, vocab_size=37)
+        _, _, logps_fn = self.sft("diffusion_sft_logps", arrays, "float32", variant=variant, vocab_size=37)
+        loss = fw.numpy(loss_fn(z)[0])
+        logps = fw.numpy(logps_fn(z)[0])
+        n = arrays[4].sum(axis=1)
+        assert logps[-1] == 0.0
+        assert_close(logps / np.maximum(n, 1), -loss, "float32", "logps / n vs -loss")
+
+    @pytest.mark.parametrize("variant", ALL_VARIANTS)
+    def test_sft_t_at_0_and_1_is_finite(self, rng, variant):
+        arrays = sft_inputs(rng, b=2, t=[0.0, 1.0], empty_row=False)
+        fw, z, fn = self.sft("diffusion_sft_loss", arrays, "float32", variant=variant, vocab_size=37)
+        (loss,), (grad,) = fw.vjp(fn, [z], [np.ones(2, np.float32)])
+        assert np.isfinite(loss).all() and np.isfinite(grad).all(), loss
+        exp = oracle.sft_loss(fw.numpy(z), *arrays[1:3], arrays[3].astype(np.float64), arrays[4], variant, 37)
+        assert_close(loss, exp, "float32", "loss at t in {0, 1}")
+
+    def test_weight_clip_bounds_every_variant(self, rng):
+        arrays = sft_inputs(rng, t=[0.999, 0.5, 0.1], empty_row=False)
+        for variant in ALL_VARIANTS:
+            fw, z, fn = self.sft("diffusion_sft_loss", arrays, "float32", variant=variant,
+                                 vocab_size=37, diffusion_weight_clip=0.5)
+            _, _, base = self.sft("diffusion_sft_loss", arrays, "float32", variant="loo-ce"
+                                  if "loo" in variant else "base-sft", vocab_size=37)
+            assert_close(fw.numpy(fn(z)[0]), 0.5 * fw.numpy(base(z)[0]), "float32", variant)
+
+    def test_reweighted_is_twice_base_at_half_time(self, rng):
+        arrays = sft_inputs(rng, t=[0.5, 0.5, 0.5])
+        fw, z, re = self.sft("diffusion_sft_loss", arrays, "float32", variant="reweighted-ce", vocab_size=37)
+        _, _, base = self.sft("diffusion_sft_loss", arrays, "float32", variant="base-sft", vocab_size=37)
+        assert_close(fw.numpy(re(z)[0]), 2.0 * fw.numpy(base(z)[0]), "float32", "reweighted vs base")
+
+    def test_loo_to_denoiser_logits_matches_fused_shift(self, rng):
+        """The materialised helper + plain CE equals the fused LOO variant."""
+        fw = self.fw
+        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        shifted = fw.api.loo_to_denoiser_logits(fw.array(logits, "float32"), fw.array(xt),
+                                                fw.api.rf_alpha(fw.array(t)), 37)
+        base = fw.api.diffusion_sft_loss(shifted, fw.array(x0), fw.array(xt), fw.array(t),
+                                         fw.array(mask), variant="base-sft", vocab_size=37,
+                                         backend=self.BACKEND)
+        loo = fw.api.diffusion_sft_loss(fw.array(logits, "float32"), fw.array(x0), fw.array(xt),
+                                        fw.array(t), fw.array(mask), variant="loo-ce",
+                                        vocab_size=37, backend=self.BACKEND)
+        assert_close(fw.numpy(base), fw.numpy(loo), "float32", "loo vs materialised shift")
+        alpha = 1.0 - t.astype(np.float64)
+        delta = np.log1p(37 * alpha / np.maximum(1 - alpha, 1e-12))
+        exp = logits.astype(np.float32) + np.where(np.arange(37) == xt[..., None], delta[:, None, None], 0)
+        assert_close(fw.numpy(shifted), exp, "float32", "loo_to_denoiser_logits")
+
+    # -- Tunix batch contract ------------------------------------------------------------
+
+    def batch(self, rng, b=2, l=6, k=41, zero_weights=False):
+        fw = self.fw
+        y = rng.integers(0, k, (b, l))
+        w = rng.uniform(0.5, 2.0, (b, l)).astype(np.float32)
+        w[rng.uniform(size=(b, l)) < 0.3] = 0.0
+        if zero_weights:
+            w[:] = 0.0
+        y = np.where(w == 0, -1, y)  # sentinel targets at inactive positions
+        batch = fw.api.DiffusionTokenBatch.create(model_inputs=fw.array(rng.integers(0, k, (b, l))),
+                                                  target_ids=fw.array(y), loss_weights=fw.array(w))
+        return batch, y, w
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_per_token_logps_and_entropy(self, rng, dtype):
+        fw = self.fw
+        batch, y, w = self.batch(rng)
+        z = fw.array(rng.normal(size=(2, 6, 41)) * 3, dtype)
+        fn = lambda z_: fw.api.per_token_logps(z_, batch, temperature=0.8, stop_gradient=False,
+                                               return_entropy=True, backend=self.BACKEND)
+        cots = [rng.normal(size=(2, 6)).astype(np.float32) for _ in range(2)]
+        (logps, ent), (grad,) = fw.vjp(fn, [z], cots)
+        z64 = fw.numpy(z).reshape(12, 41)
+        active = (w != 0).reshape(-1)
+        _, e_lp, e_ent, _ = oracle.token_stats(z64, y.reshape(-1), active, T=0.8)
+        assert_close(logps.reshape(-1), e_lp, "float32", "logps")
+        assert_close(ent.reshape(-1), e_ent, "float32", "entropy")
+        zeros = np.zeros(12)
+        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
+                                       (zeros, cots[0].reshape(-1), cots[1].reshape(-1), zeros), T=0.8)
+        assert_close(grad.reshape(12, 41), dz, dtype, "d logits")
+
+    def test_per_token_logps_stop_gradient(self, rng):
+        fw = self.fw
+        batch, _, _ = self.batch(rng)
+        z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        fn = lambda z_: fw.api.per_token_logps(z_, batch, return_entropy=True, backend=self.BACKEND)
+        _, (grad,) = fw.vjp(fn, [z], [np.ones((2, 6), np.float32)] * 2)
+        assert_exact_zero(grad, "gradient through stop_gradient=True")
+
+    def test_compute_diffusion_per_token_logps_calls_logits_fn(self, rng):
+        fw = self.fw
+        batch, _, _ = self.batch(rng)
+        table = fw.array(rng.normal(size=(41, 41)), "float32")  # a toy "model": embedding -> logits
+        logits_fn = lambda model, tokens: model[tokens]
+        got = fw.api.compute_diffusion_per_token_logps(table, batch, logits_fn, backend=self.BACKEND)
+        exp = fw.api.per_token_logps(table[batch.model_inputs], batch, backend=self.BACKEND)
+        assert_close(fw.numpy(got), fw.numpy(exp), "float32", "logps")
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_weighted_cross_entropy(self, rng, dtype):
+        fw = self.fw
+        batch, y, w = self.batch(rng)
+        z = fw.array(rng.normal(size=(2, 6, 41)) * 3, dtype)
+        fn = lambda z_: (lambda ws: (ws.unreduced_sum, ws.denominator))(
+            fw.api.weighted_cross_entropy(z_, batch, backend=self.BACKEND))
+        (s, den), (grad,) = fw.vjp(fn, [z], [np.float32(1.7), np.float32(0.0)])
+        z64 = fw.numpy(z).reshape(12, 41)
+        active = (w != 0).reshape(-1)
+        _, lp, _, _ = oracle.token_stats(z64, y.reshape(-1), active)
+        assert_close(s, -(w.reshape(-1) * lp).sum(), "float32", "unreduced_sum")
+        assert_close(den, w.sum(), "float32", "denominator")
+        zeros = np.zeros(12)
+        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
+                                       (zeros, -1.7 * w.reshape(-1), zeros, zeros))
+        assert_close(grad.reshape(12, 41), dz, dtype, "d logits")
+
+    def test_all_zero_weights_give_zero_loss_and_exact_zero_grads(self, rng):
+        fw = self.fw
+        batch, _, _ = self.batch(rng, zero_weights=True)
+        z = fw.array(np.full((2, 6, 41), np.nan), "float32")  # never read
+        fn = lambda z_: (fw.api.weighted_cross_entropy(z_, batch, backend=self.BACKEND).compute(),)
+        (loss,), (grad,) = fw.vjp(fn, [z], [np.float32(1.0)])
+        assert loss == 0.0
+        assert_exact_zero(grad, "d logits with all weights 0")
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("weights", [(1.0, 0.0), (0.0, 1.0), (0.7, 0.4)], ids=str)
+    def test_opd_loss(self, rng, dtype, weights):
+        fw = self.fw
+        soft_w, hard_w = weights
+        student, y, w = self.batch(rng)
+        u64 = rng.normal(size=(2, 6, 41)) * 3
+        teacher = fw.array(u64, dtype)
+        batch = fw.api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=teacher)
+        z = fw.array(rng.normal(size=(2, 6, 41)) * 3, dtype)
+        T = 1.7
+
+        def fn(z_):
+            total, aux = fw.api.opd_loss(z_, batch, temperature=T, soft_loss_weight=soft_w,
+                                         hard_loss_weight=hard_w, backend=self.BACKEND)
+            return (total.unreduced_sum, total.denominator, aux["distill/soft_loss"].unreduced_sum,
+                    aux["distill/hard_loss"].unreduced_sum)
+
+        cot = np.float32(1.3)
+        (tot, den, soft, hard), (grad,) = fw.vjp(fn, [z], [cot, 0.0, 0.0, 0.0])
+        z64, u_np = fw.numpy(z).reshape(12, 41), fw.numpy(teacher).reshape(12, 41)
+        active, wf = (w != 0).reshape(-1), w.reshape(-1).astype(np.float64)
+        _, _, _, kl = oracle.token_stats(z64, y.reshape(-1), active, u=u_np, T=T)
+        _, lp, _, _ = oracle.token_stats(z64, y.reshape(-1), active)
+        e_soft = T * T * (wf * kl).sum() if soft_w else 0.0
+        e_hard = -(wf * lp).sum() if hard_w else 0.0
+        assert_close(soft, e_soft, "float32", "soft")
+        assert_close(hard, e_hard, "float32", "hard")
+        assert_close(tot, soft_w * e_soft + hard_w * e_hard, "float32", "total")
+        assert_close(den, wf.sum(), "float32", "denominator")
+        zeros = np.zeros(12)
+        dz_soft, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
+                                            (zeros, zeros, zeros, cot * soft_w * T * T * wf), u=u_np, T=T)
+        dz_hard, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
+                                            (zeros, -cot * hard_w * wf, zeros, zeros))
+        assert_close(grad.reshape(12, 41), dz_soft + dz_hard, dtype, "d student logits")
+
+    def test_opd_disabled_terms_do_not_read_their_inputs(self, rng):
+        fw = self.fw
+        student, y, w = self.batch(rng)
+        bad_teacher = fw.array(np.full((2, 6, 5), np.nan), "float32")  # wrong K and NaN
+        batch = fw.api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=bad_teacher)
+        z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        total, aux = fw.api.opd_loss(z, batch, soft_loss_weight=0.0, hard_loss_weight=1.0,
+                                     backend=self.BACKEND)
+        assert np.isfinite(fw.numpy(total.compute())) and fw.numpy(aux["distill/soft_loss"].unreduced_sum) == 0
+        # a disabled hard term does not check targets against K
+        y_bad = np.where(w != 0, 1000, -1)
+        student2 = student.replace(target_ids=fw.array(y_bad))
+        teacher = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        batch2 = fw.api.DiffusionDistillationBatch.create(student_batch=student2, teacher_logits=teacher)
+        total2, aux2 = fw.api.opd_loss(z, batch2, soft_loss_weight=1.0, hard_loss_weight=0.0,
+                                       backend=self.BACKEND)
+        assert np.isfinite(fw.numpy(total2.compute()))
+        assert fw.numpy(aux2["distill/hard_loss"].unreduced_sum) == 0
+
+
+class TestTorchReference(ObjectivesSuite):
+    FW, BACKEND = "torch", "reference"
+
+
+class TestTorchChunked(ObjectivesSuite):
+    FW, BACKEND = "torch", "chunked"
+
+
+class TestJaxReference(ObjectivesSuite):
+    FW, BACKEND = "jax", "reference"
+
+
+class TestJaxChunked(ObjectivesSuite):
+    FW, BACKEND = "jax", "chunked"
