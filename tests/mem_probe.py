@@ -1,0 +1,42 @@
+"""Peak resident memory of one torch token_stats forward+backward, in its own process.
+
+Usage: python mem_probe.py BACKEND N K. Prints the bytes of VmHWM growth beyond the inputs
+(VmHWM is reset through /proc/self/clear_refs after the inputs exist; tracemalloc does not
+see torch's allocations).
+"""
+
+import gc
+import sys
+
+import torch
+
+import dlm_kernels.torch as D
+
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def main():
+    backend, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.manual_seed(0)
+    z = torch.randn(n, k) * 3  # [N, K] f32, random (never zero)
+    y = torch.randint(0, k, (n,))
+    warm = D.token_stats(z[:4].requires_grad_(True), y[:4], backend=backend)
+    warm.logp.sum().backward()
+    z.requires_grad_(True)
+    gc.collect()
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    s = D.token_stats(z, y, backend=backend)
+    (g,) = torch.autograd.grad(s.logp.sum() + s.entropy.sum(), z)
+    print(_status("VmHWM") - base)
+
+
+if __name__ == "__main__":
+    main()

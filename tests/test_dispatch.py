@@ -1,0 +1,102 @@
+"""Backend registry, auto selection, DLM_KERNELS_BACKEND, errors, and import isolation."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dlm_kernels
+from harness import framework
+
+FWS = ("torch", "jax")
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_registry_and_auto_choice_on_cpu(fw_name, monkeypatch):
+    monkeypatch.delenv("DLM_KERNELS_BACKEND", raising=False)
+    fw = framework(fw_name)
+    assert {"reference", "chunked"} <= set(fw.api.REGISTRY.available())
+    z = fw.array(np.zeros((2, 5), np.float32))
+    assert fw.api.backend_for(z) == "chunked"
+    assert dlm_kernels.backend_for(z) == "chunked"
+    assert fw.api.backend_for(z, "reference") == "reference"
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_env_override(fw_name, monkeypatch):
+    fw = framework(fw_name)
+    z = fw.array(np.zeros((2, 5), np.float32))
+    monkeypatch.setenv("DLM_KERNELS_BACKEND", "reference")
+    assert fw.api.backend_for(z) == "reference"
+    monkeypatch.setenv("DLM_KERNELS_BACKEND", "bogus")
+    with pytest.raises(fw.api.BackendUnavailableError, match="DLM_KERNELS_BACKEND='bogus'"):
+        fw.api.token_stats(z, fw.array(np.zeros(2, np.int32)))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_explicit_backend_errors(fw_name):
+    fw = framework(fw_name)
+    z = fw.array(np.zeros((2, 5), np.float32))
+    y = fw.array(np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        fw.api.token_stats(z, y, backend="cuda")
+    if fw_name == "torch":
+        with pytest.raises(fw.api.BackendUnavailableError, match="backend='pallas' is not available for torch"):
+            fw.api.token_stats(z, y, backend="pallas")
+
+
+def test_auto_fallback_is_logged(caplog):
+    from dlm_kernels._dispatch import Registry
+
+    class Fake:
+        def __init__(self, name, why=None):
+            self.name, self.why = name, why
+
+        def unsupported_reason(self, platform):
+            return self.why
+
+    reg = Registry("fake")
+    reg.register(Fake("chunked"))
+    reg.mark_unavailable("triton", "no GPU triton here")
+    with caplog.at_level(logging.DEBUG, logger="dlm_kernels"):
+        assert reg.resolve(None, "cuda").name == "chunked"
+    assert "triton unavailable" in caplog.text and "no GPU triton here" in caplog.text
+    with pytest.raises(dlm_kernels._dispatch.BackendUnavailableError, match="no GPU triton here"):
+        reg.resolve("triton", "cuda")
+
+
+@pytest.mark.parametrize("mod,other", [("dlm_kernels.torch", "jax"), ("dlm_kernels.jax", "torch")])
+def test_front_end_does_not_import_the_other_framework(mod, other):
+    code = f"import sys, {mod}; assert {other!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith({other!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_jax_transforms_jit_grad_vmap():
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    rng = np.random.default_rng(1)
+    z = jnp.asarray(rng.normal(size=(3, 4, 37)), jnp.float32)
+    u = jnp.asarray(rng.normal(size=(3, 4, 37)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 37, (3, 4)))
+    w = jnp.asarray(rng.uniform(0, 1, (3, 4)) > 0.3, jnp.float32)
+
+    def loss(z, backend):
+        s = D.token_stats(z, y, w, teacher_logits=u, temperature=0.9, chunk_size=10, backend=backend)
+        return jnp.sum(s.logp) + 0.3 * jnp.sum(s.entropy) + 0.5 * jnp.sum(s.kl)
+
+    ref_v, ref_g = jax.value_and_grad(loss)(z, "reference")
+    v, g = jax.jit(jax.value_and_grad(loss), static_argnums=1)(z, "chunked")
+    np.testing.assert_allclose(v, ref_v, rtol=2e-5)
+    np.testing.assert_allclose(g, ref_g, atol=2e-6, rtol=2e-5)
+    # vmap over a leading batch axis: per-example gradients
+    per_ex = jax.vmap(jax.grad(lambda zi, yi, wi: jnp.sum(
+        D.token_stats(zi, yi, wi, chunk_size=10).logp)))(z, y, w)
+    full = jax.grad(lambda z: jnp.sum(D.token_stats(z, y, w, backend="reference").logp))(z)
+    np.testing.assert_allclose(per_ex, full, atol=2e-6, rtol=2e-5)

@@ -1,0 +1,23 @@
+"""The README's Python quickstarts run as written."""
+
+import os
+import re
+
+import pytest
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+BLOCKS = re.findall(r"```python\n(.*?)```", open(README).read(), flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_block_runs(index):
+    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
+
+
+def test_readme_has_blocks_and_ci_uses_its_test_command():
+    assert len(BLOCKS) >= 2
+    text = open(README).read()
+    ci = open(os.path.join(os.path.dirname(README), ".ci", "run")).read()
+    commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    test_cmd = [c.strip() for c in commands if "pytest" in c]
+    assert test_cmd and test_cmd[0] in ci
