@@ -18,6 +18,6 @@ def test_readme_has_blocks_and_ci_uses_its_test_command():
     assert len(BLOCKS) >= 2
     text = open(README).read()
     ci = open(os.path.join(os.path.dirname(README), ".ci", "run")).read()
-    commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    commands = re.findall(r"```bash\n(.*?)\n\s*```", text, flags=re.S)
     test_cmd = [c.strip() for c in commands if "pytest" in c]
     assert test_cmd and test_cmd[0] in ci
