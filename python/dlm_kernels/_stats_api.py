@@ -59,7 +59,13 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
       teacher_logits: [..., K] optional teacher logits u for ``kl``.
       teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
       teacher_grad: also differentiate with respect to ``teacher_logits``.
-      chunk_size: vocabulary chunk of the chunked backend (default: a heuristic).
+      chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
+        backends (default: a heuristic).
+      inplace_grad: torch only, opt-in. Write d(logits) into the logits buffer itself
+        instead of a new tensor (saves one [..., K] allocation). Caveat: after backward the
+        logits tensor holds the gradient, so nothing else may read those logits afterwards
+        (nor may another autograd node have saved them); with a leaf tensor, ``.grad``
+        aliases its data. Supported by the chunked and triton backends.
       backend: None (auto), "reference", "chunked", "triton" or "pallas".
 
     Returns:

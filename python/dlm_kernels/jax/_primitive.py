@@ -58,7 +58,11 @@ _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
                 softcap=None, shift_ids=None, shift=None, teacher_logits=None,
-                teacher_temperature=None, teacher_grad=False, chunk_size=None, backend=None):
+                teacher_temperature=None, teacher_grad=False, chunk_size=None, inplace_grad=False,
+                backend=None):
+    if inplace_grad:
+        raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate the "
+                         "logits buffer to jit to let XLA reuse it instead)")
     cfg, rows, (z, u, y, active, x, d) = prepare(
         JaxOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,

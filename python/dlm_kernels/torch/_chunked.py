@@ -22,6 +22,7 @@ def _chunks(n, k, cfg):
 class ChunkedTorch:
     name = "chunked"
     custom_vjp = True
+    supports_inplace_grad = True
 
     @staticmethod
     def unsupported_reason(platform):
@@ -43,10 +44,10 @@ class ChunkedTorch:
 
     @staticmethod
     @torch.no_grad()
-    def backward(z, u, y, active, x, d, stats, grads, cfg, out=None):
-        # -> dz [N, K] in z's dtype (written into ``out`` when given), du [N, K] or None
+    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False):
+        # -> dz [N, K] in z's dtype (z itself when ``inplace``), du [N, K] or None
         n, k = z.shape
-        dz = torch.empty(z.shape, dtype=z.dtype, device=z.device) if out is None else out
+        dz = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         du = torch.empty(u.shape, dtype=u.dtype, device=u.device) if cfg.teacher_grad else None
         for c0, c1 in _chunks(n, k, cfg):
             cols = torch.arange(c0, c1, device=z.device)

@@ -1,0 +1,328 @@
+"""Triton kernels of the token-statistics primitive (DESIGN §2).
+
+Three kernels, no host code:
+
+  stats_partial_kernel   grid (N, S): row n, vocabulary split s. One streaming pass over
+                         its columns in BLOCK_K blocks (online softmax, float32), writing the
+                         8 running sums of the split to part[8, S, N].
+  stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
+                         loads the target logit and writes out[6, N] = (lse, logp, entropy,
+                         kl, lse_ce, lse_u).
+  stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
+                         statistics and writes d(logits) (and d(teacher)) in the input dtype.
+
+Bytes per row (K columns, E bytes per logit): the partial pass reads K·E (plus K·E of teacher
+logits); the finalize pass reads 8·S·4 + E and writes 24; the gradient pass reads K·E and
+writes K·E (teacher: + 2·K·E with teacher gradients, + K·E without). Inactive rows (active
+== 0) read no logits at all: their loops run zero times and their gradient stores write
+zeros without a load.
+
+Conventions: float32 math throughout, int64 row offsets (N·K passes 2^31), unit column
+stride (the launcher makes it so), row strides passed in. Softcap c (HAS_SOFTCAP) maps z to
+c·tanh(z/c); the LOO shift adds d at column x (HAS_SHIFT) before the temperature.
+"""
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+# Rows of the partial-state buffer part[8, S, N].
+P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU = 0, 1, 2, 3, 4, 5, 6, 7
+# Rows of the statistics buffer out[6, N].
+S_LSE, S_LOGP, S_ENT, S_KL, S_LSE_CE, S_LSE_U = 0, 1, 2, 3, 4, 5
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from one exp, stable for any |x| (including inf): sign(x)·(1 - e)/(1 + e), e = e^{-2|x|}
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _shifted(z, cols, x, d, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    # r = cap(z) + d·[col == x]   (float32)
+    r = z
+    if HAS_SOFTCAP:
+        r = softcap * _tanh(z / softcap)
+    if HAS_SHIFT:
+        r = r + tl.where(cols == x, d, 0.0)
+    return r
+
+
+@triton.jit
+def _online(m, a, s):
+    """Fold a block s[BLOCK_K] into (max m, Σ e^{s-m} a); returns (m_new, a_new, e, m_safe)."""
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
+    e = tl.exp(s - m_safe)
+    a_new = a * tl.exp(m - m_safe) + tl.sum(e, axis=0)
+    return m_new, a_new, e, m_safe
+
+
+@triton.jit
+def stats_partial_kernel(
+    z_ptr,  # [N, K] student logits, row stride stride_z
+    u_ptr,  # [N, K] teacher logits, row stride stride_u (unused without HAS_TEACHER)
+    x_ptr,  # [N] int shift column (HAS_SHIFT)
+    d_ptr,  # [N] f32 shift value (HAS_SHIFT)
+    active_ptr,  # [N] int8, row is active when != 0
+    part_ptr,  # [8, S, N] f32 out
+    N, K, stride_z, stride_u, cols_per_split,
+    inv_t, inv_t_ce, inv_t_kl, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    row64 = row.to(tl.int64)
+    is_active = tl.load(active_ptr + row) != 0
+    k_start = split * cols_per_split
+    k_end = tl.minimum(k_start + cols_per_split, K)
+    k_stop = tl.where(is_active, k_end, k_start)  # inactive rows: no iterations, no reads
+    x = 0
+    d = 0.0
+    if HAS_SHIFT:
+        x = tl.load(x_ptr + row).to(tl.int32)
+        d = tl.load(d_ptr + row).to(tl.float32)
+
+    m = float("-inf")  # running max of s = r / T
+    a = 0.0       # Σ e^{s - m}
+    b = 0.0       # Σ e^{s - m} (s - m)
+    m2 = float("-inf")  # running max of s' = r / T_ce (SEPARATE_CE)
+    a2 = 0.0
+    mu = float("-inf")  # running max of t = u / T_kl (HAS_TEACHER)
+    au = 0.0      # Σ e^{t - mu}
+    cu = 0.0      # Σ e^{t - mu} (t - s)
+    offs = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        cols = k0 + offs
+        mask = cols < k_end
+        # read BLOCK_K·E bytes of student logits
+        z = tl.load(z_ptr + row64 * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        r = _shifted(z, cols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+        r = tl.where(mask, r, NEG_INF)
+        s = r * inv_t
+        m_old = m
+        a_old = a
+        m, a, e, m_safe = _online(m_old, a_old, s)
+        # b is kept relative to the running max: rescale the old sum, then add this block.
+        b_old = tl.where(a_old > 0, tl.exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
+        b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe), 0.0), axis=0)
+        if SEPARATE_CE:
+            m2, a2, e2, m2_safe = _online(m2, a2, r * inv_t_ce)
+        if HAS_TEACHER:
+            # read BLOCK_K·E bytes of teacher logits
+            u = tl.load(u_ptr + row64 * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+            t = tl.where(mask, u * inv_t_kl, NEG_INF)
+            mu_old = mu
+            mu, au, eu, mu_safe = _online(mu_old, au, t)
+            cu = cu * tl.exp(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=0)
+
+    # write 8 x 4 bytes of partial state
+    base = part_ptr + split * N + row
+    stride_p = n_splits * N
+    tl.store(base + 0 * stride_p, m)
+    tl.store(base + 1 * stride_p, a)
+    tl.store(base + 2 * stride_p, b)
+    tl.store(base + 3 * stride_p, m2)
+    tl.store(base + 4 * stride_p, a2)
+    tl.store(base + 5 * stride_p, mu)
+    tl.store(base + 6 * stride_p, au)
+    tl.store(base + 7 * stride_p, cu)
+
+
+@triton.jit
+def _merge_max_sum(m_s, a_s, smask):
+    """Merge [BLOCK_S, BLOCK_N] partial (max, sum) pairs over splits -> (m, a, rescale f)."""
+    m_s = tl.where(smask, m_s, NEG_INF)
+    m = tl.max(m_s, axis=0)
+    m_safe = tl.where(m == NEG_INF, 0.0, m)
+    f = tl.where(smask, tl.exp(m_s - m_safe[None, :]), 0.0)
+    a = tl.sum(f * a_s, axis=0)
+    return m, a, f
+
+
+@triton.jit
+def stats_finalize_kernel(
+    part_ptr,  # [8, S, N] f32 partial states
+    z_ptr,  # [N, K] student logits (the target column only is read)
+    y_ptr,  # [N] int targets
+    x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
+    active_ptr,  # [N] int8
+    out_ptr,  # [6, N] f32 out: lse, logp, entropy, kl, lse_ce, lse_u
+    N, K, S, stride_z, inv_t_ce, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    splits = tl.arange(0, BLOCK_S)
+    pmask = (splits[:, None] < S) & rmask[None, :]
+    p_off = splits[:, None] * N + rows[None, :]
+    stride_p = S * N
+
+    # read 8·S·4 bytes of partial state per row
+    m_s = tl.load(part_ptr + 0 * stride_p + p_off, mask=pmask, other=NEG_INF)
+    a_s = tl.load(part_ptr + 1 * stride_p + p_off, mask=pmask, other=0.0)
+    b_s = tl.load(part_ptr + 2 * stride_p + p_off, mask=pmask, other=0.0)
+    m, a, f = _merge_max_sum(m_s, a_s, pmask)
+    b = tl.sum(tl.where(a_s > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
+    lse = m + tl.log(a)
+    entropy = tl.log(a) - b / a
+    lse_ce = lse
+    if SEPARATE_CE:
+        m2_s = tl.load(part_ptr + 3 * stride_p + p_off, mask=pmask, other=NEG_INF)
+        a2_s = tl.load(part_ptr + 4 * stride_p + p_off, mask=pmask, other=0.0)
+        m2, a2, f2 = _merge_max_sum(m2_s, a2_s, pmask)
+        lse_ce = m2 + tl.log(a2)
+    kl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    lse_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_TEACHER:
+        mu_s = tl.load(part_ptr + 5 * stride_p + p_off, mask=pmask, other=NEG_INF)
+        au_s = tl.load(part_ptr + 6 * stride_p + p_off, mask=pmask, other=0.0)
+        cu_s = tl.load(part_ptr + 7 * stride_p + p_off, mask=pmask, other=0.0)
+        mu, au, fu = _merge_max_sum(mu_s, au_s, pmask)
+        cu = tl.sum(fu * cu_s, axis=0)
+        lse_u = mu + tl.log(au)
+        kl = cu / au - lse_u + lse
+
+    # the target logit: read E bytes per active row
+    is_active = (tl.load(active_ptr + rows, mask=rmask, other=0) != 0) & rmask
+    y = tl.load(y_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    y_ok = (y >= 0) & (y < K)
+    zy = tl.load(z_ptr + rows.to(tl.int64) * stride_z + y, mask=is_active & y_ok, other=0.0)
+    x = tl.zeros([BLOCK_N], dtype=tl.int64)
+    d = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_SHIFT:
+        x = tl.load(x_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        d = tl.load(d_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    r_y = _shifted(zy.to(tl.float32), y, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+    logp = tl.where(y_ok, r_y * inv_t_ce - lse_ce, float("nan"))
+
+    # write 6 x 4 bytes per row; inactive rows are exact zeros
+    tl.store(out_ptr + 0 * N + rows, tl.where(is_active, lse, 0.0), mask=rmask)
+    tl.store(out_ptr + 1 * N + rows, tl.where(is_active, logp, 0.0), mask=rmask)
+    tl.store(out_ptr + 2 * N + rows, tl.where(is_active, entropy, 0.0), mask=rmask)
+    tl.store(out_ptr + 3 * N + rows, tl.where(is_active, kl, 0.0), mask=rmask)
+    tl.store(out_ptr + 4 * N + rows, tl.where(is_active, lse_ce, 0.0), mask=rmask)
+    tl.store(out_ptr + 5 * N + rows, tl.where(is_active, lse_u, 0.0), mask=rmask)
+
+
+@triton.jit
+def stats_grad_kernel(
+    z_ptr,  # [N, K] student logits
+    u_ptr,  # [N, K] teacher logits (HAS_TEACHER)
+    y_ptr,  # [N] int targets
+    x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
+    active_ptr,  # [N] int8
+    stats_ptr,  # [6, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u)
+    g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
+    dz_ptr,  # [N, K] out, z's dtype (may alias z_ptr: every element is read before written)
+    du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
+    N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
+    inv_t, inv_t_ce, inv_t_kl, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    is_active = tl.load(active_ptr + row) != 0
+    k_start = split * cols_per_split
+    k_end = tl.minimum(k_start + cols_per_split, K)
+    k_read = tl.where(is_active, k_end, k_start)  # inactive rows: every load masked off
+    # cotangents are zeroed for inactive rows, so their gradient is exactly 0
+    g_lse = tl.where(is_active, tl.load(g_lse_ptr + row), 0.0)
+    g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
+    g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
+    g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
+    lse = tl.load(stats_ptr + 0 * N + row)
+    entropy = tl.load(stats_ptr + 2 * N + row)
+    kl = tl.load(stats_ptr + 3 * N + row)
+    lse_ce = tl.load(stats_ptr + 4 * N + row)
+    lse_u = tl.load(stats_ptr + 5 * N + row)
+    y = tl.load(y_ptr + row).to(tl.int32)
+    x = 0
+    d = 0.0
+    if HAS_SHIFT:
+        x = tl.load(x_ptr + row).to(tl.int32)
+        d = tl.load(d_ptr + row).to(tl.float32)
+
+    offs = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        cols = k0 + offs
+        mask = cols < k_end
+        load_mask = cols < k_read  # inactive rows read nothing
+        # read BLOCK_K·E bytes of student logits
+        z = tl.load(z_ptr + row64 * stride_z + cols, mask=load_mask, other=0.0).to(tl.float32)
+        r = _shifted(z, cols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+        s = r * inv_t
+        logp_k = s - lse
+        p = tl.exp(logp_k)
+        ds = (g_lse - g_h * tl.where(p > 0, logp_k + entropy, 0.0)) * p
+        if HAS_TEACHER:
+            # read BLOCK_K·E bytes of teacher logits
+            u = tl.load(u_ptr + row64 * stride_u + cols, mask=load_mask, other=0.0).to(tl.float32)
+            logq = u * inv_t_kl - lse_u
+            q = tl.exp(logq)
+            ds += g_kl * (p - q)  # float32 p - q: no bf16 cancellation
+            if TEACHER_GRAD:
+                du = g_kl * tl.where(q > 0, q * (logq - logp_k - kl), 0.0) * inv_t_kl
+                du = tl.where(is_active, du, 0.0)
+                # write BLOCK_K·E bytes of teacher gradient
+                tl.store(du_ptr + row64 * stride_du + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
+        p_ce = p
+        if SEPARATE_CE:
+            p_ce = tl.exp(r * inv_t_ce - lse_ce)
+        onehot = tl.where(cols == y, 1.0, 0.0)
+        dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
+        if HAS_SOFTCAP:
+            th = _tanh(z / softcap)
+            dr = dr * (1.0 - th * th)
+        dz = tl.where(is_active, dr, 0.0)
+        # write BLOCK_K·E bytes of gradient
+        tl.store(dz_ptr + row64 * stride_dz + cols, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+# -- launch configuration ---------------------------------------------------------------
+
+def _next_pow2(v):
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=None):
+    """Block size, warps, stages and split-K factor for one call (no autotuning).
+
+    BLOCK_K: 8 KiB of logits per block iteration per program (4096 bf16/fp16 or 2048 f32
+    columns), never above next_pow2(K). With 8 warps that is 16 (bf16) or 8 (f32) elements
+    per thread per live tensor: ptxas reports 105-119 registers for the bf16 partial kernel
+    (two 256-thread programs per SM) and 54-80 at 2048 columns, with no spills (see
+    tests/aot_probe.py). num_warps: 8 for blocks of 2048+ columns, 4 below. Split-K: while N rows alone give fewer than 4 programs per SM,
+    each row's vocabulary is split into S contiguous ranges of whole blocks (at least 2
+    blocks each) whose partial states the finalize kernel merges (DESIGN §2).
+    Returns dict(block_k, num_warps, num_stages, splits, cols_per_split).
+    """
+    if block_k is None:
+        block_k = 8192 // elem_bytes
+    block_k = max(16, min(_next_pow2(block_k) if block_k & (block_k - 1) else block_k,
+                          _next_pow2(vocab)))
+    num_warps = 8 if block_k >= 2048 else 4
+    target = 4 * num_sms
+    splits = 1
+    if n_rows < target:
+        splits = max(1, min(-(-target // max(n_rows, 1)), vocab // (2 * block_k), 64))
+    cols_per_split = -(-(-(-vocab // splits)) // block_k) * block_k
+    splits = -(-vocab // cols_per_split)
+    return dict(block_k=block_k, num_warps=num_warps, num_stages=2, splits=splits,
+                cols_per_split=cols_per_split)
+
+
+def finalize_blocks(splits):
+    """(BLOCK_N, BLOCK_S) of the finalize kernel: a [BLOCK_S, BLOCK_N] tile of 1024 partial
+    states (8 per thread at 4 warps), so no register spills for any split count <= 64."""
+    block_s = max(2, _next_pow2(splits))
+    return max(16, 1024 // block_s), block_s

@@ -1,0 +1,196 @@
+"""The triton backend for torch: launchers (allocate, pick the config, launch) registered as
+``torch.library`` custom ops, so ``torch.compile`` traces them without graph breaks.
+
+Kernels live in ``dlm_kernels.kernels.triton.token_stats``; this module only allocates and
+launches. Nothing here synchronises with the host. Set ``DLM_KERNELS_POISON=1`` to fill
+every output with NaN before the kernels write it (tests do).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from ..kernels.triton import token_stats as K
+from .._stats_math import Stats
+
+Tensor = torch.Tensor
+_NUM_SMS = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: plan as for an H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _empty(shape, dtype, device):
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("DLM_KERNELS_POISON") == "1":
+        out.fill_(float("nan"))
+    return out
+
+
+def _unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Rows may be strided; columns must be unit-stride (an explicit copy otherwise)."""
+    if t is None or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
+    """[N] per-row inputs are indexed as row * 1: make them dense (cotangents of a sum()
+    arrive expanded, with stride 0)."""
+    return None if t is None else t.contiguous()
+
+
+def _flags(u, x, softcap, inv_t, inv_t_ce):
+    return dict(HAS_SOFTCAP=softcap > 0.0, HAS_SHIFT=x is not None, HAS_TEACHER=u is not None,
+                SEPARATE_CE=inv_t != inv_t_ce)
+
+
+@torch.library.custom_op("dlm_kernels::token_stats_fwd", mutates_args=())
+def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
+                    x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
+                    inv_t_kl: float, softcap: float, block_k: int) -> Tensor:
+    """Row statistics [6, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u) of z: [N, K]."""
+    z, u = _unit_col(z), _unit_col(u)
+    n, k = z.shape
+    cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
+                          block_k or None)
+    s = cfg["splits"]
+    part = _empty((8, s, n), torch.float32, z.device)  # 32·S bytes per row
+    out = _empty((6, n), torch.float32, z.device)  # 24 bytes per row
+    flags = _flags(u, x, softcap, inv_t, inv_t_ce)
+    dummy = z
+    if n > 0:
+        K.stats_partial_kernel[(n, s)](
+            z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
+            active, part, n, k, z.stride(0), 0 if u is None else u.stride(0),
+            cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl, softcap,
+            BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **flags)
+        block_n, block_s = K.finalize_blocks(s)
+        K.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
+            part, z, y, dummy if x is None else x, dummy if d is None else d, active, out,
+            n, k, s, z.stride(0), inv_t_ce, softcap,
+            BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
+            **flags)
+    return out
+
+
+@token_stats_fwd.register_fake
+def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k):
+    return z.new_empty((6, z.shape[0]), dtype=torch.float32)
+
+
+def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
+                 softcap, block_k):
+    n, k = z.shape
+    if n == 0:
+        return
+    cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
+                          block_k or None)
+    dummy = z
+    K.stats_grad_kernel[(n, cfg["splits"])](
+        z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
+        active, stats, grads[0], grads[1], grads[2], grads[3], dz, dummy if du is None else du,
+        n, k, z.stride(0), 0 if u is None else u.stride(0), dz.stride(0),
+        0 if du is None else du.stride(0), cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl,
+        softcap, TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_flags(u, x, softcap, inv_t, inv_t_ce))
+
+
+@torch.library.custom_op("dlm_kernels::token_stats_bwd", mutates_args=())
+def token_stats_bwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
+                    x: Optional[Tensor], d: Optional[Tensor], stats: Tensor, g_lse: Tensor,
+                    g_lp: Tensor, g_h: Tensor, g_kl: Tensor, inv_t: float, inv_t_ce: float,
+                    inv_t_kl: float, softcap: float, teacher_grad: bool,
+                    block_k: int) -> Tuple[Tensor, Tensor]:
+    """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor)."""
+    z, u = _unit_col(z), _unit_col(u)
+    dz = _empty(z.shape, z.dtype, z.device)
+    du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
+    _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), dz,
+                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k)
+    return dz, du
+
+
+@token_stats_bwd.register_fake
+def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
+      teacher_grad, block_k):
+    du = torch.empty_like(u) if teacher_grad else z.new_empty((0,))
+    return torch.empty_like(z), du
+
+
+@torch.library.custom_op("dlm_kernels::token_stats_bwd_", mutates_args=("z",))
+def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
+                            x: Optional[Tensor], d: Optional[Tensor], stats: Tensor,
+                            g_lse: Tensor, g_lp: Tensor, g_h: Tensor, g_kl: Tensor,
+                            inv_t: float, inv_t_ce: float, inv_t_kl: float, softcap: float,
+                            teacher_grad: bool, block_k: int) -> Tensor:
+    """Writes dz into z itself (z must have unit column stride); returns du or empty."""
+    if z.stride(-1) != 1:
+        raise ValueError("inplace_grad needs logits with unit stride on the vocabulary axis; "
+                         f"got strides {tuple(z.stride())}")
+    u = _unit_col(u)
+    du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
+    _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), z,
+                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k)
+    return du
+
+
+@token_stats_bwd_inplace.register_fake
+def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
+      teacher_grad, block_k):
+    return torch.empty_like(u) if teacher_grad else z.new_empty((0,))
+
+
+def _scalars(cfg):
+    return (1.0 / cfg.temperature, 1.0 / cfg.ce_temperature, 1.0 / cfg.teacher_temperature,
+            cfg.softcap or 0.0)
+
+
+class TritonTorch:
+    name = "triton"
+    custom_vjp = True
+    supports_inplace_grad = True
+
+    @staticmethod
+    def unsupported_reason(platform):
+        if platform == "cuda":
+            return None
+        if platform == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+            return None  # the Triton interpreter runs the kernels on CPU tensors
+        return ("the Triton kernels need CUDA tensors (CPU tensors only under "
+                "TRITON_INTERPRET=1, set before triton is imported)")
+
+    @staticmethod
+    def forward(z, u, y, active, x, d, cfg):
+        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32 (views of one [6, N] buffer)
+        out = torch.ops.dlm_kernels.token_stats_fwd(
+            z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), *_scalars(cfg),
+            cfg.chunk_size or 0)
+        return Stats(*out.unbind(0))
+
+    @staticmethod
+    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False):
+        stacked = torch.stack(tuple(stats))  # [6, N] f32
+        args = (z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), stacked,
+                *(_vec(g) for g in grads), *_scalars(cfg), cfg.teacher_grad, cfg.chunk_size or 0)
+        if inplace:
+            du = torch.ops.dlm_kernels.token_stats_bwd_(*args)
+            dz = z
+        else:
+            dz, du = torch.ops.dlm_kernels.token_stats_bwd(*args)
+        return dz, (du if cfg.teacher_grad else None)
+
+
+IMPLEMENTATION = TritonTorch()

@@ -1,0 +1,77 @@
+"""Compile the Triton kernels for sm_90 on any machine and report spills and registers.
+
+Usage: python aot_probe.py DTYPE(bf16|fp16|fp32) TEACHER(0|1). Prints one JSON line
+{kernel: {registers, spill_stores, spill_loads}}; exit 3 when ptxas is unavailable.
+Compiles at the configuration launched for N = 16384, K = 262144 with every feature on.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dlm_kernels.kernels.triton import token_stats as K
+
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def ptxas_report(ptx, ptxas):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    grab = lambda pat: sum(int(v) for v in re.findall(pat, log))
+    regs = [int(v) for v in re.findall(r"Used (\d+) registers", log)]
+    return dict(registers=max(regs) if regs else 0, spill_stores=grab(r"(\d+) bytes spill stores"),
+                spill_loads=grab(r"(\d+) bytes spill loads"))
+
+
+def main():
+    dtype, teacher = sys.argv[1], bool(int(sys.argv[2]))
+    try:  # the ptxas triton itself uses for sm_90 (its PTX targets sm_90a)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as err:  # noqa: BLE001
+        print(f"no ptxas for sm_90 in this triton: {err}")
+        sys.exit(3)
+    block_k = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    cfg = K.launch_config(16384, 262144, ELEM_BYTES[dtype], teacher, block_k=block_k)
+    flags = dict(HAS_SOFTCAP=True, HAS_SHIFT=True, HAS_TEACHER=teacher, SEPARATE_CE=True)
+    ptr = f"*{dtype}"
+    types = {"z_ptr": ptr, "u_ptr": ptr, "dz_ptr": ptr, "du_ptr": ptr, "x_ptr": "*i64",
+             "y_ptr": "*i64", "d_ptr": "*fp32", "active_ptr": "*i8", "part_ptr": "*fp32",
+             "out_ptr": "*fp32", "stats_ptr": "*fp32", "g_lse_ptr": "*fp32", "g_lp_ptr": "*fp32",
+             "g_h_ptr": "*fp32", "g_kl_ptr": "*fp32", "N": "i32", "K": "i32", "S": "i32",
+             "stride_z": "i64", "stride_u": "i64", "stride_dz": "i64", "stride_du": "i64",
+             "cols_per_split": "i32", "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32",
+             "softcap": "fp32"}
+    kernels = [
+        (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"]), cfg["num_warps"]),
+        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
+        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4),
+        (K.stats_grad_kernel, dict(flags, TEACHER_GRAD=teacher, BLOCK_K=cfg["block_k"]),
+         cfg["num_warps"]),
+    ]
+    report = {}
+    for fn, constexprs, warps in kernels:
+        sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=cfg["num_stages"]))
+        report[f"{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"] = dict(ptxas_report(compiled.asm["ptx"], ptxas), num_warps=warps,
+                                   **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

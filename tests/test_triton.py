@@ -1,0 +1,149 @@
+"""The triton backend: the full parity suites under TRITON_INTERPRET=1 on CPU tensors (set
+in conftest before triton is imported), in-place gradients, torch.compile, the launch
+heuristic, and an ahead-of-time compile for sm_90 with a register-spill check."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from harness import assert_close, framework  # noqa: E402
+from test_objectives import ObjectivesSuite  # noqa: E402
+from test_token_stats import TokenStatsSuite, make_case, FEATURES  # noqa: E402
+
+ON_GPU = False
+try:
+    import torch
+
+    ON_GPU = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    pass
+
+needs_interpreter = pytest.mark.skipif(
+    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN, so an unwritten element fails."""
+    monkeypatch.setenv("DLM_KERNELS_POISON", "1")
+
+
+@needs_interpreter
+class TestTorchTriton(TokenStatsSuite):
+    FW, BACKEND = "torch", "triton"
+    CHUNK_SIZES = (None, 128)  # the launch heuristic, and many blocks with split-K
+
+    def test_inplace_grad(self, rng):
+        import torch
+
+        fw = self.fw
+        case = make_case(fw, rng, (3, 4), 173, "bfloat16", FEATURES["all"])
+        kw = dict(case["api_kw"], teacher_logits=case["u"], chunk_size=32, backend=self.BACKEND)
+        leaf = case["z"].clone().requires_grad_(True)
+        s = fw.api.token_stats(leaf, case["y"], case["w"], **kw)
+        (g_ref,) = torch.autograd.grad(s.logp.sum() + s.entropy.sum() + s.kl.sum(), leaf)
+        logits = case["z"].clone().requires_grad_(True)
+        work = logits * 1.0  # a non-leaf the loss owns, as an LM head's output would be
+        s = fw.api.token_stats(work, case["y"], case["w"], inplace_grad=True, **kw)
+        (g,) = torch.autograd.grad(s.logp.sum() + s.entropy.sum() + s.kl.sum(), logits)
+        assert_close(fw.numpy(g), fw.numpy(g_ref), "bfloat16", "in-place d logits")
+        assert_close(fw.numpy(work), fw.numpy(g_ref), "bfloat16", "the logits buffer now holds d logits")
+
+    def test_torch_compile_fullgraph(self, rng):
+        import torch
+
+        fw = self.fw
+        case = make_case(fw, rng, (2, 3), 97, "float32", FEATURES["all"], poison=False)
+
+        def loss(z):
+            s = fw.api.token_stats(z, case["y"], case["w"], teacher_logits=case["u"],
+                                   backend=self.BACKEND, **case["api_kw"])
+            return s.logp.sum() + 0.5 * s.entropy.sum() + s.kl.sum()
+
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        z1 = case["z"].clone().requires_grad_(True)
+        z2 = case["z"].clone().requires_grad_(True)
+        v1, v2 = loss(z1), compiled(z2)
+        (g1,) = torch.autograd.grad(v1, z1)
+        (g2,) = torch.autograd.grad(v2, z2)
+        assert_close(fw.numpy(v2), fw.numpy(v1), "float32", "compiled value")
+        assert_close(fw.numpy(g2), fw.numpy(g1), "float32", "compiled gradient")
+
+
+@needs_interpreter
+class TestTorchTritonObjectives(ObjectivesSuite):
+    FW, BACKEND = "torch", "triton"
+
+
+def test_inplace_grad_chunked_and_rejections():
+    import torch
+
+    fw = framework("torch")
+    rng = np.random.default_rng(3)
+    z = fw.array(rng.normal(size=(4, 50)), "float32")
+    y = fw.array(rng.integers(0, 50, 4))
+    ref = z.clone().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(fw.api.token_stats(ref, y, backend="chunked").logp.sum(), ref)
+    leaf = z.clone().requires_grad_(True)
+    work = leaf * 1.0
+    (g,) = torch.autograd.grad(fw.api.token_stats(work, y, backend="chunked", inplace_grad=True,
+                                                  chunk_size=16).logp.sum(), leaf)
+    assert_close(fw.numpy(g), fw.numpy(g_ref))
+    with pytest.raises(ValueError, match="inplace_grad=True is not supported by backend 'reference'"):
+        fw.api.token_stats(z, y, backend="reference", inplace_grad=True)
+    jfw = framework("jax")
+    with pytest.raises(ValueError, match="inplace_grad=True is torch-only"):
+        jfw.api.token_stats(jfw.array(np.zeros((2, 3), np.float32)), jfw.array(np.zeros(2, np.int32)),
+                            inplace_grad=True)
+
+
+# -- launch configuration ---------------------------------------------------------------
+
+from dlm_kernels.kernels.triton import token_stats as K  # noqa: E402
+
+
+@pytest.mark.parametrize("n,k,eb,teacher", [(16384, 262144, 2, False), (4096, 32768, 4, True),
+                                            (7, 50257, 2, False), (1, 1, 4, False), (64, 131072, 2, True)])
+def test_launch_config_covers_the_vocabulary(n, k, eb, teacher):
+    cfg = K.launch_config(n, k, eb, teacher)
+    bk, s, cps = cfg["block_k"], cfg["splits"], cfg["cols_per_split"]
+    assert bk & (bk - 1) == 0 and bk >= 16
+    assert cps % bk == 0 and s * cps >= k and (s - 1) * cps < k, cfg
+    if n >= 4 * 132:
+        assert s == 1
+    if n < 64 and k >= 8 * bk:
+        assert s > 1, "small N must split the vocabulary to fill the SMs"
+
+
+# -- ahead-of-time compile for Hopper -----------------------------------------------------
+
+AOT_CASES = [("bf16", False), ("bf16", True), ("fp32", True), ("fp16", False)]
+
+
+@pytest.mark.parametrize("dtype,teacher", AOT_CASES)
+def test_aot_compile_sm90_no_spills(dtype, teacher):
+    """Each kernel compiles for sm_90 at the block sizes launched for K = 262144, with 0
+    spills (ptxas -v on the PTX). A subprocess, since the interpreter is on in this one."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = os.path.join(os.path.dirname(__file__), "aot_probe.py")
+    out = subprocess.run([sys.executable, probe, dtype, str(int(teacher))], env=env,
+                         capture_output=True, text=True)
+    if out.returncode == 3:
+        pytest.skip(out.stdout.strip())
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    for name, r in report.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
+        assert 0 < r["registers"] <= 255, (name, r)
