@@ -17,6 +17,10 @@ writes K·E (teacher: + 2·K·E with teacher gradients, + K·E without). Inactiv
 == 0) read no logits at all: their loops run zero times and their gradient stores write
 zeros without a load.
 
+Parameter order: input pointers, then scalars, then output pointers, then constexprs, so
+that ``jax_triton.triton_call`` (inputs positionally, outputs appended) and the torch
+launcher call the same source.
+
 Conventions: float32 math throughout, int64 row offsets (N·K passes 2^31), unit column
 stride (the launcher makes it so), row strides passed in. Softcap c (HAS_SOFTCAP) maps z to
 c·tanh(z/c); the LOO shift adds d at column x (HAS_SHIFT) before the temperature.
@@ -69,9 +73,9 @@ def stats_partial_kernel(
     x_ptr,  # [N] int shift column (HAS_SHIFT)
     d_ptr,  # [N] f32 shift value (HAS_SHIFT)
     active_ptr,  # [N] int8, row is active when != 0
-    part_ptr,  # [8, S, N] f32 out
     N, K, stride_z, stride_u, cols_per_split,
     inv_t, inv_t_ce, inv_t_kl, softcap,
+    part_ptr,  # [8, S, N] f32 out
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -153,8 +157,8 @@ def stats_finalize_kernel(
     y_ptr,  # [N] int targets
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
-    out_ptr,  # [6, N] f32 out: lse, logp, entropy, kl, lse_ce, lse_u
     N, K, S, stride_z, inv_t_ce, softcap,
+    out_ptr,  # [6, N] f32 out: lse, logp, entropy, kl, lse_ce, lse_u
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -221,10 +225,10 @@ def stats_grad_kernel(
     active_ptr,  # [N] int8
     stats_ptr,  # [6, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u)
     g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
-    dz_ptr,  # [N, K] out, z's dtype (may alias z_ptr: every element is read before written)
-    du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
     inv_t, inv_t_ce, inv_t_kl, softcap,
+    dz_ptr,  # [N, K] out, z's dtype (may alias z_ptr: every element is read before written)
+    du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, BLOCK_K: tl.constexpr,
 ):

@@ -72,14 +72,14 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
     if n > 0:
         K.stats_partial_kernel[(n, s)](
             z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
-            active, part, n, k, z.stride(0), 0 if u is None else u.stride(0),
-            cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl, softcap,
+            active, n, k, z.stride(0), 0 if u is None else u.stride(0),
+            cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl, softcap, part,
             BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **flags)
         block_n, block_s = K.finalize_blocks(s)
         K.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
-            part, z, y, dummy if x is None else x, dummy if d is None else d, active, out,
-            n, k, s, z.stride(0), inv_t_ce, softcap,
+            part, z, y, dummy if x is None else x, dummy if d is None else d, active,
+            n, k, s, z.stride(0), inv_t_ce, softcap, out,
             BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
             **flags)
     return out
@@ -100,10 +100,10 @@ def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, i
     dummy = z
     K.stats_grad_kernel[(n, cfg["splits"])](
         z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
-        active, stats, grads[0], grads[1], grads[2], grads[3], dz, dummy if du is None else du,
+        active, stats, grads[0], grads[1], grads[2], grads[3],
         n, k, z.stride(0), 0 if u is None else u.stride(0), dz.stride(0),
         0 if du is None else du.stride(0), cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl,
-        softcap, TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
+        softcap, dz, dummy if du is None else du, TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **_flags(u, x, softcap, inv_t, inv_t_ce))
 
