@@ -91,9 +91,13 @@ def check_token_batch_static(xp, model_inputs, target_ids, loss_weights):
     require_float(xp, "loss_weights", loss_weights)
 
 
-def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None):
-    """Finite non-negative weights; active targets in [0, K) (K when known)."""
-    w = xp.concrete(loss_weights)
+def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allow_sync=True):
+    """Finite non-negative weights; active targets in [0, K) (K when known).
+
+    Scoring calls pass ``allow_sync=False``: accelerator arrays are then not pulled to the
+    host (an out-of-range active target still shows as a NaN log-prob, never silently).
+    """
+    w = xp.concrete(loss_weights, allow_sync)
     if w is None:
         return
     bad = ~np.isfinite(w) | (w < 0)
@@ -102,7 +106,7 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None):
         raise ValueError(
             f"loss_weights must be finite and non-negative; got {w[idx]!r} at index {idx}"
         )
-    y = xp.concrete(target_ids)
+    y = xp.concrete(target_ids, allow_sync)
     if y is None:
         return
     active = w != 0
@@ -128,9 +132,10 @@ def check_logits_for_batch(xp, name, logits, batch_shape):
 
 
 def check_teacher_values(xp, teacher_logits, loss_weights):
-    """Teacher logits must be finite at active positions (concrete arrays only)."""
-    u = xp.concrete(teacher_logits)
-    w = xp.concrete(loss_weights)
+    """Teacher logits must be finite at active positions (concrete host arrays only: a scoring
+    call never syncs an accelerator; a non-finite teacher there gives a NaN loss)."""
+    u = xp.concrete(teacher_logits, allow_sync=False)
+    w = xp.concrete(loss_weights, allow_sync=False)
     if u is None or w is None:
         return
     bad = ~np.isfinite(u) & (w != 0)[..., None]

@@ -140,12 +140,13 @@ class Frontend:
 
     def validate_diffusion_logits(self, batch, logits, name="logits"):
         """Check logits [B, L, K] against a DiffusionTokenBatch: shapes and dtype always,
-        active targets in [0, K) when the arrays are concrete."""
+        active targets in [0, K) when the arrays are concrete host arrays (never a device
+        sync: on an accelerator an out-of-range active target shows as a NaN log-prob)."""
         if not isinstance(batch, self.DiffusionTokenBatch):
             raise TypeError(f"batch must be a DiffusionTokenBatch; got {type(batch).__name__}")
         C.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
         C.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
-                                   logits.shape[-1])
+                                   logits.shape[-1], allow_sync=False)
 
     def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
                         return_entropy=False, backend=None):
@@ -203,7 +204,8 @@ class Frontend:
                             "student_logits.shape")
             C.check_teacher_values(xp, teacher, student.loss_weights)
         C.check_token_batch_values(xp, student.target_ids, student.loss_weights,
-                                   student_logits.shape[-1] if hard_w > 0.0 else None)
+                                   student_logits.shape[-1] if hard_w > 0.0 else None,
+                                   allow_sync=False)
         stats = self.token_stats(student_logits, student.target_ids, student.loss_weights,
                                  temperature=temperature, ce_temperature=1.0,
                                  teacher_logits=teacher, backend=backend)

@@ -88,9 +88,13 @@ class JaxOps:
         return jnp.issubdtype(x.dtype, jnp.floating)
 
     @staticmethod
-    def concrete(x):
-        """x as a float64/int64 NumPy array, or None when x is a tracer."""
+    def concrete(x, allow_sync=True):
+        """x as a float64/int64 NumPy array; None for a tracer, and None for arrays on an
+        accelerator when ``allow_sync`` is False (no device sync in scoring calls)."""
         if isinstance(x, jax.core.Tracer):
+            return None
+        if not allow_sync and isinstance(x, jax.Array) and any(
+                dev.platform != "cpu" for dev in x.devices()):
             return None
         x = np.asarray(x)
         return x.astype(np.float64) if np.issubdtype(x.dtype, np.floating) else x

@@ -87,9 +87,12 @@ class TorchOps:
         return x.dtype.is_floating_point
 
     @staticmethod
-    def concrete(x):
-        """x as a float64/int64 NumPy array, or None under tracing (torch.compile)."""
+    def concrete(x, allow_sync=True):
+        """x as a float64/int64 NumPy array; None under tracing (torch.compile), and None for
+        accelerator tensors when ``allow_sync`` is False (no device sync in scoring calls)."""
         if torch.compiler.is_compiling() or x.device.type == "meta":
+            return None
+        if not allow_sync and x.device.type != "cpu":
             return None
         x = x.detach()
         if x.dtype.is_floating_point:

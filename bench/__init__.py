@@ -1,0 +1,1 @@
+"""dlm-kernels benchmarks: the main-job runner (``python -m bench``) and microbenchmarks."""

@@ -1,0 +1,55 @@
+"""Peak resident memory beyond the inputs of one CPU torch case, in its own process.
+
+``python -m bench.memory OBJECTIVE VARIANT N K DTYPE`` prints the VmHWM growth in bytes of
+one forward+backward after the inputs exist (VmHWM reset through /proc/self/clear_refs;
+tracemalloc does not see torch's allocations). One process per case, so one case's peak
+cannot pollute another's.
+"""
+
+import gc
+import os
+import subprocess
+import sys
+
+
+def _status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def available():
+    return os.path.exists("/proc/self/clear_refs")
+
+
+def cpu_peak_bytes(objective, variant, n, k, dtype):
+    """Run the probe in a fresh interpreter; None where /proc cannot be reset."""
+    if not available():
+        return None
+    out = subprocess.run([sys.executable, "-m", "bench.memory", objective, variant, str(n),
+                          str(k), dtype], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    from .cases import TorchCase
+
+    objective, variant, n, k, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    case = TorchCase(objective, variant, n, k, dtype, "cpu")
+    small = TorchCase(objective, variant, 4, k, dtype, "cpu")
+    small.fwdbwd(0)  # warm up code paths outside the measured window
+    del small
+    gc.collect()
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    grads = case.fwdbwd(0)
+    print(_status("VmHWM") - base)
+    del grads
+
+
+if __name__ == "__main__":
+    main()

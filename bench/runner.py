@@ -1,0 +1,336 @@
+"""The main job: parity check, then the benchmark of every available backend on this device.
+
+    python -m bench              # CPU: small shapes, a few minutes on 2 cores
+    python -m bench --full       # GPU: real model vocabularies (bench/shapes.py)
+    python -m bench --smoke      # seconds; what the test suite runs
+
+Per objective (ce, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
+reports milliseconds (median, p20-p80), GB/s of the bytes the pass must move, the percent of
+the copy bandwidth measured in the same run, peak memory beyond the inputs, and the speedup
+over each baseline. Writes ``<out>/<device>-<date>.json``, a Markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import re
+import sys
+
+import numpy as np
+
+from . import shapes as S
+from .cases import JaxCase, TorchCase
+from .memory import cpu_peak_bytes
+from .timing import copy_bandwidth, copy_bandwidth_jax, measure
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# -- environment ------------------------------------------------------------------------------
+
+def _try_import(name):
+    try:
+        return __import__(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def detect():
+    torch, jax = _try_import("torch"), _try_import("jax")
+    cuda = bool(torch is not None and torch.cuda.is_available())
+    if cuda:
+        device = torch.cuda.get_device_name()
+    else:
+        model = platform.processor() or "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        device = f"{model} ({os.cpu_count()} cores)"
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    for name in ("torch", "jax", "jaxlib", "triton", "liger_kernel", "jax_triton"):
+        mod = _try_import(name)
+        if mod is not None:
+            versions[name] = getattr(mod, "__version__", "?")
+    return dict(device=device, cuda=cuda, torch=torch is not None, jax=jax is not None,
+                jax_backend=jax.default_backend() if jax is not None else None,
+                versions=versions, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                argv=sys.argv[1:])
+
+
+def variants(env, framework, objective):
+    """(ours, [baselines]) for one framework on this device."""
+    if framework == "torch":
+        import dlm_kernels.torch as D
+
+        platform_ = "cuda" if env["cuda"] else "cpu"
+        native = [b for b in ("triton", "chunked") if b in D.REGISTRY.available()
+                  and D.REGISTRY.IMPLEMENTATIONS[b].unsupported_reason(platform_) is None
+                  and not (b == "triton" and platform_ == "cpu")]  # no interpreter timings
+        baselines = ["reference"]
+        if env["cuda"]:
+            baselines.append("reference+compile")
+            if objective == "ce" and _try_import("liger_kernel") is not None:
+                baselines.append("liger")
+        return native, baselines
+    import dlm_kernels.jax as D
+
+    plat = env["jax_backend"]
+    native = [b for b in ("triton", "pallas", "chunked") if b in D.REGISTRY.available()
+              and D.REGISTRY.IMPLEMENTATIONS[b].unsupported_reason(plat) is None]
+    if plat == "cpu":
+        native = [b for b in native if b == "chunked"]  # interpreters are not timed
+    return native, ["reference"]
+
+
+# -- parity ---------------------------------------------------------------------------------------
+
+def parity(env):
+    """Every native backend vs the reference backend at a small awkward shape, all features."""
+    from dlm_kernels.testing import TOLERANCES
+
+    rows = []
+    rng = np.random.default_rng(0)
+    n, k = 37, 1271
+    z64 = rng.standard_normal((n, k)) * 3
+    u64 = rng.standard_normal((n, k)) * 3
+    y = rng.integers(0, k, n)
+    x = rng.integers(0, k, n)
+    w = (rng.uniform(size=n) < 0.8).astype(np.float32)
+    dsh = rng.uniform(0, 5, n).astype(np.float32)
+    kw = dict(temperature=0.9, ce_temperature=1.1, softcap=20.0, teacher_temperature=1.3)
+    for fw in ("torch", "jax"):
+        if not env[fw]:
+            continue
+        ours, _ = variants(env, fw, "opd")
+        for backend in ours:
+            for dtype in ("float32", "bfloat16"):
+                got = _stats_and_grad(fw, env, backend, dtype, z64, u64, y, x, dsh, w, kw)
+                ref = _stats_and_grad(fw, env, "reference", dtype, z64, u64, y, x, dsh, w, kw)
+                errs = {name: float(np.max(np.abs(g - r))) for name, g, r in
+                        zip(("lse", "logp", "entropy", "kl", "dlogits"), got, ref)}
+                ok = all(np.allclose(g, r, *_tol(TOLERANCES, dtype if name == "dlogits" else "float32"))
+                         for name, g, r in zip(errs, got, ref))
+                rows.append(dict(framework=fw, backend=backend, dtype=dtype, ok=bool(ok),
+                                 max_abs_err=errs))
+    return rows
+
+
+def _tol(table, dtype):
+    atol, rtol = table[dtype]
+    return rtol, atol
+
+
+def _stats_and_grad(fw, env, backend, dtype, z64, u64, y, x, dsh, w, kw):
+    if fw == "torch":
+        import torch
+
+        import dlm_kernels.torch as D
+
+        dev = "cuda" if env["cuda"] else "cpu"
+        z = torch.tensor(z64, device=dev).to(getattr(torch, dtype)).requires_grad_(True)
+        u = torch.tensor(u64, device=dev).to(getattr(torch, dtype))
+        t = lambda a: torch.tensor(a, device=dev)
+        s = D.token_stats(z, t(y), t(w), teacher_logits=u, shift_ids=t(x), shift=t(dsh),
+                          backend=backend, **kw)
+        (g,) = torch.autograd.grad(s.logp.sum() + s.entropy.sum() + s.kl.sum(), z)
+        return [v.detach().double().cpu().numpy() for v in (*s, g)]
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    z = jnp.asarray(z64, getattr(jnp, dtype))
+    u = jnp.asarray(u64, getattr(jnp, dtype))
+
+    def f(z):
+        s = D.token_stats(z, jnp.asarray(y), jnp.asarray(w), teacher_logits=u,
+                          shift_ids=jnp.asarray(x), shift=jnp.asarray(dsh), backend=backend, **kw)
+        return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl), s
+
+    (_, s), g = jax.value_and_grad(f, has_aux=True)(z)
+    return [np.asarray(v, np.float64) for v in (*s, g)]
+
+
+# -- the benchmark ----------------------------------------------------------------------------------
+
+def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
+    elem = 2 if dtype in ("bfloat16", "float16") else 4
+    out = []
+    cuda = env["cuda"] and fw == "torch"
+    try:
+        case = (TorchCase(objective, variant, n, k, dtype, "cuda" if cuda else "cpu") if fw == "torch"
+                else JaxCase(objective, variant, n, k, dtype))
+        timings = {"fwd": measure(case.fwd, cuda=cuda, reps=args.reps),
+                   "fwd+bwd": measure(case.fwdbwd, cuda=cuda, reps=args.reps)}
+        if fw == "torch":
+            case.prepare_bwd()
+            timings["bwd"] = measure(case.bwd, cuda=cuda, reps=args.reps)
+            case.release()
+            if cuda:
+                peak, mem_kind = case.cuda_peak_bytes(), "cuda max_memory_allocated delta"
+            else:
+                del case
+                gc.collect()
+                peak, mem_kind = cpu_peak_bytes(objective, variant, n, k, dtype), "VmHWM delta (own process)"
+        else:
+            fb, f = timings["fwd+bwd"], timings["fwd"]
+            timings["bwd"] = dict(ms=max(fb["ms"] - f["ms"], 0.0), p20=None, p80=None,
+                                  reps=fb["reps"], derived="fwd+bwd minus fwd")
+            peak, mem_kind = case.temp_bytes(), "XLA temp bytes (memory_analysis)"
+    except Exception as err:  # noqa: BLE001 - e.g. the reference running out of memory
+        msg = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
+                     dtype=dtype, mode=m, error=msg) for m in S.MODES]
+    finally:
+        gc.collect()
+        if cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+    for mode in S.MODES:
+        t = timings[mode]
+        nbytes = S.bytes_moved(objective, mode, n, k, elem)
+        gbps = nbytes / (t["ms"] * 1e-3) / 1e9 if t["ms"] > 0 else None
+        out.append(dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
+                        dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
+                        reps=t["reps"], derived=t.get("derived"), bytes=nbytes, gbps=gbps,
+                        pct_copy=100 * gbps / copy_gbps if gbps else None,
+                        peak_bytes=peak, peak_kind=mem_kind))
+    return out
+
+
+def add_speedups(results):
+    index = {(r["framework"], r["objective"], r["shape"], r["mode"], r["backend"]): r
+             for r in results if "ms" in r}
+    for r in results:
+        if "ms" not in r:
+            continue
+        r["speedup"] = {}
+        for (fw, obj, shape, mode, b), base in index.items():
+            if (fw, obj, shape, mode) == (r["framework"], r["objective"], r["shape"], r["mode"]) \
+                    and b != r["backend"] and r["ms"] > 0:
+                r["speedup"][b] = base["ms"] / r["ms"]
+
+
+def markdown(env, copy_gbps, results, parity_rows):
+    lines = [f"Device: {env['device']} — {env['date'][:10]} — copy bandwidth {copy_gbps:.1f} GB/s "
+             f"(measured in the same run)", ""]
+    bad = [p for p in parity_rows if not p["ok"]]
+    lines.append(f"Parity vs reference: {len(parity_rows) - len(bad)}/{len(parity_rows)} pass" +
+                 ("" if not bad else f" (FAIL: {[(p['framework'], p['backend'], p['dtype']) for p in bad]})"))
+    for obj in S.OBJECTIVES:
+        rows = [r for r in results if r["objective"] == obj]
+        if not rows:
+            continue
+        lines += ["", f"### {obj}", "",
+                  "| framework | backend | shape | mode | ms (p20-p80) | GB/s | % copy | peak MiB beyond inputs | vs reference |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | {r['error']} | | | | |")
+                continue
+            spread = f" ({r['p20']:.2f}-{r['p80']:.2f})" if r["p20"] is not None else " (derived)"
+            peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"
+            vs = r["speedup"].get("reference")
+            gbps = f"{r['gbps']:.1f}" if r["gbps"] else "-"
+            pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] else "-"
+            lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | "
+                         f"{r['ms']:.2f}{spread} | {gbps} | {pct} | {peak} | "
+                         f"{'%.2fx' % vs if vs else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if r["objective"] == "ce" and r["mode"] == "fwd+bwd" and "ms" in r]
+    if not rows:
+        return None
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["framework"], r["backend"]) for r in rows}):
+        pts = sorted((r["k"], r["ms"], r["peak_bytes"]) for r in rows if (r["framework"], r["backend"]) == key)
+        ks = [p[0] for p in pts]
+        ax_t.plot(ks, [p[1] for p in pts], marker="o", label="/".join(key))
+        ax_m.plot(ks, [(p[2] or 0) / 2**20 for p in pts], marker="o", label="/".join(key))
+    for ax, title in ((ax_t, "ce forward+backward time (ms)"), (ax_m, "peak memory beyond inputs (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("vocabulary K")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="real model shapes (GPU)")
+    p.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--objectives", default=",".join(S.OBJECTIVES))
+    p.add_argument("--frameworks", default="torch,jax")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+
+    env = detect()
+    print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
+    if env["cuda"]:
+        shapes = S.GPU_SHAPES if args.full else [s for s in S.GPU_SHAPES if s[1] == 4096][:2]
+        copy_gbps, copy_t = copy_bandwidth("cuda", 2**30)
+    else:
+        shapes = S.SMOKE_SHAPES if args.smoke else S.CPU_SHAPES
+        if env["torch"]:
+            copy_gbps, copy_t = copy_bandwidth("cpu", 2**26 if args.smoke else 2**28)
+        else:
+            copy_gbps, copy_t = copy_bandwidth_jax(2**26 if args.smoke else 2**28)
+    print(f"copy bandwidth: {copy_gbps:.1f} GB/s", flush=True)
+
+    parity_rows = parity(env)
+    for row in parity_rows:
+        print(f"parity {row['framework']}/{row['backend']}/{row['dtype']}: "
+              f"{'ok' if row['ok'] else 'FAIL'} {row['max_abs_err']}", flush=True)
+
+    results = []
+    frameworks = [f for f in args.frameworks.split(",") if env.get(f)]
+    for fw in frameworks:
+        for obj in args.objectives.split(","):
+            ours, baselines = variants(env, fw, obj)
+            for label, n, k, dtype in shapes:
+                for variant in ours + baselines:
+                    rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
+                    results += rows
+                    fb = next(r for r in rows if r["mode"] == "fwd+bwd")
+                    print(f"{fw:5s} {obj:6s} {variant:18s} {label:16s} fwd+bwd "
+                          + (f"{fb['ms']:9.2f} ms {fb['gbps']:7.1f} GB/s" if "ms" in fb else fb["error"]),
+                          flush=True)
+    add_speedups(results)
+
+    os.makedirs(args.out, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
+    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
+    report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
+                  shapes=shapes, results=results)
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    table = markdown(env, copy_gbps, results, parity_rows)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    png = plot(results, stem + ".png")
+    print(table)
+    print(f"wrote {stem}.json, {stem}.md" + (f", {png}" if png else ""))
+    if not all(r["ok"] for r in parity_rows):
+        sys.exit(1)
+    return report

@@ -1,0 +1,32 @@
+"""The one table of benchmark shapes, shared by the runner and the microbenchmarks.
+
+Rows N = B·L canvas positions; K the vocabulary of a real diffusion LM.
+"""
+
+MODELS = {
+    "gemma": 262144,  # DiffusionGemma
+    "llada": 126464,  # LLaDA
+    "dream": 151936,  # Dream
+    "32k": 32768,  # a 32k vocabulary
+}
+
+# (label, N, K, dtype)
+GPU_SHAPES = [(f"{m}-N{n}", n, k, "bfloat16") for n in (4096, 16384) for m, k in MODELS.items()]
+CPU_SHAPES = [
+    ("cpu-N512-K4k", 512, 4096, "float32"),
+    ("cpu-N512-K32k", 512, 32768, "float32"),
+]
+SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
+
+OBJECTIVES = ("ce", "policy", "opd")
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def bytes_moved(objective, mode, n, k, elem_bytes):
+    """Bytes the pass structure must move (DESIGN §7): forward reads the logits once,
+    backward reads them and writes the gradient; OPD streams the teacher beside them."""
+    row = n * k * elem_bytes
+    teacher = row if objective == "opd" else 0
+    fwd = row + teacher
+    bwd = 2 * row + teacher
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]

@@ -1,0 +1,61 @@
+"""Numerical checking helpers shared by the test suite and the benchmark's parity check.
+
+``TOLERANCES`` is the one (atol, rtol) table per dtype; ``assert_close`` compares every
+element and, on failure, says how many differ, the max abs/rel error and the first bad index.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+# (atol, rtol) per dtype of the *output* compared. All math is float32, so every row shares
+# the float32 absolute floor (float32 eps x logit-scale statistics such as lse ~ 10); rtol
+# adds the final rounding to the output dtype (bf16: 2^-9 relative, fp16: 2^-12). Row
+# statistics are float32 whatever the input dtype (the oracle sees the same rounded
+# inputs), so they use the float32 row; gradients use the row of the input dtype.
+TOLERANCES = {
+    "float32": (2e-6, 2e-5),
+    "bfloat16": (2e-6, 8e-3),
+    "float16": (2e-6, 1e-3),
+}
+DTYPES = tuple(TOLERANCES)
+
+
+def new_seed():
+    env = os.environ.get("DLM_TEST_SEED")
+    seed = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
+    print(f"DLM_TEST_SEED={seed}")
+    return seed
+
+
+def assert_close(actual, expected, dtype="float32", name="value"):
+    """Every element within the dtype's (atol, rtol); NaN only where NaN is expected.
+
+    On failure: how many elements differ, max abs/rel error, the first bad index and values.
+    """
+    atol, rtol = TOLERANCES[dtype]
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
+    ok = np.isclose(a, e, atol=atol, rtol=rtol, equal_nan=True)
+    if not ok.all():
+        bad = np.argwhere(~ok)
+        idx = tuple(int(i) for i in bad[0])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            err = np.abs(a - e)
+            rel = err / np.maximum(np.abs(e), 1e-30)
+        finite = np.isfinite(err)
+        raise AssertionError(
+            f"{name} ({dtype}, atol={atol}, rtol={rtol}): {len(bad)} of {a.size} elements "
+            f"differ; max abs err {np.max(err[finite], initial=0):.3e}, max rel err "
+            f"{np.max(rel[finite], initial=0):.3e}; first bad index {idx}: got {a[idx]!r}, "
+            f"expected {e[idx]!r}"
+        )
+
+
+def assert_exact_zero(actual, name="value"):
+    a = np.asarray(actual, dtype=np.float64)
+    nz = np.argwhere(a != 0)
+    assert len(nz) == 0, f"{name}: {len(nz)} non-zero elements; first at {tuple(nz[0])}: {a[tuple(nz[0])]!r}"
