@@ -7,16 +7,9 @@ plus a way to measure peak memory beyond its inputs.
 
 from __future__ import annotations
 
-import numpy as np
-
 ROTATE = 2
 
 
-def _np_inputs(rng, n, k):
-    z = (rng.standard_normal((1, n, k), dtype=np.float32) * 3).astype(np.float32)
-    u = (rng.standard_normal((1, n, k), dtype=np.float32) * 3).astype(np.float32)
-    y = rng.integers(0, k, (1, n)).astype(np.int64)
-    return z, u, y
 
 
 # -- torch -----------------------------------------------------------------------------------
@@ -36,13 +29,16 @@ class TorchCase:
         self.objective, self.variant = objective, variant
         self.device = torch.device(device)
         tdtype = getattr(torch, dtype)
-        rng = np.random.default_rng(seed)
+        gen = torch.Generator(self.device).manual_seed(seed)  # inputs drawn on the device
+
+        def normal():  # [1, N, K] logits of scale 3, never zero
+            return (torch.randn((1, n, k), generator=gen, device=self.device) * 3).to(tdtype)
+
         self.sets = []
         for _ in range(ROTATE):
-            z, u, y = _np_inputs(rng, n, k)
-            z = torch.from_numpy(z).to(self.device, tdtype).requires_grad_(True)
-            u = torch.from_numpy(u).to(self.device, tdtype) if objective == "opd" else None
-            y = torch.from_numpy(y).to(self.device)
+            z = normal().requires_grad_(True)
+            u = normal() if objective == "opd" else None
+            y = torch.randint(0, k, (1, n), generator=gen, device=self.device)
             w = torch.ones(y.shape, dtype=torch.float32, device=self.device)
             batch = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
             if u is not None:
@@ -120,18 +116,18 @@ class JaxCase:
         import dlm_kernels.jax as D
 
         self.jax, self.objective, self.variant = jax, objective, variant
-        rng = np.random.default_rng(seed)
         jdtype = getattr(jnp, dtype)
+        keys = iter(jax.random.split(jax.random.key(seed), 3 * ROTATE))  # drawn on the device
+        normal = lambda: (jax.random.normal(next(keys), (1, n, k), jnp.float32) * 3).astype(jdtype)
         self.sets = []
         for _ in range(ROTATE):
-            z, u, y = _np_inputs(rng, n, k)
-            y = jnp.asarray(y, jnp.int32)
+            z = normal()
+            y = jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)
             b = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
                                              loss_weights=jnp.ones(y.shape, jnp.float32))
             if objective == "opd":
-                b = D.DiffusionDistillationBatch.create(student_batch=b,
-                                                        teacher_logits=jnp.asarray(u, jdtype))
-            self.sets.append((jnp.asarray(z, jdtype), b))
+                b = D.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=normal())
+            self.sets.append((z, b))
 
         def loss(z, b):
             if objective == "ce":

@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import sys
+import time
 
 import numpy as np
 
@@ -283,12 +284,14 @@ def main(argv=None):
     p.add_argument("--objectives", default=",".join(S.OBJECTIVES))
     p.add_argument("--frameworks", default="torch,jax")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
 
     env = detect()
     print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
     if env["cuda"]:
-        shapes = S.GPU_SHAPES if args.full else [s for s in S.GPU_SHAPES if s[1] == 4096][:2]
+        shapes = S.GPU_SHAPES + S.MODEL_SHAPES if args.full else S.MODEL_SHAPES[:1] + S.MODEL_SHAPES[-1:]
         copy_gbps, copy_t = copy_bandwidth("cuda", 2**30)
     else:
         shapes = S.SMOKE_SHAPES if args.smoke else S.CPU_SHAPES
@@ -305,11 +308,17 @@ def main(argv=None):
 
     results = []
     frameworks = [f for f in args.frameworks.split(",") if env.get(f)]
-    for fw in frameworks:
-        for obj in args.objectives.split(","):
-            ours, baselines = variants(env, fw, obj)
-            for label, n, k, dtype in shapes:
+    started = time.monotonic()
+    for label, n, k, dtype in shapes:
+        for fw in frameworks:
+            for obj in args.objectives.split(","):
+                ours, baselines = variants(env, fw, obj)
                 for variant in ours + baselines:
+                    if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                        results += [dict(framework=fw, objective=obj, backend=variant, shape=label,
+                                         n=n, k=k, dtype=dtype, mode=m, error="skipped: time budget")
+                                    for m in S.MODES]
+                        continue
                     rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
                     results += rows
                     fb = next(r for r in rows if r["mode"] == "fwd+bwd")

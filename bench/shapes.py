@@ -10,8 +10,10 @@ MODELS = {
     "32k": 32768,  # a 32k vocabulary
 }
 
-# (label, N, K, dtype)
-GPU_SHAPES = [(f"{m}-N{n}", n, k, "bfloat16") for n in (4096, 16384) for m, k in MODELS.items()]
+# (label, N, K, dtype). The GPU grid of the Triton issue, the target shape first.
+GPU_SHAPES = [(f"N{n}-K{k}", n, k, "bfloat16")
+              for n in (16384, 4096) for k in (262144, 131072, 32768)]
+MODEL_SHAPES = [(f"{m}-N4096", 4096, k, "bfloat16") for m, k in MODELS.items()]
 CPU_SHAPES = [
     ("cpu-N512-K4k", 512, 4096, "float32"),
     ("cpu-N512-K32k", 512, 32768, "float32"),

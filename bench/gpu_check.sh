@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One prepared GPU check (bench/README: run whenever an H200 is lent). Installs nothing from
+# the network: the package installs from this checkout without build isolation, and optional
+# wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder was carried along.
+# Writes everything under $OUT (default bench/results/gpu-<date>): device info, JUnit XML of
+# the GPU parity suites, the benchmark JSON/Markdown/PNG.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu-$(date +%F)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2 | tee -a "$OUT/gpu_check.log"
+
+log "GPU parity suites (compiled Triton on CUDA tensors)"
+TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x \
+  tests/test_gpu.py "tests/test_triton.py::TestTorchTriton" "tests/test_triton.py::TestTorchTritonObjectives" \
+  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
+
+log "benchmark (target shape first; stops starting cases after the budget)"
+TRITON_INTERPRET=0 timeout 330 python3 -m bench --full --reps 8 --budget-s 270 --out "$OUT" 2>&1 \
+  | tail -60 | tee -a "$OUT/gpu_check.log"
+log "done"

@@ -1,0 +1,25 @@
+"""The main-job runner works end to end at smoke size and reports what the README promises."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_bench_smoke(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench", "--smoke", "--reps", "3", "--objectives", "ce,opd",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True)
+    (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
+    assert report["copy_gbps"] > 0 and report["device"] and report["versions"]["numpy"]
+    assert report["parity"] and all(p["ok"] for p in report["parity"])
+    rows = [r for r in report["results"] if "ms" in r]
+    assert {r["mode"] for r in rows} == {"fwd", "bwd", "fwd+bwd"}
+    assert {(r["framework"], r["backend"]) for r in rows} >= {("torch", "chunked"), ("torch", "reference"),
+                                                              ("jax", "chunked"), ("jax", "reference")}
+    for r in rows:
+        assert r["ms"] >= 0 and r["bytes"] > 0 and "speedup" in r
+        assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
+    assert any(f.endswith(".png") for f in os.listdir(tmp_path))
+    assert any(f.endswith(".md") for f in os.listdir(tmp_path))

@@ -1,0 +1,78 @@
+"""GPU-only checks at real sizes (skipped without CUDA; bench/gpu_check.sh runs them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+import oracle  # noqa: E402
+from harness import assert_close  # noqa: E402
+
+
+def test_triton_is_auto_on_cuda():
+    import dlm_kernels.torch as D
+
+    assert D.backend_for(torch.zeros(2, 3, device="cuda")) == "triton"
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_triton_beyond_int32_offsets(teacher):
+    """N·K > 2^31 at K = 262144 (bf16): rows at both ends against the float64 oracle."""
+    import dlm_kernels.torch as D
+
+    n, k = 8320, 262144
+    assert n * k > 2**31
+    gen = torch.Generator("cuda").manual_seed(0)
+    z = (torch.randn(n, k, generator=gen, device="cuda") * 3).to(torch.bfloat16).requires_grad_(True)
+    u = (torch.randn(n, k, generator=gen, device="cuda") * 3).to(torch.bfloat16) if teacher else None
+    y = torch.randint(0, k, (n,), generator=gen, device="cuda")
+    w = (torch.rand(n, generator=gen, device="cuda") > 0.1).float()
+    s = D.token_stats(z, y, w, teacher_logits=u, temperature=1.3, backend="triton")
+    g_lp = torch.randn(n, generator=gen, device="cuda")
+    g_h = torch.randn(n, generator=gen, device="cuda")
+    g_kl = torch.randn(n, generator=gen, device="cuda")
+    (dz,) = torch.autograd.grad([s.logp, s.entropy, s.kl], z, [g_lp, g_h, g_kl])
+    rows = torch.cat([torch.arange(32), torch.arange(n - 32, n)]).cuda()
+    pick = lambda t: t[rows].double().cpu().numpy()
+    kw = dict(T=1.3, u=pick(u) if teacher else None)
+    active = pick(w) != 0
+    exp = oracle.token_stats(pick(z.detach()), pick(y), active, **kw)
+    for name, got, e in zip(("lse", "logp", "entropy", "kl"), s, exp):
+        assert_close(pick(got), e, "float32", name)
+    zeros = np.zeros(64)
+    dz_exp, _ = oracle.token_stats_vjp(pick(z.detach()), pick(y), active,
+                                       (zeros, pick(g_lp), pick(g_h), pick(g_kl) if teacher else zeros), **kw)
+    assert_close(pick(dz), dz_exp, "bfloat16", "d logits")
+
+
+def test_jax_triton_parity():
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax_triton")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    rng = np.random.default_rng(0)
+    n, k = 300, 5003
+    z = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
+    u = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
+    y = jnp.asarray(rng.integers(0, k, n))
+    w = jnp.asarray(rng.uniform(size=n) > 0.2, jnp.float32)
+    x = jnp.asarray(rng.integers(0, k, n))
+    d = jnp.asarray(rng.uniform(0, 4, n), jnp.float32)
+
+    def loss(z, backend):
+        s = D.token_stats(z, y, w, teacher_logits=u, shift_ids=x, shift=d, temperature=0.9,
+                          ce_temperature=1.1, softcap=30.0, backend=backend)
+        return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl), s
+
+    (_, s_t), g_t = jax.jit(jax.value_and_grad(lambda z: loss(z, "triton"), has_aux=True))(z)
+    (_, s_r), g_r = jax.value_and_grad(lambda z: loss(z, "reference"), has_aux=True)(z)
+    for a, b in zip(s_t, s_r):
+        assert_close(np.asarray(a), np.asarray(b), "float32")
+    assert_close(np.asarray(g_t, np.float64), np.asarray(g_r, np.float64), "bfloat16")
