@@ -1,0 +1,264 @@
+"""Pallas (Mosaic TPU) kernels of the token-statistics primitive (DESIGN §2).
+
+Grid and order
+--------------
+Forward: grid (cdiv(N, BN), cdiv(K, BK)) with dimension semantics ("parallel", "arbitrary").
+Row blocks are independent (sharded across TensorCores); the vocabulary axis is the
+innermost, sequential one, so the running row statistics live in VMEM scratch across it,
+are initialised at k == 0 and written out at k == last. Backward: the same grid with both
+axes "parallel": every (BN, BK) gradient block depends only on its logits block and the
+saved per-row statistics.
+
+Blocks and VMEM budget
+----------------------
+Logits blocks are (BN, BK) with BN a multiple of 8 (sublanes) and BK a multiple of 128
+(lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 2] (target,
+shift column), floats [N, F] (shift, active, saved statistics, cotangents), and the
+forward writes stats [N, 8]; their blocks (BN, 2|F|8) use the full last dimension, which
+Mosaic accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
+whose estimate fits ``VMEM_BUDGET`` = 12 MiB, under the 16 MiB default scoped VMEM limit of
+TPU v4/v5e (32 MiB on v6e):
+
+    per (row, column) element:  2·E per streamed input (double buffered)
+                                + 2·E per streamed output (backward)
+                                + 4·8 bytes of float32 temporaries in the kernel body
+    per row:                    10 scratch rows of 128 lanes x 4 bytes (lane-padded)
+
+For bf16 logits with a teacher that is BN = 64 at BK = 2048 (about 10 MiB); K = 262144
+is 128 vocabulary steps. Ragged K: the last block's columns >= K are masked to -inf before
+any reduction, and Pallas drops out-of-bounds stores, so nothing leaks.
+
+Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
+and writes 32; backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
+Inactive rows are zeroed before any arithmetic (their values cannot leak); a row block
+with no active row skips all arithmetic.
+
+TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
+to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+NEG_INF = float("-inf")
+VMEM_BUDGET = 12 * 1024 * 1024
+BLOCK_K = 2048
+MAX_BLOCK_N = 256
+
+# Column layout of the packed per-row float inputs.
+F_SHIFT, F_ACTIVE, F_LSE, F_ENT, F_KL, F_LSE_CE, F_LSE_U, F_GLSE, F_GLP, F_GH, F_GKL = range(11)
+FWD_FLOATS = 2  # shift, active
+BWD_FLOATS = 16  # everything above, padded
+N_STATS = 8  # lse, logp, entropy, kl, lse_ce, lse_u, 0, 0
+
+
+def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
+    """(BN, BK) within the VMEM budget (see the module docstring)."""
+    bk = block_k or BLOCK_K
+    bk = max(128, (min(bk, -(-vocab // 128) * 128) // 128) * 128)
+    streams = 1 + int(has_teacher)
+    per_elem = 2 * itemsize * streams + (2 * itemsize * streams if backward else 0) + 4 * 8
+    per_row = 10 * 128 * 4
+    bn = VMEM_BUDGET // (per_elem * bk + per_row)
+    bn = max(8, min(MAX_BLOCK_N, (bn // 8) * 8, -(-n_rows // 8) * 8))
+    return bn, bk
+
+
+def vmem_bytes(bn, bk, itemsize, has_teacher, backward):
+    """The estimate ``block_sizes`` budgets with, for documentation and tests."""
+    streams = 1 + int(has_teacher)
+    per_elem = 2 * itemsize * streams + (2 * itemsize * streams if backward else 0) + 4 * 8
+    return bn * bk * per_elem + bn * 10 * 128 * 4
+
+
+def _cap(z, softcap):
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+
+def _shifted(z, cols, x, d, softcap, has_shift):
+    r = _cap(z, softcap)
+    if has_shift:
+        r = r + jnp.where(cols == x, d, 0.0)
+    return r
+
+
+def _lse_update(m_ref, a_ref, s):
+    """Online (max, sum) update of (BN, 1) scratch with block s (BN, BK); returns e, m_safe."""
+    m_old = m_ref[...]
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    e = jnp.exp(s - m_safe)
+    a_old = a_ref[...]
+    a_ref[...] = a_old * jnp.exp(m_old - m_safe) + jnp.sum(e, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    return e, m_safe, m_old, a_old
+
+
+def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
+                separate_ce):
+    if has_teacher:
+        z_ref, u_ref, ints_ref, floats_ref, out_ref, *scratch = refs
+    else:
+        z_ref, ints_ref, floats_ref, out_ref, *scratch = refs
+        u_ref = None
+    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc, ry_sc = scratch
+    kb = pl.program_id(1)
+
+    @pl.when(kb == 0)
+    def _init():
+        for ref in (m_sc, m2_sc, mu_sc):
+            ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
+        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, ry_sc):
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+    ints = ints_ref[...]  # (BN, 2) int32: target, shift column
+    floats = floats_ref[...]  # (BN, 2) f32: shift, active
+    y, x = ints[:, 0:1], ints[:, 1:2]
+    d, active = floats[:, F_SHIFT:F_SHIFT + 1], floats[:, F_ACTIVE:F_ACTIVE + 1] != 0
+    bn = z_ref.shape[0]
+    cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+    valid = cols < vocab
+
+    @pl.when(jnp.any(active))
+    def _accumulate():
+        z = jnp.where(active, z_ref[...].astype(jnp.float32), 0.0)  # (BN, BK) f32
+        r = jnp.where(valid, _shifted(z, cols, x, d, softcap, has_shift), NEG_INF)
+        s = r * inv_t
+        e, m_safe, m_old, a_old = _lse_update(m_sc, a_sc, s)
+        b_old = jnp.where(a_old > 0, jnp.exp(m_old - m_safe) * (b_sc[...] + (m_old - m_sc[...]) * a_old), 0.0)
+        b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1, keepdims=True)
+        ry_sc[...] += jnp.sum(jnp.where(cols == y, r, 0.0), axis=1, keepdims=True)
+        if separate_ce:
+            _lse_update(m2_sc, a2_sc, r * inv_t_ce)
+        if has_teacher:
+            t = jnp.where(valid, jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl, NEG_INF)
+            mu_old = mu_sc[...]
+            eu, mu_safe, _, _ = _lse_update(mu_sc, au_sc, t)
+            cu_sc[...] = (cu_sc[...] * jnp.exp(mu_old - mu_safe)
+                          + jnp.sum(jnp.where(eu > 0, eu * (t - s), 0.0), axis=1, keepdims=True))
+
+    @pl.when(kb == pl.num_programs(1) - 1)
+    def _finalize():
+        log_a = jnp.log(a_sc[...])
+        lse = m_sc[...] + log_a
+        entropy = log_a - b_sc[...] / a_sc[...]
+        lse_ce = m2_sc[...] + jnp.log(a2_sc[...]) if separate_ce else lse
+        y_ok = (y >= 0) & (y < vocab)
+        logp = jnp.where(y_ok, ry_sc[...] * inv_t_ce - lse_ce, jnp.nan)
+        zero = jnp.zeros_like(lse)
+        kl, lse_u = zero, zero
+        if has_teacher:
+            lse_u = mu_sc[...] + jnp.log(au_sc[...])
+            kl = cu_sc[...] / au_sc[...] - lse_u + lse
+        for j, v in enumerate((lse, logp, entropy, kl, lse_ce, lse_u, zero, zero)):
+            out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
+
+
+def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
+                separate_ce, teacher_grad):
+    if has_teacher:
+        z_ref, u_ref, ints_ref, floats_ref, dz_ref, *rest = refs
+    else:
+        z_ref, ints_ref, floats_ref, dz_ref, *rest = refs
+        u_ref = None
+    du_ref = rest[0] if teacher_grad else None
+    kb = pl.program_id(1)
+    ints, f = ints_ref[...], floats_ref[...]  # (BN, 2) int32, (BN, 16) f32
+    y, x = ints[:, 0:1], ints[:, 1:2]
+    col = lambda j: f[:, j:j + 1]
+    active = col(F_ACTIVE) != 0
+    lse, entropy, kl, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_KL), col(F_LSE_CE), col(F_LSE_U)
+    g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
+    bn = z_ref.shape[0]
+    cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+    z = jnp.where(active, z_ref[...].astype(jnp.float32), 0.0)
+    r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
+    s = r * inv_t
+    logp_k = s - lse
+    p = jnp.exp(logp_k)
+    ds = (g_lse - g_h * jnp.where(p > 0, logp_k + entropy, 0.0)) * p
+    if has_teacher:
+        logq = jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl - lse_u
+        q = jnp.exp(logq)
+        ds = ds + g_kl * (p - q)  # float32 p - q
+        if teacher_grad:
+            du = g_kl * jnp.where(q > 0, q * (logq - logp_k - kl), 0.0) * inv_t_kl
+            du_ref[...] = jnp.where(active, du, 0.0).astype(du_ref.dtype)
+    p_ce = jnp.exp(r * inv_t_ce - lse_ce) if separate_ce else p
+    onehot = jnp.where(cols == y, 1.0, 0.0)
+    dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
+    if softcap is not None:
+        th = jnp.tanh(z / softcap)
+        dr = dr * (1.0 - th * th)
+    dz_ref[...] = jnp.where(active, dr, 0.0).astype(dz_ref.dtype)
+
+
+def _interpret_arg(interpret, detect_races=False):
+    """False (compiled Mosaic) or TPU interpret mode; race detection emulates two cores, so
+    the "parallel" row axis is really split between them."""
+    if not interpret:
+        return False
+    if detect_races:
+        return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    return pltpu.InterpretParams()
+
+
+def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
+                  separate_ce, block_k=None, interpret=False, detect_races=False):
+    """z, u: [N, K]; ints [N, 2] int32; floats [N, 2] f32 -> stats [N, 8] f32."""
+    n, k = z.shape
+    has_teacher = u is not None
+    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, False, block_k)
+    grid = (pl.cdiv(n, bn), pl.cdiv(k, bk))
+    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
+    per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
+    kernel = functools.partial(
+        _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
+        softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce)
+    operands = [z] + ([u] if has_teacher else []) + [ints, floats]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, N_STATS), jnp.float32),
+        grid=grid,
+        in_specs=[tile] * (1 + has_teacher) + [per_row(2), per_row(FWD_FLOATS)],
+        out_specs=per_row(N_STATS),
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(9)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=_interpret_arg(interpret, detect_races),
+        name="dlm_token_stats_fwd",
+    )(*operands)
+
+
+def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
+                   separate_ce, teacher_grad, block_k=None, interpret=False, detect_races=False):
+    """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
+    statistics and cotangents (F_* columns)."""
+    n, k = z.shape
+    has_teacher = u is not None
+    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, True, block_k)
+    grid = (pl.cdiv(n, bn), pl.cdiv(k, bk))
+    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
+    per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
+    kernel = functools.partial(
+        _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
+        softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
+        teacher_grad=teacher_grad)
+    out_shape = [jax.ShapeDtypeStruct(z.shape, z.dtype)]
+    if teacher_grad:
+        out_shape.append(jax.ShapeDtypeStruct(u.shape, u.dtype))
+    operands = [z] + ([u] if has_teacher else []) + [ints, floats]
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[tile] * (1 + has_teacher) + [per_row(2), per_row(BWD_FLOATS)],
+        out_specs=[tile] * len(out_shape),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=_interpret_arg(interpret, detect_races),
+        name="dlm_token_stats_bwd",
+    )(*operands)
+    return outs[0], (outs[1] if teacher_grad else None)

@@ -1,0 +1,79 @@
+"""The pallas backend for JAX: the Mosaic TPU kernels of ``dlm_kernels.kernels.pallas``
+under the front end's ``custom_vjp``.
+
+Interpret mode (TPU semantics emulated on CPU) is on when ``DLM_KERNELS_PALLAS_INTERPRET=1``,
+off when ``=0``, and by default on exactly when JAX's default backend is the CPU. With it off
+on a CPU machine, the kernels still *lower* for TPU (``lowering_platforms=("tpu",)``), which
+is how the block rules are checked without a TPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from .. import _stats_math as M
+from .._common import PALLAS_INTERPRET_ENV
+from ..kernels.pallas import token_stats as K
+
+
+def interpret_mode() -> bool:
+    value = os.environ.get(PALLAS_INTERPRET_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"{PALLAS_INTERPRET_ENV} must be 0 or 1; got {value!r}")
+    return jax.default_backend() == "cpu"
+
+
+def detect_races() -> bool:
+    return os.environ.get("DLM_KERNELS_PALLAS_DETECT_RACES") == "1"
+
+
+def _statics(cfg, has_shift):
+    return dict(inv_t=1.0 / cfg.temperature, inv_t_ce=1.0 / cfg.ce_temperature,
+                inv_t_kl=1.0 / cfg.teacher_temperature, softcap=cfg.softcap, has_shift=has_shift,
+                separate_ce=cfg.separate_ce, block_k=cfg.chunk_size, interpret=interpret_mode(),
+                detect_races=detect_races())
+
+
+def _ints(y, x):  # [N, 2] int32: target, shift column
+    return jnp.stack([y.astype(jnp.int32), (y if x is None else x).astype(jnp.int32)], axis=1)
+
+
+class PallasJax:
+    name = "pallas"
+    custom_vjp = True
+
+    @staticmethod
+    def unsupported_reason(platform):
+        forced = os.environ.get(PALLAS_INTERPRET_ENV, "").strip()
+        if platform == "tpu" or forced == "0" or interpret_mode():
+            return None  # "0" forces compiled Mosaic: lowering for TPU works anywhere
+        return (f"the Pallas kernels target TPUs (arrays are on {platform!r}; set "
+                f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
+
+    @staticmethod
+    def forward(z, u, y, active, x, d, cfg):
+        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+        n = z.shape[0]
+        shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
+        floats = jnp.stack([shift, active.astype(jnp.float32)], axis=1)  # [N, 2]
+        out = K.stats_forward(z, u, _ints(y, x), floats, **_statics(cfg, x is not None))
+        return M.Stats(*(out[:, j] for j in range(6)))
+
+    @staticmethod
+    def backward(z, u, y, active, x, d, stats, grads, cfg):
+        n = z.shape[0]
+        shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
+        cols = [shift, active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl,
+                stats.lse_ce, stats.lse_u, *grads]
+        cols += [jnp.zeros((n,), jnp.float32)] * (K.BWD_FLOATS - len(cols))
+        floats = jnp.stack(cols, axis=1)  # [N, 16]
+        return K.stats_backward(z, u, _ints(y, x), floats, teacher_grad=cfg.teacher_grad,
+                                **_statics(cfg, x is not None))
+
+
+IMPLEMENTATION = PallasJax()
