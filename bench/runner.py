@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 
@@ -220,6 +221,18 @@ def add_speedups(results):
                 r["speedup"][b] = base["ms"] / r["ms"]
 
 
+def vocab_parallel_comm(env):
+    """All-reduce bytes per row of the vocab-parallel path, from ``python -m bench.comm``."""
+    if not env["jax"]:
+        return None
+    out = subprocess.run([sys.executable, "-m", "bench.comm"], capture_output=True, text=True,
+                         cwd=os.path.dirname(HERE))
+    if out.returncode != 0:
+        print(f"vocab-parallel comm measurement failed: {out.stderr[-500:]}", flush=True)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def markdown(env, copy_gbps, results, parity_rows):
     lines = [f"Device: {env['device']} — {env['date'][:10]} — copy bandwidth {copy_gbps:.1f} GB/s "
              f"(measured in the same run)", ""]
@@ -326,15 +339,21 @@ def main(argv=None):
                           + (f"{fb['ms']:9.2f} ms {fb['gbps']:7.1f} GB/s" if "ms" in fb else fb["error"]),
                           flush=True)
     add_speedups(results)
+    comm = vocab_parallel_comm(env)
 
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
     stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
     report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
-                  shapes=shapes, results=results)
+                  shapes=shapes, results=results, vocab_parallel_comm=comm)
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=1)
     table = markdown(env, copy_gbps, results, parity_rows)
+    if comm:
+        table += ("\nVocabulary-parallel communication (JAX, 1 x 8 mesh, compiled HLO all-reduces, "
+                  "forward + backward): " + ", ".join(
+                      f"N={c['n']} K={c['k']}: {c['bytes_per_row']:.0f} B/row "
+                      f"(logits {c['logits_bytes_per_row']} B/row)" for c in comm) + "\n")
     with open(stem + ".md", "w") as f:
         f.write(table)
     png = plot(results, stem + ".png")

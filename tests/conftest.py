@@ -4,7 +4,7 @@ import sys
 # Triton's interpreter must be chosen before triton is imported anywhere.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Several host devices for the JAX sharding tests; set before jax initialises.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -21,5 +21,7 @@ def test_bench_smoke(tmp_path):
     for r in rows:
         assert r["ms"] >= 0 and r["bytes"] > 0 and "speedup" in r
         assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
+    comm = report["vocab_parallel_comm"]
+    assert comm and all(c["bytes_per_row"] <= c["analytic_bytes_per_row"] for c in comm)
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))

@@ -89,6 +89,8 @@ class StatsConfig:
     has_teacher:       teacher logits are given (the ``kl`` output is 0 otherwise).
     teacher_grad:      the VJP also returns d(teacher logits).
     chunk_size:        vocabulary chunk of the chunked backends (None = heuristic).
+    vocab_size:        vocabulary-parallel calls only: the true vocabulary, so padding
+                       columns >= vocab_size (global ids) are excluded and get 0 gradient.
     """
 
     temperature: float = 1.0
@@ -98,6 +100,7 @@ class StatsConfig:
     has_teacher: bool = False
     teacher_grad: bool = False
     chunk_size: Optional[int] = None
+    vocab_size: Optional[int] = None
 
     @property
     def separate_ce(self) -> bool:
@@ -113,6 +116,7 @@ def make_config(
     has_teacher=False,
     teacher_grad=False,
     chunk_size=None,
+    vocab_size=None,
 ) -> StatsConfig:
     temperature = check_positive_float("temperature", temperature)
     ce_temperature = check_positive_float("ce_temperature", ce_temperature, allow_none=True)
@@ -124,6 +128,8 @@ def make_config(
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
         raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
+    if vocab_size is not None:
+        vocab_size = check_vocab_size(vocab_size)
     if teacher_grad and not has_teacher:
         raise ValueError("teacher_grad=True needs teacher_logits")
     return StatsConfig(
@@ -134,6 +140,7 @@ def make_config(
         has_teacher=bool(has_teacher),
         teacher_grad=bool(teacher_grad),
         chunk_size=chunk_size,
+        vocab_size=vocab_size,
     )
 
 

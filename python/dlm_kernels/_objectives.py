@@ -38,9 +38,11 @@ def _total(xp, x):  # [B, L] -> []
 class Frontend:
     """The public objectives of one front end (see the module docstring)."""
 
-    def __init__(self, xp, token_stats, weighted_sum, token_batch, distillation_batch):
+    def __init__(self, xp, token_stats, weighted_sum, token_batch, distillation_batch,
+                 vocab_extent=lambda logits: logits.shape[-1]):
         self.xp = xp
         self.token_stats = token_stats
+        self.vocab_extent = vocab_extent  # full K (K_local x shards when vocab-parallel)
         self.WeightedSum = weighted_sum
         self.DiffusionTokenBatch = token_batch
         self.DiffusionDistillationBatch = distillation_batch
@@ -146,7 +148,7 @@ class Frontend:
             raise TypeError(f"batch must be a DiffusionTokenBatch; got {type(batch).__name__}")
         C.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
         C.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
-                                   logits.shape[-1], allow_sync=False)
+                                   self.vocab_extent(logits), allow_sync=False)
 
     def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
                         return_entropy=False, backend=None):
@@ -204,7 +206,7 @@ class Frontend:
                             "student_logits.shape")
             C.check_teacher_values(xp, teacher, student.loss_weights)
         C.check_token_batch_values(xp, student.target_ids, student.loss_weights,
-                                   student_logits.shape[-1] if hard_w > 0.0 else None,
+                                   self.vocab_extent(student_logits) if hard_w > 0.0 else None,
                                    allow_sync=False)
         stats = self.token_stats(student_logits, student.target_ids, student.loss_weights,
                                  temperature=temperature, ce_temperature=1.0,

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from . import _checks
 from ._common import make_config
+from ._dispatch import logger
 
 
 class TokenStats(NamedTuple):
@@ -66,6 +67,14 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
         logits tensor holds the gradient, so nothing else may read those logits afterwards
         (nor may another autograd node have saved them); with a leaf tensor, ``.grad``
         aliases its data. Supported by the chunked and triton backends.
+      vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
+        are excluded and get a zero gradient. With vocabulary parallelism it is the global
+        size (the padded tail of the last shard is masked).
+      process_group (torch) / vocab_axis (JAX): vocabulary parallelism. The logits are this
+        rank's (or this shard_map device's) contiguous shard of the vocabulary; targets and
+        shift ids are global ids. Partial states merge with two all-reduces of per-row
+        floats (40 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
+        same to every objective inside a ``with`` block.
       backend: None (auto), "reference", "chunked", "triton" or "pallas".
 
     Returns:
@@ -73,8 +82,35 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
     """
 
 
+def trim_vocab(logits, teacher_logits, vocab_size):
+    """Drop padding columns >= vocab_size (a view in torch; autodiff pads the gradient)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int; got {vocab_size!r}")
+    k = logits.shape[-1]
+    if vocab_size > k:
+        raise ValueError(f"vocab_size must be <= logits.shape[-1] = {k}; got {vocab_size}")
+    if vocab_size == k:
+        return logits, teacher_logits
+    trim = lambda a: None if a is None else a[..., :vocab_size]
+    return trim(logits), trim(teacher_logits)
+
+
+def shard_capable(registry, impl, requested):
+    """The implementation a vocabulary-parallel call uses: ``impl`` when it can merge partial
+    states across shards, else the chunked one (auto only; an explicit request errors)."""
+    if getattr(impl, "supports_vocab_shards", False):
+        return impl
+    if requested is not None:
+        raise ValueError(
+            f"backend={requested!r} does not support vocabulary-parallel logits yet; "
+            f"use backend='chunked' (or None)")
+    logger.debug("vocab-parallel call: %s cannot merge shard states; using chunked", impl.name)
+    return registry.IMPLEMENTATIONS["chunked"]
+
+
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
-            shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size):
+            shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
+            vocab_size=None):
     """Validate, build the static config and flatten leading dims into rows.
 
     Returns (cfg, rows_shape, flat) with flat = (z [N, K], u [N, K] | None, y [N], active [N],
@@ -89,6 +125,7 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         has_teacher=teacher_logits is not None,
         teacher_grad=teacher_grad,
         chunk_size=chunk_size,
+        vocab_size=vocab_size,
     )
     rows = tuple(logits.shape[:-1])
     k = logits.shape[-1]

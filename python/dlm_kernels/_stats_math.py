@@ -124,6 +124,22 @@ def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
     return State(m, a, b, m2, a2, mu, au, cu)
 
 
+def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
+    """Merge the partial states of vocabulary shards with two collectives of per-row floats:
+    ``pmax`` of the three running maxima, then one ``psum`` of the rescaled sums and of
+    ``extra_sums`` (DESIGN §2): 3 + 5 + len(extra_sums) floats per row in all.
+    ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
+    Returns (merged State, summed extra_sums)."""
+    m, m2, mu = pmax([state.m, state.m2, state.mu])
+    f = _rescale(xp, state.m, m)
+    a = f * state.a
+    b = xp.where(state.a > 0, f * (state.b + (state.m - m) * state.a), 0.0)
+    a2 = _rescale(xp, state.m2, m2) * state.a2
+    fu = _rescale(xp, state.mu, mu)
+    a, b, a2, au, cu, *extra = psum([a, b, a2, fu * state.au, fu * state.cu, *extra_sums])
+    return State(m, a, b, m2, a2, mu, au, cu), extra
+
+
 class Stats(NamedTuple):
     """Per-row outputs and residuals, all [N] float32."""
 
@@ -135,24 +151,39 @@ class Stats(NamedTuple):
     lse_u: object  # logsumexp(t) (0 without a teacher)
 
 
-def target_logit(xp, z, targets, shift_ids, shift, cfg: StatsConfig):
-    """r_y: the shifted (capped) logit at the target column, [N] f32; NaN if y is outside [0, K)."""
-    k = z.shape[-1]
-    in_range = (targets >= 0) & (targets < k)
-    y = xp.where(in_range, targets, 0)
-    zy = xp.gather_cols(z, y)[:, None]  # [N, 1]
-    r = shifted_logits(xp, zy, y[:, None], shift_ids, shift, cfg)[:, 0]
-    return xp.where(in_range, r, float("nan"))
+def target_logit(xp, z, targets, shift_ids, shift, cfg: StatsConfig, offset=0):
+    """(r_y, found), both [N] f32: the shifted logit at the target column when this block of
+    columns [offset, offset + C) holds the target (else 0), and 1.0 / 0.0 for whether it
+    does. Summed over vocabulary shards, found == 1 exactly when the target is in range.
+    """
+    c = z.shape[-1]
+    local = targets - offset
+    found = (local >= 0) & (local < c)
+    if cfg.vocab_size is not None:
+        found = found & (targets < cfg.vocab_size)
+    idx = xp.where(found, local, 0)
+    zy = xp.gather_cols(z, idx)[:, None]  # [N, 1]
+    r = shifted_logits(xp, zy, targets[:, None], shift_ids, shift, cfg)[:, 0]
+    return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 
-def finalize(xp, state: State, r_y, active, cfg: StatsConfig) -> Stats:
-    """Row statistics from a merged state; inactive rows give exact zeros."""
+def column_mask(xp, cols, cfg: StatsConfig, valid=None):
+    """[C] bool: columns that count (below ``cfg.vocab_size``, and ``valid`` when given)."""
+    if cfg.vocab_size is not None:
+        limit = cols < cfg.vocab_size
+        valid = limit if valid is None else valid & limit
+    return valid
+
+
+def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
+    """Row statistics from a merged state; logp is NaN where the target was not found
+    (out of range: loud, never silently wrong); inactive rows give exact zeros."""
     lse = state.m + xp.log(state.a)
     entropy = xp.log(state.a) - state.b / state.a
     lse_ce = lse
     if cfg.separate_ce:
         lse_ce = state.m2 + xp.log(state.a2)
-    logp = r_y * (1.0 / cfg.ce_temperature) - lse_ce
+    logp = xp.where(found > 0, r_y * (1.0 / cfg.ce_temperature) - lse_ce, float("nan"))
     zero = xp.zeros_like(lse)
     kl, lse_u = zero, zero
     if cfg.has_teacher:
@@ -195,6 +226,10 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
         th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
         dr = dr * (1.0 - th * th)
     dz = xp.where(active[:, None], dr, 0.0)
+    if cfg.vocab_size is not None:  # padding columns get exact zeros
+        keep = (cols < cfg.vocab_size)[None, :]
+        dz = xp.where(keep, dz, 0.0)
+        du = None if du is None else xp.where(keep, du, 0.0)
     return dz, du
 
 

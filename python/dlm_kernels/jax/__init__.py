@@ -16,14 +16,15 @@ from .._dispatch import BackendUnavailableError
 from .._objectives import Frontend, rf_alpha, rf_alpha_dot
 from .._stats_api import TokenStats
 from ._ops import JaxOps
-from ._primitive import REGISTRY, backend_for, token_stats
+from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 
 WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(JaxOps, __name__)
 for _cls in (WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch):
     _jax.tree_util.register_dataclass(
         _cls, data_fields=list(_cls.__dataclass_fields__), meta_fields=[])
 
-_api = Frontend(JaxOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch)
+_api = Frontend(JaxOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
+               vocab_extent)
 
 reweight = _api.reweight
 loo_to_denoiser_logits = _api.loo_to_denoiser_logits
@@ -42,5 +43,5 @@ __all__ = [
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY",
+    "BackendUnavailableError", "REGISTRY", "vocab_parallel",
 ]

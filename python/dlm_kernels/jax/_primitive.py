@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 
@@ -9,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from .._dispatch import Registry
-from .._stats_api import TOKEN_STATS_DOC, TokenStats, prepare
+from .. import _stats_math as M
+from .._stats_api import TOKEN_STATS_DOC, TokenStats, prepare, shard_capable, trim_vocab
 from ._ops import JaxOps
 
 REGISTRY = Registry("jax")
@@ -56,22 +59,82 @@ def _token_stats_bwd(impl, cfg, residuals, cotangents):
 _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _vocab_parallel_vjp(impl, cfg, axis, z, u, y, active, x, d):
+    return _vocab_parallel_fwd(impl, cfg, axis, z, u, y, active, x, d)[0]
+
+
+def _vocab_parallel_fwd(impl, cfg, axis, z, u, y, active, x, d):
+    # z: this device's vocabulary shard [N, K_local] of the mesh axis ``axis``
+    offset = jax.lax.axis_index(axis) * z.shape[1]
+    state, r_y, found = impl.forward_partial(z, u, y, x, d, cfg, offset)
+    state, (r_y, found) = M.merge_collective(
+        JaxOps, state, lambda v: jax.lax.pmax(v, axis), lambda v: jax.lax.psum(v, axis), cfg,
+        [r_y, found])
+    stats = M.finalize(JaxOps, state, r_y, found, active, cfg)
+    return tuple(stats[:4]), (z, u, y, active, x, d, stats, offset)
+
+
+def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):
+    z, u, y, active, x, d, stats, offset = residuals
+    grads = tuple(g.astype(jnp.float32) for g in cotangents)
+    dz, du = impl.backward(z, u, y, active, x, d, stats, grads, cfg, offset=offset)
+    if u is not None and du is None:
+        du = jnp.zeros_like(u)
+    return dz, du, None, None, None, None
+
+
+_vocab_parallel_vjp.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
+
+_VOCAB_PARALLEL = contextvars.ContextVar("dlm_kernels_jax_vocab_parallel", default=None)
+
+
+@contextlib.contextmanager
+def vocab_parallel(vocab_axis, vocab_size=None):
+    """Within this block (traced inside ``jax.shard_map``), every objective treats its logits
+    as this device's shard of the mesh axis ``vocab_axis`` (as ``token_stats(...,
+    vocab_axis=..., vocab_size=...)`` does)."""
+    token = _VOCAB_PARALLEL.set((vocab_axis, vocab_size))
+    try:
+        yield
+    finally:
+        _VOCAB_PARALLEL.reset(token)
+
+
+def vocab_extent(logits) -> int:
+    """The full vocabulary the logits' last axis belongs to (K·axis size inside vocab_parallel)."""
+    ctx = _VOCAB_PARALLEL.get()
+    if ctx is None:
+        return logits.shape[-1]
+    axis, vocab_size = ctx
+    return vocab_size or logits.shape[-1] * jax.lax.axis_size(axis)
+
+
 def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
                 softcap=None, shift_ids=None, shift=None, teacher_logits=None,
                 teacher_temperature=None, teacher_grad=False, chunk_size=None, inplace_grad=False,
-                backend=None):
+                vocab_size=None, vocab_axis=None, backend=None):
     if inplace_grad:
         raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate the "
                          "logits buffer to jit to let XLA reuse it instead)")
+    if vocab_axis is None and _VOCAB_PARALLEL.get() is not None:
+        vocab_axis, ctx_vocab = _VOCAB_PARALLEL.get()
+        vocab_size = vocab_size if vocab_size is not None else ctx_vocab
+    if vocab_axis is None and vocab_size is not None:
+        logits, teacher_logits = trim_vocab(logits, teacher_logits, vocab_size)
+        vocab_size = None
     cfg, rows, (z, u, y, active, x, d) = prepare(
         JaxOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
         teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
-        teacher_grad=teacher_grad, chunk_size=chunk_size)
+        teacher_grad=teacher_grad, chunk_size=chunk_size, vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, JaxOps.platform(logits))
     if u is not None and not cfg.teacher_grad:
         u = jax.lax.stop_gradient(u)
-    if impl.custom_vjp:
+    if vocab_axis is not None:
+        impl = shard_capable(REGISTRY, impl, backend)
+        outs = _vocab_parallel_vjp(impl, cfg, vocab_axis, z, u, y, active, x, d)
+    elif impl.custom_vjp:
         outs = _token_stats_vjp(impl, cfg, z, u, y, active, x, d)
     else:
         outs = impl.compute(z, u, y, active, x, d, cfg)

@@ -13,11 +13,12 @@ from .._dispatch import BackendUnavailableError
 from .._objectives import Frontend, rf_alpha, rf_alpha_dot
 from .._stats_api import TokenStats
 from ._ops import TorchOps
-from ._primitive import REGISTRY, backend_for, token_stats
+from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 
 WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(TorchOps, __name__)
 
-_api = Frontend(TorchOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch)
+_api = Frontend(TorchOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
+               vocab_extent)
 
 reweight = _api.reweight
 loo_to_denoiser_logits = _api.loo_to_denoiser_logits
@@ -36,5 +37,5 @@ __all__ = [
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY",
+    "BackendUnavailableError", "REGISTRY", "vocab_parallel",
 ]

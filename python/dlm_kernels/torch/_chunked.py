@@ -2,7 +2,9 @@
 
 Forward keeps the streaming state of DESIGN §2 per row and merges chunk partials; backward
 recomputes p (and q) chunk by chunk and writes d(logits) slice by slice. Live float32
-temporaries are a few [N, C] buffers (C from ``chunk_size_for``), never [N, K].
+temporaries are a few [N, C] buffers (C from ``chunk_size_for``), never [N, K]. With a
+column ``offset`` the logits are one vocabulary shard (columns [offset, offset + K)); the
+vocabulary-parallel path merges the partial states across shards.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class ChunkedTorch:
     name = "chunked"
     custom_vjp = True
     supports_inplace_grad = True
+    supports_vocab_shards = True
 
     @staticmethod
     def unsupported_reason(platform):
@@ -30,27 +33,31 @@ class ChunkedTorch:
 
     @staticmethod
     @torch.no_grad()
-    def forward(z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+    def forward_partial(z, u, y, x, d, cfg, offset=0):
+        # z, u: [N, K] (one shard); y, x, d: [N] -> (State, r_y, found) of [N] f32
         n, k = z.shape
         state = None
         for c0, c1 in _chunks(n, k, cfg):
-            cols = torch.arange(c0, c1, device=z.device)  # [C]
+            cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
             part = M.chunk_partial(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols,
-                                   None, x, d, cfg)
+                                   M.column_mask(xp, cols, cfg), x, d, cfg)
             state = part if state is None else M.merge(xp, state, part, cfg)
-        r_y = M.target_logit(xp, z, y, x, d, cfg)
-        return M.finalize(xp, state, r_y, active, cfg)
+        return (state, *M.target_logit(xp, z, y, x, d, cfg, offset))
+
+    @classmethod
+    def forward(cls, z, u, y, active, x, d, cfg):
+        state, r_y, found = cls.forward_partial(z, u, y, x, d, cfg)
+        return M.finalize(xp, state, r_y, found, active, cfg)
 
     @staticmethod
     @torch.no_grad()
-    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False):
+    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False, offset=0):
         # -> dz [N, K] in z's dtype (z itself when ``inplace``), du [N, K] or None
         n, k = z.shape
         dz = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         du = torch.empty(u.shape, dtype=u.dtype, device=u.device) if cfg.teacher_grad else None
         for c0, c1 in _chunks(n, k, cfg):
-            cols = torch.arange(c0, c1, device=z.device)
+            cols = torch.arange(offset + c0, offset + c1, device=z.device)
             gz, gu = M.chunk_grads(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols, y,
                                    active, x, d, stats, grads, cfg)
             dz[:, c0:c1] = gz
