@@ -29,7 +29,7 @@ is 128 vocabulary steps. Ragged K: the last block's columns >= K are masked to -
 any reduction, and Pallas drops out-of-bounds stores, so nothing leaks.
 
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
-and writes 32; backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
+and writes 32 (8 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
 Inactive rows are zeroed before any arithmetic (their values cannot leak); a row block
 with no active row skips all arithmetic.
 
@@ -50,10 +50,11 @@ BLOCK_K = 2048
 MAX_BLOCK_N = 256
 
 # Column layout of the packed per-row float inputs.
-F_SHIFT, F_ACTIVE, F_LSE, F_ENT, F_KL, F_LSE_CE, F_LSE_U, F_GLSE, F_GLP, F_GH, F_GKL = range(11)
+(F_SHIFT, F_ACTIVE, F_LSE, F_ENT, F_KL_SHIFT, F_LSE_CE, F_LSE_U, F_GLSE, F_GLP, F_GH,
+ F_GKL) = range(11)
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
-N_STATS = 8  # lse, logp, entropy, kl, lse_ce, lse_u, 0, 0
+N_STATS = 8  # lse, logp, entropy, kl, lse_ce, lse_u, kl_shift, 0
 
 
 def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
@@ -150,11 +151,12 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         y_ok = (y >= 0) & (y < vocab)
         logp = jnp.where(y_ok, ry_sc[...] * inv_t_ce - lse_ce, jnp.nan)
         zero = jnp.zeros_like(lse)
-        kl, lse_u = zero, zero
+        kl, lse_u, kl_shift = zero, zero, zero
         if has_teacher:
             lse_u = mu_sc[...] + jnp.log(au_sc[...])
-            kl = cu_sc[...] / au_sc[...] - lse_u + lse
-        for j, v in enumerate((lse, logp, entropy, kl, lse_ce, lse_u, zero, zero)):
+            kl_shift = cu_sc[...] / au_sc[...]  # E_q[t - s]
+            kl = kl_shift - lse_u + lse
+        for j, v in enumerate((lse, logp, entropy, kl, lse_ce, lse_u, kl_shift, zero)):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
 
@@ -171,7 +173,8 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     y, x = ints[:, 0:1], ints[:, 1:2]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
-    lse, entropy, kl, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_KL), col(F_LSE_CE), col(F_LSE_U)
+    lse, entropy, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
+    kl_shift = col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z_ref.shape[0]
     cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
@@ -182,11 +185,12 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     p = jnp.exp(logp_k)
     ds = (g_lse - g_h * jnp.where(p > 0, logp_k + entropy, 0.0)) * p
     if has_teacher:
-        logq = jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl - lse_u
-        q = jnp.exp(logq)
+        t = jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl
+        q = jnp.exp(t - lse_u)
         ds = ds + g_kl * (p - q)  # float32 p - q
         if teacher_grad:
-            du = g_kl * jnp.where(q > 0, q * (logq - logp_k - kl), 0.0) * inv_t_kl
+            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
+            du = g_kl * jnp.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
             du_ref[...] = jnp.where(active, du, 0.0).astype(du_ref.dtype)
     p_ce = jnp.exp(r * inv_t_ce - lse_ce) if separate_ce else p
     onehot = jnp.where(cols == y, 1.0, 0.0)

@@ -6,13 +6,13 @@ Three kernels, no host code:
                          its columns in BLOCK_K blocks (online softmax, float32), writing the
                          8 running sums of the split to part[8, S, N].
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
-                         loads the target logit and writes out[6, N] = (lse, logp, entropy,
-                         kl, lse_ce, lse_u).
+                         loads the target logit and writes out[7, N] = (lse, logp, entropy,
+                         kl, lse_ce, lse_u, kl_shift).
   stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
 
 Bytes per row (K columns, E bytes per logit): the partial pass reads K·E (plus K·E of teacher
-logits); the finalize pass reads 8·S·4 + E and writes 24; the gradient pass reads K·E and
+logits); the finalize pass reads 8·S·4 + E and writes 28; the gradient pass reads K·E and
 writes K·E (teacher: + 2·K·E with teacher gradients, + K·E without). Inactive rows (active
 == 0) read no logits at all: their loops run zero times and their gradient stores write
 zeros without a load.
@@ -33,8 +33,8 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 # Rows of the partial-state buffer part[8, S, N].
 P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU = 0, 1, 2, 3, 4, 5, 6, 7
-# Rows of the statistics buffer out[6, N].
-S_LSE, S_LOGP, S_ENT, S_KL, S_LSE_CE, S_LSE_U = 0, 1, 2, 3, 4, 5
+# Rows of the statistics buffer out[7, N].
+S_LSE, S_LOGP, S_ENT, S_KL, S_LSE_CE, S_LSE_U, S_KL_SHIFT = 0, 1, 2, 3, 4, 5, 6
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def stats_finalize_kernel(
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
     N, K, S, stride_z, inv_t_ce, softcap,
-    out_ptr,  # [6, N] f32 out: lse, logp, entropy, kl, lse_ce, lse_u
+    out_ptr,  # [7, N] f32 out: lse, logp, entropy, kl, lse_ce, lse_u, kl_shift
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -185,6 +185,7 @@ def stats_finalize_kernel(
         lse_ce = m2 + tl.log(a2)
     kl = tl.zeros([BLOCK_N], dtype=tl.float32)
     lse_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    kl_shift = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_TEACHER:
         mu_s = tl.load(part_ptr + 5 * stride_p + p_off, mask=pmask, other=NEG_INF)
         au_s = tl.load(part_ptr + 6 * stride_p + p_off, mask=pmask, other=0.0)
@@ -192,7 +193,8 @@ def stats_finalize_kernel(
         mu, au, fu = _merge_max_sum(mu_s, au_s, pmask)
         cu = tl.sum(fu * cu_s, axis=0)
         lse_u = mu + tl.log(au)
-        kl = cu / au - lse_u + lse
+        kl_shift = cu / au  # E_q[t - s]
+        kl = kl_shift - lse_u + lse
 
     # the target logit: read E bytes per active row
     is_active = (tl.load(active_ptr + rows, mask=rmask, other=0) != 0) & rmask
@@ -214,6 +216,7 @@ def stats_finalize_kernel(
     tl.store(out_ptr + 3 * N + rows, tl.where(is_active, kl, 0.0), mask=rmask)
     tl.store(out_ptr + 4 * N + rows, tl.where(is_active, lse_ce, 0.0), mask=rmask)
     tl.store(out_ptr + 5 * N + rows, tl.where(is_active, lse_u, 0.0), mask=rmask)
+    tl.store(out_ptr + 6 * N + rows, tl.where(is_active, kl_shift, 0.0), mask=rmask)
 
 
 @triton.jit
@@ -223,7 +226,7 @@ def stats_grad_kernel(
     y_ptr,  # [N] int targets
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
-    stats_ptr,  # [6, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u)
+    stats_ptr,  # [7, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)
     g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
     inv_t, inv_t_ce, inv_t_kl, softcap,
@@ -246,7 +249,7 @@ def stats_grad_kernel(
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
     lse = tl.load(stats_ptr + 0 * N + row)
     entropy = tl.load(stats_ptr + 2 * N + row)
-    kl = tl.load(stats_ptr + 3 * N + row)
+    kl_shift = tl.load(stats_ptr + 6 * N + row)
     lse_ce = tl.load(stats_ptr + 4 * N + row)
     lse_u = tl.load(stats_ptr + 5 * N + row)
     y = tl.load(y_ptr + row).to(tl.int32)
@@ -271,11 +274,12 @@ def stats_grad_kernel(
         if HAS_TEACHER:
             # read BLOCK_K·E bytes of teacher logits
             u = tl.load(u_ptr + row64 * stride_u + cols, mask=load_mask, other=0.0).to(tl.float32)
-            logq = u * inv_t_kl - lse_u
-            q = tl.exp(logq)
+            t = u * inv_t_kl
+            q = tl.exp(t - lse_u)
             ds += g_kl * (p - q)  # float32 p - q: no bf16 cancellation
             if TEACHER_GRAD:
-                du = g_kl * tl.where(q > 0, q * (logq - logp_k - kl), 0.0) * inv_t_kl
+                # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
+                du = g_kl * tl.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
                 du = tl.where(is_active, du, 0.0)
                 # write BLOCK_K·E bytes of teacher gradient
                 tl.store(du_ptr + row64 * stride_du + cols, du.to(du_ptr.dtype.element_ty), mask=mask)

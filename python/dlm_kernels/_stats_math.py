@@ -149,6 +149,7 @@ class Stats(NamedTuple):
     kl: object  # KL(q || p); 0 without a teacher
     lse_ce: object  # logsumexp(s') (== lse when T_ce == T)
     lse_u: object  # logsumexp(t) (0 without a teacher)
+    kl_shift: object  # E_q[t - s] = cu / au, so d(teacher) needs no lse cancellation
 
 
 def target_logit(xp, z, targets, shift_ids, shift, cfg: StatsConfig, offset=0):
@@ -185,11 +186,12 @@ def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
         lse_ce = state.m2 + xp.log(state.a2)
     logp = xp.where(found > 0, r_y * (1.0 / cfg.ce_temperature) - lse_ce, float("nan"))
     zero = xp.zeros_like(lse)
-    kl, lse_u = zero, zero
+    kl, lse_u, kl_shift = zero, zero, zero
     if cfg.has_teacher:
         lse_u = state.mu + xp.log(state.au)
-        kl = state.cu / state.au - lse_u + lse
-    outs = [xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl, lse_ce, lse_u)]
+        kl_shift = state.cu / state.au
+        kl = kl_shift - lse_u + lse
+    outs = [xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)]
     return Stats(*outs)
 
 
@@ -201,6 +203,7 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
       dr_k = [g_lse·p_k - g_H·p_k·(log p_k + H) + g_kl·(p_k - q_k)] / T
              + g_lp·([k == y] - p'_k) / T_ce
       dz_k = dr_k·cap'(z_k);   du_k = g_kl·q_k·(log q_k - log p_k - kl) / T_kl
+    with log q_k - log p_k - kl computed as (t_k - s_k) - E_q[t - s] (stats.kl_shift).
     Terms with p_k = 0 (or q_k = 0) contribute exactly 0. Inactive rows give exact zeros.
     """
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
@@ -211,11 +214,12 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
     ds = (g_lse[:, None] - g_h[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)) * p
     du = None
     if cfg.has_teacher:
-        logq = xp.f32(u) * (1.0 / cfg.teacher_temperature) - stats.lse_u[:, None]
-        q = xp.exp(logq)
+        t = xp.f32(u) * (1.0 / cfg.teacher_temperature)
+        q = xp.exp(t - stats.lse_u[:, None])
         ds = ds + g_kl[:, None] * (p - q)
         if cfg.teacher_grad:
-            du = g_kl[:, None] * xp.where(q > 0, q * (logq - logp_k - stats.kl[:, None]), 0.0)
+            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation between lse terms
+            du = g_kl[:, None] * xp.where(q > 0, q * ((t - s) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
     p_ce = p
     if cfg.separate_ce:

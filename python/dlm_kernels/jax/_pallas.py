@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from .. import _stats_math as M
 from .._common import PALLAS_INTERPRET_ENV
 from ..kernels.pallas import token_stats as K
+from ._batching import fold_vmap_into_rows
 
 
 def interpret_mode() -> bool:
@@ -61,19 +62,26 @@ class PallasJax:
         n = z.shape[0]
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
         floats = jnp.stack([shift, active.astype(jnp.float32)], axis=1)  # [N, 2]
-        out = K.stats_forward(z, u, _ints(y, x), floats, **_statics(cfg, x is not None))
-        return M.Stats(*(out[:, j] for j in range(6)))
+        statics = _statics(cfg, x is not None)
+        call = fold_vmap_into_rows(
+            lambda z, *rest: K.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
+                                             **statics))
+        out = call(z, *([u] if u is not None else []), _ints(y, x), floats)  # [N, 8]
+        return M.Stats(*(out[:, j] for j in range(7)))
 
     @staticmethod
     def backward(z, u, y, active, x, d, stats, grads, cfg):
         n = z.shape[0]
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
-        cols = [shift, active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl,
+        cols = [shift, active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
                 stats.lse_ce, stats.lse_u, *grads]
         cols += [jnp.zeros((n,), jnp.float32)] * (K.BWD_FLOATS - len(cols))
         floats = jnp.stack(cols, axis=1)  # [N, 16]
-        return K.stats_backward(z, u, _ints(y, x), floats, teacher_grad=cfg.teacher_grad,
-                                **_statics(cfg, x is not None))
+        statics = _statics(cfg, x is not None)
+        call = fold_vmap_into_rows(
+            lambda z, *rest: K.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
+                                              teacher_grad=cfg.teacher_grad, **statics))
+        return call(z, *([u] if u is not None else []), _ints(y, x), floats)
 
 
 IMPLEMENTATION = PallasJax()

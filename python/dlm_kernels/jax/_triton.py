@@ -75,7 +75,7 @@ class TritonJax:
         out = jt.triton_call(
             part, z, y, xs, ds, act, n, k, s, k, inv_t_ce, softcap,
             kernel=K.stats_finalize_kernel,
-            out_shape=jax.ShapeDtypeStruct((6, n), jnp.float32),  # 24 bytes per row
+            out_shape=jax.ShapeDtypeStruct((7, n), jnp.float32),  # 28 bytes per row
             grid=(triton.cdiv(n, block_n),), num_warps=4,
             BLOCK_N=block_n, BLOCK_S=block_s, **flags)
         return M.Stats(*out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 
 import torch
@@ -89,23 +88,28 @@ class _VocabParallelFunction(torch.autograd.Function):
         return dz, du, None, None, None, None, None, None, None
 
 
-_VOCAB_PARALLEL = contextvars.ContextVar("dlm_kernels_torch_vocab_parallel", default=None)
+class _VocabParallelState:
+    """The active ``vocab_parallel`` setting: a plain attribute (torch.compile traces and
+    guards attribute reads, not ContextVar.get). Process-wide, like a process group."""
+
+    current = None
 
 
 @contextlib.contextmanager
 def vocab_parallel(process_group, vocab_size=None):
     """Within this block every objective treats its logits as this rank's vocabulary shard
     of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
-    token = _VOCAB_PARALLEL.set((process_group, vocab_size))
+    previous = _VocabParallelState.current
+    _VocabParallelState.current = (process_group, vocab_size)
     try:
         yield
     finally:
-        _VOCAB_PARALLEL.reset(token)
+        _VocabParallelState.current = previous
 
 
 def vocab_extent(logits) -> int:
     """The full vocabulary the logits' last axis belongs to (K·world inside vocab_parallel)."""
-    ctx = _VOCAB_PARALLEL.get()
+    ctx = _VocabParallelState.current
     if ctx is None:
         return logits.shape[-1]
     import torch.distributed as dist
@@ -118,8 +122,8 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
                 softcap=None, shift_ids=None, shift=None, teacher_logits=None,
                 teacher_temperature=None, teacher_grad=False, chunk_size=None, inplace_grad=False,
                 vocab_size=None, process_group=None, backend=None):
-    if process_group is None and _VOCAB_PARALLEL.get() is not None:
-        process_group, ctx_vocab = _VOCAB_PARALLEL.get()
+    if process_group is None and _VocabParallelState.current is not None:
+        process_group, ctx_vocab = _VocabParallelState.current
         vocab_size = vocab_size if vocab_size is not None else ctx_vocab
     if process_group is None and vocab_size is not None:
         logits, teacher_logits = trim_vocab(logits, teacher_logits, vocab_size)

@@ -59,14 +59,14 @@ def _flags(u, x, softcap, inv_t, inv_t_ce):
 def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
                     inv_t_kl: float, softcap: float, block_k: int) -> Tensor:
-    """Row statistics [6, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u) of z: [N, K]."""
+    """Row statistics [7, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift) of z: [N, K]."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
     cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
                           block_k or None)
     s = cfg["splits"]
     part = _empty((8, s, n), torch.float32, z.device)  # 32·S bytes per row
-    out = _empty((6, n), torch.float32, z.device)  # 24 bytes per row
+    out = _empty((7, n), torch.float32, z.device)  # 28 bytes per row
     flags = _flags(u, x, softcap, inv_t, inv_t_ce)
     dummy = z
     if n > 0:
@@ -87,7 +87,7 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
 
 @token_stats_fwd.register_fake
 def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k):
-    return z.new_empty((6, z.shape[0]), dtype=torch.float32)
+    return z.new_empty((7, z.shape[0]), dtype=torch.float32)
 
 
 def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
@@ -174,7 +174,7 @@ class TritonTorch:
 
     @staticmethod
     def forward(z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32 (views of one [6, N] buffer)
+        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32 (views of one [7, N] buffer)
         out = torch.ops.dlm_kernels.token_stats_fwd(
             z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), *_scalars(cfg),
             cfg.chunk_size or 0)
@@ -182,7 +182,7 @@ class TritonTorch:
 
     @staticmethod
     def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False):
-        stacked = torch.stack(tuple(stats))  # [6, N] f32
+        stacked = torch.stack(tuple(stats))  # [7, N] f32
         args = (z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), stacked,
                 *(_vec(g) for g in grads), *_scalars(cfg), cfg.teacher_grad, cfg.chunk_size or 0)
         if inplace:
