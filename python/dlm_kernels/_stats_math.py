@@ -264,9 +264,11 @@ def reference_stats(xp, z, u, targets, active, shift_ids, shift, cfg: StatsConfi
         if not cfg.teacher_grad:
             u = xp.stop_gradient(u)
         t = u * (1.0 / cfg.teacher_temperature)
-        logq = t - xp.logsumexp(t)[:, None]
-        q = xp.exp(logq)
+        lse_u = xp.logsumexp(t)
+        q = xp.exp(t - lse_u[:, None])
         qpos = q > 0
-        diff = xp.where(qpos, logq, 0.0) - xp.where(qpos, logp_all, 0.0)
-        kl = xp.rowsum(xp.where(qpos, q * diff, 0.0))
+        # KL = E_q[t - s] - lse_u + lse: the same value as Σ q (log q - log p), but its
+        # autodiff gradient q·((t - s) - E_q[t - s]) avoids cancelling lse terms.
+        diff = xp.where(qpos, t, 0.0) - xp.where(qpos, s, 0.0)
+        kl = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - lse_u + lse
     return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))

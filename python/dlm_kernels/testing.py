@@ -11,10 +11,13 @@ import os
 import numpy as np
 
 # (atol, rtol) per dtype of the *output* compared. All math is float32, so every row shares
-# the float32 absolute floor (float32 eps x logit-scale statistics such as lse ~ 10); rtol
-# adds the final rounding to the output dtype (bf16: 2^-9 relative, fp16: 2^-12). Row
-# statistics are float32 whatever the input dtype (the oracle sees the same rounded
-# inputs), so they use the float32 row; gradients use the row of the input dtype.
+# the float32 absolute floor; rtol adds the final rounding to the output dtype (bf16: 2^-9
+# relative, fp16: 2^-12). Row statistics are float32 whatever the input dtype (the oracle
+# sees the same rounded inputs), so they use the float32 row; gradients use the row of the
+# input dtype. The absolute floor is for terms of unit size; where a value is a difference
+# of larger float32 terms (the teacher gradient q·((t - s) - E_q[t - s]) cancels terms of
+# size |t - s|), callers pass ``scale`` = the size of those terms, since float32 rounds
+# each of them to about 6e-8 of its own magnitude (see ``cancellation_scale``).
 TOLERANCES = {
     "float32": (2e-6, 2e-5),
     "bfloat16": (2e-6, 8e-3),
@@ -30,12 +33,21 @@ def new_seed():
     return seed
 
 
-def assert_close(actual, expected, dtype="float32", name="value"):
-    """Every element within the dtype's (atol, rtol); NaN only where NaN is expected.
+def cancellation_scale(cotangent, *scaled_logits):
+    """max|cotangent| x max(|t| + |s|) over finite scaled logits, at least 1: the size of the
+    float32 terms that cancel in a KL gradient (the ``scale`` of ``assert_close``)."""
+    size = sum(float(np.max(np.abs(np.where(np.isfinite(a), a, 0.0)), initial=0.0))
+               for a in scaled_logits)
+    return max(1.0, float(np.max(np.abs(cotangent), initial=0.0)) * size)
+
+
+def assert_close(actual, expected, dtype="float32", name="value", scale=1.0):
+    """Every element within the dtype's (atol·scale, rtol); NaN only where NaN is expected.
 
     On failure: how many elements differ, max abs/rel error, the first bad index and values.
     """
     atol, rtol = TOLERANCES[dtype]
+    atol = atol * scale
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
@@ -48,7 +60,7 @@ def assert_close(actual, expected, dtype="float32", name="value"):
             rel = err / np.maximum(np.abs(e), 1e-30)
         finite = np.isfinite(err)
         raise AssertionError(
-            f"{name} ({dtype}, atol={atol}, rtol={rtol}): {len(bad)} of {a.size} elements "
+            f"{name} ({dtype}, atol={atol:.2g}, rtol={rtol}): {len(bad)} of {a.size} elements "
             f"differ; max abs err {np.max(err[finite], initial=0):.3e}, max rel err "
             f"{np.max(rel[finite], initial=0):.3e}; first bad index {idx}: got {a[idx]!r}, "
             f"expected {e[idx]!r}"
