@@ -10,6 +10,21 @@ from __future__ import annotations
 ROTATE = 2
 
 
+def objective_loss(D, objective, z, batch, backend):
+    """The scalar loss of one benchmarked objective through front end D (torch or JAX):
+    ce = weighted CE; policy = log-probs + entropy (RL scoring with gradients);
+    opd = on-policy distillation, T = 2 soft KL plus a 0.5-weighted hard CE."""
+    if objective == "ce":
+        return D.weighted_cross_entropy(z, batch, backend=backend).compute()
+    if objective == "policy":
+        lp, ent = D.per_token_logps(z, batch, stop_gradient=False, return_entropy=True,
+                                    backend=backend)
+        return lp.sum() + 0.01 * ent.sum()
+    total, _ = D.opd_loss(z, batch, temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.5,
+                          backend=backend)
+    return total.compute()
+
+
 
 
 # -- torch -----------------------------------------------------------------------------------
@@ -57,15 +72,7 @@ class TorchCase:
             return lambda z, b: ce(z.view(-1, z.shape[-1]), b.target_ids.view(-1))
 
         def loss(z, b):
-            if obj == "ce":
-                return D.weighted_cross_entropy(z, b, backend=backend).compute()
-            if obj == "policy":
-                lp, ent = D.per_token_logps(z, b, stop_gradient=False, return_entropy=True,
-                                            backend=backend)
-                return lp.sum() + 0.01 * ent.sum()
-            total, _ = D.opd_loss(z, b, temperature=2.0, soft_loss_weight=1.0,
-                                  hard_loss_weight=0.5, backend=backend)
-            return total.compute()
+            return objective_loss(D, obj, z, b, backend)
 
         if self.variant == "reference+compile":
             return torch.compile(loss)
@@ -130,15 +137,7 @@ class JaxCase:
             self.sets.append((z, b))
 
         def loss(z, b):
-            if objective == "ce":
-                return D.weighted_cross_entropy(z, b, backend=variant).compute()
-            if objective == "policy":
-                lp, ent = D.per_token_logps(z, b, stop_gradient=False, return_entropy=True,
-                                            backend=variant)
-                return lp.sum() + 0.01 * ent.sum()
-            total, _ = D.opd_loss(z, b, temperature=2.0, soft_loss_weight=1.0,
-                                  hard_loss_weight=0.5, backend=variant)
-            return total.compute()
+            return objective_loss(D, objective, z, b, variant)
 
         self._fwd = jax.jit(loss)
         self._fb = jax.jit(jax.value_and_grad(loss))

@@ -11,13 +11,7 @@ import os
 import subprocess
 import sys
 
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} missing from /proc/self/status")
+from dlm_kernels.testing import proc_status_bytes, reset_peak_rss
 
 
 def available():
@@ -43,11 +37,10 @@ def main():
     small.fwdbwd(0)  # warm up code paths outside the measured window
     del small
     gc.collect()
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
     grads = case.fwdbwd(0)
-    print(_status("VmHWM") - base)
+    print(proc_status_bytes("VmHWM") - base)
     del grads
 
 

@@ -11,14 +11,7 @@ import sys
 import torch
 
 import dlm_kernels.torch as D
-
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from dlm_kernels.testing import proc_status_bytes, reset_peak_rss
 
 
 def main():
@@ -30,12 +23,11 @@ def main():
     warm.logp.sum().backward()
     z.requires_grad_(True)
     gc.collect()
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
     s = D.token_stats(z, y, backend=backend)
     (g,) = torch.autograd.grad(s.logp.sum() + s.entropy.sum(), z)
-    print(_status("VmHWM") - base)
+    print(proc_status_bytes("VmHWM") - base)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ at DEBUG level on the ``dlm_kernels`` logger, and ``backend_for(...)`` tells the
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Dict, Optional, Sequence
 
@@ -50,6 +51,15 @@ class Registry:
 
     def available(self) -> tuple:
         return tuple(self.IMPLEMENTATIONS)
+
+    def load(self, modules: Dict[str, str]) -> None:
+        """Import each backend module (name -> module path); each defines IMPLEMENTATION.
+        A module that cannot import is recorded with its reason instead."""
+        for name, module in modules.items():
+            try:
+                self.register(importlib.import_module(module).IMPLEMENTATION)
+            except ImportError as err:
+                self.mark_unavailable(name, f"import failed ({err})")
 
     def _explicit(self, name: str, platform: str):
         if name not in KNOWN_BACKENDS:

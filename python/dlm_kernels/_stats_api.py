@@ -82,6 +82,27 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
     """
 
 
+class ReferenceBackend:
+    """The reference backend of one framework: full float32 materialisation, differentiated
+    by the framework's own autodiff (no custom VJP), so it checks the kernels' VJP math."""
+
+    name = "reference"
+    custom_vjp = False
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    @staticmethod
+    def unsupported_reason(platform):
+        return None
+
+    def compute(self, z, u, y, active, x, d, cfg):
+        # z, u: [N, K]; y, active, x, d: [N] -> 4 x [N] f32
+        from ._stats_math import reference_stats
+
+        return reference_stats(self.xp, z, u, y, active, x, d, cfg)
+
+
 def trim_vocab(logits, teacher_logits, vocab_size):
     """Drop padding columns >= vocab_size (a view in torch; autodiff pads the gradient)."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -25,15 +24,7 @@ _BACKEND_MODULES = {
 }
 
 
-def _register_backends():
-    for name, module in _BACKEND_MODULES.items():
-        try:
-            REGISTRY.register(importlib.import_module(module).IMPLEMENTATION)
-        except ImportError as err:
-            REGISTRY.mark_unavailable(name, f"import failed ({err})")
-
-
-_register_backends()
+REGISTRY.load(_BACKEND_MODULES)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

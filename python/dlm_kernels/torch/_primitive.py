@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 
@@ -23,25 +22,44 @@ _BACKEND_MODULES = {
 }
 
 
-def _register_backends():
-    for name, module in _BACKEND_MODULES.items():
-        try:
-            REGISTRY.register(importlib.import_module(module).IMPLEMENTATION)
-        except ImportError as err:
-            REGISTRY.mark_unavailable(name, f"import failed ({err})")
+REGISTRY.load(_BACKEND_MODULES)
 
 
-_register_backends()
+def _vocab_parallel_stats(z, u, y, active, x, d, impl, cfg, group):
+    """Megatron-style vocabulary parallelism: z is rank r's shard of columns
+    [r·K_local, (r+1)·K_local). Local partial state, then two all-reduces of per-row
+    floats (MAX of 3, SUM of 7: 40 bytes per row). Returns (Stats, column offset)."""
+    import torch.distributed as dist
+
+    offset = dist.get_rank(group) * z.shape[1]
+
+    def reduce(op):
+        def run(values):
+            packed = torch.stack(values)  # [F, N] f32: one all-reduce
+            dist.all_reduce(packed, op=op, group=group)
+            return list(packed.unbind(0))
+        return run
+
+    state, r_y, found = impl.forward_partial(z, u, y, x, d, cfg, offset)
+    state, (r_y, found) = M.merge_collective(TorchOps, state, reduce(dist.ReduceOp.MAX),
+                                             reduce(dist.ReduceOp.SUM), cfg, [r_y, found])
+    return M.finalize(TorchOps, state, r_y, found, active, cfg), offset
 
 
 class _TokenStatsFunction(torch.autograd.Function):
-    """Custom VJP: saves the inputs plus O(N) float32 row statistics, never [N, K]."""
+    """Custom VJP: saves the inputs plus O(N) float32 row statistics, never [N, K]. With a
+    process group the logits are a vocabulary shard; the backward stays local either way."""
 
     @staticmethod
-    def forward(ctx, z, u, y, active, x, d, impl, cfg, inplace):
-        stats = impl.forward(z, u, y, active, x, d, cfg)
+    def forward(ctx, z, u, y, active, x, d, impl, cfg, inplace, group):
+        ctx.backward_kw = {"inplace": True} if inplace else {}
+        if group is None:
+            stats = impl.forward(z, u, y, active, x, d, cfg)
+        else:
+            stats, offset = _vocab_parallel_stats(z, u, y, active, x, d, impl, cfg, group)
+            ctx.backward_kw["offset"] = offset
         ctx.save_for_backward(z, u, y, active, x, d, *stats)
-        ctx.impl, ctx.cfg, ctx.inplace = impl, cfg, inplace
+        ctx.impl, ctx.cfg = impl, cfg
         return stats.lse, stats.logp, stats.entropy, stats.kl
 
     @staticmethod
@@ -49,43 +67,8 @@ class _TokenStatsFunction(torch.autograd.Function):
         z, u, y, active, x, d, *saved = ctx.saved_tensors
         grads = tuple(g.float() for g in (g_lse, g_lp, g_h, g_kl))
         dz, du = ctx.impl.backward(z, u, y, active, x, d, Stats(*saved), grads, ctx.cfg,
-                                   inplace=ctx.inplace)
-        return dz, du, None, None, None, None, None, None, None
-
-
-class _VocabParallelFunction(torch.autograd.Function):
-    """Megatron-style vocabulary parallelism: z is rank r's shard of columns
-    [r·K_local, (r+1)·K_local). Forward: local partial state, then two all-reduces of
-    per-row floats (MAX of 3, SUM of 7: 40 bytes per row). Backward: local, no traffic."""
-
-    @staticmethod
-    def forward(ctx, z, u, y, active, x, d, impl, cfg, group):
-        import torch.distributed as dist
-
-        offset = dist.get_rank(group) * z.shape[1]
-
-        def reduce(op):
-            def run(values):
-                packed = torch.stack(values)  # [F, N] f32: one all-reduce
-                dist.all_reduce(packed, op=op, group=group)
-                return list(packed.unbind(0))
-            return run
-
-        state, r_y, found = impl.forward_partial(z, u, y, x, d, cfg, offset)
-        state, (r_y, found) = M.merge_collective(TorchOps, state, reduce(dist.ReduceOp.MAX),
-                                                 reduce(dist.ReduceOp.SUM), cfg, [r_y, found])
-        stats = M.finalize(TorchOps, state, r_y, found, active, cfg)
-        ctx.save_for_backward(z, u, y, active, x, d, *stats)
-        ctx.impl, ctx.cfg, ctx.offset = impl, cfg, offset
-        return stats.lse, stats.logp, stats.entropy, stats.kl
-
-    @staticmethod
-    def backward(ctx, g_lse, g_lp, g_h, g_kl):
-        z, u, y, active, x, d, *saved = ctx.saved_tensors
-        grads = tuple(g.float() for g in (g_lse, g_lp, g_h, g_kl))
-        dz, du = ctx.impl.backward(z, u, y, active, x, d, Stats(*saved), grads, ctx.cfg,
-                                   offset=ctx.offset)
-        return dz, du, None, None, None, None, None, None, None
+                                   **ctx.backward_kw)
+        return dz, du, None, None, None, None, None, None, None, None
 
 
 class _VocabParallelState:
@@ -138,15 +121,12 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         u = u.detach()
     if process_group is not None:
         impl = shard_capable(REGISTRY, impl, backend)
-        if inplace_grad:
-            raise ValueError("inplace_grad=True is not supported with process_group")
-        outs = _VocabParallelFunction.apply(z, u, y, active, x, d, impl, cfg, process_group)
-        return TokenStats(*(o.reshape(rows) for o in outs))
     if inplace_grad and not getattr(impl, "supports_inplace_grad", False):
         raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
                          "use 'chunked' or 'triton'")
     if impl.custom_vjp:
-        outs = _TokenStatsFunction.apply(z, u, y, active, x, d, impl, cfg, bool(inplace_grad))
+        outs = _TokenStatsFunction.apply(z, u, y, active, x, d, impl, cfg, bool(inplace_grad),
+                                         process_group)
     else:
         outs = impl.compute(z, u, y, active, x, d, cfg)
     return TokenStats(*(o.reshape(rows) for o in outs))

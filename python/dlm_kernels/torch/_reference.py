@@ -1,23 +1,6 @@
-"""The reference backend: full float32 materialisation, differentiated by torch autograd."""
+"""The reference backend for torch (see ``dlm_kernels._stats_api.ReferenceBackend``)."""
 
-from __future__ import annotations
-
-from .. import _stats_math as M
+from .._stats_api import ReferenceBackend
 from ._ops import TorchOps
 
-
-class ReferenceTorch:
-    name = "reference"
-    custom_vjp = False
-
-    @staticmethod
-    def unsupported_reason(platform):
-        return None
-
-    @staticmethod
-    def compute(z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> 4 x [N] f32
-        return M.reference_stats(TorchOps, z, u, y, active, x, d, cfg)
-
-
-IMPLEMENTATION = ReferenceTorch()
+IMPLEMENTATION = ReferenceBackend(TorchOps)
