@@ -200,3 +200,16 @@ def test_torch_distributed_vocab_parallel(world):
     import torch.multiprocessing as mp
 
     mp.spawn(_torch_worker, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def test_torch_example_runs_under_torchrun(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), "examples/vocab_parallel_torch.py"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("loss") == 2
