@@ -61,6 +61,8 @@ class TorchCase:
             self.sets.append((z, batch))
         self._loss = self._make_loss()
         self._graphs = {}
+        # compiled backwards donate their buffers: no retain_graph, so bwd is derived there
+        self.separate_bwd = variant != "reference+compile"
 
     def _make_loss(self):
         D, torch, obj = self.D, self.torch, self.objective

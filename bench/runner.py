@@ -171,10 +171,15 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
                 else JaxCase(objective, variant, n, k, dtype))
         timings = {"fwd": measure(case.fwd, cuda=cuda, reps=args.reps),
                    "fwd+bwd": measure(case.fwdbwd, cuda=cuda, reps=args.reps)}
-        if fw == "torch":
+        if fw == "torch" and case.separate_bwd:
             case.prepare_bwd()
             timings["bwd"] = measure(case.bwd, cuda=cuda, reps=args.reps)
             case.release()
+        else:
+            fb, f = timings["fwd+bwd"], timings["fwd"]
+            timings["bwd"] = dict(ms=max(fb["ms"] - f["ms"], 0.0), p20=None, p80=None,
+                                  reps=fb["reps"], derived="fwd+bwd minus fwd")
+        if fw == "torch":
             if cuda:
                 peak, mem_kind = case.cuda_peak_bytes(), "cuda max_memory_allocated delta"
             else:
@@ -182,9 +187,6 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
                 gc.collect()
                 peak, mem_kind = cpu_peak_bytes(objective, variant, n, k, dtype), "VmHWM delta (own process)"
         else:
-            fb, f = timings["fwd+bwd"], timings["fwd"]
-            timings["bwd"] = dict(ms=max(fb["ms"] - f["ms"], 0.0), p20=None, p80=None,
-                                  reps=fb["reps"], derived="fwd+bwd minus fwd")
             peak, mem_kind = case.temp_bytes(), "XLA temp bytes (memory_analysis)"
     except Exception as err:  # noqa: BLE001 - e.g. the reference running out of memory
         msg = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"

@@ -25,3 +25,16 @@ def test_bench_smoke(tmp_path):
     assert comm and all(c["bytes_per_row"] <= c["analytic_bytes_per_row"] for c in comm)
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))
+
+
+def test_torch_compile_baseline_case(monkeypatch):
+    """The torch.compile baseline (timed on GPUs) runs end to end; its backward is derived."""
+    import types
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import detect, run_case
+
+    rows = run_case(detect(), "torch", "ce", "reference+compile", "tiny", 16, 257, "float32",
+                    10.0, types.SimpleNamespace(reps=2))
+    assert all("ms" in r for r in rows), rows
+    assert next(r for r in rows if r["mode"] == "bwd")["derived"]
