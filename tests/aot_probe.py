@@ -53,7 +53,7 @@ def main():
              "out_ptr": "*fp32", "stats_ptr": "*fp32", "g_lse_ptr": "*fp32", "g_lp_ptr": "*fp32",
              "g_h_ptr": "*fp32", "g_kl_ptr": "*fp32", "N": "i32", "K": "i32", "S": "i32",
              "stride_z": "i64", "stride_u": "i64", "stride_dz": "i64", "stride_du": "i64",
-             "cols_per_split": "i32", "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32",
+             "cols_per_split": "i32", "col_offset": "i32", "vocab_limit": "i32", "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32",
              "softcap": "fp32"}
     kernels = [
         (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"]), cfg["num_warps"]),

@@ -147,7 +147,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _torch_worker(rank, world, port):
+def _torch_worker(rank, world, port, backend):
     import torch
     import torch.distributed as dist
 
@@ -163,7 +163,7 @@ def _torch_worker(rank, world, port):
         ul = torch.tensor(u[:, cols]).requires_grad_(True)
         s = D.token_stats(zl, torch.tensor(y), torch.tensor(w), teacher_logits=ul, teacher_grad=True,
                           shift_ids=torch.tensor(x), shift=torch.tensor(d), vocab_size=K,
-                          process_group=dist.group.WORLD, chunk_size=4, **KW)
+                          process_group=dist.group.WORLD, chunk_size=4, backend=backend, **KW)
         dz, du = torch.autograd.grad(list(s), [zl, ul], [torch.tensor(gi) for gi in g])
         parts = {name: [torch.empty_like(t) for _ in range(world)] for name, t in (("dz", dz), ("du", du))}
         dist.all_gather(parts["dz"], dz.contiguous())
@@ -195,11 +195,15 @@ def _torch_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_torch_distributed_vocab_parallel(world):
+@pytest.mark.parametrize("world,backend", [(2, "chunked"), (4, "chunked"), (2, "triton")])
+def test_torch_distributed_vocab_parallel(world, backend):
+    """Each rank runs its shard with the given backend (triton: the Triton interpreter on CPU,
+    TRITON_INTERPRET=1 inherited from the test process)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_torch_worker, args=(world, _free_port()), nprocs=world, join=True)
+    if backend == "triton":
+        pytest.importorskip("triton")
+    mp.spawn(_torch_worker, args=(world, _free_port(), backend), nprocs=world, join=True)
 
 
 def test_torch_example_runs_under_torchrun(tmp_path):

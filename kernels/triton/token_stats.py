@@ -74,6 +74,7 @@ def stats_partial_kernel(
     d_ptr,  # [N] f32 shift value (HAS_SHIFT)
     active_ptr,  # [N] int8, row is active when != 0
     N, K, stride_z, stride_u, cols_per_split,
+    col_offset, vocab_limit,  # global id of column 0; global ids >= vocab_limit are padding
     inv_t, inv_t_ce, inv_t_kl, softcap,
     part_ptr,  # [8, S, N] f32 out
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
@@ -104,10 +105,11 @@ def stats_partial_kernel(
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         cols = k0 + offs
-        mask = cols < k_end
+        gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
+        mask = (cols < k_end) & (gcols < vocab_limit)
         # read BLOCK_K·E bytes of student logits
         z = tl.load(z_ptr + row64 * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-        r = _shifted(z, cols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+        r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
         r = tl.where(mask, r, NEG_INF)
         s = r * inv_t
         m_old = m
@@ -229,6 +231,7 @@ def stats_grad_kernel(
     stats_ptr,  # [7, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)
     g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
+    col_offset, vocab_limit,  # global id of column 0; global ids >= vocab_limit get 0
     inv_t, inv_t_ce, inv_t_kl, softcap,
     dz_ptr,  # [N, K] out, z's dtype (may alias z_ptr: every element is read before written)
     du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
@@ -262,11 +265,13 @@ def stats_grad_kernel(
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         cols = k0 + offs
+        gcols = cols + col_offset  # global vocabulary ids
+        keep = is_active & (gcols < vocab_limit)  # padding columns get exact zeros
         mask = cols < k_end
-        load_mask = cols < k_read  # inactive rows read nothing
+        load_mask = (cols < k_read) & (gcols < vocab_limit)  # inactive rows read nothing
         # read BLOCK_K·E bytes of student logits
         z = tl.load(z_ptr + row64 * stride_z + cols, mask=load_mask, other=0.0).to(tl.float32)
-        r = _shifted(z, cols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+        r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
         s = r * inv_t
         logp_k = s - lse
         p = tl.exp(logp_k)
@@ -280,18 +285,18 @@ def stats_grad_kernel(
             if TEACHER_GRAD:
                 # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
                 du = g_kl * tl.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
-                du = tl.where(is_active, du, 0.0)
+                du = tl.where(keep, du, 0.0)
                 # write BLOCK_K·E bytes of teacher gradient
                 tl.store(du_ptr + row64 * stride_du + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
         p_ce = p
         if SEPARATE_CE:
             p_ce = tl.exp(r * inv_t_ce - lse_ce)
-        onehot = tl.where(cols == y, 1.0, 0.0)
+        onehot = tl.where(gcols == y, 1.0, 0.0)
         dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
         if HAS_SOFTCAP:
             th = _tanh(z / softcap)
             dr = dr * (1.0 - th * th)
-        dz = tl.where(is_active, dr, 0.0)
+        dz = tl.where(keep, dr, 0.0)
         # write BLOCK_K·E bytes of gradient
         tl.store(dz_ptr + row64 * stride_dz + cols, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 

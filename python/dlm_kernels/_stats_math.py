@@ -140,6 +140,15 @@ def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=
     return State(m, a, b, m2, a2, mu, au, cu), extra
 
 
+def merge_splits(xp, parts, cfg: StatsConfig) -> State:
+    """Merge S partial states given as 8 arrays [N, S] (m, a, b, m2, a2, mu, au, cu) into one
+    State of [N] arrays, with the same rescaling as ``merge_collective``."""
+    keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
+    state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
+                                cfg)
+    return state._replace(m=state.m[:, 0], m2=state.m2[:, 0], mu=state.mu[:, 0])
+
+
 class Stats(NamedTuple):
     """Per-row outputs and residuals, all [N] float32."""
 

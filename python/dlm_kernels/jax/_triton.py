@@ -65,7 +65,7 @@ class TritonJax:
         ds = jnp.zeros((1,), jnp.float32) if d is None else d
         flags = _flags(cfg, x is not None)
         part = jt.triton_call(
-            z, z if u is None else u, xs, ds, act, n, k, k, k, lc["cols_per_split"],
+            z, z if u is None else u, xs, ds, act, n, k, k, k, lc["cols_per_split"], 0, k,
             inv_t, inv_t_ce, inv_t_kl, softcap,
             kernel=K.stats_partial_kernel,
             out_shape=jax.ShapeDtypeStruct((8, s, n), jnp.float32),  # 32·S bytes per row
@@ -90,7 +90,8 @@ class TritonJax:
                     else jax.ShapeDtypeStruct((1,), z.dtype))
         dz, du = jt.triton_call(
             z, z if u is None else u, y, xs, ds, active.astype(jnp.int8), jnp.stack(stats),
-            *grads, n, k, k, k, k, k, lc["cols_per_split"], inv_t, inv_t_ce, inv_t_kl, softcap,
+            *grads, n, k, k, k, k, k, lc["cols_per_split"], 0, k, inv_t, inv_t_ce, inv_t_kl,
+            softcap,
             kernel=K.stats_grad_kernel,
             out_shape=(jax.ShapeDtypeStruct(z.shape, z.dtype), du_shape),
             grid=(n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],

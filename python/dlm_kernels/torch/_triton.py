@@ -14,8 +14,10 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from .. import _stats_math as M
 from ..kernels.triton import token_stats as K
 from .._stats_math import Stats
+from ._ops import TorchOps
 
 Tensor = torch.Tensor
 _NUM_SMS = {}
@@ -55,6 +57,27 @@ def _flags(u, x, softcap, inv_t, inv_t_ce):
                 SEPARATE_CE=inv_t != inv_t_ce)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
+                    col_offset=0, vocab_limit=_INT32_MAX):
+    """Partial row states [8, S, N] f32 of z: [N, K] (S vocabulary splits), plus the config."""
+    n, k = z.shape
+    cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
+                          block_k or None)
+    part = _empty((8, cfg["splits"], n), torch.float32, z.device)  # 32·S bytes per row
+    if n > 0:
+        dummy = z
+        K.stats_partial_kernel[(n, cfg["splits"])](
+            z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
+            active, n, k, z.stride(0), 0 if u is None else u.stride(0),
+            cfg["cols_per_split"], col_offset, vocab_limit, inv_t, inv_t_ce, inv_t_kl, softcap,
+            part, BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce))
+    return part
+
+
 @torch.library.custom_op("dlm_kernels::token_stats_fwd", mutates_args=())
 def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
@@ -62,26 +85,17 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
     """Row statistics [7, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift) of z: [N, K]."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
-    cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
-                          block_k or None)
-    s = cfg["splits"]
-    part = _empty((8, s, n), torch.float32, z.device)  # 32·S bytes per row
+    part = _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, block_k)
+    s = part.shape[1]
     out = _empty((7, n), torch.float32, z.device)  # 28 bytes per row
-    flags = _flags(u, x, softcap, inv_t, inv_t_ce)
-    dummy = z
     if n > 0:
-        K.stats_partial_kernel[(n, s)](
-            z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
-            active, n, k, z.stride(0), 0 if u is None else u.stride(0),
-            cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl, softcap, part,
-            BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **flags)
+        dummy = z
         block_n, block_s = K.finalize_blocks(s)
         K.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
             part, z, y, dummy if x is None else x, dummy if d is None else d, active,
             n, k, s, z.stride(0), inv_t_ce, softcap, out,
             BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
-            **flags)
+            **_flags(u, x, softcap, inv_t, inv_t_ce))
     return out
 
 
@@ -90,8 +104,25 @@ def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k):
     return z.new_empty((7, z.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("dlm_kernels::token_stats_partial", mutates_args=())
+def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optional[Tensor],
+                        d: Optional[Tensor], inv_t: float, inv_t_ce: float, inv_t_kl: float,
+                        softcap: float, block_k: int, col_offset: int,
+                        vocab_limit: int) -> Tensor:
+    """Partial states [8, S, N] of a vocabulary shard starting at global column col_offset."""
+    return _launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
+                           softcap, block_k, col_offset, vocab_limit)
+
+
+@token_stats_partial.register_fake
+def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k, col_offset, vocab_limit):
+    cfg = K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None, 132,
+                          block_k or None)
+    return z.new_empty((8, cfg["splits"], z.shape[0]), dtype=torch.float32)
+
+
 def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
-                 softcap, block_k):
+                 softcap, block_k, col_offset=0, vocab_limit=_INT32_MAX):
     n, k = z.shape
     if n == 0:
         return
@@ -102,8 +133,8 @@ def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, i
         z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
         active, stats, grads[0], grads[1], grads[2], grads[3],
         n, k, z.stride(0), 0 if u is None else u.stride(0), dz.stride(0),
-        0 if du is None else du.stride(0), cfg["cols_per_split"], inv_t, inv_t_ce, inv_t_kl,
-        softcap, dz, dummy if du is None else du, TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
+        0 if du is None else du.stride(0), cfg["cols_per_split"], col_offset, vocab_limit,
+        inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du, TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **_flags(u, x, softcap, inv_t, inv_t_ce))
 
@@ -112,20 +143,21 @@ def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, i
 def token_stats_bwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], stats: Tensor, g_lse: Tensor,
                     g_lp: Tensor, g_h: Tensor, g_kl: Tensor, inv_t: float, inv_t_ce: float,
-                    inv_t_kl: float, softcap: float, teacher_grad: bool,
-                    block_k: int) -> Tuple[Tensor, Tensor]:
+                    inv_t_kl: float, softcap: float, teacher_grad: bool, block_k: int,
+                    col_offset: int, vocab_limit: int) -> Tuple[Tensor, Tensor]:
     """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor)."""
     z, u = _unit_col(z), _unit_col(u)
     dz = _empty(z.shape, z.dtype, z.device)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
     _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), dz,
-                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k)
+                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
+                 col_offset, vocab_limit)
     return dz, du
 
 
 @token_stats_bwd.register_fake
 def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
-      teacher_grad, block_k):
+      teacher_grad, block_k, col_offset, vocab_limit):
     du = torch.empty_like(u) if teacher_grad else z.new_empty((0,))
     return torch.empty_like(z), du
 
@@ -135,7 +167,8 @@ def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: T
                             x: Optional[Tensor], d: Optional[Tensor], stats: Tensor,
                             g_lse: Tensor, g_lp: Tensor, g_h: Tensor, g_kl: Tensor,
                             inv_t: float, inv_t_ce: float, inv_t_kl: float, softcap: float,
-                            teacher_grad: bool, block_k: int) -> Tensor:
+                            teacher_grad: bool, block_k: int, col_offset: int,
+                            vocab_limit: int) -> Tensor:
     """Writes dz into z itself (z must have unit column stride); returns du or empty."""
     if z.stride(-1) != 1:
         raise ValueError("inplace_grad needs logits with unit stride on the vocabulary axis; "
@@ -143,13 +176,14 @@ def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: T
     u = _unit_col(u)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
     _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), z,
-                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k)
+                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
+                 col_offset, vocab_limit)
     return du
 
 
 @token_stats_bwd_inplace.register_fake
 def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
-      teacher_grad, block_k):
+      teacher_grad, block_k, col_offset, vocab_limit):
     return torch.empty_like(u) if teacher_grad else z.new_empty((0,))
 
 
@@ -158,10 +192,15 @@ def _scalars(cfg):
             cfg.softcap or 0.0)
 
 
+def _limit(cfg):
+    return cfg.vocab_size if cfg.vocab_size is not None else _INT32_MAX
+
+
 class TritonTorch:
     name = "triton"
     custom_vjp = True
     supports_inplace_grad = True
+    supports_vocab_shards = True
 
     @staticmethod
     def unsupported_reason(platform):
@@ -181,10 +220,21 @@ class TritonTorch:
         return Stats(*out.unbind(0))
 
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False):
+    def forward_partial(z, u, y, x, d, cfg, offset=0):
+        # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
+        active = torch.ones(z.shape[0], dtype=torch.int8, device=z.device)
+        part = torch.ops.dlm_kernels.token_stats_partial(
+            z, u, active, _vec(x), _vec(d), *_scalars(cfg), cfg.chunk_size or 0, int(offset),
+            _limit(cfg))
+        state = M.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
+        return (state, *M.target_logit(TorchOps, z, y, x, d, cfg, offset))
+
+    @staticmethod
+    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False, offset=0):
         stacked = torch.stack(tuple(stats))  # [7, N] f32
         args = (z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), stacked,
-                *(_vec(g) for g in grads), *_scalars(cfg), cfg.teacher_grad, cfg.chunk_size or 0)
+                *(_vec(g) for g in grads), *_scalars(cfg), cfg.teacher_grad, cfg.chunk_size or 0,
+                int(offset), _limit(cfg))
         if inplace:
             du = torch.ops.dlm_kernels.token_stats_bwd_(*args)
             dz = z
