@@ -43,21 +43,24 @@ def _expected(z, u, y, x, d, w, g):
 
 # -- JAX ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("data,vocab", [(1, 8), (2, 4)])
-def test_jax_vocab_and_data_parallel(data, vocab):
+@pytest.mark.parametrize("data,vocab,backend", [(1, 8, "chunked"), (2, 4, "chunked"),
+                                                (2, 4, "pallas")])
+def test_jax_vocab_and_data_parallel(data, vocab, backend, monkeypatch):
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
 
     import dlm_kernels.jax as D
 
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")  # TPU interpret mode on CPU
     mesh = Mesh(np.array(jax.devices()[:data * vocab]).reshape(data, vocab), ("data", "vocab"))
     n, k_pad = 6 * data, -(-K // vocab) * vocab
     z, u, y, x, d, w, g = _problem(n, k_pad)
 
     def local(z, u, y, x, d, w):
         return D.token_stats(z, y, w, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d,
-                             vocab_axis="vocab", vocab_size=K, chunk_size=4, **KW)
+                             vocab_axis="vocab", vocab_size=K, chunk_size=4 if backend == "chunked" else None,
+                             backend=backend, **KW)
 
     row, tile = P("data"), P("data", "vocab")
     f = jax.shard_map(local, mesh=mesh, in_specs=(tile, tile, row, row, row, row), out_specs=row)

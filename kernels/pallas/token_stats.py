@@ -12,9 +12,10 @@ saved per-row statistics.
 Blocks and VMEM budget
 ----------------------
 Logits blocks are (BN, BK) with BN a multiple of 8 (sublanes) and BK a multiple of 128
-(lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 2] (target,
-shift column), floats [N, F] (shift, active, saved statistics, cotangents), and the
-forward writes stats [N, 8]; their blocks (BN, 2|F|8) use the full last dimension, which
+(lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 3] (target,
+shift column, global id of the shard's first column), floats [N, F] (shift, active, saved statistics, cotangents), and the
+forward writes stats [N, 8] (or, for a vocabulary shard, its 8 running sums); their blocks
+(BN, 3|F|8) use the full last dimension, which
 Mosaic accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
 whose estimate fits ``VMEM_BUDGET`` = 12 MiB, under the 16 MiB default scoped VMEM limit of
 TPU v4/v5e (32 MiB on v6e):
@@ -52,6 +53,7 @@ MAX_BLOCK_N = 256
 # Column layout of the packed per-row float inputs.
 (F_SHIFT, F_ACTIVE, F_LSE, F_ENT, F_KL_SHIFT, F_LSE_CE, F_LSE_U, F_GLSE, F_GLP, F_GH,
  F_GKL) = range(11)
+N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
 N_STATS = 8  # lse, logp, entropy, kl, lse_ce, lse_u, kl_shift, 0
@@ -100,7 +102,7 @@ def _lse_update(m_ref, a_ref, s):
 
 
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce):
+                separate_ce, vocab_limit, partial):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, out_ref, *scratch = refs
     else:
@@ -116,13 +118,14 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, ry_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    ints = ints_ref[...]  # (BN, 2) int32: target, shift column
+    ints = ints_ref[...]  # (BN, 3) int32: target, shift column, global id of column 0
     floats = floats_ref[...]  # (BN, 2) f32: shift, active
     y, x = ints[:, 0:1], ints[:, 1:2]
     d, active = floats[:, F_SHIFT:F_SHIFT + 1], floats[:, F_ACTIVE:F_ACTIVE + 1] != 0
     bn = z_ref.shape[0]
-    cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
-    valid = cols < vocab
+    local = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+    cols = local + ints[:, 2:3]  # global vocabulary ids (a shard starts at its offset)
+    valid = (local < vocab) & (cols < vocab_limit)
 
     @pl.when(jnp.any(active))
     def _accumulate():
@@ -142,7 +145,15 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
             cu_sc[...] = (cu_sc[...] * jnp.exp(mu_old - mu_safe)
                           + jnp.sum(jnp.where(eu > 0, eu * (t - s), 0.0), axis=1, keepdims=True))
 
-    @pl.when(kb == pl.num_programs(1) - 1)
+    last = kb == pl.num_programs(1) - 1
+    if partial:
+        @pl.when(last)
+        def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
+            for j, ref in enumerate((m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc)):
+                out_ref[:, j:j + 1] = ref[...]
+        return
+
+    @pl.when(last)
     def _finalize():
         log_a = jnp.log(a_sc[...])
         lse = m_sc[...] + log_a
@@ -161,7 +172,7 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
 
 
 def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, teacher_grad):
+                separate_ce, teacher_grad, vocab_limit):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, dz_ref, *rest = refs
     else:
@@ -169,7 +180,7 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         u_ref = None
     du_ref = rest[0] if teacher_grad else None
     kb = pl.program_id(1)
-    ints, f = ints_ref[...], floats_ref[...]  # (BN, 2) int32, (BN, 16) f32
+    ints, f = ints_ref[...], floats_ref[...]  # (BN, 3) int32, (BN, 16) f32
     y, x = ints[:, 0:1], ints[:, 1:2]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
@@ -177,7 +188,8 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     kl_shift = col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z_ref.shape[0]
-    cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+    cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1) + ints[:, 2:3]  # global ids
+    keep = active & (cols < vocab_limit)  # padding columns of a shard get exact zeros
     z = jnp.where(active, z_ref[...].astype(jnp.float32), 0.0)
     r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
     s = r * inv_t
@@ -191,14 +203,26 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         if teacher_grad:
             # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
             du = g_kl * jnp.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
-            du_ref[...] = jnp.where(active, du, 0.0).astype(du_ref.dtype)
+            du_ref[...] = jnp.where(keep, du, 0.0).astype(du_ref.dtype)
     p_ce = jnp.exp(r * inv_t_ce - lse_ce) if separate_ce else p
     onehot = jnp.where(cols == y, 1.0, 0.0)
     dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
     if softcap is not None:
         th = jnp.tanh(z / softcap)
         dr = dr * (1.0 - th * th)
-    dz_ref[...] = jnp.where(active, dr, 0.0).astype(dz_ref.dtype)
+    dz_ref[...] = jnp.where(keep, dr, 0.0).astype(dz_ref.dtype)
+
+
+def _out_struct(shape, dtype, operands):
+    """An output ShapeDtypeStruct that varies over the union of the operands' shard_map axes
+    (needed inside ``jax.shard_map`` with check_vma; a no-op outside)."""
+    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in operands]
+    types = [t for t in types if t is not None and t.varying]
+    if not types:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    varying = frozenset().union(*(t.varying for t in types))
+    mat = type(types[0])(varying=varying, unreduced=frozenset(), reduced=frozenset())
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
 def _interpret_arg(interpret, detect_races=False):
@@ -212,8 +236,10 @@ def _interpret_arg(interpret, detect_races=False):
 
 
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                  separate_ce, block_k=None, interpret=False, detect_races=False):
-    """z, u: [N, K]; ints [N, 2] int32; floats [N, 2] f32 -> stats [N, 8] f32."""
+                  separate_ce, block_k=None, interpret=False, detect_races=False,
+                  vocab_limit=2**31 - 1, partial=False):
+    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 8] f32, or with
+    ``partial`` the running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, False, block_k)
@@ -222,13 +248,14 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
     kernel = functools.partial(
         _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
-        softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce)
+        softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
+        vocab_limit=vocab_limit, partial=partial)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n, N_STATS), jnp.float32),
+        out_shape=_out_struct((n, N_STATS), jnp.float32, operands),
         grid=grid,
-        in_specs=[tile] * (1 + has_teacher) + [per_row(2), per_row(FWD_FLOATS)],
+        in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(FWD_FLOATS)],
         out_specs=per_row(N_STATS),
         scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(9)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
@@ -238,7 +265,8 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
 
 
 def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                   separate_ce, teacher_grad, block_k=None, interpret=False, detect_races=False):
+                   separate_ce, teacher_grad, block_k=None, interpret=False, detect_races=False,
+                   vocab_limit=2**31 - 1):
     """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
     statistics and cotangents (F_* columns)."""
     n, k = z.shape
@@ -250,16 +278,16 @@ def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, ha
     kernel = functools.partial(
         _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        teacher_grad=teacher_grad)
-    out_shape = [jax.ShapeDtypeStruct(z.shape, z.dtype)]
-    if teacher_grad:
-        out_shape.append(jax.ShapeDtypeStruct(u.shape, u.dtype))
+        teacher_grad=teacher_grad, vocab_limit=vocab_limit)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
+    out_shape = [_out_struct(z.shape, z.dtype, operands)]
+    if teacher_grad:
+        out_shape.append(_out_struct(u.shape, u.dtype, operands))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[tile] * (1 + has_teacher) + [per_row(2), per_row(BWD_FLOATS)],
+        in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(BWD_FLOATS)],
         out_specs=[tile] * len(out_shape),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=_interpret_arg(interpret, detect_races),

@@ -18,6 +18,7 @@ from .. import _stats_math as M
 from .._common import PALLAS_INTERPRET_ENV
 from ..kernels.pallas import token_stats as K
 from ._batching import fold_vmap_into_rows
+from ._ops import JaxOps
 
 
 def interpret_mode() -> bool:
@@ -40,13 +41,20 @@ def _statics(cfg, has_shift):
                 detect_races=detect_races())
 
 
-def _ints(y, x):  # [N, 2] int32: target, shift column
-    return jnp.stack([y.astype(jnp.int32), (y if x is None else x).astype(jnp.int32)], axis=1)
+def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0
+    y = y.astype(jnp.int32)
+    return jnp.stack([y, (y if x is None else x).astype(jnp.int32),
+                      jnp.zeros_like(y) + jnp.asarray(offset, jnp.int32)], axis=1)
+
+
+def _limit(cfg):
+    return cfg.vocab_size if cfg.vocab_size is not None else 2**31 - 1
 
 
 class PallasJax:
     name = "pallas"
     custom_vjp = True
+    supports_vocab_shards = True
 
     @staticmethod
     def unsupported_reason(platform):
@@ -57,31 +65,43 @@ class PallasJax:
                 f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
 
     @staticmethod
-    def forward(z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+    def _run_forward(z, u, y, active, x, d, cfg, offset, partial):
         n = z.shape[0]
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
         floats = jnp.stack([shift, active.astype(jnp.float32)], axis=1)  # [N, 2]
-        statics = _statics(cfg, x is not None)
+        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
         call = fold_vmap_into_rows(
             lambda z, *rest: K.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
                                              **statics))
-        out = call(z, *([u] if u is not None else []), _ints(y, x), floats)  # [N, 8]
+        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, 8]
+
+    @classmethod
+    def forward(cls, z, u, y, active, x, d, cfg):
+        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+        out = cls._run_forward(z, u, y, active, x, d, cfg, 0, False)
         return M.Stats(*(out[:, j] for j in range(7)))
 
+    @classmethod
+    def forward_partial(cls, z, u, y, x, d, cfg, offset=0):
+        # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
+        active = jnp.ones(y.shape, jnp.bool_)
+        out = cls._run_forward(z, u, y, active, x, d, cfg, offset, True)
+        state = M.State(*(out[:, j] for j in range(8)))
+        return (state, *M.target_logit(JaxOps, z, y, x, d, cfg, offset))
+
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg):
+    def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
         n = z.shape[0]
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
         cols = [shift, active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
                 stats.lse_ce, stats.lse_u, *grads]
         cols += [jnp.zeros((n,), jnp.float32)] * (K.BWD_FLOATS - len(cols))
         floats = jnp.stack(cols, axis=1)  # [N, 16]
-        statics = _statics(cfg, x is not None)
+        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
         call = fold_vmap_into_rows(
             lambda z, *rest: K.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
                                               teacher_grad=cfg.teacher_grad, **statics))
-        return call(z, *([u] if u is not None else []), _ints(y, x), floats)
+        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
 
 
 IMPLEMENTATION = PallasJax()
