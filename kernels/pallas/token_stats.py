@@ -235,6 +235,15 @@ def _interpret_arg(interpret, detect_races=False):
     return pltpu.InterpretParams()
 
 
+def _grid(z, has_teacher, backward, block_k):
+    """(BN, grid, logits tile spec, per-row spec of width w) for z: [N, K]."""
+    n, k = z.shape
+    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, backward, block_k)
+    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
+    per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
+    return bn, bk, (pl.cdiv(n, bn), pl.cdiv(k, bk)), tile, per_row
+
+
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                   separate_ce, block_k=None, interpret=False, detect_races=False,
                   vocab_limit=2**31 - 1, partial=False):
@@ -242,10 +251,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     ``partial`` the running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
     n, k = z.shape
     has_teacher = u is not None
-    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, False, block_k)
-    grid = (pl.cdiv(n, bn), pl.cdiv(k, bk))
-    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
-    per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
+    bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
     kernel = functools.partial(
         _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
@@ -271,10 +277,7 @@ def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, ha
     statistics and cotangents (F_* columns)."""
     n, k = z.shape
     has_teacher = u is not None
-    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, True, block_k)
-    grid = (pl.cdiv(n, bn), pl.cdiv(k, bk))
-    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
-    per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
+    _, bk, grid, tile, per_row = _grid(z, has_teacher, True, block_k)
     kernel = functools.partial(
         _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,

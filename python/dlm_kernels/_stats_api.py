@@ -116,6 +116,20 @@ def trim_vocab(logits, teacher_logits, vocab_size):
     return trim(logits), trim(teacher_logits)
 
 
+def apply_vocab_parallel(shard, context, vocab_size, logits, teacher_logits):
+    """Resolve the vocab-parallel setting of one call: an explicit ``shard`` (process group or
+    mesh axis) wins over the ``vocab_parallel`` context (a (shard, vocab_size) pair or None);
+    an unsharded call with ``vocab_size`` drops the padding columns instead.
+    Returns (shard, vocab_size, logits, teacher_logits)."""
+    if shard is None and context is not None:
+        shard, context_vocab = context
+        vocab_size = vocab_size if vocab_size is not None else context_vocab
+    if shard is None and vocab_size is not None:
+        logits, teacher_logits = trim_vocab(logits, teacher_logits, vocab_size)
+        vocab_size = None
+    return shard, vocab_size, logits, teacher_logits
+
+
 def shard_capable(registry, impl, requested):
     """The implementation a vocabulary-parallel call uses: ``impl`` when it can merge partial
     states across shards, else the chunked one (auto only; an explicit request errors)."""

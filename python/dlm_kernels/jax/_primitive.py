@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from .._dispatch import Registry
 from .. import _stats_math as M
-from .._stats_api import TOKEN_STATS_DOC, TokenStats, prepare, shard_capable, trim_vocab
+from .._stats_api import (TOKEN_STATS_DOC, TokenStats, apply_vocab_parallel, prepare,
+                          shard_capable)
 from ._ops import JaxOps
 
 REGISTRY = Registry("jax")
@@ -108,12 +109,8 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
     if inplace_grad:
         raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate the "
                          "logits buffer to jit to let XLA reuse it instead)")
-    if vocab_axis is None and _VOCAB_PARALLEL.get() is not None:
-        vocab_axis, ctx_vocab = _VOCAB_PARALLEL.get()
-        vocab_size = vocab_size if vocab_size is not None else ctx_vocab
-    if vocab_axis is None and vocab_size is not None:
-        logits, teacher_logits = trim_vocab(logits, teacher_logits, vocab_size)
-        vocab_size = None
+    vocab_axis, vocab_size, logits, teacher_logits = apply_vocab_parallel(
+        vocab_axis, _VOCAB_PARALLEL.get(), vocab_size, logits, teacher_logits)
     cfg, rows, (z, u, y, active, x, d) = prepare(
         JaxOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,

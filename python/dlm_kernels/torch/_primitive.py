@@ -8,7 +8,8 @@ import torch
 
 from .._dispatch import Registry
 from .. import _stats_math as M
-from .._stats_api import TOKEN_STATS_DOC, TokenStats, prepare, shard_capable, trim_vocab
+from .._stats_api import (TOKEN_STATS_DOC, TokenStats, apply_vocab_parallel, prepare,
+                          shard_capable)
 from .._stats_math import Stats
 from ._ops import TorchOps
 
@@ -105,12 +106,8 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
                 softcap=None, shift_ids=None, shift=None, teacher_logits=None,
                 teacher_temperature=None, teacher_grad=False, chunk_size=None, inplace_grad=False,
                 vocab_size=None, process_group=None, backend=None):
-    if process_group is None and _VocabParallelState.current is not None:
-        process_group, ctx_vocab = _VocabParallelState.current
-        vocab_size = vocab_size if vocab_size is not None else ctx_vocab
-    if process_group is None and vocab_size is not None:
-        logits, teacher_logits = trim_vocab(logits, teacher_logits, vocab_size)
-        vocab_size = None
+    process_group, vocab_size, logits, teacher_logits = apply_vocab_parallel(
+        process_group, _VocabParallelState.current, vocab_size, logits, teacher_logits)
     cfg, rows, (z, u, y, active, x, d) = prepare(
         TorchOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
