@@ -31,7 +31,9 @@ def objective_loss(D, objective, z, batch, backend):
 
 class TorchCase:
     """``variant``: a backend name, or "reference+compile" (torch.compile of the reference),
-    or "liger" (Liger-Kernel's cross entropy; ce only)."""
+    or "liger" (Liger-Kernel's cross entropy; ce only). Liger writes its gradient into the
+    logits during the forward pass, so after the first call its inputs hold gradients: the
+    pass structure (and so the timing) is the same, the values are not meaningful."""
 
     framework = "torch"
 

@@ -38,3 +38,19 @@ def test_torch_compile_baseline_case(monkeypatch):
                     10.0, types.SimpleNamespace(reps=2))
     assert all("ms" in r for r in rows), rows
     assert next(r for r in rows if r["mode"] == "bwd")["derived"]
+
+
+def test_liger_baseline_case(monkeypatch):
+    """The Liger-Kernel baseline (timed on GPUs) runs end to end; on CPU through the Triton
+    interpreter that conftest turns on."""
+    import types
+
+    import pytest
+
+    pytest.importorskip("liger_kernel")
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import detect, run_case
+
+    rows = run_case(detect(), "torch", "ce", "liger", "tiny", 16, 257, "float32", 10.0,
+                    types.SimpleNamespace(reps=2))
+    assert all("ms" in r for r in rows), rows

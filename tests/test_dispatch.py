@@ -100,3 +100,19 @@ def test_jax_transforms_jit_grad_vmap():
         D.token_stats(zi, yi, wi, chunk_size=10).logp)))(z, y, w)
     full = jax.grad(lambda z: jnp.sum(D.token_stats(z, y, w, backend="reference").logp))(z)
     np.testing.assert_allclose(per_ex, full, atol=2e-6, rtol=2e-5)
+
+
+def test_non_editable_install_ships_kernels(tmp_path):
+    """A regular (non-editable) install maps kernels/ to dlm_kernels.kernels."""
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(target), root], check=True, capture_output=True, text=True, timeout=600)
+    code = ("import dlm_kernels, dlm_kernels.torch, dlm_kernels.jax;"
+            "from dlm_kernels.kernels.triton import token_stats;"
+            "from dlm_kernels.kernels.pallas import token_stats as p;"
+            "assert dlm_kernels.__file__.startswith(%r), dlm_kernels.__file__" % str(target))
+    env = dict(os.environ, PYTHONPATH=str(target))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(tmp_path), env=env)
