@@ -155,6 +155,16 @@ class TokenStatsSuite:
         logp = fw.numpy(st.logp)
         assert np.isfinite(logp[[0, 3]]).all() and np.isnan(logp[[1, 2]]).all(), logp
 
+    def test_scalar_shift_equals_broadcast_shift(self, rng):
+        fw = self.fw
+        z = fw.array(rng.normal(size=(3, 4, 29)) * 3, "float32")
+        y, x = fw.array(rng.integers(0, 29, (3, 4))), fw.array(rng.integers(0, 29, (3, 4)))
+        a = fw.api.token_stats(z, y, shift_ids=x, shift=2.5, backend=self.BACKEND)
+        b = fw.api.token_stats(z, y, shift_ids=x, shift=fw.array(np.full((3, 4), 2.5, np.float32)),
+                               backend=self.BACKEND)
+        for got, exp in zip(a, b):
+            assert_close(fw.numpy(got), fw.numpy(exp), "float32", "scalar shift")
+
     def test_weights_none_means_all_active(self, rng):
         fw = self.fw
         z64 = rng.normal(size=(5, 33))

@@ -177,5 +177,8 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
     x = d = None
     if shift_ids is not None:
         x = shift_ids.reshape(n)
-        d = xp.broadcast_to(xp.as_f32(shift), rows).reshape(n)
+        if xp.is_array(shift):
+            d = xp.broadcast_to(xp.f32(shift), rows).reshape(n)
+        else:  # a Python scalar: made on the logits' device
+            d = xp.full((n,), float(shift), logits)
     return cfg, rows, (z, u, y, active, x, d)
