@@ -31,10 +31,8 @@ import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
 
-# Rows of the partial-state buffer part[8, S, N].
-P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU = 0, 1, 2, 3, 4, 5, 6, 7
-# Rows of the statistics buffer out[7, N].
-S_LSE, S_LOGP, S_ENT, S_KL, S_LSE_CE, S_LSE_U, S_KL_SHIFT = 0, 1, 2, 3, 4, 5, 6
+# Buffer layouts (rows): part[8, S, N] = (m, a, b, m2, a2, mu, au, cu) per split;
+# out[7, N] = (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift).
 
 
 @triton.jit

@@ -68,8 +68,7 @@ def _is_real_scalar(value) -> bool:
     if isinstance(value, (int, float)):
         return True
     # numpy / framework 0-d scalars that convert exactly.
-    shape = getattr(value, "shape", None)
-    if shape == () or shape == ():
+    if getattr(value, "shape", None) == ():
         try:
             float(value)
         except Exception:  # a tracer, or not a number

@@ -52,12 +52,6 @@ def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
     return r
 
 
-def empty_state(xp, n, like) -> State:
-    neg = xp.full((n,), NEG_INF, like)
-    zero = xp.full((n,), 0.0, like)
-    return State(neg, zero, zero, neg, zero, neg, zero, zero)
-
-
 def _row_lse_parts(xp, s):
     """Chunk max, Σ e^{s-m}, Σ e^{s-m}(s-m) over the last axis of s: [N, C]."""
     m = xp.rowmax(s)
