@@ -27,7 +27,8 @@ if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>
 fi
 
 log "GPU parity suites (compiled Triton on CUDA tensors)"
-TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x \
+# JAX_PLATFORMS: the test conftest defaults JAX to the CPU; here jax-triton needs the GPU.
+JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x \
   tests/test_gpu.py "tests/test_triton.py::TestTorchTriton" "tests/test_triton.py::TestTorchTritonObjectives" \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
 
