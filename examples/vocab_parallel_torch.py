@@ -34,6 +34,7 @@ def main():
     ref = dk.weighted_cross_entropy(full[..., :vocab], batch, backend="reference").compute()
     assert torch.allclose(loss, ref, rtol=1e-5), (loss, ref)
     print(f"rank {rank}/{world}: loss {loss.item():.6f} (unsharded {ref.item():.6f})")
+    dist.barrier()
     dist.destroy_process_group()
 
 
