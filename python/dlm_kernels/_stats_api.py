@@ -11,6 +11,12 @@ object with
   forward(z, u, y, active, x, d, cfg)     -> Stats (outputs + residuals)    [custom_vjp=True]
   backward(z, u, y, active, x, d, stats, grads, cfg) -> (dz, du or None)    [custom_vjp=True]
 
+and optionally
+  supports_inplace_grad, backward(..., inplace=True)   torch: write dz into z
+  supports_vocab_shards, forward_partial(z, u, y, x, d, cfg, offset) -> (State, r_y, found)
+                         and backward(..., offset=)     one vocabulary shard whose column 0
+                                                        has global id ``offset``
+
 with z: [N, K] student logits, u: [N, K] teacher logits or None, y: [N] int targets,
 active: [N] bool, x: [N] int shift ids or None, d: [N] float32 shift or None,
 grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32.
