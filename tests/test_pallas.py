@@ -3,7 +3,6 @@ detection), and TPU lowering at real shapes, where the (8, 128) block rules are 
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest

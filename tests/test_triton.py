@@ -5,7 +5,6 @@ heuristic, and an ahead-of-time compile for sm_90 with a register-spill check.""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 
 import numpy as np
