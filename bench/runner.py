@@ -204,7 +204,8 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
         gbps = nbytes / (t["ms"] * 1e-3) / 1e9 if t["ms"] > 0 else None
         out.append(dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
                         dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
-                        reps=t["reps"], derived=t.get("derived"), bytes=nbytes, gbps=gbps,
+                        reps=t["reps"], times_ms=t.get("times"), derived=t.get("derived"),
+                        bytes=nbytes, gbps=gbps,
                         pct_copy=100 * gbps / copy_gbps if gbps else None,
                         peak_bytes=peak, peak_kind=mem_kind))
     return out

@@ -18,7 +18,8 @@ def _torch_cuda():
 
 
 def measure(fn, *, cuda=False, warmup=2, reps=10, budget_s=20.0):
-    """Time fn(i) for i = 0, 1, ...; returns dict(ms, p20, p80, reps) in milliseconds."""
+    """Time fn(i) for i = 0, 1, ...; returns dict(ms, p20, p80, reps, times) in milliseconds
+    (``times``: every timed call, raw)."""
     for i in range(warmup):
         fn(i)
     times = []
@@ -40,7 +41,7 @@ def measure(fn, *, cuda=False, warmup=2, reps=10, budget_s=20.0):
             break
     t = np.asarray(times)
     return dict(ms=float(np.median(t)), p20=float(np.percentile(t, 20)),
-                p80=float(np.percentile(t, 80)), reps=len(times))
+                p80=float(np.percentile(t, 80)), reps=len(times), times=[float(v) for v in t])
 
 
 def copy_bandwidth(device, nbytes):

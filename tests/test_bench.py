@@ -20,6 +20,7 @@ def test_bench_smoke(tmp_path):
                                                               ("jax", "chunked"), ("jax", "reference")}
     for r in rows:
         assert r["ms"] >= 0 and r["bytes"] > 0 and "speedup" in r
+        assert r["derived"] or len(r["times_ms"]) == r["reps"]
         assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
     comm = report["vocab_parallel_comm"]
     assert comm and all(c["bytes_per_row"] <= c["analytic_bytes_per_row"] for c in comm)
