@@ -55,6 +55,23 @@ def _shifted(z, cols, x, d, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.co
 
 
 @triton.jit
+def _row_span(active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT: tl.constexpr):
+    """This program's row, its vocabulary range [k_start, k_end) and per-row inputs; the
+    range ends at k_start for an inactive row, so its loops read nothing."""
+    row = tl.program_id(0)
+    is_active = tl.load(active_ptr + row) != 0
+    k_start = tl.program_id(1) * cols_per_split
+    k_end = tl.minimum(k_start + cols_per_split, K)
+    k_live = tl.where(is_active, k_end, k_start)
+    x = 0
+    d = 0.0
+    if HAS_SHIFT:
+        x = tl.load(x_ptr + row).to(tl.int32)
+        d = tl.load(d_ptr + row).to(tl.float32)
+    return row, is_active, k_start, k_end, k_live, x, d
+
+
+@triton.jit
 def _online(m, a, s):
     """Fold a block s[BLOCK_K] into (max m, Σ e^{s-m} a); returns (m_new, a_new, e, m_safe)."""
     m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -78,19 +95,11 @@ def stats_partial_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row, is_active, k_start, k_end, k_stop, x, d = _row_span(
+        active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     row64 = row.to(tl.int64)
-    is_active = tl.load(active_ptr + row) != 0
-    k_start = split * cols_per_split
-    k_end = tl.minimum(k_start + cols_per_split, K)
-    k_stop = tl.where(is_active, k_end, k_start)  # inactive rows: no iterations, no reads
-    x = 0
-    d = 0.0
-    if HAS_SHIFT:
-        x = tl.load(x_ptr + row).to(tl.int32)
-        d = tl.load(d_ptr + row).to(tl.float32)
 
     m = float("-inf")  # running max of s = r / T
     a = 0.0       # Σ e^{s - m}
@@ -236,13 +245,9 @@ def stats_grad_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
+    row, is_active, k_start, k_end, k_read, x, d = _row_span(
+        active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT)  # inactive: loads masked off
     row64 = row.to(tl.int64)
-    is_active = tl.load(active_ptr + row) != 0
-    k_start = split * cols_per_split
-    k_end = tl.minimum(k_start + cols_per_split, K)
-    k_read = tl.where(is_active, k_end, k_start)  # inactive rows: every load masked off
     # cotangents are zeroed for inactive rows, so their gradient is exactly 0
     g_lse = tl.where(is_active, tl.load(g_lse_ptr + row), 0.0)
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
@@ -254,11 +259,6 @@ def stats_grad_kernel(
     lse_ce = tl.load(stats_ptr + 4 * N + row)
     lse_u = tl.load(stats_ptr + 5 * N + row)
     y = tl.load(y_ptr + row).to(tl.int32)
-    x = 0
-    d = 0.0
-    if HAS_SHIFT:
-        x = tl.load(x_ptr + row).to(tl.int32)
-        d = tl.load(d_ptr + row).to(tl.float32)
 
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):

@@ -116,8 +116,8 @@ def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optio
 
 @token_stats_partial.register_fake
 def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k, col_offset, vocab_limit):
-    cfg = K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None, 132,
-                          block_k or None)
+    cfg = K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
+                          _num_sms(z.device), block_k or None)  # the same plan as the launch
     return z.new_empty((8, cfg["splits"], z.shape[0]), dtype=torch.float32)
 
 
