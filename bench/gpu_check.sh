@@ -28,11 +28,16 @@ fi
 
 log "GPU parity suites (compiled Triton on CUDA tensors)"
 # JAX_PLATFORMS: the test conftest defaults JAX to the CPU; here jax-triton needs the GPU.
-JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x \
+JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -k "not jax" \
   tests/test_gpu.py "tests/test_triton.py::TestTorchTriton" "tests/test_triton.py::TestTorchTritonObjectives" \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
 
 log "benchmark (target shape first; stops starting cases after the budget)"
 TRITON_INTERPRET=0 timeout 330 python3 -m bench --full --reps 8 --budget-s 270 --out "$OUT" 2>&1 \
   | tail -60 | tee -a "$OUT/gpu_check.log"
+log "JAX through jax-triton (skips without the carried jax-triton wheel)"
+JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x \
+  "tests/test_gpu.py::TestJaxTritonGpu" "tests/test_gpu.py::test_jax_triton_vocab_shard_on_one_gpu" \
+  "tests/test_gpu.py::test_jax_triton_parity" --junitxml="$OUT/gpu_jax_tests.xml" 2>&1 \
+  | tail -15 | tee -a "$OUT/gpu_check.log"
 log "done"

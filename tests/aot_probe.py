@@ -53,8 +53,8 @@ def main():
              "out_ptr": "*fp32", "stats_ptr": "*fp32", "g_lse_ptr": "*fp32", "g_lp_ptr": "*fp32",
              "g_h_ptr": "*fp32", "g_kl_ptr": "*fp32", "N": "i32", "K": "i32", "S": "i32",
              "stride_z": "i64", "stride_u": "i64", "stride_dz": "i64", "stride_du": "i64",
-             "cols_per_split": "i32", "col_offset": "i32", "vocab_limit": "i32", "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32",
-             "softcap": "fp32"}
+             "cols_per_split": "i32", "col_offset_ptr": "*i32", "vocab_limit": "i32",
+             "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32", "softcap": "fp32"}
     kernels = [
         (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"]), cfg["num_warps"]),
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
@@ -64,7 +64,8 @@ def main():
     ]
     report = {}
     for fn, constexprs, warps in kernels:
-        sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        # every parameter is typed here or a constexpr given above (a KeyError otherwise)
+        sig = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=cfg["num_stages"]))

@@ -19,3 +19,37 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(new_seed())
+
+
+@pytest.fixture
+def jax_triton_on_cpu(monkeypatch):
+    """Load the JAX triton backend against ``jax_triton_emulator`` (jax-triton's calling
+    convention, kernels in the Triton interpreter) and let it take CPU arrays; the real
+    module and registry entry come back afterwards."""
+    import importlib
+
+    import dlm_kernels.jax as package
+    import jax_triton_emulator
+    from dlm_kernels.jax import _primitive
+
+    name = "dlm_kernels.jax._triton"
+    monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
+    saved = sys.modules.pop(name, None), getattr(package, "_triton", None)
+    try:
+        module = importlib.import_module(name)
+    finally:  # the emulated module is used through the registry only
+        sys.modules.pop(name, None)
+        if saved[0] is not None:
+            sys.modules[name] = saved[0]
+        if saved[1] is not None:
+            package._triton = saved[1]
+        elif hasattr(package, "_triton"):
+            del package._triton
+
+    class OnCpu(module.TritonJax):
+        @staticmethod
+        def unsupported_reason(platform):
+            return None
+
+    monkeypatch.setitem(_primitive.REGISTRY.IMPLEMENTATIONS, "triton", OnCpu())
+    yield module

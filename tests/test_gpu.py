@@ -76,3 +76,60 @@ def test_jax_triton_parity():
     for a, b in zip(s_t, s_r):
         assert_close(np.asarray(a), np.asarray(b), "float32")
     assert_close(np.asarray(g_t, np.float64), np.asarray(g_r, np.float64), "bfloat16")
+
+
+# -- JAX through the real jax-triton ------------------------------------------------------
+
+from test_token_stats import TokenStatsSuite  # noqa: E402
+
+
+def _skip_without_jax_triton_on_gpu():
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    from dlm_kernels.jax import _primitive
+
+    if "triton" not in _primitive.REGISTRY.IMPLEMENTATIONS:
+        pytest.skip(f"jax triton backend unavailable: {_primitive.REGISTRY._unavailable.get('triton')}")
+
+
+class TestJaxTritonGpu(TokenStatsSuite):
+    """The whole primitive suite through jax_triton.triton_call on the GPU."""
+
+    FW, BACKEND = "jax", "triton"
+    CHUNK_SIZES = (None, 128)
+
+    @pytest.fixture(autouse=True)
+    def _needs_jax_triton(self):
+        _skip_without_jax_triton_on_gpu()
+
+
+def test_jax_triton_vocab_shard_on_one_gpu():
+    """The partial-state path (shard offset read from memory) inside shard_map on one GPU."""
+    _skip_without_jax_triton_on_gpu()
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import dlm_kernels.jax as D
+
+    rng = np.random.default_rng(1)
+    n, k = 64, 40000
+    z = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
+    u = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
+    y = jnp.asarray(rng.integers(0, k, n))
+    w = jnp.asarray(rng.uniform(size=n) > 0.2, jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("vocab",))
+
+    def loss(z, backend, axis):
+        s = D.token_stats(z, y, w, teacher_logits=u, temperature=1.2, vocab_axis=axis,
+                          backend=backend)
+        return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl), s
+
+    sharded = jax.shard_map(lambda z: loss(z, "triton", "vocab"), mesh=mesh,
+                            in_specs=P(None, "vocab"), out_specs=(P(), P()))
+    (_, s_t), g_t = jax.jit(jax.value_and_grad(sharded, has_aux=True))(z)
+    (_, s_r), g_r = jax.value_and_grad(lambda z: loss(z, "reference", None), has_aux=True)(z)
+    for a, b in zip(s_t, s_r):
+        assert_close(np.asarray(a), np.asarray(b), "float32")
+    assert_close(np.asarray(g_t, np.float64), np.asarray(g_r, np.float64), "bfloat16")

@@ -11,7 +11,7 @@ pytest.importorskip("jax.experimental.pallas.tpu")
 
 from harness import framework  # noqa: E402
 from test_objectives import ObjectivesSuite  # noqa: E402
-from test_token_stats import FEATURES, TokenStatsSuite, make_case  # noqa: E402
+from test_token_stats import FEATURES, TokenStatsSuite, check_jit_grad_vmap, make_case  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -89,22 +89,4 @@ def test_pallas_not_auto_on_cpu(monkeypatch):
 
 
 def test_pallas_jit_grad_vmap():
-    import jax
-    import jax.numpy as jnp
-
-    import dlm_kernels.jax as D
-
-    rng = np.random.default_rng(5)
-    z = jnp.asarray(rng.normal(size=(3, 4, 150)) * 3, jnp.float32)
-    u = jnp.asarray(rng.normal(size=(3, 4, 150)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 150, (3, 4)))
-    w = jnp.asarray(rng.uniform(size=(3, 4)) > 0.25, jnp.float32)
-
-    def per_example(zi, ui, yi, wi, backend):
-        s = D.token_stats(zi, yi, wi, teacher_logits=ui, temperature=0.7, backend=backend)
-        return jnp.sum(s.logp) + 0.2 * jnp.sum(s.entropy) + jnp.sum(s.kl)
-
-    grad_fn = jax.jit(jax.vmap(jax.grad(per_example), in_axes=(0, 0, 0, 0, None)), static_argnums=4)
-    got = grad_fn(z, u, y, w, "pallas")
-    exp = jax.vmap(jax.grad(per_example), in_axes=(0, 0, 0, 0, None))(z, u, y, w, "reference")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(exp), atol=2e-6, rtol=2e-5)
+    check_jit_grad_vmap("pallas")

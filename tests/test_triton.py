@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from harness import assert_close, framework  # noqa: E402
 from test_objectives import ObjectivesSuite  # noqa: E402
-from test_token_stats import TokenStatsSuite, make_case, FEATURES  # noqa: E402
+from test_token_stats import FEATURES, TokenStatsSuite, check_jit_grad_vmap, make_case  # noqa: E402
 
 ON_GPU = False
 try:
@@ -80,6 +80,31 @@ class TestTorchTriton(TokenStatsSuite):
 @needs_interpreter
 class TestTorchTritonObjectives(ObjectivesSuite):
     FW, BACKEND = "torch", "triton"
+
+
+# -- JAX through jax_triton.triton_call (emulated on CPU) -----------------------------------
+
+@needs_interpreter
+@pytest.mark.usefixtures("jax_triton_on_cpu")
+class TestJaxTritonEmulated(TokenStatsSuite):
+    FW, BACKEND = "jax", "triton"
+    CHUNK_SIZES = (None, 128)
+
+
+@needs_interpreter
+def test_jax_triton_jit_grad_vmap(jax_triton_on_cpu):
+    check_jit_grad_vmap("triton")
+
+
+def test_jax_triton_is_honest_without_a_gpu():
+    from dlm_kernels.jax import _primitive
+
+    if "triton" in _primitive.REGISTRY.IMPLEMENTATIONS:
+        pytest.skip("jax-triton imports here (a GPU-enabled jaxlib)")
+    jfw = framework("jax")
+    with pytest.raises(Exception, match="jax-triton is not importable here"):
+        jfw.api.token_stats(jfw.array(np.zeros((2, 3), np.float32)),
+                            jfw.array(np.zeros(2, np.int32)), backend="triton")
 
 
 def test_inplace_grad_chunked_and_rejections():

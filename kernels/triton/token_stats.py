@@ -19,7 +19,9 @@ zeros without a load.
 
 Parameter order: input pointers, then scalars, then output pointers, then constexprs, so
 that ``jax_triton.triton_call`` (inputs positionally, outputs appended) and the torch
-launcher call the same source.
+launcher call the same source. The vocabulary offset of a shard is an input pointer, not a
+scalar: under ``jax.shard_map`` it is ``axis_index · K_local``, a traced value, and
+jax-triton passes only static Python scalars.
 
 Conventions: float32 math throughout, int64 row offsets (N·K passes 2^31), unit column
 stride (the launcher makes it so), row strides passed in. Softcap c (HAS_SOFTCAP) maps z to
@@ -88,8 +90,9 @@ def stats_partial_kernel(
     x_ptr,  # [N] int shift column (HAS_SHIFT)
     d_ptr,  # [N] f32 shift value (HAS_SHIFT)
     active_ptr,  # [N] int8, row is active when != 0
+    col_offset_ptr,  # [1] int32 global id of column 0 (a tensor: traced under jax.shard_map)
     N, K, stride_z, stride_u, cols_per_split,
-    col_offset, vocab_limit,  # global id of column 0; global ids >= vocab_limit are padding
+    vocab_limit,  # global ids >= vocab_limit are padding
     inv_t, inv_t_ce, inv_t_kl, softcap,
     part_ptr,  # [8, S, N] f32 out
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
@@ -100,6 +103,7 @@ def stats_partial_kernel(
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     row64 = row.to(tl.int64)
+    col_offset = tl.load(col_offset_ptr)
 
     m = float("-inf")  # running max of s = r / T
     a = 0.0       # Σ e^{s - m}
@@ -237,8 +241,9 @@ def stats_grad_kernel(
     active_ptr,  # [N] int8
     stats_ptr,  # [7, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)
     g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
+    col_offset_ptr,  # [1] int32 global id of column 0
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
-    col_offset, vocab_limit,  # global id of column 0; global ids >= vocab_limit get 0
+    vocab_limit,  # global ids >= vocab_limit get 0
     inv_t, inv_t_ce, inv_t_kl, softcap,
     dz_ptr,  # [N, K] out, z's dtype (may alias z_ptr: every element is read before written)
     du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
@@ -248,6 +253,7 @@ def stats_grad_kernel(
     row, is_active, k_start, k_end, k_read, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT)  # inactive: loads masked off
     row64 = row.to(tl.int64)
+    col_offset = tl.load(col_offset_ptr)
     # cotangents are zeroed for inactive rows, so their gradient is exactly 0
     g_lse = tl.where(is_active, tl.load(g_lse_ptr + row), 0.0)
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)

@@ -4,10 +4,19 @@ under the front end's ``custom_vjp``.
 
 jax-triton refuses to import unless jaxlib has GPU support, so on CPU-only machines this
 module raises ImportError and the registry records why (``backend="triton"`` then says so).
-Install it where it can run: ``pip install jax-triton`` beside ``jax[cuda]``.
+Install it where it can run: ``pip install jax-triton`` beside ``jax[cuda]``. On CPU the
+tests run this module against ``tests/jax_triton_emulator.py`` (jax-triton's calling
+convention, kernels in the Triton interpreter).
+
+What jax-triton leaves to the caller, done here: ``vmap`` (triton_call has no batching rule:
+the mapped axis is folded into the rows), ``shard_map`` typing (its outputs are typed as the
+same on every device: they are cast to vary like their operands), and traced scalars (only
+static Python scalars are passed by value: a shard's column offset travels as an array).
 """
 
 from __future__ import annotations
+
+import inspect
 
 try:
     import jax_triton as jt
@@ -21,11 +30,36 @@ import triton
 
 from .. import _stats_math as M
 from ..kernels.triton import token_stats as K
+from ._batching import fold_vmap_into_rows
+from ._ops import JaxOps
+
+# jax-triton renamed out_shape= to out_type= (the old name still works, with a warning)
+_OUT_KW = ("out_type" if "out_type" in inspect.signature(jt.triton_call).parameters
+           else "out_shape")
+_NO_VOCAB_LIMIT = 2**31 - 1
 
 
 def _num_sms():
     dev = jax.local_devices()[0]
     return int(getattr(dev, "core_count", 0) or 132)
+
+
+def _varying(a):
+    mat = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _launch(kernel, arrays, scalars, out, grid, **options):
+    """jt.triton_call(*arrays, *scalars) -> out (a ShapeDtypeStruct or a tuple of them).
+    Inside ``jax.shard_map`` the outputs vary over every mesh axis their operands vary over
+    (a type cast, no communication; left invariant, their cotangents would be summed over
+    the devices)."""
+    res = jt.triton_call(*arrays, *scalars, kernel=kernel, grid=grid, **{_OUT_KW: out},
+                         **options)
+    axes = frozenset().union(*map(_varying, arrays))
+    cast = lambda o: (jax.lax.pcast(o, tuple(sorted(axes - _varying(o))), to="varying")
+                      if axes - _varying(o) else o)
+    return jax.tree_util.tree_map(cast, res)
 
 
 def _scalars(cfg):
@@ -44,9 +78,79 @@ def _plan(z, cfg):
                                  cfg.chunk_size)
 
 
+def _per_row(x, d):
+    # [N] shift column / value; placeholders (never read) without a shift
+    return (jnp.zeros((1,), jnp.int32) if x is None else x,
+            jnp.zeros((1,), jnp.float32) if d is None else d)
+
+
+def _offset(offset):
+    # [1] int32: the global id of column 0 (under shard_map axis_index · K_local, traced)
+    return jnp.reshape(jnp.asarray(offset, jnp.int32), (1,))
+
+
+def _rows_vmappable(fn, *arrays):
+    """fn(*arrays) with None entries passed through; a vmapped call runs once on B·N rows."""
+    present = [a is not None for a in arrays]
+
+    def call(*given):
+        given = iter(given)
+        return fn(*(next(given) if p else None for p in present))
+
+    return fold_vmap_into_rows(call)(*(a for a in arrays if a is not None))
+
+
+def _partial(z, u, active, x, d, cfg, offset):
+    # z, u: [N, K] row-major (row stride K); active, x, d: [N] -> part [8, S, N] f32
+    n, k, lc = _plan(z, cfg)
+    return _launch(
+        K.stats_partial_kernel,
+        (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), _offset(offset)),
+        (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT, *_scalars(cfg)),
+        jax.ShapeDtypeStruct((8, lc["splits"], n), jnp.float32),  # 32·S bytes per row
+        (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
+
+
+def _forward(z, u, y, active, x, d, cfg):
+    # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+    n, k = z.shape
+    if n == 0:  # a zero-size grid is not a launch
+        return M.Stats(*jnp.zeros((7, 0), jnp.float32))
+    part = _partial(z, u, active, x, d, cfg, 0)
+    s = part.shape[1]
+    block_n, block_s = K.finalize_blocks(s)
+    out = _launch(
+        K.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
+        (n, k, s, k, 1.0 / cfg.ce_temperature, float(cfg.softcap or 0.0)),
+        jax.ShapeDtypeStruct((7, n), jnp.float32),  # 28 bytes per row
+        (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
+        **_flags(cfg, x is not None))
+    return M.Stats(*out)
+
+
+def _backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
+    n, k, lc = _plan(z, cfg)
+    if n == 0:
+        return jnp.zeros_like(z), (jnp.zeros_like(u) if cfg.teacher_grad else None)
+    du_type = (jax.ShapeDtypeStruct(u.shape, u.dtype) if cfg.teacher_grad
+               else jax.ShapeDtypeStruct((1,), z.dtype))
+    dz, du = _launch(
+        K.stats_grad_kernel,
+        (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
+         jnp.stack(stats), *grads, _offset(offset)),
+        (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT,
+         *_scalars(cfg)),
+        (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
+        (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
+    return dz, (du if cfg.teacher_grad else None)
+
+
 class TritonJax:
     name = "triton"
     custom_vjp = True
+    supports_vocab_shards = True
 
     @staticmethod
     def unsupported_reason(platform):
@@ -56,47 +160,23 @@ class TritonJax:
 
     @staticmethod
     def forward(z, u, y, active, x, d, cfg):
-        # z, u: [N, K] (row-major, so row stride K); y, active, x, d: [N] -> Stats
-        n, k, lc = _plan(z, cfg)
-        s = lc["splits"]
-        inv_t, inv_t_ce, inv_t_kl, softcap = _scalars(cfg)
-        act = active.astype(jnp.int8)
-        xs = y if x is None else x
-        ds = jnp.zeros((1,), jnp.float32) if d is None else d
-        flags = _flags(cfg, x is not None)
-        part = jt.triton_call(
-            z, z if u is None else u, xs, ds, act, n, k, k, k, lc["cols_per_split"], 0, k,
-            inv_t, inv_t_ce, inv_t_kl, softcap,
-            kernel=K.stats_partial_kernel,
-            out_shape=jax.ShapeDtypeStruct((8, s, n), jnp.float32),  # 32·S bytes per row
-            grid=(n, s), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-            BLOCK_K=lc["block_k"], **flags)
-        block_n, block_s = K.finalize_blocks(s)
-        out = jt.triton_call(
-            part, z, y, xs, ds, act, n, k, s, k, inv_t_ce, softcap,
-            kernel=K.stats_finalize_kernel,
-            out_shape=jax.ShapeDtypeStruct((7, n), jnp.float32),  # 28 bytes per row
-            grid=(triton.cdiv(n, block_n),), num_warps=4,
-            BLOCK_N=block_n, BLOCK_S=block_s, **flags)
-        return M.Stats(*out)
+        return M.Stats(*_rows_vmappable(lambda *a: tuple(_forward(*a, cfg)),
+                                        z, u, y, active, x, d))
 
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg):
-        n, k, lc = _plan(z, cfg)
-        inv_t, inv_t_ce, inv_t_kl, softcap = _scalars(cfg)
-        xs = y if x is None else x
-        ds = jnp.zeros((1,), jnp.float32) if d is None else d
-        du_shape = (jax.ShapeDtypeStruct(u.shape, u.dtype) if cfg.teacher_grad
-                    else jax.ShapeDtypeStruct((1,), z.dtype))
-        dz, du = jt.triton_call(
-            z, z if u is None else u, y, xs, ds, active.astype(jnp.int8), jnp.stack(stats),
-            *grads, n, k, k, k, k, k, lc["cols_per_split"], 0, k, inv_t, inv_t_ce, inv_t_kl,
-            softcap,
-            kernel=K.stats_grad_kernel,
-            out_shape=(jax.ShapeDtypeStruct(z.shape, z.dtype), du_shape),
-            grid=(n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-            TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
-        return dz, (du if cfg.teacher_grad else None)
+    def forward_partial(z, u, y, x, d, cfg, offset=0):
+        # one vocabulary shard whose column 0 has global id ``offset`` -> (State, r_y, found)
+        part = _partial(z, u, jnp.ones(z.shape[:1], jnp.int8), x, d, cfg, offset)
+        state = M.merge_splits(JaxOps, [p.T for p in part], cfg)  # 8 x [N, S]
+        return (state, *M.target_logit(JaxOps, z, y, x, d, cfg, offset))
+
+    @staticmethod
+    def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
+        if not isinstance(offset, int):  # a vocabulary shard (inside shard_map): no vmap fold
+            return _backward(z, u, y, active, x, d, stats, grads, cfg, offset)
+        fn = lambda z, u, y, active, x, d, *rows: _backward(
+            z, u, y, active, x, d, rows[:7], rows[7:], cfg)
+        return _rows_vmappable(fn, z, u, y, active, x, d, *stats, *grads)
 
 
 IMPLEMENTATION = TritonJax()

@@ -60,6 +60,12 @@ def _flags(u, x, softcap, inv_t, inv_t_ce):
 _INT32_MAX = 2**31 - 1
 
 
+def _offset(col_offset, device):
+    """The kernels read a shard's global column offset from memory (one int32): a one-element
+    fill, no host synchronisation."""
+    return torch.full((1,), col_offset, dtype=torch.int32, device=device)
+
+
 def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
                     col_offset=0, vocab_limit=_INT32_MAX):
     """Partial row states [8, S, N] f32 of z: [N, K] (S vocabulary splits), plus the config."""
@@ -71,8 +77,9 @@ def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, bloc
         dummy = z
         K.stats_partial_kernel[(n, cfg["splits"])](
             z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
-            active, n, k, z.stride(0), 0 if u is None else u.stride(0),
-            cfg["cols_per_split"], col_offset, vocab_limit, inv_t, inv_t_ce, inv_t_kl, softcap,
+            active, _offset(col_offset, z.device), n, k, z.stride(0),
+            0 if u is None else u.stride(0), cfg["cols_per_split"], vocab_limit, inv_t,
+            inv_t_ce, inv_t_kl, softcap,
             part, BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce))
     return part
@@ -131,10 +138,11 @@ def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, i
     dummy = z
     K.stats_grad_kernel[(n, cfg["splits"])](
         z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
-        active, stats, grads[0], grads[1], grads[2], grads[3],
+        active, stats, grads[0], grads[1], grads[2], grads[3], _offset(col_offset, z.device),
         n, k, z.stride(0), 0 if u is None else u.stride(0), dz.stride(0),
-        0 if du is None else du.stride(0), cfg["cols_per_split"], col_offset, vocab_limit,
-        inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du, TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
+        0 if du is None else du.stride(0), cfg["cols_per_split"], vocab_limit,
+        inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du,
+        TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **_flags(u, x, softcap, inv_t, inv_t_ce))
 
