@@ -1,8 +1,11 @@
 """Compile the Triton kernels for sm_90 on any machine and report spills and registers.
 
 Usage: python aot_probe.py DTYPE(bf16|fp16|fp32) TEACHER(0|1). Prints one JSON line
-{kernel: {registers, spill_stores, spill_loads}}; exit 3 when ptxas is unavailable.
-Compiles at the configuration launched for N = 16384, K = 262144 with every feature on.
+{kernel: {registers, spill_stores, spill_loads, vector_loads, vector_stores}}; exit 3 when
+ptxas is unavailable. Compiles at the configuration launched for N = 16384, K = 262144 with
+every feature on, specialised as the launch specialises it: Triton marks every pointer
+(16-byte aligned allocations) and every integer argument divisible by 16 with
+tt.divisibility = 16, which is what lets the unmasked main loops use 16-byte accesses.
 """
 
 import json
@@ -55,6 +58,9 @@ def main():
              "stride_z": "i64", "stride_u": "i64", "stride_dz": "i64", "stride_du": "i64",
              "cols_per_split": "i32", "col_offset_ptr": "*i32", "vocab_limit": "i32",
              "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32", "softcap": "fp32"}
+    values = dict(N=16384, K=262144, S=cfg["splits"], stride_z=262144, stride_u=262144,
+                  stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
+                  vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
     kernels = [
         (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"]), cfg["num_warps"]),
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
@@ -66,11 +72,17 @@ def main():
     for fn, constexprs, warps in kernels:
         # every parameter is typed here or a constexpr given above (a KeyError otherwise)
         sig = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                 if sig[name].startswith("*") or values.get(name, 1) % 16 == 0}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=cfg["num_stages"]))
-        report[f"{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"] = dict(ptxas_report(compiled.asm["ptx"], ptxas), num_warps=warps,
-                                   **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
+        ptx = compiled.asm["ptx"]
+        key = f"{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
+        report[key] = dict(ptxas_report(ptx, ptxas), num_warps=warps,
+                           vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
+                           vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx)),
+                           **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
     print(json.dumps(report))
 
 

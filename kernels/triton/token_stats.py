@@ -24,7 +24,11 @@ scalar: under ``jax.shard_map`` it is ``axis_index · K_local``, a traced value,
 jax-triton passes only static Python scalars.
 
 Conventions: float32 math throughout, int64 row offsets (N·K passes 2^31), unit column
-stride (the launcher makes it so), row strides passed in. Softcap c (HAS_SOFTCAP) maps z to
+stride (the launcher makes it so), row strides passed in. Each streaming loop is split in
+two: whole blocks of real vocabulary with no masks (so Triton can prove 16-byte alignment
+and contiguity and vectorise the accesses; a mask against an unaligned bound such as the
+vocabulary limit would force 2-byte scalar loads), then the ragged tail and any padding
+columns with masks (``_row_span`` gives the bounds). Softcap c (HAS_SOFTCAP) maps z to
 c·tanh(z/c); the LOO shift adds d at column x (HAS_SHIFT) before the temperature.
 """
 
@@ -57,20 +61,30 @@ def _shifted(z, cols, x, d, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.co
 
 
 @triton.jit
-def _row_span(active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT: tl.constexpr):
-    """This program's row, its vocabulary range [k_start, k_end) and per-row inputs; the
-    range ends at k_start for an inactive row, so its loops read nothing."""
+def _row_span(active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit,
+              HAS_SHIFT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's row and vocabulary split, as column bounds:
+
+        k_start <= k_full <= k_valid <= k_end
+        [k_start, k_full)   whole BLOCK_K blocks of real vocabulary: unmasked (vector) loads
+        [k_full, k_valid)   the ragged rest of the real vocabulary: masked loads
+        [k_valid, k_end)    padding columns (global id >= vocab_limit): never read
+
+    k_valid = k_full = k_start for an inactive row, so its loops read nothing."""
     row = tl.program_id(0)
     is_active = tl.load(active_ptr + row) != 0
+    col_offset = tl.load(col_offset_ptr)
     k_start = tl.program_id(1) * cols_per_split
     k_end = tl.minimum(k_start + cols_per_split, K)
-    k_live = tl.where(is_active, k_end, k_start)
+    k_valid = tl.maximum(tl.minimum(k_end, vocab_limit - col_offset), k_start)
+    k_valid = tl.where(is_active, k_valid, k_start)
+    k_full = k_start + (k_valid - k_start) // BLOCK_K * BLOCK_K
     x = 0
     d = 0.0
     if HAS_SHIFT:
         x = tl.load(x_ptr + row).to(tl.int32)
         d = tl.load(d_ptr + row).to(tl.float32)
-    return row, is_active, k_start, k_end, k_live, x, d
+    return row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d
 
 
 @triton.jit
@@ -81,6 +95,44 @@ def _online(m, a, s):
     e = tl.exp(s - m_safe)
     a_new = a * tl.exp(m - m_safe) + tl.sum(e, axis=0)
     return m_new, a_new, e, m_safe
+
+
+@triton.jit
+def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
+                softcap, m, a, b, m2, a2, mu, au, cu, MASKED: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
+                SEPARATE_CE: tl.constexpr):
+    """Fold the columns ``cols`` [BLOCK_K] of one row into the 8 running sums."""
+    mask = cols < k_valid
+    gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
+    # read BLOCK_K·E bytes of student logits
+    if MASKED:
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.load(z_row + cols).to(tl.float32)
+    r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+    if MASKED:
+        r = tl.where(mask, r, NEG_INF)
+    s = r * inv_t
+    m_old = m
+    a_old = a
+    m, a, e, m_safe = _online(m_old, a_old, s)
+    # b is kept relative to the running max: rescale the old sum, then add this block.
+    b_old = tl.where(a_old > 0, tl.exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
+    b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe), 0.0), axis=0)
+    if SEPARATE_CE:
+        m2, a2, e2, m2_safe = _online(m2, a2, r * inv_t_ce)
+    if HAS_TEACHER:
+        # read BLOCK_K·E bytes of teacher logits
+        if MASKED:
+            u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
+            t = tl.where(mask, u * inv_t_kl, NEG_INF)
+        else:
+            t = tl.load(u_row + cols).to(tl.float32) * inv_t_kl
+        mu_old = mu
+        mu, au, eu, mu_safe = _online(mu_old, au, t)
+        cu = cu * tl.exp(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=0)
+    return m, a, b, m2, a2, mu, au, cu
 
 
 @triton.jit
@@ -98,12 +150,13 @@ def stats_partial_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row, is_active, k_start, k_end, k_stop, x, d = _row_span(
-        active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT)
+    row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
+        active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
+        BLOCK_K)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
-    row64 = row.to(tl.int64)
-    col_offset = tl.load(col_offset_ptr)
+    z_row = z_ptr + row.to(tl.int64) * stride_z
+    u_row = u_ptr + row.to(tl.int64) * stride_u
 
     m = float("-inf")  # running max of s = r / T
     a = 0.0       # Σ e^{s - m}
@@ -114,30 +167,16 @@ def stats_partial_kernel(
     au = 0.0      # Σ e^{t - mu}
     cu = 0.0      # Σ e^{t - mu} (t - s)
     offs = tl.arange(0, BLOCK_K)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        cols = k0 + offs
-        gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
-        mask = (cols < k_end) & (gcols < vocab_limit)
-        # read BLOCK_K·E bytes of student logits
-        z = tl.load(z_ptr + row64 * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-        r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
-        r = tl.where(mask, r, NEG_INF)
-        s = r * inv_t
-        m_old = m
-        a_old = a
-        m, a, e, m_safe = _online(m_old, a_old, s)
-        # b is kept relative to the running max: rescale the old sum, then add this block.
-        b_old = tl.where(a_old > 0, tl.exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
-        b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe), 0.0), axis=0)
-        if SEPARATE_CE:
-            m2, a2, e2, m2_safe = _online(m2, a2, r * inv_t_ce)
-        if HAS_TEACHER:
-            # read BLOCK_K·E bytes of teacher logits
-            u = tl.load(u_ptr + row64 * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-            t = tl.where(mask, u * inv_t_kl, NEG_INF)
-            mu_old = mu
-            mu, au, eu, mu_safe = _online(mu_old, au, t)
-            cu = cu * tl.exp(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=0)
+    for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
+        m, a, b, m2, a2, mu, au, cu = _fold_block(
+            z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
+            softcap, m, a, b, m2, a2, mu, au, cu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            SEPARATE_CE)
+    for k0 in range(k_full, k_valid, BLOCK_K):  # the ragged tail: at most one block
+        m, a, b, m2, a2, mu, au, cu = _fold_block(
+            z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
+            softcap, m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            SEPARATE_CE)
 
     # write 8 x 4 bytes of partial state
     base = part_ptr + split * N + row
@@ -233,6 +272,63 @@ def stats_finalize_kernel(
 
 
 @triton.jit
+def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_lse, g_lp, g_h,
+                g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, MASKED: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
+                SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr):
+    """d(logits) (and d(teacher)) of the columns ``cols`` [BLOCK_K] of one row. Masked:
+    columns in [k_valid, k_end) (padding; every column of an inactive row) are not read and
+    get exact zeros; columns >= k_end belong to the next split."""
+    z_row, u_row, dz_row, du_row = rows
+    lse, entropy, lse_ce, lse_u, kl_shift = row_stats
+    keep = cols < k_valid
+    in_split = cols < k_end
+    gcols = cols + col_offset  # global vocabulary ids
+    # read BLOCK_K·E bytes of student logits
+    if MASKED:
+        z = tl.load(z_row + cols, mask=keep, other=0.0).to(tl.float32)
+    else:
+        z = tl.load(z_row + cols).to(tl.float32)
+    r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+    s = r * inv_t
+    logp_k = s - lse
+    p = tl.exp(logp_k)
+    ds = (g_lse - g_h * tl.where(p > 0, logp_k + entropy, 0.0)) * p
+    if HAS_TEACHER:
+        # read BLOCK_K·E bytes of teacher logits
+        if MASKED:
+            u = tl.load(u_row + cols, mask=keep, other=0.0).to(tl.float32)
+        else:
+            u = tl.load(u_row + cols).to(tl.float32)
+        t = u * inv_t_kl
+        q = tl.exp(t - lse_u)
+        ds += g_kl * (p - q)  # float32 p - q: no bf16 cancellation
+        if TEACHER_GRAD:
+            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
+            du = g_kl * tl.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
+            # write BLOCK_K·E bytes of teacher gradient
+            if MASKED:
+                du = tl.where(keep, du, 0.0)
+                tl.store(du_row + cols, du.to(du_row.dtype.element_ty), mask=in_split)
+            else:
+                tl.store(du_row + cols, du.to(du_row.dtype.element_ty))
+    p_ce = p
+    if SEPARATE_CE:
+        p_ce = tl.exp(r * inv_t_ce - lse_ce)
+    onehot = tl.where(gcols == y, 1.0, 0.0)
+    dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
+    if HAS_SOFTCAP:
+        th = _tanh(z / softcap)
+        dr = dr * (1.0 - th * th)
+    # write BLOCK_K·E bytes of gradient
+    if MASKED:
+        dz = tl.where(keep, dr, 0.0)
+        tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=in_split)
+    else:
+        tl.store(dz_row + cols, dr.to(dz_row.dtype.element_ty))
+
+
+@triton.jit
 def stats_grad_kernel(
     z_ptr,  # [N, K] student logits
     u_ptr,  # [N, K] teacher logits (HAS_TEACHER)
@@ -250,59 +346,31 @@ def stats_grad_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    row, is_active, k_start, k_end, k_read, x, d = _row_span(
-        active_ptr, x_ptr, d_ptr, cols_per_split, K, HAS_SHIFT)  # inactive: loads masked off
+    row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
+        active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
+        BLOCK_K)
     row64 = row.to(tl.int64)
-    col_offset = tl.load(col_offset_ptr)
     # cotangents are zeroed for inactive rows, so their gradient is exactly 0
     g_lse = tl.where(is_active, tl.load(g_lse_ptr + row), 0.0)
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
     g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
-    lse = tl.load(stats_ptr + 0 * N + row)
-    entropy = tl.load(stats_ptr + 2 * N + row)
-    kl_shift = tl.load(stats_ptr + 6 * N + row)
-    lse_ce = tl.load(stats_ptr + 4 * N + row)
-    lse_u = tl.load(stats_ptr + 5 * N + row)
+    row_stats = (tl.load(stats_ptr + 0 * N + row), tl.load(stats_ptr + 2 * N + row),
+                 tl.load(stats_ptr + 4 * N + row), tl.load(stats_ptr + 5 * N + row),
+                 tl.load(stats_ptr + 6 * N + row))  # lse, entropy, lse_ce, lse_u, kl_shift
     y = tl.load(y_ptr + row).to(tl.int32)
+    rows = (z_ptr + row64 * stride_z, u_ptr + row64 * stride_u, dz_ptr + row64 * stride_dz,
+            du_ptr + row64 * stride_du)
 
     offs = tl.arange(0, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        cols = k0 + offs
-        gcols = cols + col_offset  # global vocabulary ids
-        keep = is_active & (gcols < vocab_limit)  # padding columns get exact zeros
-        mask = cols < k_end
-        load_mask = (cols < k_read) & (gcols < vocab_limit)  # inactive rows read nothing
-        # read BLOCK_K·E bytes of student logits
-        z = tl.load(z_ptr + row64 * stride_z + cols, mask=load_mask, other=0.0).to(tl.float32)
-        r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
-        s = r * inv_t
-        logp_k = s - lse
-        p = tl.exp(logp_k)
-        ds = (g_lse - g_h * tl.where(p > 0, logp_k + entropy, 0.0)) * p
-        if HAS_TEACHER:
-            # read BLOCK_K·E bytes of teacher logits
-            u = tl.load(u_ptr + row64 * stride_u + cols, mask=load_mask, other=0.0).to(tl.float32)
-            t = u * inv_t_kl
-            q = tl.exp(t - lse_u)
-            ds += g_kl * (p - q)  # float32 p - q: no bf16 cancellation
-            if TEACHER_GRAD:
-                # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
-                du = g_kl * tl.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
-                du = tl.where(keep, du, 0.0)
-                # write BLOCK_K·E bytes of teacher gradient
-                tl.store(du_ptr + row64 * stride_du + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
-        p_ce = p
-        if SEPARATE_CE:
-            p_ce = tl.exp(r * inv_t_ce - lse_ce)
-        onehot = tl.where(gcols == y, 1.0, 0.0)
-        dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
-        if HAS_SOFTCAP:
-            th = _tanh(z / softcap)
-            dr = dr * (1.0 - th * th)
-        dz = tl.where(keep, dr, 0.0)
-        # write BLOCK_K·E bytes of gradient
-        tl.store(dz_ptr + row64 * stride_dz + cols, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks of real vocabulary: no masks
+        _grad_block(rows, k0 + offs, k_valid, k_end, col_offset, x, d, y, row_stats,
+                    g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, False,
+                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD)
+    for k0 in range(k_full, k_end, BLOCK_K):  # ragged tail, padding, inactive rows' zeros
+        _grad_block(rows, k0 + offs, k_valid, k_end, col_offset, x, d, y, row_stats,
+                    g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, True,
+                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD)
 
 
 # -- launch configuration ---------------------------------------------------------------
@@ -316,11 +384,13 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
 
     BLOCK_K: 8 KiB of logits per block iteration per program (4096 bf16/fp16 or 2048 f32
     columns), never above next_pow2(K). With 8 warps that is 16 (bf16) or 8 (f32) elements
-    per thread per live tensor: ptxas reports 105-119 registers for the bf16 partial kernel
-    (two 256-thread programs per SM) and 54-80 at 2048 columns, with no spills (see
-    tests/aot_probe.py). num_warps: 8 for blocks of 2048+ columns, 4 below. Split-K: while N rows alone give fewer than 4 programs per SM,
-    each row's vocabulary is split into S contiguous ranges of whole blocks (at least 2
-    blocks each) whose partial states the finalize kernel merges (DESIGN §2).
+    per thread per live tensor, loaded as 16-byte vectors in the unmasked whole-block loops.
+    ptxas (sm_90, every feature on, tests/aot_probe.py) reports no spills and 109-112
+    registers for the bf16 partial kernel, 80 for the gradient kernel (150 with teacher
+    gradients), 63-64 for float32 at 2048 columns. num_warps: 8 for blocks of 2048+
+    columns, 4 below. Split-K: while N rows alone give fewer than 4 programs per SM, each
+    row's vocabulary is split into S contiguous ranges of whole blocks (at least 2 blocks
+    each) whose partial states the finalize kernel merges (DESIGN §2).
     Returns dict(block_k, num_warps, num_stages, splits, cols_per_split).
     """
     if block_k is None:
