@@ -48,36 +48,6 @@ def test_triton_beyond_int32_offsets(teacher):
     assert_close(pick(dz), dz_exp, "bfloat16", "d logits")
 
 
-def test_jax_triton_parity():
-    jax = pytest.importorskip("jax")
-    pytest.importorskip("jax_triton")
-    if jax.default_backend() != "gpu":
-        pytest.skip("JAX has no GPU backend here")
-    import jax.numpy as jnp
-
-    import dlm_kernels.jax as D
-
-    rng = np.random.default_rng(0)
-    n, k = 300, 5003
-    z = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
-    u = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
-    y = jnp.asarray(rng.integers(0, k, n))
-    w = jnp.asarray(rng.uniform(size=n) > 0.2, jnp.float32)
-    x = jnp.asarray(rng.integers(0, k, n))
-    d = jnp.asarray(rng.uniform(0, 4, n), jnp.float32)
-
-    def loss(z, backend):
-        s = D.token_stats(z, y, w, teacher_logits=u, shift_ids=x, shift=d, temperature=0.9,
-                          ce_temperature=1.1, softcap=30.0, backend=backend)
-        return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl), s
-
-    (_, s_t), g_t = jax.jit(jax.value_and_grad(lambda z: loss(z, "triton"), has_aux=True))(z)
-    (_, s_r), g_r = jax.value_and_grad(lambda z: loss(z, "reference"), has_aux=True)(z)
-    for a, b in zip(s_t, s_r):
-        assert_close(np.asarray(a), np.asarray(b), "float32")
-    assert_close(np.asarray(g_t, np.float64), np.asarray(g_r, np.float64), "bfloat16")
-
-
 # -- JAX through the real jax-triton ------------------------------------------------------
 
 from test_token_stats import TokenStatsSuite  # noqa: E402
@@ -104,8 +74,10 @@ class TestJaxTritonGpu(TokenStatsSuite):
         _skip_without_jax_triton_on_gpu()
 
 
-def test_jax_triton_vocab_shard_on_one_gpu():
-    """The partial-state path (shard offset read from memory) inside shard_map on one GPU."""
+@pytest.mark.parametrize("vocab_shard", [False, True])
+def test_jax_triton_parity(vocab_shard):
+    """Every feature through the real jax-triton under jit; vocab_shard: the partial-state path
+    (shard offset read from memory) inside shard_map over a one-GPU "vocab" axis."""
     _skip_without_jax_triton_on_gpu()
     import jax
     import jax.numpy as jnp
@@ -113,23 +85,27 @@ def test_jax_triton_vocab_shard_on_one_gpu():
 
     import dlm_kernels.jax as D
 
-    rng = np.random.default_rng(1)
-    n, k = 64, 40000
+    rng = np.random.default_rng(0)
+    n, k = 300, 5003
     z = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
     u = jnp.asarray(rng.normal(size=(n, k)) * 3, jnp.bfloat16)
     y = jnp.asarray(rng.integers(0, k, n))
     w = jnp.asarray(rng.uniform(size=n) > 0.2, jnp.float32)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("vocab",))
+    x = jnp.asarray(rng.integers(0, k, n))
+    d = jnp.asarray(rng.uniform(0, 4, n), jnp.float32)
 
-    def loss(z, backend, axis):
-        s = D.token_stats(z, y, w, teacher_logits=u, temperature=1.2, vocab_axis=axis,
-                          backend=backend)
+    def loss(z, backend, axis=None):
+        s = D.token_stats(z, y, w, teacher_logits=u, shift_ids=x, shift=d, temperature=0.9,
+                          ce_temperature=1.1, softcap=30.0, vocab_axis=axis, backend=backend)
         return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl), s
 
-    sharded = jax.shard_map(lambda z: loss(z, "triton", "vocab"), mesh=mesh,
-                            in_specs=P(None, "vocab"), out_specs=(P(), P()))
-    (_, s_t), g_t = jax.jit(jax.value_and_grad(sharded, has_aux=True))(z)
-    (_, s_r), g_r = jax.value_and_grad(lambda z: loss(z, "reference", None), has_aux=True)(z)
+    fn = lambda z: loss(z, "triton")
+    if vocab_shard:
+        fn = jax.shard_map(lambda z: loss(z, "triton", "vocab"),
+                           mesh=Mesh(np.array(jax.devices()[:1]), ("vocab",)),
+                           in_specs=P(None, "vocab"), out_specs=(P(), P()))
+    (_, s_t), g_t = jax.jit(jax.value_and_grad(fn, has_aux=True))(z)
+    (_, s_r), g_r = jax.value_and_grad(lambda z: loss(z, "reference"), has_aux=True)(z)
     for a, b in zip(s_t, s_r):
         assert_close(np.asarray(a), np.asarray(b), "float32")
     assert_close(np.asarray(g_t, np.float64), np.asarray(g_r, np.float64), "bfloat16")

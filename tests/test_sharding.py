@@ -43,10 +43,13 @@ def _expected(z, u, y, x, d, w, g):
 
 # -- JAX ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("data,vocab,backend", [(1, 8, "chunked"), (2, 4, "chunked"),
-                                                (2, 4, "pallas"), (2, 4, "triton")])
-def test_jax_vocab_and_data_parallel(data, vocab, backend, monkeypatch, request):
-    """pallas: TPU interpret mode; triton: the jax-triton emulator (Triton interpreter)."""
+@pytest.mark.parametrize("data,vocab,backend", [
+    (1, 8, "chunked"), (2, 4, "chunked"), (2, 4, "pallas"), (2, 4, "triton"),
+    (8, None, "chunked"), (8, None, "pallas"), (8, None, "triton")])
+def test_jax_sharded_parity(data, vocab, backend, monkeypatch, request):
+    """Rows over the "data" mesh axis and, unless vocab is None, the vocabulary over "vocab"
+    (vocab_axis=...); with vocab None each device runs its kernel on its rows over the whole
+    vocabulary. pallas: TPU interpret mode; triton: the jax-triton emulator."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
@@ -57,16 +60,21 @@ def test_jax_vocab_and_data_parallel(data, vocab, backend, monkeypatch, request)
     if backend == "triton":
         pytest.importorskip("triton")
         request.getfixturevalue("jax_triton_on_cpu")
-    mesh = Mesh(np.array(jax.devices()[:data * vocab]).reshape(data, vocab), ("data", "vocab"))
-    n, k_pad = 6 * data, -(-K // vocab) * vocab
-    z, u, y, x, d, w, g = _problem(n, k_pad)
+    devices = np.array(jax.devices()[:data * (vocab or 1)])
+    if vocab is None:
+        mesh, k_pad, row = Mesh(devices, ("data",)), K, P("data")
+        tile, shard_kw = row, {}
+    else:
+        mesh, k_pad, row = (Mesh(devices.reshape(data, vocab), ("data", "vocab")),
+                            -(-K // vocab) * vocab, P("data"))
+        tile, shard_kw = P("data", "vocab"), dict(vocab_axis="vocab", vocab_size=K)
+    z, u, y, x, d, w, g = _problem(6 * data, k_pad)
 
     def local(z, u, y, x, d, w):
         return D.token_stats(z, y, w, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d,
-                             vocab_axis="vocab", vocab_size=K, chunk_size=4 if backend == "chunked" else None,
-                             backend=backend, **KW)
+                             chunk_size=4 if backend == "chunked" else None, backend=backend,
+                             **shard_kw, **KW)
 
-    row, tile = P("data"), P("data", "vocab")
     f = jax.shard_map(local, mesh=mesh, in_specs=(tile, tile, row, row, row, row), out_specs=row)
 
     def loss(z, u):
@@ -81,42 +89,6 @@ def test_jax_vocab_and_data_parallel(data, vocab, backend, monkeypatch, request)
     assert_close(np.asarray(du)[:, :K], e_du, "float32", "d teacher")
     assert_exact_zero(np.asarray(dz)[:, K:], "d logits of padding columns")
     assert_exact_zero(np.asarray(du)[:, K:], "d teacher of padding columns")
-
-
-@pytest.mark.parametrize("backend", ["chunked", "pallas", "triton"])
-def test_jax_data_parallel_rows_in_shard_map(backend, monkeypatch, request):
-    """Rows split over 8 devices, whole vocabulary on each: every device runs its kernel on its
-    rows (no vocab_axis), values and gradients as on one device."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
-
-    import dlm_kernels.jax as D
-
-    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
-    if backend == "triton":
-        pytest.importorskip("triton")
-        request.getfixturevalue("jax_triton_on_cpu")
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
-    z, u, y, x, d, w, g = _problem(16, K, seed=2)
-
-    def local(z, u, y, x, d, w):
-        return D.token_stats(z, y, w, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d,
-                             backend=backend, **KW)
-
-    row = P("data")
-    f = jax.shard_map(local, mesh=mesh, in_specs=(row,) * 6, out_specs=row)
-
-    def loss(z, u):
-        s = f(z, u, y, x, d, w)
-        return sum(jnp.sum(gi * si) for gi, si in zip(g, s)), s
-
-    (_, stats), (dz, du) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(z, u)
-    e_stats, e_dz, e_du = _expected(z, u, y, x, d, w, g)
-    for name, got, exp in zip(("lse", "logp", "entropy", "kl"), stats, e_stats):
-        assert_close(np.asarray(got), exp, "float32", name)
-    assert_close(np.asarray(dz), e_dz, "float32", "d logits")
-    assert_close(np.asarray(du), e_du, "float32", "d teacher")
 
 
 def test_jax_vocab_parallel_rejects_the_reference_backend():
