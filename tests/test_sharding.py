@@ -91,6 +91,44 @@ def test_jax_sharded_parity(data, vocab, backend, monkeypatch, request):
     assert_exact_zero(np.asarray(du)[:, K:], "d teacher of padding columns")
 
 
+@pytest.mark.parametrize("backend", ["chunked", "pallas", "triton"])
+def test_jax_vmap_inside_vocab_parallel(backend, monkeypatch, request):
+    """jax.vmap over a batch axis inside shard_map: the same values and gradients as the
+    unbatched call on the flattened rows (kernel backends fold the batch into their rows)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import dlm_kernels.jax as D
+
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+    if backend == "triton":
+        pytest.importorskip("triton")
+        request.getfixturevalue("jax_triton_on_cpu")
+    mesh = Mesh(np.array(jax.devices()[:4]), ("vocab",))
+    z, u, y, x, d, w, g = _problem(6, 40, seed=3)
+    stats = lambda z, u, y, x, d, w: tuple(D.token_stats(
+        z, y, w, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d, vocab_axis="vocab",
+        vocab_size=K, backend=backend, **KW))
+    tile, row = P(None, None, "vocab"), P()
+
+    def loss(fn, z, u):
+        s = jax.shard_map(fn, mesh=mesh, in_specs=(tile, tile) + (row,) * 4,
+                          out_specs=row)(z, u, *(a.reshape(2, 3) for a in (y, x, d, w)))
+        return sum(jnp.sum(gi.reshape(2, 3) * si) for gi, si in zip(g, s))
+
+    batched = jax.vmap(stats)
+    flat = lambda *a: tuple(v.reshape(2, 3) for v in stats(*(b.reshape((6,) + b.shape[2:])
+                                                             for b in a)))
+    args = (z.reshape(2, 3, 40), u.reshape(2, 3, 40))
+    got = jax.jit(jax.value_and_grad(lambda z, u: loss(batched, z, u), argnums=(0, 1)))(*args)
+    exp = jax.jit(jax.value_and_grad(lambda z, u: loss(flat, z, u), argnums=(0, 1)))(*args)
+    assert_close(float(got[0]), float(exp[0]), "float32", "loss")
+    for name, a, b in zip(("d logits", "d teacher"), got[1], exp[1]):
+        assert_close(np.asarray(a)[..., :K], np.asarray(b)[..., :K], "float32", name)
+        assert_exact_zero(np.asarray(a)[..., K:], f"{name} of padding columns")
+
+
 def test_jax_vocab_parallel_rejects_the_reference_backend():
     """The reference backend materialises full rows: it cannot merge shard states, so asking
     for it explicitly in a vocabulary-parallel call is an error, not a silent switch."""

@@ -142,7 +142,7 @@ def stats_partial_kernel(
     x_ptr,  # [N] int shift column (HAS_SHIFT)
     d_ptr,  # [N] f32 shift value (HAS_SHIFT)
     active_ptr,  # [N] int8, row is active when != 0
-    col_offset_ptr,  # [1] int32 global id of column 0 (a tensor: traced under jax.shard_map)
+    col_offset_ptr,  # int32, element 0: global id of column 0 (memory: traced under shard_map)
     N, K, stride_z, stride_u, cols_per_split,
     vocab_limit,  # global ids >= vocab_limit are padding
     inv_t, inv_t_ce, inv_t_kl, softcap,
@@ -337,7 +337,7 @@ def stats_grad_kernel(
     active_ptr,  # [N] int8
     stats_ptr,  # [7, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)
     g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
-    col_offset_ptr,  # [1] int32 global id of column 0
+    col_offset_ptr,  # int32, element 0: global id of column 0
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
     vocab_limit,  # global ids >= vocab_limit get 0
     inv_t, inv_t_ce, inv_t_kl, softcap,

@@ -84,9 +84,10 @@ def _per_row(x, d):
             jnp.zeros((1,), jnp.float32) if d is None else d)
 
 
-def _offset(offset):
-    # [1] int32: the global id of column 0 (under shard_map axis_index · K_local, traced)
-    return jnp.reshape(jnp.asarray(offset, jnp.int32), (1,))
+def _offsets(offset, n):
+    # [N] int32: the global id of column 0 (under shard_map axis_index · K_local, traced), one
+    # per row so that a vmapped call folds it like any row input; the kernels read element 0
+    return jnp.full((n,), offset, jnp.int32)
 
 
 def _rows_vmappable(fn, *arrays):
@@ -100,12 +101,14 @@ def _rows_vmappable(fn, *arrays):
     return fold_vmap_into_rows(call)(*(a for a in arrays if a is not None))
 
 
-def _partial(z, u, active, x, d, cfg, offset):
-    # z, u: [N, K] row-major (row stride K); active, x, d: [N] -> part [8, S, N] f32
+def _partial(z, u, active, x, d, offsets, cfg):
+    # z, u: [N, K] row-major (row stride K); active, x, d, offsets: [N] -> part [8, S, N] f32
     n, k, lc = _plan(z, cfg)
+    if n == 0:  # a zero-size grid is not a launch
+        return jnp.zeros((8, lc["splits"], 0), jnp.float32)
     return _launch(
         K.stats_partial_kernel,
-        (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), _offset(offset)),
+        (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT, *_scalars(cfg)),
         jax.ShapeDtypeStruct((8, lc["splits"], n), jnp.float32),  # 32·S bytes per row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
@@ -115,9 +118,9 @@ def _partial(z, u, active, x, d, cfg, offset):
 def _forward(z, u, y, active, x, d, cfg):
     # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
     n, k = z.shape
-    if n == 0:  # a zero-size grid is not a launch
+    if n == 0:
         return M.Stats(*jnp.zeros((7, 0), jnp.float32))
-    part = _partial(z, u, active, x, d, cfg, 0)
+    part = _partial(z, u, active, x, d, _offsets(0, n), cfg)
     s = part.shape[1]
     block_n, block_s = K.finalize_blocks(s)
     out = _launch(
@@ -129,7 +132,7 @@ def _forward(z, u, y, active, x, d, cfg):
     return M.Stats(*out)
 
 
-def _backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
+def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
     n, k, lc = _plan(z, cfg)
     if n == 0:
         return jnp.zeros_like(z), (jnp.zeros_like(u) if cfg.teacher_grad else None)
@@ -138,7 +141,7 @@ def _backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
     dz, du = _launch(
         K.stats_grad_kernel,
         (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
-         jnp.stack(stats), *grads, _offset(offset)),
+         jnp.stack(stats), *grads, offsets),
         (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT,
          *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
@@ -166,17 +169,18 @@ class TritonJax:
     @staticmethod
     def forward_partial(z, u, y, x, d, cfg, offset=0):
         # one vocabulary shard whose column 0 has global id ``offset`` -> (State, r_y, found)
-        part = _partial(z, u, jnp.ones(z.shape[:1], jnp.int8), x, d, cfg, offset)
-        state = M.merge_splits(JaxOps, [p.T for p in part], cfg)  # 8 x [N, S]
+        rows = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, 8, S]
+        part = _rows_vmappable(rows, z, u, jnp.ones(z.shape[:1], jnp.int8), x, d,
+                               _offsets(offset, z.shape[0]))
+        state = M.merge_splits(JaxOps, [part[:, i] for i in range(8)], cfg)  # 8 x [N, S]
         return (state, *M.target_logit(JaxOps, z, y, x, d, cfg, offset))
 
     @staticmethod
     def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
-        if not isinstance(offset, int):  # a vocabulary shard (inside shard_map): no vmap fold
-            return _backward(z, u, y, active, x, d, stats, grads, cfg, offset)
-        fn = lambda z, u, y, active, x, d, *rows: _backward(
-            z, u, y, active, x, d, rows[:7], rows[7:], cfg)
-        return _rows_vmappable(fn, z, u, y, active, x, d, *stats, *grads)
+        rows = lambda z, u, y, active, x, d, offsets, *per_row: _backward(
+            z, u, y, active, x, d, offsets, per_row[:7], per_row[7:], cfg)
+        return _rows_vmappable(rows, z, u, y, active, x, d, _offsets(offset, z.shape[0]),
+                               *stats, *grads)
 
 
 IMPLEMENTATION = TritonJax()
