@@ -94,6 +94,12 @@ class TestJaxTritonEmulated(TokenStatsSuite):
 
 
 @needs_interpreter
+@pytest.mark.usefixtures("jax_triton_on_cpu")
+class TestJaxTritonEmulatedObjectives(ObjectivesSuite):
+    FW, BACKEND = "jax", "triton"
+
+
+@needs_interpreter
 def test_jax_triton_jit_grad_vmap(jax_triton_on_cpu):
     check_jit_grad_vmap("triton")
 
