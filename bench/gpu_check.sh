@@ -3,7 +3,7 @@
 # the network: the package installs from this checkout without build isolation, and optional
 # wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder was carried along.
 # Writes everything under $OUT (default bench/results/gpu-<date>): device info, JUnit XML of
-# the GPU parity suites, the benchmark JSON/Markdown/PNG.
+# the GPU parity suites, the benchmark JSON/Markdown/PNG, the launch-plan sweep JSON.
 # Optional wheels (prepared on a networked machine, then carried as .whl):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_27_x86_64 \
 #       -d .whl jax-triton absl-py liger-kernel
@@ -39,9 +39,14 @@ JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout "$t" pyth
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
 
 log "benchmark (target shape first; stops starting cases after the budget)"
-t=$(left 90); [ "$t" -gt 330 ] && t=330
+t=$(left 150); [ "$t" -gt 330 ] && t=330
 TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUT" 2>&1 \
   | tail -60 | tee -a "$OUT/gpu_check.log"
+
+log "launch-plan sweep of the streaming kernels (CE, N = 16384, K = 262144, bf16)"
+t=$(left 60); [ "$t" -gt 90 ] && t=90
+TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUT" 2>&1 \
+  | tail -15 | tee -a "$OUT/gpu_check.log"
 
 t=$(left 5)
 if [ "$t" -gt 30 ]; then  # left() never answers below 10

@@ -55,3 +55,21 @@ def test_liger_baseline_case(monkeypatch):
     rows = run_case(detect(), "torch", "ce", "liger", "tiny", 16, 257, "float32", 10.0,
                     types.SimpleNamespace(reps=2))
     assert all("ms" in r for r in rows), rows
+
+
+def test_launch_sweep_smoke(tmp_path):
+    """bench/launch_sweep.py end to end (Triton interpreter): every plan timed, the heuristic's
+    plan marked once, bytes as documented."""
+    import pytest
+
+    pytest.importorskip("triton")
+    n, k = 3, 300
+    subprocess.run([sys.executable, "-m", "bench.launch_sweep", "--n", str(n), "--k", str(k),
+                    "--dtype", "float32", "--blocks", "128,512", "--warps", "4", "--reps", "2",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True)
+    (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path)]
+    assert [r["block_k"] for r in report["rows"]] == [128, 512]
+    assert [r["heuristic"] for r in report["rows"]] == [False, True]
+    for r in report["rows"]:
+        assert r["partial"]["bytes"] == n * k * 4 and r["grad"]["bytes"] == 2 * n * k * 4
+        assert r["partial"]["ms"] > 0 and r["grad"]["gbps"] > 0

@@ -66,12 +66,18 @@ def _offset(col_offset, device):
     return torch.full((1,), col_offset, dtype=torch.int32, device=device)
 
 
+def plan(z, u, block_k=0):
+    """The launch plan (block size, warps, stages, splits) the heuristic picks for z: [N, K]."""
+    return K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
+                           _num_sms(z.device), block_k or None)
+
+
 def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
-                    col_offset=0, vocab_limit=_INT32_MAX):
-    """Partial row states [8, S, N] f32 of z: [N, K] (S vocabulary splits), plus the config."""
+                    col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
+    """Partial row states [8, S, N] f32 of z: [N, K] (S vocabulary splits); ``cfg`` overrides
+    the heuristic's plan (bench/launch_sweep.py)."""
     n, k = z.shape
-    cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
-                          block_k or None)
+    cfg = cfg or plan(z, u, block_k)
     part = _empty((8, cfg["splits"], n), torch.float32, z.device)  # 32·S bytes per row
     if n > 0:
         dummy = z
@@ -123,18 +129,16 @@ def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optio
 
 @token_stats_partial.register_fake
 def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k, col_offset, vocab_limit):
-    cfg = K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
-                          _num_sms(z.device), block_k or None)  # the same plan as the launch
-    return z.new_empty((8, cfg["splits"], z.shape[0]), dtype=torch.float32)
+    splits = plan(z, u, block_k)["splits"]  # the same plan as the launch
+    return z.new_empty((8, splits, z.shape[0]), dtype=torch.float32)
 
 
 def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
-                 softcap, block_k, col_offset=0, vocab_limit=_INT32_MAX):
+                 softcap, block_k, col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
     n, k = z.shape
     if n == 0:
         return
-    cfg = K.launch_config(n, k, z.element_size(), u is not None, _num_sms(z.device),
-                          block_k or None)
+    cfg = cfg or plan(z, u, block_k)
     dummy = z
     K.stats_grad_kernel[(n, cfg["splits"])](
         z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
