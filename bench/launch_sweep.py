@@ -25,7 +25,8 @@ from .timing import copy_bandwidth, measure
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def sweep(n, k, dtype, teacher, blocks, warps, reps):
+def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
+    """Time every plan; ``save(report)`` after each one (a timeout keeps what was measured)."""
     import torch
 
     from dlm_kernels.kernels.triton import token_stats as K
@@ -48,6 +49,9 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps):
     copy_gbps, _ = copy_bandwidth(device, min(read, 1 << 30))
     chosen = T.plan(z, u)
     rows = []
+    device_name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
+    report = dict(device=device_name, date=_dt.date.today().isoformat(), n=n, k=k, dtype=dtype,
+                  teacher=teacher, copy_gbps=copy_gbps, heuristic=chosen, rows=rows)
     for block_k in blocks:
         for num_warps in warps:
             cfg = dict(K.launch_config(n, k, elem, teacher, T._num_sms(z.device), block_k),
@@ -71,9 +75,8 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps):
                                  gbps=gbps, frac_copy=gbps / copy_gbps)
             rows.append(row)
             print(_line(row), flush=True)
-    device_name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
-    return dict(device=device_name, date=_dt.date.today().isoformat(), n=n, k=k, dtype=dtype,
-                teacher=teacher, copy_gbps=copy_gbps, heuristic=chosen, rows=rows)
+            save(report)
+    return report
 
 
 def _line(row):
@@ -97,14 +100,18 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
     ints = lambda s: [int(v) for v in s.split(",") if v]
-    report = sweep(args.n, args.k, args.dtype, args.teacher, ints(args.blocks), ints(args.warps),
-                   args.reps)
     os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    path = os.path.join(args.out, f"launch-sweep-{slug}-{report['date']}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"copy bandwidth {report['copy_gbps']:.1f} GB/s; wrote {path}")
+
+    def save(report):
+        slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
+        path = os.path.join(args.out, f"launch-sweep-{slug}-{report['date']}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        return path
+
+    report = sweep(args.n, args.k, args.dtype, args.teacher, ints(args.blocks), ints(args.warps),
+                   args.reps, save)
+    print(f"copy bandwidth {report['copy_gbps']:.1f} GB/s; wrote {save(report)}")
     return report
 
 
