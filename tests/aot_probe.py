@@ -1,7 +1,8 @@
 """Compile the Triton kernels for sm_90 on any machine and report spills and registers.
 
 Usage: python aot_probe.py DTYPE(bf16|fp16|fp32) TEACHER(0|1). Prints one JSON line
-{kernel: {registers, spill_stores, spill_loads, vector_loads, vector_stores}}; exit 3 when
+{kernel: {registers, spill_stores, spill_loads, vector_loads, vector_stores, slow_exps,
+sass_per_logit}}; exit 3 when
 ptxas is unavailable. Compiles at the configuration launched for N = 16384, K = 262144 with
 every feature on, specialised as the launch specialises it: Triton marks every pointer
 (16-byte aligned allocations) and every integer argument divisible by 16 with
@@ -38,12 +39,36 @@ def ptxas_report(ptx, ptxas):
                 spill_loads=grab(r"(\d+) bytes spill loads"))
 
 
+def main_loop_sass(cubin, nvdisasm, elems_per_thread):
+    """SASS instructions per logit in the first loop of the kernel (the unmasked whole-block
+    loop of the streaming kernels): the issue cost the bandwidth has to hide. None without
+    nvdisasm or a loop."""
+    if not os.path.exists(nvdisasm):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    finally:
+        os.unlink(f.name)
+    labels = {m.group(1): i for i, line in enumerate(sass)
+              if (m := re.match(r"^(\.L_x_\d+):", line.strip()))}
+    for i, line in enumerate(sass):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:  # a backward branch closes a loop
+            body = [x for x in sass[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]+\*/", x)]
+            return round(len(body) / elems_per_thread, 1)
+    return None
+
+
 def main():
     dtype, teacher = sys.argv[1], bool(int(sys.argv[2]))
     try:  # the ptxas triton itself uses for sm_90 (its PTX targets sm_90a)
         from triton.backends.nvidia.compiler import get_ptxas
 
         ptxas = get_ptxas(90).path
+        nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
     except Exception as err:  # noqa: BLE001
         print(f"no ptxas for sm_90 in this triton: {err}")
         sys.exit(3)
@@ -79,10 +104,17 @@ def main():
                                   options=dict(num_warps=warps, num_stages=cfg["num_stages"]))
         ptx = compiled.asm["ptx"]
         key = f"{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
-        report[key] = dict(ptxas_report(ptx, ptxas), num_warps=warps,
-                           vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
-                           vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx)),
-                           **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
+        streaming = "BLOCK_K" in constexprs
+        report[key] = dict(
+            ptxas_report(ptx, ptxas), num_warps=warps,
+            vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
+            vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx)),
+            # tl.exp's ex2 without .ftz drags a subnormal fix-up along (3 more instructions)
+            slow_exps=len(re.findall(r"ex2\.approx\.f32", ptx)),
+            sass_per_logit=main_loop_sass(compiled.asm["cubin"], nvdisasm,
+                                          constexprs["BLOCK_K"] // (32 * warps))
+            if streaming else None,
+            **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
     print(json.dumps(report))
 
 
