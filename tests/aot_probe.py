@@ -91,7 +91,7 @@ def main():
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4),
         (K.stats_grad_kernel, dict(flags, TEACHER_GRAD=teacher, BLOCK_K=cfg["block_k"]),
-         cfg["num_warps"]),
+         cfg["grad_warps"]),
     ]
     report = {}
     for fn, constexprs, warps in kernels:

@@ -65,11 +65,15 @@ def test_launch_sweep_smoke(tmp_path):
     pytest.importorskip("triton")
     n, k = 3, 300
     subprocess.run([sys.executable, "-m", "bench.launch_sweep", "--n", str(n), "--k", str(k),
-                    "--dtype", "float32", "--blocks", "128,512", "--warps", "4", "--reps", "2",
+                    "--dtype", "float32", "--blocks", "128,512", "--warps", "1,2", "--reps", "2",
                     "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True)
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path)]
-    assert [r["block_k"] for r in report["rows"]] == [128, 512]
-    assert [r["heuristic"] for r in report["rows"]] == [False, True]
+    assert [(r["block_k"], r["num_warps"]) for r in report["rows"]] == [
+        (128, 1), (128, 2), (512, 1), (512, 2)]
+    plan = report["heuristic"]  # K = 300 f32: one 512-column block, 1 warp / 2 warps
+    assert (plan["block_k"], plan["num_warps"], plan["grad_warps"]) == (512, 1, 2)
+    assert [(r["partial"]["heuristic"], r["grad"]["heuristic"]) for r in report["rows"]] == [
+        (False, False), (False, False), (True, False), (False, True)]
     for r in report["rows"]:
         assert r["partial"]["bytes"] == n * k * 4 and r["grad"]["bytes"] == 2 * n * k * 4
         assert r["partial"]["ms"] > 0 and r["grad"]["gbps"] > 0

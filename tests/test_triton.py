@@ -149,6 +149,8 @@ def test_launch_config_covers_the_vocabulary(n, k, eb, teacher):
     bk, s, cps = cfg["block_k"], cfg["splits"], cfg["cols_per_split"]
     assert bk & (bk - 1) == 0 and bk >= 16
     assert cps % bk == 0 and s * cps >= k and (s - 1) * cps < k, cfg
+    # threads hold 64 (partial: reductions to amortise) or 32 (gradient) bytes of a block
+    assert cfg["num_warps"] == max(1, bk * eb // 2048) and cfg["grad_warps"] == max(1, bk * eb // 1024)
     if n >= 4 * 132:
         assert s == 1
     if n < 64 and k >= 8 * bk:

@@ -394,29 +394,34 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     """Block size, warps, stages and split-K factor for one call (no autotuning).
 
     BLOCK_K: 8 KiB of logits per block iteration per program (4096 bf16/fp16 or 2048 f32
-    columns), never above next_pow2(K). With 8 warps that is 16 (bf16) or 8 (f32) elements
-    per thread per live tensor, loaded as 16-byte vectors in the unmasked whole-block loops.
-    ptxas (sm_90, every feature on, tests/aot_probe.py) reports no spills and 109-110
-    registers for the bf16 partial kernel, 62 for the gradient kernel (119 with teacher
-    gradients), 60-64 for float32 at 2048 columns. num_warps: 8 for blocks of 2048+
-    columns, 4 below. Split-K: while N rows alone give fewer than 4 programs per SM, each
-    row's vocabulary is split into S contiguous ranges of whole blocks (at least 2 blocks
-    each) whose partial states the finalize kernel merges (DESIGN §2).
-    Returns dict(block_k, num_warps, num_stages, splits, cols_per_split).
+    columns), never above next_pow2(K), loaded as 16-byte vectors in the unmasked
+    whole-block loops. Warps: the partial kernel reduces every block across its threads
+    (a max and two sums), so each thread takes 64 bytes of logits per block (num_warps =
+    block bytes / 2 KiB: 4 at 8 KiB); the gradient kernel has no reductions and takes 32
+    (grad_warps: 8), which keeps its registers low. Read from sm_90 code (bench/NOTES.md):
+    against 8 warps, 4 cut the bf16 partial loop from 16.6 to 14.1 SASS instructions per
+    logit (it is near issue-bound) and raise the loads in flight per SM from 40 to 48 KiB.
+    With every feature on, ptxas reports no spills (tests/aot_probe.py). Split-K: while N
+    rows alone give fewer than 4 programs per SM, each row's vocabulary is split into S
+    contiguous ranges of whole blocks (at least 2 blocks each) whose partial states the
+    finalize kernel merges (DESIGN §2).
+    Returns dict(block_k, num_warps, grad_warps, num_stages, splits, cols_per_split).
     """
     if block_k is None:
         block_k = 8192 // elem_bytes
     block_k = max(16, min(_next_pow2(block_k) if block_k & (block_k - 1) else block_k,
                           _next_pow2(vocab)))
-    num_warps = 8 if block_k >= 2048 else 4
+    block_bytes = block_k * elem_bytes
+    num_warps = max(1, min(16, block_bytes // 2048))  # 64 bytes of logits per thread
+    grad_warps = max(1, min(16, block_bytes // 1024))  # 32 bytes per thread
     target = 4 * num_sms
     splits = 1
     if n_rows < target:
         splits = max(1, min(-(-target // max(n_rows, 1)), vocab // (2 * block_k), 64))
     cols_per_split = -(-(-(-vocab // splits)) // block_k) * block_k
     splits = -(-vocab // cols_per_split)
-    return dict(block_k=block_k, num_warps=num_warps, num_stages=2, splits=splits,
-                cols_per_split=cols_per_split)
+    return dict(block_k=block_k, num_warps=num_warps, grad_warps=grad_warps, num_stages=2,
+                splits=splits, cols_per_split=cols_per_split)
 
 
 def finalize_blocks(splits):

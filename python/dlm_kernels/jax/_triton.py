@@ -145,7 +145,7 @@ def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
         (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT,
          *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
-        (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        (n, lc["splits"]), num_warps=lc["grad_warps"], num_stages=lc["num_stages"],
         TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
     return dz, (du if cfg.teacher_grad else None)
 
