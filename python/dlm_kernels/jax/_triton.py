@@ -45,8 +45,17 @@ def _num_sms():
 
 
 def _varying(a):
-    mat = getattr(jax.typeof(a), "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset()
+    """The shard_map mesh axes ``a`` varies over (jax >= 0.10: manual_axis_type.varying;
+    earlier releases with check_vma: aval.vma)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _to_varying(x, axes):
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # jax < 0.10
 
 
 def _launch(kernel, arrays, scalars, out, grid, **options):
@@ -57,8 +66,7 @@ def _launch(kernel, arrays, scalars, out, grid, **options):
     res = jt.triton_call(*arrays, *scalars, kernel=kernel, grid=grid, **{_OUT_KW: out},
                          **options)
     axes = frozenset().union(*map(_varying, arrays))
-    cast = lambda o: (jax.lax.pcast(o, tuple(sorted(axes - _varying(o))), to="varying")
-                      if axes - _varying(o) else o)
+    cast = lambda o: _to_varying(o, tuple(sorted(axes - _varying(o)))) if axes - _varying(o) else o
     return jax.tree_util.tree_map(cast, res)
 
 
