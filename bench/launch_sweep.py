@@ -7,7 +7,7 @@
 For each (BLOCK_K, num_warps) it times, with CUDA events, the partial (forward) kernel, which
 reads N·K·E bytes of logits (twice that with a teacher), and the gradient kernel, which reads
 the same and writes N·K·E; it reports ms, GB/s of those bytes and their fraction of the copy
-bandwidth measured in the same run, and marks (*) the heuristic's plan of each kernel. Writes
+bandwidth measured in the same run, and marks the heuristic's plan. Writes
 ``<out>/launch-sweep-<device>-<date>.json``. Without a GPU it runs the Triton interpreter
 (TRITON_INTERPRET=1) at whatever tiny shape it is given: a smoke test of the script only.
 """
@@ -55,25 +55,24 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     for block_k in blocks:
         for num_warps in warps:
             cfg = dict(K.launch_config(n, k, elem, teacher, T._num_sms(z.device), block_k),
-                       num_warps=num_warps, grad_warps=num_warps)
-            row = dict(block_k=cfg["block_k"], num_warps=num_warps, splits=cfg["splits"])
-            launches = {  # name: (bytes moved, the heuristic's warps for it, launch)
-                "partial": (read, "num_warps", lambda _: T._launch_partial(
-                    z, u, None, None, active, *scalars, 0, cfg=cfg)),
-                "grad": (read + n * k * elem, "grad_warps", lambda _: T._launch_grad(
+                       num_warps=num_warps)
+            row = dict(block_k=cfg["block_k"], num_warps=num_warps, splits=cfg["splits"],
+                       heuristic=cfg == chosen)
+            launches = {
+                "partial": (read, lambda _: T._launch_partial(z, u, None, None, active, *scalars,
+                                                              0, cfg=cfg)),
+                "grad": (read + n * k * elem, lambda _: T._launch_grad(
                     z, u, y, active, None, None, stats, grads, dz, None, *scalars, 0, cfg=cfg)),
             }
-            for name, (nbytes, warps_key, launch) in launches.items():
-                heuristic = (cfg["block_k"], num_warps) == (chosen["block_k"], chosen[warps_key])
+            for name, (nbytes, launch) in launches.items():
                 try:
                     t = measure(launch, cuda=cuda, warmup=2, reps=reps, budget_s=10.0)
                 except Exception as err:  # noqa: BLE001 - a plan the compiler rejects
-                    row[name] = dict(heuristic=heuristic,
-                                     error=f"{type(err).__name__}: {err}"[:300])
+                    row[name] = dict(error=f"{type(err).__name__}: {err}"[:300])
                     continue
                 gbps = nbytes / (t["ms"] * 1e-3) / 1e9
                 row[name] = dict(ms=t["ms"], p20=t["p20"], p80=t["p80"], bytes=nbytes,
-                                 gbps=gbps, frac_copy=gbps / copy_gbps, heuristic=heuristic)
+                                 gbps=gbps, frac_copy=gbps / copy_gbps)
             rows.append(row)
             print(_line(row), flush=True)
             save(report)
@@ -84,10 +83,9 @@ def _line(row):
     cells = [f"BLOCK_K={row['block_k']:>6} warps={row['num_warps']:>2} S={row['splits']:>2}"]
     for name in ("partial", "grad"):
         r = row.get(name, {})
-        mark = "*" if r.get("heuristic") else " "
-        cells.append(f"{name}{mark} {r['ms']:8.3f} ms {100 * r['frac_copy']:5.1f}% copy"
-                     if "ms" in r else f"{name}{mark} {r.get('error', '?')[:40]}")
-    return " | ".join(cells)
+        cells.append(f"{name} {r['ms']:8.3f} ms {100 * r['frac_copy']:5.1f}% copy" if "ms" in r
+                     else f"{name} {r.get('error', '?')[:40]}")
+    return " | ".join(cells) + ("  <- heuristic" if row["heuristic"] else "")
 
 
 def main(argv=None):

@@ -2,7 +2,7 @@
 
 Usage: python aot_probe.py DTYPE(bf16|fp16|fp32) TEACHER(0|1). Prints one JSON line
 {kernel: {registers, spill_stores, spill_loads, vector_loads, vector_stores, slow_exps,
-sass_per_logit}}; exit 3 when
+sass_per_logit, loop_barriers}}; exit 3 when
 ptxas is unavailable. Compiles at the configuration launched for N = 16384, K = 262144 with
 every feature on, specialised as the launch specialises it: Triton marks every pointer
 (16-byte aligned allocations) and every integer argument divisible by 16 with
@@ -40,11 +40,11 @@ def ptxas_report(ptx, ptxas):
 
 
 def main_loop_sass(cubin, nvdisasm, elems_per_thread):
-    """SASS instructions per logit in the first loop of the kernel (the unmasked whole-block
-    loop of the streaming kernels): the issue cost the bandwidth has to hide. None without
-    nvdisasm or a loop."""
+    """(SASS instructions per logit, barriers) in the first loop of the kernel (the unmasked
+    whole-block loop of the streaming kernels): the issue cost the bandwidth has to hide,
+    and the block-wide synchronisations in it. (None, None) without nvdisasm or a loop."""
     if not os.path.exists(nvdisasm):
-        return None
+        return None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -58,8 +58,8 @@ def main_loop_sass(cubin, nvdisasm, elems_per_thread):
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i:  # a backward branch closes a loop
             body = [x for x in sass[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]+\*/", x)]
-            return round(len(body) / elems_per_thread, 1)
-    return None
+            return round(len(body) / elems_per_thread, 1), sum("BAR" in x for x in body)
+    return None, None
 
 
 def main():
@@ -87,11 +87,12 @@ def main():
                   stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
                   vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
     kernels = [
-        (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"]), cfg["num_warps"]),
+        (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"], VEC=cfg["vec"]),
+         cfg["num_warps"]),
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4),
         (K.stats_grad_kernel, dict(flags, TEACHER_GRAD=teacher, BLOCK_K=cfg["block_k"]),
-         cfg["grad_warps"]),
+         cfg["num_warps"]),
     ]
     report = {}
     for fn, constexprs, warps in kernels:
@@ -105,15 +106,16 @@ def main():
         ptx = compiled.asm["ptx"]
         key = f"{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
         streaming = "BLOCK_K" in constexprs
+        per_logit, barriers = (main_loop_sass(compiled.asm["cubin"], nvdisasm,
+                                              constexprs["BLOCK_K"] // (32 * warps))
+                               if streaming else (None, None))
         report[key] = dict(
             ptxas_report(ptx, ptxas), num_warps=warps,
             vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
             vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx)),
             # tl.exp's ex2 without .ftz drags a subnormal fix-up along (3 more instructions)
             slow_exps=len(re.findall(r"ex2\.approx\.f32", ptx)),
-            sass_per_logit=main_loop_sass(compiled.asm["cubin"], nvdisasm,
-                                          constexprs["BLOCK_K"] // (32 * warps))
-            if streaming else None,
+            sass_per_logit=per_logit, loop_barriers=barriers,
             **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
     print(json.dumps(report))
 

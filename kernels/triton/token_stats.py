@@ -100,12 +100,23 @@ def _row_span(active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab
 
 @triton.jit
 def _online(m, a, s):
-    """Fold a block s[BLOCK_K] into (max m, Σ e^{s-m} a); returns (m_new, a_new, e, m_safe)."""
-    m_new = tl.maximum(m, tl.max(s, axis=0))
+    """Fold a block s [R, VEC] into per-lane states (max m [R], Σ e^{s-m} a [R]); returns
+    (m_new, a_new, e, m_safe). Each lane is VEC contiguous columns held by one thread, so the
+    reductions here never leave the thread."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
-    e = _exp(s - m_safe)
-    a_new = a * _exp(m - m_safe) + tl.sum(e, axis=0)
+    e = _exp(s - m_safe[:, None])
+    a_new = a * _exp(m - m_safe) + tl.sum(e, axis=1)
     return m_new, a_new, e, m_safe
+
+
+@triton.jit
+def _merge_lanes(m, a):
+    """Merge per-lane (max, sum) states [R] into the row's: (m, a, f), f [R] each lane's
+    rescale (the one cross-thread reduction of a program)."""
+    m_row = tl.max(m, axis=0)
+    f = _exp(m - tl.where(m_row == NEG_INF, 0.0, m_row))
+    return m_row, tl.sum(f * a, axis=0), f
 
 
 @triton.jit
@@ -113,7 +124,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, 
                 softcap, m, a, b, m2, a2, mu, au, cu, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
                 SEPARATE_CE: tl.constexpr):
-    """Fold the columns ``cols`` [BLOCK_K] of one row into the 8 running sums."""
+    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R]."""
     mask = cols < k_valid
     gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
     # read BLOCK_K·E bytes of student logits
@@ -130,7 +141,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, 
     m, a, e, m_safe = _online(m_old, a_old, s)
     # b is kept relative to the running max: rescale the old sum, then add this block.
     b_old = tl.where(a_old > 0, _exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
-    b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe), 0.0), axis=0)
+    b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe[:, None]), 0.0), axis=1)
     if SEPARATE_CE:
         m2, a2, e2, m2_safe = _online(m2, a2, r * inv_t_ce)
     if HAS_TEACHER:
@@ -142,7 +153,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, 
             t = tl.load(u_row + cols).to(tl.float32) * inv_t_kl
         mu_old = mu
         mu, au, eu, mu_safe = _online(mu_old, au, t)
-        cu = cu * _exp(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=0)
+        cu = cu * _exp(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=1)
     return m, a, b, m2, a2, mu, au, cu
 
 
@@ -159,7 +170,7 @@ def stats_partial_kernel(
     inv_t, inv_t_ce, inv_t_kl, softcap,
     part_ptr,  # [8, S, N] f32 out
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-    SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
@@ -169,15 +180,19 @@ def stats_partial_kernel(
     z_row = z_ptr + row.to(tl.int64) * stride_z
     u_row = u_ptr + row.to(tl.int64) * stride_u
 
-    m = float("-inf")  # running max of s = r / T
-    a = 0.0       # Σ e^{s - m}
-    b = 0.0       # Σ e^{s - m} (s - m)
-    m2 = float("-inf")  # running max of s' = r / T_ce (SEPARATE_CE)
-    a2 = 0.0
-    mu = float("-inf")  # running max of t = u / T_kl (HAS_TEACHER)
-    au = 0.0      # Σ e^{t - mu}
-    cu = 0.0      # Σ e^{t - mu} (t - s)
-    offs = tl.arange(0, BLOCK_K)
+    # A block is R lanes of VEC contiguous columns (one 16-byte load each); every lane keeps
+    # its own running sums, so the loops carry no cross-thread reduction; the lanes merge once
+    # at the end.
+    R: tl.constexpr = BLOCK_K // VEC
+    offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [R, VEC]
+    m = tl.full([R], NEG_INF, tl.float32)  # running max of s = r / T
+    a = tl.zeros([R], tl.float32)  # Σ e^{s - m}
+    b = tl.zeros([R], tl.float32)  # Σ e^{s - m} (s - m)
+    m2 = tl.full([R], NEG_INF, tl.float32)  # running max of s' = r / T_ce (SEPARATE_CE)
+    a2 = tl.zeros([R], tl.float32)
+    mu = tl.full([R], NEG_INF, tl.float32)  # running max of t = u / T_kl (HAS_TEACHER)
+    au = tl.zeros([R], tl.float32)  # Σ e^{t - mu}
+    cu = tl.zeros([R], tl.float32)  # Σ e^{t - mu} (t - s)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
         m, a, b, m2, a2, mu, au, cu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
@@ -189,17 +204,24 @@ def stats_partial_kernel(
             softcap, m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE)
 
+    # merge the lanes (DESIGN §2's merge, within the row)
+    m_row, a_row, f = _merge_lanes(m, a)
+    b_row = tl.sum(tl.where(a > 0, f * (b + (m - m_row) * a), 0.0), axis=0)
+    m2_row, a2_row, _ = _merge_lanes(m2, a2)
+    mu_row, au_row, fu = _merge_lanes(mu, au)
+    cu_row = tl.sum(fu * cu, axis=0)
+
     # write 8 x 4 bytes of partial state
     base = part_ptr + split * N + row
     stride_p = n_splits * N
-    tl.store(base + 0 * stride_p, m)
-    tl.store(base + 1 * stride_p, a)
-    tl.store(base + 2 * stride_p, b)
-    tl.store(base + 3 * stride_p, m2)
-    tl.store(base + 4 * stride_p, a2)
-    tl.store(base + 5 * stride_p, mu)
-    tl.store(base + 6 * stride_p, au)
-    tl.store(base + 7 * stride_p, cu)
+    tl.store(base + 0 * stride_p, m_row)
+    tl.store(base + 1 * stride_p, a_row)
+    tl.store(base + 2 * stride_p, b_row)
+    tl.store(base + 3 * stride_p, m2_row)
+    tl.store(base + 4 * stride_p, a2_row)
+    tl.store(base + 5 * stride_p, mu_row)
+    tl.store(base + 6 * stride_p, au_row)
+    tl.store(base + 7 * stride_p, cu_row)
 
 
 @triton.jit
@@ -394,34 +416,30 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     """Block size, warps, stages and split-K factor for one call (no autotuning).
 
     BLOCK_K: 8 KiB of logits per block iteration per program (4096 bf16/fp16 or 2048 f32
-    columns), never above next_pow2(K), loaded as 16-byte vectors in the unmasked
-    whole-block loops. Warps: the partial kernel reduces every block across its threads
-    (a max and two sums), so each thread takes 64 bytes of logits per block (num_warps =
-    block bytes / 2 KiB: 4 at 8 KiB); the gradient kernel has no reductions and takes 32
-    (grad_warps: 8), which keeps its registers low. Read from sm_90 code (bench/NOTES.md):
-    against 8 warps, 4 cut the bf16 partial loop from 16.6 to 14.1 SASS instructions per
-    logit (it is near issue-bound) and raise the loads in flight per SM from 40 to 48 KiB.
-    With every feature on, ptxas reports no spills (tests/aot_probe.py). Split-K: while N
-    rows alone give fewer than 4 programs per SM, each row's vocabulary is split into S
+    columns), never above next_pow2(K), as lanes of VEC = 16 bytes: one vector load each in
+    the unmasked whole-block loops. num_warps: each thread holds 32 bytes of a block (8 warps
+    at 8 KiB; two lanes per thread). The partial kernel keeps running sums per lane, so its
+    loop has no cross-thread reduction and its cost per logit does not depend on the warps;
+    more lanes per thread only add registers (bench/NOTES.md has the sm_90 numbers). With
+    every feature on, ptxas reports no spills (tests/aot_probe.py). Split-K: while N rows
+    alone give fewer than 4 programs per SM, each row's vocabulary is split into S
     contiguous ranges of whole blocks (at least 2 blocks each) whose partial states the
     finalize kernel merges (DESIGN §2).
-    Returns dict(block_k, num_warps, grad_warps, num_stages, splits, cols_per_split).
+    Returns dict(block_k, vec, num_warps, num_stages, splits, cols_per_split).
     """
     if block_k is None:
         block_k = 8192 // elem_bytes
     block_k = max(16, min(_next_pow2(block_k) if block_k & (block_k - 1) else block_k,
                           _next_pow2(vocab)))
-    block_bytes = block_k * elem_bytes
-    num_warps = max(1, min(16, block_bytes // 2048))  # 64 bytes of logits per thread
-    grad_warps = max(1, min(16, block_bytes // 1024))  # 32 bytes per thread
+    num_warps = max(1, min(16, block_k * elem_bytes // 1024))  # 32 bytes per thread
     target = 4 * num_sms
     splits = 1
     if n_rows < target:
         splits = max(1, min(-(-target // max(n_rows, 1)), vocab // (2 * block_k), 64))
     cols_per_split = -(-(-(-vocab // splits)) // block_k) * block_k
     splits = -(-vocab // cols_per_split)
-    return dict(block_k=block_k, num_warps=num_warps, grad_warps=grad_warps, num_stages=2,
-                splits=splits, cols_per_split=cols_per_split)
+    return dict(block_k=block_k, vec=max(1, min(16 // elem_bytes, block_k)),
+                num_warps=num_warps, num_stages=2, splits=splits, cols_per_split=cols_per_split)
 
 
 def finalize_blocks(splits):

@@ -120,7 +120,7 @@ def _partial(z, u, active, x, d, offsets, cfg):
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT, *_scalars(cfg)),
         jax.ShapeDtypeStruct((8, lc["splits"], n), jnp.float32),  # 32·S bytes per row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-        BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
+        BLOCK_K=lc["block_k"], VEC=lc["vec"], **_flags(cfg, x is not None))
 
 
 def _forward(z, u, y, active, x, d, cfg):
@@ -153,7 +153,7 @@ def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
         (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT,
          *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
-        (n, lc["splits"]), num_warps=lc["grad_warps"], num_stages=lc["num_stages"],
+        (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
     return dz, (du if cfg.teacher_grad else None)
 
