@@ -3,8 +3,9 @@
 Three kernels, no host code:
 
   stats_partial_kernel   grid (N, S): row n, vocabulary split s. One streaming pass over
-                         its columns in BLOCK_K blocks (online softmax, float32), writing the
-                         8 running sums of the split to part[8, S, N].
+                         its columns in BLOCK_K blocks (online softmax, float32, running sums
+                         per 16-byte lane, merged at the end), writing the 8 running sums of
+                         the split to part[8, S, N].
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
                          loads the target logit and writes out[7, N] = (lse, logp, entropy,
                          kl, lse_ce, lse_u, kl_shift).
