@@ -60,10 +60,18 @@ def _flags(u, x, softcap, inv_t, inv_t_ce):
 _INT32_MAX = 2**31 - 1
 
 
+_ZERO_OFFSET = {}
+
+
 def _offset(col_offset, device):
-    """The kernels read a shard's global column offset from memory (one int32): a one-element
-    fill, no host synchronisation."""
-    return torch.full((1,), col_offset, dtype=torch.int32, device=device)
+    """The kernels read a shard's global column offset from memory (one int32). Offset 0 (every
+    call that is not a vocabulary shard) reuses one read-only zero per device, so plain calls
+    launch no extra fill; a shard's offset is a one-element fill, no host synchronisation."""
+    if col_offset != 0:
+        return torch.full((1,), col_offset, dtype=torch.int32, device=device)
+    if device not in _ZERO_OFFSET:
+        _ZERO_OFFSET[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _ZERO_OFFSET[device]
 
 
 def plan(z, u, block_k=0):
