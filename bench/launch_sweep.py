@@ -40,7 +40,7 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     u = normal() if teacher else None
     y = torch.randint(0, k, (n,), generator=gen, device=device)
     active = torch.ones(n, dtype=torch.int8, device=device)
-    scalars = (1.0, 1.0, 1.0, 0.0)  # 1/T, 1/T_ce, 1/T_kl, softcap
+    scalars = (1.0, 1.0, 1.0, 0.0, False)  # 1/T, 1/T_ce, 1/T_kl, softcap, entropy (CE: none)
     stats = torch.ops.dlm_kernels.token_stats_fwd(z, u, y, active, None, None, *scalars, 0)
     grads = [torch.randn(n, generator=gen, device=device) for _ in range(4)]
     dz = torch.empty_like(z)

@@ -3,10 +3,14 @@
 Usage: python aot_probe.py DTYPE(bf16|fp16|fp32) TEACHER(0|1). Prints one JSON line
 {kernel: {registers, spill_stores, spill_loads, vector_loads, vector_stores, slow_exps,
 sass_per_logit, loop_barriers}}; exit 3 when
-ptxas is unavailable. Compiles at the configuration launched for N = 16384, K = 262144 with
-every feature on, specialised as the launch specialises it: Triton marks every pointer
-(16-byte aligned allocations) and every integer argument divisible by 16 with
-tt.divisibility = 16, which is what lets the unmasked main loops use 16-byte accesses.
+ptxas is unavailable. Compiles at the configuration launched for N = 16384, K = 262144,
+specialised as the launch specialises it: Triton marks every pointer (16-byte aligned
+allocations) and every integer argument divisible by 16 with tt.divisibility = 16, which is
+what lets the unmasked main loops use 16-byte accesses. Every kernel is compiled with every
+feature on (the register worst case; keys "stats_*_kernel[...]"), and the two streaming
+kernels once more as the objectives launch them (keys "objective:..."): weighted CE (no
+teacher, no entropy) or, with TEACHER=1, distillation (teacher, T = 1 CE beside the
+T-scaled KL, no entropy).
 """
 
 import json
@@ -74,7 +78,10 @@ def main():
         sys.exit(3)
     block_k = int(sys.argv[3]) if len(sys.argv) > 3 else None
     cfg = K.launch_config(16384, 262144, ELEM_BYTES[dtype], teacher, block_k=block_k)
-    flags = dict(HAS_SOFTCAP=True, HAS_SHIFT=True, HAS_TEACHER=teacher, SEPARATE_CE=True)
+    flags = dict(HAS_SOFTCAP=True, HAS_SHIFT=True, HAS_TEACHER=teacher, SEPARATE_CE=True,
+                 HAS_ENTROPY=True)
+    objective = dict(HAS_SOFTCAP=False, HAS_SHIFT=False, HAS_TEACHER=teacher,
+                     SEPARATE_CE=teacher, HAS_ENTROPY=False)
     ptr = f"*{dtype}"
     types = {"z_ptr": ptr, "u_ptr": ptr, "dz_ptr": ptr, "du_ptr": ptr, "x_ptr": "*i64",
              "y_ptr": "*i64", "d_ptr": "*fp32", "active_ptr": "*i8", "part_ptr": "*fp32",
@@ -86,16 +93,17 @@ def main():
     values = dict(N=16384, K=262144, S=cfg["splits"], stride_z=262144, stride_u=262144,
                   stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
                   vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
-    kernels = [
-        (K.stats_partial_kernel, dict(flags, BLOCK_K=cfg["block_k"], VEC=cfg["vec"]),
+    streaming = lambda f, teacher_grad: [
+        (K.stats_partial_kernel, dict(f, BLOCK_K=cfg["block_k"], VEC=cfg["vec"]),
          cfg["num_warps"]),
+        (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"]),
+         cfg["num_warps"])]
+    kernels = [("", k) for k in streaming(flags, teacher) + [
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4),
-        (K.stats_grad_kernel, dict(flags, TEACHER_GRAD=teacher, BLOCK_K=cfg["block_k"]),
-         cfg["num_warps"]),
-    ]
+        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4)]]
+    kernels += [("objective:", k) for k in streaming(objective, False)]
     report = {}
-    for fn, constexprs, warps in kernels:
+    for prefix, (fn, constexprs, warps) in kernels:
         # every parameter is typed here or a constexpr given above (a KeyError otherwise)
         sig = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -104,7 +112,7 @@ def main():
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=cfg["num_stages"]))
         ptx = compiled.asm["ptx"]
-        key = f"{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
+        key = f"{prefix}{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
         streaming = "BLOCK_K" in constexprs
         per_logit, barriers = (main_loop_sass(compiled.asm["cubin"], nvdisasm,
                                               constexprs["BLOCK_K"] // (32 * warps))

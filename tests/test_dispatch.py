@@ -116,3 +116,51 @@ def test_non_editable_install_ships_kernels(tmp_path):
             "assert dlm_kernels.__file__.startswith(%r), dlm_kernels.__file__" % str(target))
     env = dict(os.environ, PYTHONPATH=str(target))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(tmp_path), env=env)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
+    """The kernels leave out what no output needs: CE-type objectives run without the
+    entropy's sums, distillation adds the T = 1 CE sums only with a hard term, and only
+    per_token_logps(return_entropy=True) computes the entropy."""
+    fw = framework(fw_name)
+    impl = fw.api.REGISTRY.IMPLEMENTATIONS["chunked"]
+    seen = []
+    forward = type(impl).forward
+
+    def spy(*args):
+        seen.append(args[-1])  # the StatsConfig
+        return forward(*args)
+
+    monkeypatch.setattr(type(impl), "forward", staticmethod(spy))
+    rng = np.random.default_rng(0)
+    z = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    y = fw.array(rng.integers(0, 11, (2, 3)))
+    w = fw.array(np.ones((2, 3), np.float32))
+    api = fw.api
+    batch = api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
+    dbatch = api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=z)
+    calls = {
+        "weighted_cross_entropy": lambda: api.weighted_cross_entropy(z, batch),
+        "diffusion_sft_loss": lambda: api.diffusion_sft_loss(
+            z, y, y, fw.array(np.full(2, 0.5, np.float32)), w, variant="reweighted-loo-ce",
+            vocab_size=11),
+        "per_token_logps": lambda: api.per_token_logps(z, batch),
+        "per_token_logps+entropy": lambda: api.per_token_logps(z, batch, return_entropy=True),
+        "opd soft+hard": lambda: api.opd_loss(z, dbatch, temperature=2.0, hard_loss_weight=0.5),
+        "opd soft only": lambda: api.opd_loss(z, dbatch, temperature=2.0),
+    }
+    got = {}
+    for name, call in calls.items():
+        seen.clear()
+        call()
+        (cfg,) = seen
+        got[name] = (cfg.entropy, cfg.separate_ce)
+    assert got == {
+        "weighted_cross_entropy": (False, False),
+        "diffusion_sft_loss": (False, False),
+        "per_token_logps": (False, False),
+        "per_token_logps+entropy": (True, False),
+        "opd soft+hard": (False, True),
+        "opd soft only": (False, False),
+    }, got

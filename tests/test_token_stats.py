@@ -74,27 +74,40 @@ class TokenStatsSuite:
     def fw(self):
         return framework(self.FW)
 
-    def run_case(self, case, rng, chunk_size=None):
+    def run_case(self, case, rng, chunk_size=None, entropy=True):
+        """(outputs, gradients, cotangents) of one call. With ``entropy=False`` the outputs
+        are (lse, logp, None, kl) and the entropy's cotangent is 0 (it has no output)."""
         api = self.fw.api
         u = case["u"]
         teacher_grad = case["api_kw"].get("teacher_grad", False)
 
         def fn(z, *maybe_u):
             teacher = maybe_u[0] if maybe_u else u
-            return api.token_stats(z, case["y"], case["w"], teacher_logits=teacher,
-                                   chunk_size=chunk_size, backend=self.BACKEND, **case["api_kw"])
+            s = api.token_stats(z, case["y"], case["w"], teacher_logits=teacher,
+                                chunk_size=chunk_size, entropy=entropy, backend=self.BACKEND,
+                                **case["api_kw"])
+            if entropy:
+                return s
+            assert s.entropy is None, f"entropy=False returned entropy {s.entropy!r}"
+            return s.lse, s.logp, s.kl
 
         primals = [case["z"]] + ([u] if teacher_grad else [])
         cots = [rng.normal(size=case["rows"]).astype(np.float32) for _ in range(4)]
-        outs, grads = self.fw.vjp(fn, primals, cots)
+        if entropy:
+            outs, grads = self.fw.vjp(fn, primals, cots)
+        else:
+            cots[2] = np.zeros_like(cots[2])
+            (lse, logp, kl), grads = self.fw.vjp(fn, primals, [cots[0], cots[1], cots[3]])
+            outs = [lse, logp, None, kl]
         return outs, grads, [c.reshape(case["n"]) for c in cots]
 
-    def check(self, case, rng, dtype, chunk_size=None):
-        outs, grads, cots = self.run_case(case, rng, chunk_size)
+    def check(self, case, rng, dtype, chunk_size=None, entropy=True):
+        outs, grads, cots = self.run_case(case, rng, chunk_size, entropy)
         n, k = case["n"], case["k"]
         expected = oracle.token_stats(case["z_np"], case["y_np"], case["active"], **case["ora_kw"])
         for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs, expected):
-            assert_close(got.reshape(n), exp, "float32", name)
+            if got is not None:
+                assert_close(got.reshape(n), exp, "float32", name)
         dz, du = oracle.token_stats_vjp(case["z_np"], case["y_np"], case["active"], cots,
                                         **case["ora_kw"])
         assert_close(grads[0].reshape(n, k), dz, dtype, "d logits")
@@ -119,6 +132,14 @@ class TokenStatsSuite:
         case = make_case(self.fw, rng, (4, 3), 301, "float32", FEATURES[feature])
         for chunk_size in self.CHUNK_SIZES:
             self.check(case, rng, "float32", chunk_size)
+
+    @pytest.mark.parametrize("feature,dtype", [("plain", "float32"), ("all", "bfloat16")])
+    def test_parity_without_entropy(self, rng, feature, dtype):
+        """entropy=False (what the CE and distillation objectives ask for): entropy is None,
+        every other output and the VJP are the oracle's."""
+        case = make_case(self.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
+        for chunk_size in self.CHUNK_SIZES:
+            self.check(case, rng, dtype, chunk_size, entropy=False)
 
     def test_all_rows_inactive_give_exact_zeros(self, rng):
         case = make_case(self.fw, rng, (2, 3), 50, "float32", FEATURES["all"], active_frac=0.0)

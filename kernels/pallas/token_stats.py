@@ -32,7 +32,8 @@ any reduction, and Pallas drops out-of-bounds stores, so nothing leaks.
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
 and writes 32 (8 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
 Inactive rows are zeroed before any arithmetic (their values cannot leak); a row block
-with no active row skips all arithmetic.
+with no active row skips all arithmetic. With ``entropy=False`` the entropy's running sum
+and its gradient term are left out (the entropy column is then 0).
 
 TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
 to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
@@ -102,7 +103,7 @@ def _lse_update(m_ref, a_ref, s):
 
 
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, vocab_limit, partial):
+                separate_ce, entropy, vocab_limit, partial):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, out_ref, *scratch = refs
     else:
@@ -133,8 +134,12 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         r = jnp.where(valid, _shifted(z, cols, x, d, softcap, has_shift), NEG_INF)
         s = r * inv_t
         e, m_safe, m_old, a_old = _lse_update(m_sc, a_sc, s)
-        b_old = jnp.where(a_old > 0, jnp.exp(m_old - m_safe) * (b_sc[...] + (m_old - m_sc[...]) * a_old), 0.0)
-        b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1, keepdims=True)
+        if entropy:  # b relative to the running max (stays 0 without entropy)
+            b_old = jnp.where(a_old > 0,
+                              jnp.exp(m_old - m_safe) * (b_sc[...] + (m_old - m_sc[...]) * a_old),
+                              0.0)
+            b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1,
+                                        keepdims=True)
         ry_sc[...] += jnp.sum(jnp.where(cols == y, r, 0.0), axis=1, keepdims=True)
         if separate_ce:
             _lse_update(m2_sc, a2_sc, r * inv_t_ce)
@@ -157,7 +162,7 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     def _finalize():
         log_a = jnp.log(a_sc[...])
         lse = m_sc[...] + log_a
-        entropy = log_a - b_sc[...] / a_sc[...]
+        ent = log_a - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
         lse_ce = m2_sc[...] + jnp.log(a2_sc[...]) if separate_ce else lse
         y_ok = (y >= 0) & (y < vocab)
         logp = jnp.where(y_ok, ry_sc[...] * inv_t_ce - lse_ce, jnp.nan)
@@ -167,12 +172,12 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
             lse_u = mu_sc[...] + jnp.log(au_sc[...])
             kl_shift = cu_sc[...] / au_sc[...]  # E_q[t - s]
             kl = kl_shift - lse_u + lse
-        for j, v in enumerate((lse, logp, entropy, kl, lse_ce, lse_u, kl_shift, zero)):
+        for j, v in enumerate((lse, logp, ent, kl, lse_ce, lse_u, kl_shift, zero)):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
 
 def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, teacher_grad, vocab_limit):
+                separate_ce, entropy, teacher_grad, vocab_limit):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, dz_ref, *rest = refs
     else:
@@ -184,7 +189,7 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     y, x = ints[:, 0:1], ints[:, 1:2]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
-    lse, entropy, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
+    lse, ent, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
     kl_shift = col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z_ref.shape[0]
@@ -195,7 +200,10 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     s = r * inv_t
     logp_k = s - lse
     p = jnp.exp(logp_k)
-    ds = (g_lse - g_h * jnp.where(p > 0, logp_k + entropy, 0.0)) * p
+    coef = g_lse
+    if entropy:  # (without it g_h is the cotangent of nothing)
+        coef = g_lse - g_h * jnp.where(p > 0, logp_k + ent, 0.0)
+    ds = coef * p
     if has_teacher:
         t = jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl
         q = jnp.exp(t - lse_u)
@@ -245,7 +253,7 @@ def _grid(z, has_teacher, backward, block_k):
 
 
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                  separate_ce, block_k=None, interpret=False, detect_races=False,
+                  separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
                   vocab_limit=2**31 - 1, partial=False):
     """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 8] f32, or with
     ``partial`` the running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
@@ -255,7 +263,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     kernel = functools.partial(
         _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        vocab_limit=vocab_limit, partial=partial)
+        entropy=entropy, vocab_limit=vocab_limit, partial=partial)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     return pl.pallas_call(
         kernel,
@@ -271,8 +279,8 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
 
 
 def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                   separate_ce, teacher_grad, block_k=None, interpret=False, detect_races=False,
-                   vocab_limit=2**31 - 1):
+                   separate_ce, teacher_grad, entropy, block_k=None, interpret=False,
+                   detect_races=False, vocab_limit=2**31 - 1):
     """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
     statistics and cotangents (F_* columns)."""
     n, k = z.shape
@@ -281,7 +289,7 @@ def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, ha
     kernel = functools.partial(
         _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        teacher_grad=teacher_grad, vocab_limit=vocab_limit)
+        entropy=entropy, teacher_grad=teacher_grad, vocab_limit=vocab_limit)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     out_shape = [_out_struct(z.shape, z.dtype, operands)]
     if teacher_grad:

@@ -30,7 +30,9 @@ two: whole blocks of real vocabulary with no masks (so Triton can prove 16-byte 
 and contiguity and vectorise the accesses; a mask against an unaligned bound such as the
 vocabulary limit would force 2-byte scalar loads), then the ragged tail and any padding
 columns with masks (``_row_span`` gives the bounds). Softcap c (HAS_SOFTCAP) maps z to
-c·tanh(z/c); the LOO shift adds d at column x (HAS_SHIFT) before the temperature.
+c·tanh(z/c); the LOO shift adds d at column x (HAS_SHIFT) before the temperature. Without
+HAS_ENTROPY the entropy's running sum and its gradient term are compiled out (the entropy
+row of ``out`` is then 0; the caller asked for no entropy).
 """
 
 import triton
@@ -124,8 +126,9 @@ def _merge_lanes(m, a):
 def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
                 softcap, m, a, b, m2, a2, mu, au, cu, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-                SEPARATE_CE: tl.constexpr):
-    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R]."""
+                SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr):
+    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R]
+    (b stays 0 without HAS_ENTROPY)."""
     mask = cols < k_valid
     gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
     # read BLOCK_K·E bytes of student logits
@@ -140,9 +143,10 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, 
     m_old = m
     a_old = a
     m, a, e, m_safe = _online(m_old, a_old, s)
-    # b is kept relative to the running max: rescale the old sum, then add this block.
-    b_old = tl.where(a_old > 0, _exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
-    b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe[:, None]), 0.0), axis=1)
+    if HAS_ENTROPY:  # about a third of the CE loop's instructions (bench/NOTES.md)
+        # b is kept relative to the running max: rescale the old sum, then add this block.
+        b_old = tl.where(a_old > 0, _exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
+        b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe[:, None]), 0.0), axis=1)
     if SEPARATE_CE:
         m2, a2, e2, m2_safe = _online(m2, a2, r * inv_t_ce)
     if HAS_TEACHER:
@@ -171,7 +175,8 @@ def stats_partial_kernel(
     inv_t, inv_t_ce, inv_t_kl, softcap,
     part_ptr,  # [8, S, N] f32 out
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-    SEPARATE_CE: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
@@ -198,16 +203,18 @@ def stats_partial_kernel(
         m, a, b, m2, a2, mu, au, cu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
             softcap, m, a, b, m2, a2, mu, au, cu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
-            SEPARATE_CE)
+            SEPARATE_CE, HAS_ENTROPY)
     for k0 in range(k_full, k_valid, BLOCK_K):  # the ragged tail: at most one block
         m, a, b, m2, a2, mu, au, cu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
             softcap, m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
-            SEPARATE_CE)
+            SEPARATE_CE, HAS_ENTROPY)
 
     # merge the lanes (DESIGN §2's merge, within the row)
     m_row, a_row, f = _merge_lanes(m, a)
-    b_row = tl.sum(tl.where(a > 0, f * (b + (m - m_row) * a), 0.0), axis=0)
+    b_row = 0.0
+    if HAS_ENTROPY:
+        b_row = tl.sum(tl.where(a > 0, f * (b + (m - m_row) * a), 0.0), axis=0)
     m2_row, a2_row, _ = _merge_lanes(m2, a2)
     mu_row, au_row, fu = _merge_lanes(mu, au)
     cu_row = tl.sum(fu * cu, axis=0)
@@ -244,9 +251,11 @@ def stats_finalize_kernel(
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
     N, K, S, stride_z, inv_t_ce, softcap,
-    out_ptr,  # [7, N] f32 out: lse, logp, entropy, kl, lse_ce, lse_u, kl_shift
+    out_ptr,  # [7, N] f32 out: lse, logp, entropy (0 without HAS_ENTROPY), kl, lse_ce, lse_u,
+              # kl_shift
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-    SEPARATE_CE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -258,11 +267,13 @@ def stats_finalize_kernel(
     # read 8·S·4 bytes of partial state per row
     m_s = tl.load(part_ptr + 0 * stride_p + p_off, mask=pmask, other=NEG_INF)
     a_s = tl.load(part_ptr + 1 * stride_p + p_off, mask=pmask, other=0.0)
-    b_s = tl.load(part_ptr + 2 * stride_p + p_off, mask=pmask, other=0.0)
     m, a, f = _merge_max_sum(m_s, a_s, pmask)
-    b = tl.sum(tl.where(a_s > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
     lse = m + tl.log(a)
-    entropy = tl.log(a) - b / a
+    entropy = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_ENTROPY:
+        b_s = tl.load(part_ptr + 2 * stride_p + p_off, mask=pmask, other=0.0)
+        b = tl.sum(tl.where(a_s > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
+        entropy = tl.log(a) - b / a
     lse_ce = lse
     if SEPARATE_CE:
         m2_s = tl.load(part_ptr + 3 * stride_p + p_off, mask=pmask, other=NEG_INF)
@@ -309,7 +320,8 @@ def stats_finalize_kernel(
 def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_lse, g_lp, g_h,
                 g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-                SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr):
+                SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr,
+                HAS_ENTROPY: tl.constexpr):
     """d(logits) (and d(teacher)) of the columns ``cols`` [BLOCK_K] of one row. Masked:
     columns in [k_valid, k_end) (padding; every column of an inactive row) are not read and
     get exact zeros; columns >= k_end belong to the next split."""
@@ -327,7 +339,10 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
     s = r * inv_t
     logp_k = s - lse
     p = _exp(logp_k)
-    ds = (g_lse - g_h * tl.where(p > 0, logp_k + entropy, 0.0)) * p
+    coef = g_lse
+    if HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
+        coef = g_lse - g_h * tl.where(p > 0, logp_k + entropy, 0.0)
+    ds = coef * p
     if HAS_TEACHER:
         # read BLOCK_K·E bytes of teacher logits
         if MASKED:
@@ -378,7 +393,8 @@ def stats_grad_kernel(
     dz_ptr,  # [N, K] out, z's dtype (may alias z_ptr: every element is read before written)
     du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-    SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
@@ -400,11 +416,11 @@ def stats_grad_kernel(
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks of real vocabulary: no masks
         _grad_block(rows, k0 + offs, k_valid, k_end, col_offset, x, d, y, row_stats,
                     g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, False,
-                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD)
+                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD, HAS_ENTROPY)
     for k0 in range(k_full, k_end, BLOCK_K):  # ragged tail, padding, inactive rows' zeros
         _grad_block(rows, k0 + offs, k_valid, k_end, col_offset, x, d, y, row_stats,
                     g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, True,
-                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD)
+                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD, HAS_ENTROPY)
 
 
 # -- launch configuration ---------------------------------------------------------------

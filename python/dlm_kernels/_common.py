@@ -87,6 +87,9 @@ class StatsConfig:
     softcap:           c in cap(z) = c * tanh(z / c); None for no cap.
     has_teacher:       teacher logits are given (the ``kl`` output is 0 otherwise).
     teacher_grad:      the VJP also returns d(teacher logits).
+    entropy:           compute the entropy; False drops its running sum from the forward
+                       pass and its term from the backward pass (callers that only need
+                       logp/kl: every objective but ``per_token_logps(return_entropy=True)``).
     chunk_size:        vocabulary chunk of the chunked backends (None = heuristic).
     vocab_size:        vocabulary-parallel calls only: the true vocabulary, so padding
                        columns >= vocab_size (global ids) are excluded and get 0 gradient.
@@ -98,6 +101,7 @@ class StatsConfig:
     softcap: Optional[float] = None
     has_teacher: bool = False
     teacher_grad: bool = False
+    entropy: bool = True
     chunk_size: Optional[int] = None
     vocab_size: Optional[int] = None
 
@@ -114,6 +118,7 @@ def make_config(
     softcap=None,
     has_teacher=False,
     teacher_grad=False,
+    entropy=True,
     chunk_size=None,
     vocab_size=None,
 ) -> StatsConfig:
@@ -131,6 +136,8 @@ def make_config(
         vocab_size = check_vocab_size(vocab_size)
     if teacher_grad and not has_teacher:
         raise ValueError("teacher_grad=True needs teacher_logits")
+    if not isinstance(entropy, bool):
+        raise ValueError(f"entropy must be True or False; got {entropy!r}")
     return StatsConfig(
         temperature=temperature,
         ce_temperature=temperature if ce_temperature is None else ce_temperature,
@@ -138,6 +145,7 @@ def make_config(
         softcap=softcap,
         has_teacher=bool(has_teacher),
         teacher_grad=bool(teacher_grad),
+        entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
     )

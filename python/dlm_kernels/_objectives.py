@@ -111,7 +111,7 @@ class Frontend:
             shift_ids = xt
             shift = xp.broadcast_to(self._loo_delta(alpha, vocab_size)[:, None], bl)
         stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
-                                 backend=backend)
+                                 entropy=False, backend=backend)
         ce_sum = -xp.rowsum(mask * stats.logp)
         return w, ce_sum, xp.rowsum(mask)
 
@@ -157,10 +157,12 @@ class Frontend:
         temperature = check_positive_float("temperature", temperature)
         self.validate_diffusion_logits(batch, logits)
         stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
-                                 temperature=temperature, backend=backend)
+                                 temperature=temperature, entropy=bool(return_entropy),
+                                 backend=backend)
         logps, entropy = stats.logp, stats.entropy
         if stop_gradient:
-            logps, entropy = self.xp.stop_gradient(logps), self.xp.stop_gradient(entropy)
+            logps = self.xp.stop_gradient(logps)
+            entropy = None if entropy is None else self.xp.stop_gradient(entropy)
         return (logps, entropy) if return_entropy else logps
 
     def compute_diffusion_per_token_logps(self, model, batch, logits_fn, *, temperature=1.0,
@@ -175,7 +177,8 @@ class Frontend:
     def weighted_cross_entropy(self, logits, batch, *, backend=None):
         """WeightedSum(Σ w·CE, Σ w) at T = 1."""
         self.validate_diffusion_logits(batch, logits)
-        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights, backend=backend)
+        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights, entropy=False,
+                                 backend=backend)
         w = self.xp.f32(batch.loss_weights)
         return self.WeightedSum(-_total(self.xp, w * stats.logp), _total(self.xp, w))
 
@@ -208,9 +211,11 @@ class Frontend:
         C.check_token_batch_values(xp, student.target_ids, student.loss_weights,
                                    self.vocab_extent(student_logits) if hard_w > 0.0 else None,
                                    allow_sync=False)
+        # the hard term's T = 1 sums ride along in the same pass only when that term is on
         stats = self.token_stats(student_logits, student.target_ids, student.loss_weights,
-                                 temperature=temperature, ce_temperature=1.0,
-                                 teacher_logits=teacher, backend=backend)
+                                 temperature=temperature,
+                                 ce_temperature=1.0 if hard_w > 0.0 else None,
+                                 teacher_logits=teacher, entropy=False, backend=backend)
         w = xp.f32(student.loss_weights)
         denominator = _total(xp, w)
         zero = denominator * 0.0

@@ -36,7 +36,7 @@ class TokenStats(NamedTuple):
 
     lse:     logsumexp of the (capped, shifted) logits divided by ``temperature``.
     logp:    log-probability of the target at ``ce_temperature`` (CE = -logp).
-    entropy: entropy of softmax(logits / temperature).
+    entropy: entropy of softmax(logits / temperature); None when called with entropy=False.
     kl:      KL(softmax(teacher / teacher_temperature) || softmax(logits / temperature));
              0 when no teacher is given.
     Inactive rows (weight 0) are exactly 0 in every field.
@@ -66,6 +66,10 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
       teacher_logits: [..., K] optional teacher logits u for ``kl``.
       teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
       teacher_grad: also differentiate with respect to ``teacher_logits``.
+      entropy: compute ``entropy`` (default True). False leaves its running sum out of the
+        forward pass and its term out of the backward pass (in the Triton kernels about a
+        third of the CE forward's instructions and a fifth of the gradient's), and returns
+        ``entropy=None``. The objectives that do not report entropy pass False.
       chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
         backends (default: a heuristic).
       inplace_grad: torch only, opt-in. Write d(logits) into the logits buffer itself
@@ -84,8 +88,16 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
       backend: None (auto), "reference", "chunked", "triton" or "pallas".
 
     Returns:
-      TokenStats(lse, logp, entropy, kl), each float32 of shape [...].
+      TokenStats(lse, logp, entropy, kl), each float32 of shape [...] (entropy None when
+      ``entropy=False``).
     """
+
+
+def public_stats(outs, rows, cfg):
+    """TokenStats of the flat [N] outputs reshaped to the rows' shape; entropy None when the
+    call did not ask for it (what the backends hold there is not an entropy)."""
+    lse, logp, entropy, kl = (o.reshape(rows) for o in outs)
+    return TokenStats(lse, logp, entropy if cfg.entropy else None, kl)
 
 
 class ReferenceBackend:
@@ -151,7 +163,7 @@ def shard_capable(registry, impl, requested):
 
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
             shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
-            vocab_size=None):
+            entropy=True, vocab_size=None):
     """Validate, build the static config and flatten leading dims into rows.
 
     Returns (cfg, rows_shape, flat) with flat = (z [N, K], u [N, K] | None, y [N], active [N],
@@ -165,6 +177,7 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         softcap=softcap,
         has_teacher=teacher_logits is not None,
         teacher_grad=teacher_grad,
+        entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
     )

@@ -13,7 +13,7 @@ Notation (per row): ``z`` student logits, ``r = cap(z) + d·[k == x]`` the shift
 
 The streaming state of a row is ``(m, a, b, m2, a2, mu, au, cu)``:
   m, a, b     running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m)  (b relative to m: no cancellation
-              between lse and Σ p s in the entropy)
+              between lse and Σ p s in the entropy; b = 0 when cfg.entropy is False)
   m2, a2      the same max and sum for s' (only when T_ce != T)
   mu, au, cu  running max of t, Σ e^{t-mu}, Σ e^{t-mu}(t - s)   (teacher)
 """
@@ -52,12 +52,15 @@ def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
     return r
 
 
-def _row_lse_parts(xp, s):
-    """Chunk max, Σ e^{s-m}, Σ e^{s-m}(s-m) over the last axis of s: [N, C]."""
+def _row_lse_parts(xp, s, with_b=True):
+    """Chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m), else 0, over the last axis of
+    s: [N, C]."""
     m = xp.rowmax(s)
     ms = xp.where(m == NEG_INF, 0.0, m)
     e = xp.exp(s - ms[:, None])
     a = xp.rowsum(e)
+    if not with_b:
+        return m, a, xp.zeros_like(a)
     b = xp.rowsum(xp.where(e > 0, e * (s - ms[:, None]), 0.0))
     return m, a, b
 
@@ -72,11 +75,11 @@ def chunk_partial(xp, z, u, cols, valid, shift_ids, shift, cfg: StatsConfig) -> 
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
     s = r * (1.0 / cfg.temperature)
-    m, a, b = _row_lse_parts(xp, s)
+    m, a, b = _row_lse_parts(xp, s, cfg.entropy)
     zero = xp.zeros_like(a)
     m2, a2 = m, a
     if cfg.separate_ce:
-        m2, a2, _ = _row_lse_parts(xp, r * (1.0 / cfg.ce_temperature))
+        m2, a2, _ = _row_lse_parts(xp, r * (1.0 / cfg.ce_temperature), False)
     mu, au, cu = m, zero, zero
     if cfg.has_teacher:
         t = xp.f32(u) * (1.0 / cfg.teacher_temperature)
@@ -101,10 +104,12 @@ def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
     m = xp.maximum(s1.m, s2.m)
     f1, f2 = _rescale(xp, s1.m, m), _rescale(xp, s2.m, m)
     a = f1 * s1.a + f2 * s2.a
-    # b is relative to the running max: Σ e^{s-m}(s-m) = f·(b_i + (m_i - m)·a_i).
-    b1 = xp.where(s1.a > 0, f1 * (s1.b + (s1.m - m) * s1.a), 0.0)
-    b2 = xp.where(s2.a > 0, f2 * (s2.b + (s2.m - m) * s2.a), 0.0)
-    b = b1 + b2
+    b = xp.zeros_like(a)
+    if cfg.entropy:
+        # b is relative to the running max: Σ e^{s-m}(s-m) = f·(b_i + (m_i - m)·a_i).
+        b1 = xp.where(s1.a > 0, f1 * (s1.b + (s1.m - m) * s1.a), 0.0)
+        b2 = xp.where(s2.a > 0, f2 * (s2.b + (s2.m - m) * s2.a), 0.0)
+        b = b1 + b2
     m2, a2 = m, a
     if cfg.separate_ce:
         m2 = xp.maximum(s1.m2, s2.m2)
@@ -127,7 +132,9 @@ def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=
     m, m2, mu = pmax([state.m, state.m2, state.mu])
     f = _rescale(xp, state.m, m)
     a = f * state.a
-    b = xp.where(state.a > 0, f * (state.b + (state.m - m) * state.a), 0.0)
+    b = state.b  # 0 without entropy
+    if cfg.entropy:
+        b = xp.where(state.a > 0, f * (state.b + (state.m - m) * state.a), 0.0)
     a2 = _rescale(xp, state.m2, m2) * state.a2
     fu = _rescale(xp, state.mu, mu)
     a, b, a2, au, cu, *extra = psum([a, b, a2, fu * state.au, fu * state.cu, *extra_sums])
@@ -183,7 +190,7 @@ def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     """Row statistics from a merged state; logp is NaN where the target was not found
     (out of range: loud, never silently wrong); inactive rows give exact zeros."""
     lse = state.m + xp.log(state.a)
-    entropy = xp.log(state.a) - state.b / state.a
+    entropy = xp.log(state.a) - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
     lse_ce = lse
     if cfg.separate_ce:
         lse_ce = state.m2 + xp.log(state.a2)
@@ -214,7 +221,10 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
     logp_k = s - stats.lse[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
-    ds = (g_lse[:, None] - g_h[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)) * p
+    coef = g_lse[:, None]
+    if cfg.entropy:  # (without it g_h is the cotangent of nothing)
+        coef = coef - g_h[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
+    ds = coef * p
     du = None
     if cfg.has_teacher:
         t = xp.f32(u) * (1.0 / cfg.teacher_temperature)

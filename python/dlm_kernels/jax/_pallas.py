@@ -37,8 +37,8 @@ def detect_races() -> bool:
 def _statics(cfg, has_shift):
     return dict(inv_t=1.0 / cfg.temperature, inv_t_ce=1.0 / cfg.ce_temperature,
                 inv_t_kl=1.0 / cfg.teacher_temperature, softcap=cfg.softcap, has_shift=has_shift,
-                separate_ce=cfg.separate_ce, block_k=cfg.chunk_size, interpret=interpret_mode(),
-                detect_races=detect_races())
+                separate_ce=cfg.separate_ce, entropy=cfg.entropy, block_k=cfg.chunk_size,
+                interpret=interpret_mode(), detect_races=detect_races())
 
 
 def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .._dispatch import Registry
 from .. import _stats_math as M
-from .._stats_api import (TOKEN_STATS_DOC, TokenStats, apply_vocab_parallel, prepare,
+from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
                           shard_capable)
 from ._ops import JaxOps
 
@@ -104,7 +104,8 @@ def vocab_extent(logits) -> int:
 
 def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
                 softcap=None, shift_ids=None, shift=None, teacher_logits=None,
-                teacher_temperature=None, teacher_grad=False, chunk_size=None, inplace_grad=False,
+                teacher_temperature=None, teacher_grad=False, entropy=True, chunk_size=None,
+                inplace_grad=False,
                 vocab_size=None, vocab_axis=None, backend=None):
     if inplace_grad:
         raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate the "
@@ -115,7 +116,8 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         JaxOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
         teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
-        teacher_grad=teacher_grad, chunk_size=chunk_size, vocab_size=vocab_size)
+        teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
+        vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, JaxOps.platform(logits))
     if u is not None and not cfg.teacher_grad:
         u = jax.lax.stop_gradient(u)
@@ -126,7 +128,7 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         outs = _token_stats_vjp(impl, cfg, z, u, y, active, x, d)
     else:
         outs = impl.compute(z, u, y, active, x, d, cfg)
-    return TokenStats(*(o.reshape(rows) for o in outs))
+    return public_stats(outs, rows, cfg)
 
 
 token_stats.__doc__ = TOKEN_STATS_DOC

@@ -77,7 +77,8 @@ def _scalars(cfg):
 
 def _flags(cfg, has_shift):
     return dict(HAS_SOFTCAP=cfg.softcap is not None, HAS_SHIFT=has_shift,
-                HAS_TEACHER=cfg.has_teacher, SEPARATE_CE=cfg.separate_ce)
+                HAS_TEACHER=cfg.has_teacher, SEPARATE_CE=cfg.separate_ce,
+                HAS_ENTROPY=cfg.entropy)
 
 
 def _plan(z, cfg):

@@ -8,7 +8,7 @@ import torch
 
 from .._dispatch import Registry
 from .. import _stats_math as M
-from .._stats_api import (TOKEN_STATS_DOC, TokenStats, apply_vocab_parallel, prepare,
+from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
                           shard_capable)
 from .._stats_math import Stats
 from ._ops import TorchOps
@@ -104,7 +104,8 @@ def vocab_extent(logits) -> int:
 
 def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
                 softcap=None, shift_ids=None, shift=None, teacher_logits=None,
-                teacher_temperature=None, teacher_grad=False, chunk_size=None, inplace_grad=False,
+                teacher_temperature=None, teacher_grad=False, entropy=True, chunk_size=None,
+                inplace_grad=False,
                 vocab_size=None, process_group=None, backend=None):
     process_group, vocab_size, logits, teacher_logits = apply_vocab_parallel(
         process_group, _VocabParallelState.current, vocab_size, logits, teacher_logits)
@@ -112,7 +113,8 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         TorchOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
         teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
-        teacher_grad=teacher_grad, chunk_size=chunk_size, vocab_size=vocab_size)
+        teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
+        vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, logits.device.type)
     if u is not None and not cfg.teacher_grad:
         u = u.detach()
@@ -126,7 +128,7 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
                                          process_group)
     else:
         outs = impl.compute(z, u, y, active, x, d, cfg)
-    return TokenStats(*(o.reshape(rows) for o in outs))
+    return public_stats(outs, rows, cfg)
 
 
 token_stats.__doc__ = TOKEN_STATS_DOC

@@ -52,9 +52,9 @@ def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-def _flags(u, x, softcap, inv_t, inv_t_ce):
+def _flags(u, x, softcap, inv_t, inv_t_ce, entropy):
     return dict(HAS_SOFTCAP=softcap > 0.0, HAS_SHIFT=x is not None, HAS_TEACHER=u is not None,
-                SEPARATE_CE=inv_t != inv_t_ce)
+                SEPARATE_CE=inv_t != inv_t_ce, HAS_ENTROPY=entropy)
 
 
 _INT32_MAX = 2**31 - 1
@@ -80,7 +80,7 @@ def plan(z, u, block_k=0):
                            _num_sms(z.device), block_k or None)
 
 
-def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
+def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
                     col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
     """Partial row states [8, S, N] f32 of z: [N, K] (S vocabulary splits); ``cfg`` overrides
     the heuristic's plan (bench/launch_sweep.py)."""
@@ -95,18 +95,19 @@ def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, bloc
             0 if u is None else u.stride(0), cfg["cols_per_split"], vocab_limit, inv_t,
             inv_t_ce, inv_t_kl, softcap,
             part, BLOCK_K=cfg["block_k"], VEC=cfg["vec"], num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce))
+            num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
     return part
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_fwd", mutates_args=())
 def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
-                    inv_t_kl: float, softcap: float, block_k: int) -> Tensor:
+                    inv_t_kl: float, softcap: float, entropy: bool, block_k: int) -> Tensor:
     """Row statistics [7, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift) of z: [N, K]."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
-    part = _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, block_k)
+    part = _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
+                           block_k)
     s = part.shape[1]
     out = _empty((7, n), torch.float32, z.device)  # 28 bytes per row
     if n > 0:
@@ -116,33 +117,34 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
             part, z, y, dummy if x is None else x, dummy if d is None else d, active,
             n, k, s, z.stride(0), inv_t_ce, softcap, out,
             BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
-            **_flags(u, x, softcap, inv_t, inv_t_ce))
+            **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
     return out
 
 
 @token_stats_fwd.register_fake
-def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k):
+def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k):
     return z.new_empty((7, z.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_partial", mutates_args=())
 def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optional[Tensor],
                         d: Optional[Tensor], inv_t: float, inv_t_ce: float, inv_t_kl: float,
-                        softcap: float, block_k: int, col_offset: int,
+                        softcap: float, entropy: bool, block_k: int, col_offset: int,
                         vocab_limit: int) -> Tensor:
     """Partial states [8, S, N] of a vocabulary shard starting at global column col_offset."""
     return _launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
-                           softcap, block_k, col_offset, vocab_limit)
+                           softcap, entropy, block_k, col_offset, vocab_limit)
 
 
 @token_stats_partial.register_fake
-def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, block_k, col_offset, vocab_limit):
+def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k, col_offset,
+      vocab_limit):
     splits = plan(z, u, block_k)["splits"]  # the same plan as the launch
     return z.new_empty((8, splits, z.shape[0]), dtype=torch.float32)
 
 
 def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
-                 softcap, block_k, col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
+                 softcap, entropy, block_k, col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
     n, k = z.shape
     if n == 0:
         return
@@ -156,28 +158,28 @@ def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, i
         inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du,
         TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **_flags(u, x, softcap, inv_t, inv_t_ce))
+        **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_bwd", mutates_args=())
 def token_stats_bwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], stats: Tensor, g_lse: Tensor,
                     g_lp: Tensor, g_h: Tensor, g_kl: Tensor, inv_t: float, inv_t_ce: float,
-                    inv_t_kl: float, softcap: float, teacher_grad: bool, block_k: int,
-                    col_offset: int, vocab_limit: int) -> Tuple[Tensor, Tensor]:
+                    inv_t_kl: float, softcap: float, entropy: bool, teacher_grad: bool,
+                    block_k: int, col_offset: int, vocab_limit: int) -> Tuple[Tensor, Tensor]:
     """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor)."""
     z, u = _unit_col(z), _unit_col(u)
     dz = _empty(z.shape, z.dtype, z.device)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
     _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), dz,
-                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
-                 col_offset, vocab_limit)
+                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
+                 block_k, col_offset, vocab_limit)
     return dz, du
 
 
 @token_stats_bwd.register_fake
 def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
-      teacher_grad, block_k, col_offset, vocab_limit):
+      entropy, teacher_grad, block_k, col_offset, vocab_limit):
     du = torch.empty_like(u) if teacher_grad else z.new_empty((0,))
     return torch.empty_like(z), du
 
@@ -187,7 +189,7 @@ def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: T
                             x: Optional[Tensor], d: Optional[Tensor], stats: Tensor,
                             g_lse: Tensor, g_lp: Tensor, g_h: Tensor, g_kl: Tensor,
                             inv_t: float, inv_t_ce: float, inv_t_kl: float, softcap: float,
-                            teacher_grad: bool, block_k: int, col_offset: int,
+                            entropy: bool, teacher_grad: bool, block_k: int, col_offset: int,
                             vocab_limit: int) -> Tensor:
     """Writes dz into z itself (z must have unit column stride); returns du or empty."""
     if z.stride(-1) != 1:
@@ -196,20 +198,21 @@ def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: T
     u = _unit_col(u)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
     _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), z,
-                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, block_k,
-                 col_offset, vocab_limit)
+                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
+                 block_k, col_offset, vocab_limit)
     return du
 
 
 @token_stats_bwd_inplace.register_fake
 def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
-      teacher_grad, block_k, col_offset, vocab_limit):
+      entropy, teacher_grad, block_k, col_offset, vocab_limit):
     return torch.empty_like(u) if teacher_grad else z.new_empty((0,))
 
 
 def _scalars(cfg):
+    # the custom ops' (inv_t, inv_t_ce, inv_t_kl, softcap, entropy)
     return (1.0 / cfg.temperature, 1.0 / cfg.ce_temperature, 1.0 / cfg.teacher_temperature,
-            cfg.softcap or 0.0)
+            cfg.softcap or 0.0, cfg.entropy)
 
 
 def _limit(cfg):
