@@ -40,6 +40,7 @@ import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # Buffer layouts (rows): part[8, S, N] = (m, a, b, m2, a2, mu, au, cu) per split;
 # out[7, N] = (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift).
@@ -49,9 +50,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def _exp(x):
     """e^x as 2^(x·log2 e). tl.exp2 compiles to one ex2.approx.ftz, so this is 2 SASS
     instructions (FMUL, MUFU.EX2) where tl.exp takes 5 (it wraps ex2 in a subnormal fix-up:
-    a compare and two predicated multiplies); about 3 fewer instructions per element in the
-    issue-bound streaming loops. Results under 2^-126 flush to 0, far below the float32
-    resolution of every sum or gradient they enter."""
+    a compare and two predicated multiplies). The streaming loops go further: they keep their
+    exponents in base 2 (s = log2 e · r / T) and call tl.exp2 directly, one instruction per
+    exponential. Results under 2^-126 flush to 0, far below the float32 resolution of every
+    sum or gradient they enter."""
     return tl.exp2(x * LOG2E)
 
 
@@ -103,32 +105,33 @@ def _row_span(active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab
 
 @triton.jit
 def _online(m, a, s):
-    """Fold a block s [R, VEC] into per-lane states (max m [R], Σ e^{s-m} a [R]); returns
-    (m_new, a_new, e, m_safe). Each lane is VEC contiguous columns held by one thread, so the
-    reductions here never leave the thread."""
+    """Fold a block s [R, VEC] (base-2 units: s = log2 e · logit) into per-lane states
+    (max m [R], Σ 2^{s-m} = Σ e^{(s-m)·ln 2} a [R]); returns (m_new, a_new, e, m_safe). Each
+    lane is VEC contiguous columns held by one thread, so the reductions here never leave the
+    thread."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
-    e = _exp(s - m_safe[:, None])
-    a_new = a * _exp(m - m_safe) + tl.sum(e, axis=1)
+    e = tl.exp2(s - m_safe[:, None])
+    a_new = a * tl.exp2(m - m_safe) + tl.sum(e, axis=1)
     return m_new, a_new, e, m_safe
 
 
 @triton.jit
 def _merge_lanes(m, a):
-    """Merge per-lane (max, sum) states [R] into the row's: (m, a, f), f [R] each lane's
-    rescale (the one cross-thread reduction of a program)."""
+    """Merge per-lane (max, sum) states [R] (base 2) into the row's: (m, a, f), f [R] each
+    lane's rescale (the one cross-thread reduction of a program)."""
     m_row = tl.max(m, axis=0)
-    f = _exp(m - tl.where(m_row == NEG_INF, 0.0, m_row))
+    f = tl.exp2(m - tl.where(m_row == NEG_INF, 0.0, m_row))
     return m_row, tl.sum(f * a, axis=0), f
 
 
 @triton.jit
-def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
+def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
                 softcap, m, a, b, m2, a2, mu, au, cu, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
                 SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr):
-    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R]
-    (b stays 0 without HAS_ENTROPY)."""
+    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R],
+    all in base-2 units (c_* = log2 e / T_*; b stays 0 without HAS_ENTROPY)."""
     mask = cols < k_valid
     gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
     # read BLOCK_K·E bytes of student logits
@@ -139,26 +142,26 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, inv_t, inv_t_ce, 
     r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
     if MASKED:
         r = tl.where(mask, r, NEG_INF)
-    s = r * inv_t
+    s = r * c_t  # s / ln 2
     m_old = m
     a_old = a
     m, a, e, m_safe = _online(m_old, a_old, s)
     if HAS_ENTROPY:  # about a third of the CE loop's instructions (bench/NOTES.md)
         # b is kept relative to the running max: rescale the old sum, then add this block.
-        b_old = tl.where(a_old > 0, _exp(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
+        b_old = tl.where(a_old > 0, tl.exp2(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
         b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe[:, None]), 0.0), axis=1)
     if SEPARATE_CE:
-        m2, a2, e2, m2_safe = _online(m2, a2, r * inv_t_ce)
+        m2, a2, e2, m2_safe = _online(m2, a2, r * c_ce)
     if HAS_TEACHER:
         # read BLOCK_K·E bytes of teacher logits
         if MASKED:
             u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
-            t = tl.where(mask, u * inv_t_kl, NEG_INF)
+            t = tl.where(mask, u * c_kl, NEG_INF)
         else:
-            t = tl.load(u_row + cols).to(tl.float32) * inv_t_kl
+            t = tl.load(u_row + cols).to(tl.float32) * c_kl
         mu_old = mu
         mu, au, eu, mu_safe = _online(mu_old, au, t)
-        cu = cu * _exp(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=1)
+        cu = cu * tl.exp2(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=1)
     return m, a, b, m2, a2, mu, au, cu
 
 
@@ -189,25 +192,30 @@ def stats_partial_kernel(
     # A block is R lanes of VEC contiguous columns (one 16-byte load each); every lane keeps
     # its own running sums, so the loops carry no cross-thread reduction; the lanes merge once
     # at the end.
+    # The loop works in base 2: s = log2 e · r / T, so every exponential is one exp2 with no
+    # multiply (the scale rides on the one multiply by 1/T every logit needs anyway). Sums of
+    # 2^{s - m} equal the natural Σ e^{·}; maxima and the b, cu sums (linear in s) convert to
+    # natural units once per program, by a factor ln 2, before they are stored.
+    c_t, c_ce, c_kl = inv_t * LOG2E, inv_t_ce * LOG2E, inv_t_kl * LOG2E
     R: tl.constexpr = BLOCK_K // VEC
     offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [R, VEC]
-    m = tl.full([R], NEG_INF, tl.float32)  # running max of s = r / T
-    a = tl.zeros([R], tl.float32)  # Σ e^{s - m}
-    b = tl.zeros([R], tl.float32)  # Σ e^{s - m} (s - m)
-    m2 = tl.full([R], NEG_INF, tl.float32)  # running max of s' = r / T_ce (SEPARATE_CE)
+    m = tl.full([R], NEG_INF, tl.float32)  # running max of s = log2 e · r / T
+    a = tl.zeros([R], tl.float32)  # Σ 2^{s - m}
+    b = tl.zeros([R], tl.float32)  # Σ 2^{s - m} (s - m)   (HAS_ENTROPY)
+    m2 = tl.full([R], NEG_INF, tl.float32)  # running max of s' = log2 e · r / T_ce (SEPARATE_CE)
     a2 = tl.zeros([R], tl.float32)
-    mu = tl.full([R], NEG_INF, tl.float32)  # running max of t = u / T_kl (HAS_TEACHER)
-    au = tl.zeros([R], tl.float32)  # Σ e^{t - mu}
-    cu = tl.zeros([R], tl.float32)  # Σ e^{t - mu} (t - s)
+    mu = tl.full([R], NEG_INF, tl.float32)  # running max of t = log2 e · u / T_kl (HAS_TEACHER)
+    au = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}
+    cu = tl.zeros([R], tl.float32)  # Σ 2^{t - mu} (t - s)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
         m, a, b, m2, a2, mu, au, cu = _fold_block(
-            z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
-            softcap, m, a, b, m2, a2, mu, au, cu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
+            m, a, b, m2, a2, mu, au, cu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
     for k0 in range(k_full, k_valid, BLOCK_K):  # the ragged tail: at most one block
         m, a, b, m2, a2, mu, au, cu = _fold_block(
-            z_row, u_row, k0 + offs, k_valid, col_offset, x, d, inv_t, inv_t_ce, inv_t_kl,
-            softcap, m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
+            m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
 
     # merge the lanes (DESIGN §2's merge, within the row)
@@ -219,17 +227,17 @@ def stats_partial_kernel(
     mu_row, au_row, fu = _merge_lanes(mu, au)
     cu_row = tl.sum(fu * cu, axis=0)
 
-    # write 8 x 4 bytes of partial state
+    # write 8 x 4 bytes of partial state, in natural units
     base = part_ptr + split * N + row
     stride_p = n_splits * N
-    tl.store(base + 0 * stride_p, m_row)
+    tl.store(base + 0 * stride_p, m_row * LN2)
     tl.store(base + 1 * stride_p, a_row)
-    tl.store(base + 2 * stride_p, b_row)
-    tl.store(base + 3 * stride_p, m2_row)
+    tl.store(base + 2 * stride_p, b_row * LN2)
+    tl.store(base + 3 * stride_p, m2_row * LN2)
     tl.store(base + 4 * stride_p, a2_row)
-    tl.store(base + 5 * stride_p, mu_row)
+    tl.store(base + 5 * stride_p, mu_row * LN2)
     tl.store(base + 6 * stride_p, au_row)
-    tl.store(base + 7 * stride_p, cu_row)
+    tl.store(base + 7 * stride_p, cu_row * LN2)
 
 
 @triton.jit
@@ -326,7 +334,7 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
     columns in [k_valid, k_end) (padding; every column of an inactive row) are not read and
     get exact zeros; columns >= k_end belong to the next split."""
     z_row, u_row, dz_row, du_row = rows
-    lse, entropy, lse_ce, lse_u, kl_shift = row_stats
+    lse2, entropy, lse2_ce, lse2_u, kl_shift = row_stats  # lse* in base 2 (· log2 e)
     keep = cols < k_valid
     in_split = cols < k_end
     gcols = cols + col_offset  # global vocabulary ids
@@ -336,12 +344,12 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
     else:
         z = tl.load(z_row + cols).to(tl.float32)
     r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
-    s = r * inv_t
-    logp_k = s - lse
-    p = _exp(logp_k)
+    s = r * (inv_t * LOG2E)  # base 2, as in the partial kernel: p = 2^{s - lse2}, one exp2
+    log2p = s - lse2
+    p = tl.exp2(log2p)
     coef = g_lse
     if HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
-        coef = g_lse - g_h * tl.where(p > 0, logp_k + entropy, 0.0)
+        coef = g_lse - g_h * tl.where(p > 0, log2p * LN2 + entropy, 0.0)
     ds = coef * p
     if HAS_TEACHER:
         # read BLOCK_K·E bytes of teacher logits
@@ -349,12 +357,12 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
             u = tl.load(u_row + cols, mask=keep, other=0.0).to(tl.float32)
         else:
             u = tl.load(u_row + cols).to(tl.float32)
-        t = u * inv_t_kl
-        q = _exp(t - lse_u)
+        t = u * (inv_t_kl * LOG2E)
+        q = tl.exp2(t - lse2_u)
         ds += g_kl * (p - q)  # float32 p - q: no bf16 cancellation
         if TEACHER_GRAD:
-            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
-            du = g_kl * tl.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
+            # log q - log p - kl = (t - s)·ln 2 - E_q[t - s]: no cancellation of lse terms
+            du = g_kl * tl.where(q > 0, q * ((t - s) * LN2 - kl_shift), 0.0) * inv_t_kl
             # write BLOCK_K·E bytes of teacher gradient
             if MASKED:
                 du = tl.where(keep, du, 0.0)
@@ -363,7 +371,7 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
                 tl.store(du_row + cols, du.to(du_row.dtype.element_ty))
     p_ce = p
     if SEPARATE_CE:
-        p_ce = _exp(r * inv_t_ce - lse_ce)
+        p_ce = tl.exp2(r * (inv_t_ce * LOG2E) - lse2_ce)
     onehot = tl.where(gcols == y, 1.0, 0.0)
     dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
     if HAS_SOFTCAP:
@@ -405,9 +413,9 @@ def stats_grad_kernel(
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
     g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
-    row_stats = (tl.load(stats_ptr + 0 * N + row), tl.load(stats_ptr + 2 * N + row),
-                 tl.load(stats_ptr + 4 * N + row), tl.load(stats_ptr + 5 * N + row),
-                 tl.load(stats_ptr + 6 * N + row))  # lse, entropy, lse_ce, lse_u, kl_shift
+    row_stats = (tl.load(stats_ptr + 0 * N + row) * LOG2E, tl.load(stats_ptr + 2 * N + row),
+                 tl.load(stats_ptr + 4 * N + row) * LOG2E, tl.load(stats_ptr + 5 * N + row) * LOG2E,
+                 tl.load(stats_ptr + 6 * N + row))  # lse, entropy, lse_ce, lse_u (base 2), kl_shift
     y = tl.load(y_ptr + row).to(tl.int32)
     rows = (z_ptr + row64 * stride_z, u_ptr + row64 * stride_u, dz_ptr + row64 * stride_dz,
             du_ptr + row64 * stride_du)
