@@ -52,6 +52,11 @@ def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
     return r
 
 
+def _scaled(x, temperature):
+    """x / T (x itself at T = 1: one [N, C] pass less in eager frameworks, same values)."""
+    return x if temperature == 1.0 else x * (1.0 / temperature)
+
+
 def _row_lse_parts(xp, s, with_b=True):
     """Chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m), else 0, over the last axis of
     s: [N, C]."""
@@ -74,15 +79,15 @@ def chunk_partial(xp, z, u, cols, valid, shift_ids, shift, cfg: StatsConfig) -> 
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
-    s = r * (1.0 / cfg.temperature)
+    s = _scaled(r, cfg.temperature)
     m, a, b = _row_lse_parts(xp, s, cfg.entropy)
     zero = xp.zeros_like(a)
     m2, a2 = m, a
     if cfg.separate_ce:
-        m2, a2, _ = _row_lse_parts(xp, r * (1.0 / cfg.ce_temperature), False)
+        m2, a2, _ = _row_lse_parts(xp, _scaled(r, cfg.ce_temperature), False)
     mu, au, cu = m, zero, zero
     if cfg.has_teacher:
-        t = xp.f32(u) * (1.0 / cfg.teacher_temperature)
+        t = _scaled(xp.f32(u), cfg.teacher_temperature)
         if valid is not None:
             t = xp.where(valid[None, :], t, NEG_INF)
         mu = xp.rowmax(t)
@@ -215,30 +220,39 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
       dz_k = dr_k·cap'(z_k);   du_k = g_kl·q_k·(log q_k - log p_k - kl) / T_kl
     with log q_k - log p_k - kl computed as (t_k - s_k) - E_q[t - s] (stats.kl_shift).
     Terms with p_k = 0 (or q_k = 0) contribute exactly 0. Inactive rows give exact zeros.
+    ``cols`` are contiguous global ids. Written as few [N, C] passes as the math allows (each
+    is a pass over memory in an eager framework): the per-row factors of p are gathered into
+    one [N, 1] coefficient, and the target's g_lp / T_ce is added at one column per row.
     """
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
-    s = r * (1.0 / cfg.temperature)
+    s = _scaled(r, cfg.temperature)
     logp_k = s - stats.lse[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
-    coef = g_lse[:, None]
+    inv_t = 1.0 / cfg.temperature
+    g_ce = g_lp * (1.0 / cfg.ce_temperature)  # [N]: weight of [k == y] - p'_k in dr
+    coef = g_lse * inv_t  # [N]: the factor of p_k in dr
+    if not cfg.separate_ce:
+        coef = coef - g_ce  # p' = p
+    coef = coef[:, None]
     if cfg.entropy:  # (without it g_h is the cotangent of nothing)
-        coef = coef - g_h[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
-    ds = coef * p
+        coef = coef - (g_h * inv_t)[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None],
+                                                          0.0)
+    dr = p * coef
     du = None
     if cfg.has_teacher:
-        t = xp.f32(u) * (1.0 / cfg.teacher_temperature)
+        t = _scaled(xp.f32(u), cfg.teacher_temperature)
         q = xp.exp(t - stats.lse_u[:, None])
-        ds = ds + g_kl[:, None] * (p - q)
+        dr = dr + (g_kl * inv_t)[:, None] * (p - q)  # float32 p - q: no cancellation trap
         if cfg.teacher_grad:
             # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation between lse terms
             du = g_kl[:, None] * xp.where(q > 0, q * ((t - s) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
-    p_ce = p
     if cfg.separate_ce:
-        p_ce = xp.exp(r * (1.0 / cfg.ce_temperature) - stats.lse_ce[:, None])
-    onehot = xp.where(cols[None, :] == targets[:, None], 1.0, 0.0)
-    dr = ds * (1.0 / cfg.temperature) + g_lp[:, None] * (onehot - p_ce) * (1.0 / cfg.ce_temperature)
+        dr = dr - g_ce[:, None] * xp.exp(_scaled(r, cfg.ce_temperature) - stats.lse_ce[:, None])
+    local = targets - cols[0]  # the target's column in this chunk, when it has it
+    hit = (local >= 0) & (local < cols.shape[0])
+    dr = xp.add_at_cols(dr, xp.where(hit, local, 0), xp.where(hit, g_ce, 0.0))
     if cfg.softcap is not None:
         th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
         dr = dr * (1.0 - th * th)

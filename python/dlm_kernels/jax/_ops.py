@@ -50,6 +50,10 @@ class JaxOps:
         return jnp.take_along_axis(z, idx[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
     @staticmethod
+    def add_at_cols(x, idx, vals):  # x [N, C], idx, vals [N] -> x with vals added at idx
+        return x.at[jnp.arange(x.shape[0]), idx.astype(jnp.int32)].add(vals.astype(x.dtype))
+
+    @staticmethod
     def stop_gradient(x):
         return jax.lax.stop_gradient(x)
 
