@@ -51,7 +51,10 @@ class JaxOps:
 
     @staticmethod
     def add_at_cols(x, idx, vals):  # x [N, C], idx, vals [N] -> x with vals added at idx
-        return x.at[jnp.arange(x.shape[0]), idx.astype(jnp.int32)].add(vals.astype(x.dtype))
+        # a compare-and-select XLA fuses with the elementwise work around it (a scatter would
+        # materialise x as one more [N, C] temporary)
+        hit = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :] == idx.astype(jnp.int32)[:, None]
+        return x + jnp.where(hit, vals.astype(x.dtype)[:, None], 0.0)
 
     @staticmethod
     def stop_gradient(x):
