@@ -76,6 +76,33 @@ class TestTorchTriton(TokenStatsSuite):
         assert_close(fw.numpy(v2), fw.numpy(v1), "float32", "compiled value")
         assert_close(fw.numpy(g2), fw.numpy(g1), "float32", "compiled gradient")
 
+    def test_torch_compile_fullgraph_objective(self, rng):
+        """An objective's launch (no entropy, a separate T = 1 CE, a teacher) traces too."""
+        import torch
+
+        fw = self.fw
+        z64, u64 = rng.normal(size=(2, 3, 97)) * 3, rng.normal(size=(2, 3, 97)) * 3
+        y = fw.array(rng.integers(0, 97, (2, 3)))
+        w = fw.array((rng.uniform(size=(2, 3)) < 0.7).astype(np.float32))
+        batch = fw.api.DiffusionDistillationBatch.create(
+            student_batch=fw.api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+                                                            loss_weights=w),
+            teacher_logits=fw.array(u64, "float32"))
+
+        def loss(z):
+            total, _ = fw.api.opd_loss(z, batch, temperature=1.7, hard_loss_weight=0.4,
+                                       backend=self.BACKEND)
+            return total.compute()
+
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        z1 = fw.array(z64, "float32").requires_grad_(True)
+        z2 = fw.array(z64, "float32").requires_grad_(True)
+        v1, v2 = loss(z1), compiled(z2)
+        (g1,) = torch.autograd.grad(v1, z1)
+        (g2,) = torch.autograd.grad(v2, z2)
+        assert_close(fw.numpy(v2), fw.numpy(v1), "float32", "compiled value")
+        assert_close(fw.numpy(g2), fw.numpy(g1), "float32", "compiled gradient")
+
 
 @needs_interpreter
 class TestTorchTritonObjectives(ObjectivesSuite):
