@@ -142,7 +142,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
     r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
     if MASKED:
         r = tl.where(mask, r, NEG_INF)
-    s = r * c_t  # s / ln 2
+    s = r * c_t  # log2 e · r / T
     m_old = m
     a_old = a
     m, a, e, m_safe = _online(m_old, a_old, s)
