@@ -26,14 +26,21 @@ TPU v4/v5e (32 MiB on v6e):
     per row:                    10 scratch rows of 128 lanes x 4 bytes (lane-padded)
 
 For bf16 logits with a teacher that is BN = 64 at BK = 2048 (about 10 MiB); K = 262144
-is 128 vocabulary steps. Ragged K: the last block's columns >= K are masked to -inf before
-any reduction, and Pallas drops out-of-bounds stores, so nothing leaks.
+is 128 vocabulary steps. Only a block that can hold columns past the vocabulary pays for
+column ids and masks: the last block of a ragged K (its columns >= K are masked to -inf
+before any reduction, and Pallas drops out-of-bounds stores), and every block of a padded
+vocabulary shard (global ids >= vocab_size). Whole blocks run the bare math.
 
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
 and writes 32 (8 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
-Inactive rows are zeroed before any arithmetic (their values cannot leak); a row block
-with no active row skips all arithmetic. With ``entropy=False`` the entropy's running sum
-and its gradient term are left out (the entropy column is then 0).
+Inactive rows are not cleaned before the math (a select per element): every reduction runs
+along a row, so NaN or inf there stays in that row's sums, and the row's outputs and
+gradient are replaced by exact zeros at the end; a row block with no active row skips the
+forward's arithmetic. The forward leaves logp to the caller, which gathers one target logit
+per row (a compare, select and sum over every element otherwise). The gradient gathers its
+per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels._stats_math``). With
+``entropy=False`` the entropy's running sum and its gradient term are left out (the entropy
+column is then 0).
 
 TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
 to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
@@ -48,6 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 NEG_INF = float("-inf")
 VMEM_BUDGET = 12 * 1024 * 1024
+NO_VOCAB_LIMIT = 2**31 - 1
 BLOCK_K = 2048
 MAX_BLOCK_N = 256
 
@@ -57,7 +65,7 @@ MAX_BLOCK_N = 256
 N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
-N_STATS = 8  # lse, logp, entropy, kl, lse_ce, lse_u, kl_shift, 0
+N_STATS = 8  # lse, logp (0: the caller's), entropy, kl, lse_ce, lse_u, kl_shift, 0
 
 
 def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
@@ -102,6 +110,10 @@ def _lse_update(m_ref, a_ref, s):
     return e, m_safe, m_old, a_old
 
 
+def _scaled(x, inv_t):
+    return x if inv_t == 1.0 else x * inv_t  # a multiply less at unit temperature
+
+
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
                 separate_ce, entropy, vocab_limit, partial):
     if has_teacher:
@@ -109,30 +121,37 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     else:
         z_ref, ints_ref, floats_ref, out_ref, *scratch = refs
         u_ref = None
-    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc, ry_sc = scratch
+    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc = scratch
     kb = pl.program_id(1)
+    last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
     def _init():
         for ref in (m_sc, m2_sc, mu_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
-        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, ry_sc):
+        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     ints = ints_ref[...]  # (BN, 3) int32: target, shift column, global id of column 0
     floats = floats_ref[...]  # (BN, 2) f32: shift, active
-    y, x = ints[:, 0:1], ints[:, 1:2]
+    x = ints[:, 1:2]
     d, active = floats[:, F_SHIFT:F_SHIFT + 1], floats[:, F_ACTIVE:F_ACTIVE + 1] != 0
     bn = z_ref.shape[0]
-    local = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
-    cols = local + ints[:, 2:3]  # global vocabulary ids (a shard starts at its offset)
-    valid = (local < vocab) & (cols < vocab_limit)
 
-    @pl.when(jnp.any(active))
-    def _accumulate():
-        z = jnp.where(active, z_ref[...].astype(jnp.float32), 0.0)  # (BN, BK) f32
-        r = jnp.where(valid, _shifted(z, cols, x, d, softcap, has_shift), NEG_INF)
-        s = r * inv_t
+    def accumulate(masked):
+        """Fold this (BN, BK) block into the running row sums. Only a block that can hold
+        columns past the vocabulary (``masked``) pays for the column ids and the mask."""
+        cols = valid = None
+        if masked or has_shift:
+            local = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+            cols = local + ints[:, 2:3]  # global vocabulary ids (a shard starts at its offset)
+            valid = (local < vocab) & (cols < vocab_limit)
+        # Inactive rows are not cleaned: every reduction runs along a row, so what they hold
+        # stays in their own sums, and their outputs are replaced by zeros at the end.
+        r = _shifted(z_ref[...].astype(jnp.float32), cols, x, d, softcap, has_shift)
+        if masked:
+            r = jnp.where(valid, r, NEG_INF)
+        s = _scaled(r, inv_t)
         e, m_safe, m_old, a_old = _lse_update(m_sc, a_sc, s)
         if entropy:  # b relative to the running max (stays 0 without entropy)
             b_old = jnp.where(a_old > 0,
@@ -140,17 +159,27 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                               0.0)
             b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1,
                                         keepdims=True)
-        ry_sc[...] += jnp.sum(jnp.where(cols == y, r, 0.0), axis=1, keepdims=True)
         if separate_ce:
-            _lse_update(m2_sc, a2_sc, r * inv_t_ce)
+            _lse_update(m2_sc, a2_sc, _scaled(r, inv_t_ce))
         if has_teacher:
-            t = jnp.where(valid, jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl, NEG_INF)
+            t = _scaled(u_ref[...].astype(jnp.float32), inv_t_kl)
+            if masked:
+                t = jnp.where(valid, t, NEG_INF)
             mu_old = mu_sc[...]
             eu, mu_safe, _, _ = _lse_update(mu_sc, au_sc, t)
             cu_sc[...] = (cu_sc[...] * jnp.exp(mu_old - mu_safe)
                           + jnp.sum(jnp.where(eu > 0, eu * (t - s), 0.0), axis=1, keepdims=True))
 
-    last = kb == pl.num_programs(1) - 1
+    # Columns past the vocabulary: the ragged tail of the last block, or (a padded shard)
+    # global ids >= vocab_limit, which any block may hold.
+    if vocab_limit < NO_VOCAB_LIMIT:
+        pl.when(jnp.any(active))(lambda: accumulate(True))
+    elif vocab % bk:
+        pl.when(jnp.any(active) & ~last)(lambda: accumulate(False))
+        pl.when(jnp.any(active) & last)(lambda: accumulate(True))
+    else:
+        pl.when(jnp.any(active))(lambda: accumulate(False))
+
     if partial:
         @pl.when(last)
         def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
@@ -164,15 +193,15 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         lse = m_sc[...] + log_a
         ent = log_a - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
         lse_ce = m2_sc[...] + jnp.log(a2_sc[...]) if separate_ce else lse
-        y_ok = (y >= 0) & (y < vocab)
-        logp = jnp.where(y_ok, ry_sc[...] * inv_t_ce - lse_ce, jnp.nan)
         zero = jnp.zeros_like(lse)
         kl, lse_u, kl_shift = zero, zero, zero
         if has_teacher:
             lse_u = mu_sc[...] + jnp.log(au_sc[...])
             kl_shift = cu_sc[...] / au_sc[...]  # E_q[t - s]
             kl = kl_shift - lse_u + lse
-        for j, v in enumerate((lse, logp, ent, kl, lse_ce, lse_u, kl_shift, zero)):
+        # logp (column 1) is left to the caller: r_y·/T_ce - lse_ce from one gathered logit
+        # per row, instead of a compare, select and sum over every element here
+        for j, v in enumerate((lse, zero, ent, kl, lse_ce, lse_u, kl_shift, zero)):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
 
@@ -186,35 +215,42 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     du_ref = rest[0] if teacher_grad else None
     kb = pl.program_id(1)
     ints, f = ints_ref[...], floats_ref[...]  # (BN, 3) int32, (BN, 16) f32
-    y, x = ints[:, 0:1], ints[:, 1:2]
+    y, x, offset = ints[:, 0:1], ints[:, 1:2], ints[:, 2:3]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
     lse, ent, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
     kl_shift = col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z_ref.shape[0]
-    cols = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1) + ints[:, 2:3]  # global ids
-    keep = active & (cols < vocab_limit)  # padding columns of a shard get exact zeros
-    z = jnp.where(active, z_ref[...].astype(jnp.float32), 0.0)
+    iota = jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
+    cols = kb * bk + iota + offset if has_shift or vocab_limit < NO_VOCAB_LIMIT else None
+    # Per-row factors first, so each element costs as few vector operations as the math
+    # allows (chunk_grads in _stats_math has the same form):
+    #   dr = p·coef + (g_kl/T)·(p - q) - (g_lp/T_ce)·p' + [k == y]·g_lp/T_ce
+    g_ce = g_lp * inv_t_ce
+    coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_ce  # (BN, 1)
+    # Inactive rows are not cleaned first: their gradient is replaced by zeros at the end.
+    z = z_ref[...].astype(jnp.float32)
     r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
-    s = r * inv_t
+    s = _scaled(r, inv_t)
     logp_k = s - lse
     p = jnp.exp(logp_k)
-    coef = g_lse
     if entropy:  # (without it g_h is the cotangent of nothing)
-        coef = g_lse - g_h * jnp.where(p > 0, logp_k + ent, 0.0)
-    ds = coef * p
+        coef = coef - g_h * inv_t * jnp.where(p > 0, logp_k + ent, 0.0)
+    dr = p * coef
+    keep = active if cols is None else active & (cols < vocab_limit)  # padding columns: 0
     if has_teacher:
-        t = jnp.where(active, u_ref[...].astype(jnp.float32), 0.0) * inv_t_kl
+        t = _scaled(u_ref[...].astype(jnp.float32), inv_t_kl)
         q = jnp.exp(t - lse_u)
-        ds = ds + g_kl * (p - q)  # float32 p - q
+        dr = dr + g_kl * inv_t * (p - q)  # float32 p - q
         if teacher_grad:
             # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
             du = g_kl * jnp.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
             du_ref[...] = jnp.where(keep, du, 0.0).astype(du_ref.dtype)
-    p_ce = jnp.exp(r * inv_t_ce - lse_ce) if separate_ce else p
-    onehot = jnp.where(cols == y, 1.0, 0.0)
-    dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
+    if separate_ce:
+        dr = dr - g_ce * jnp.exp(_scaled(r, inv_t_ce) - lse_ce)
+    # the target column (compared in block-local ids: one per-row subtraction, not one per element)
+    dr = dr + jnp.where(iota == y - offset - kb * bk, g_ce, 0.0)
     if softcap is not None:
         th = jnp.tanh(z / softcap)
         dr = dr * (1.0 - th * th)
@@ -254,9 +290,10 @@ def _grid(z, has_teacher, backward, block_k):
 
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                   separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
-                  vocab_limit=2**31 - 1, partial=False):
-    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 8] f32, or with
-    ``partial`` the running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
+                  vocab_limit=NO_VOCAB_LIMIT, partial=False):
+    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 8] f32 (N_STATS; the
+    logp column is 0: the caller computes it from the target logit), or with ``partial`` the
+    running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
@@ -271,7 +308,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
         grid=grid,
         in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(FWD_FLOATS)],
         out_specs=per_row(N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(9)],
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(8)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret, detect_races),
         name="dlm_token_stats_fwd",
@@ -280,7 +317,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
 
 def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                    separate_ce, teacher_grad, entropy, block_k=None, interpret=False,
-                   detect_races=False, vocab_limit=2**31 - 1):
+                   detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
     """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
     statistics and cotangents (F_* columns)."""
     n, k = z.shape

@@ -183,6 +183,12 @@ def target_logit(xp, z, targets, shift_ids, shift, cfg: StatsConfig, offset=0):
     return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 
+def target_logp(xp, r_y, found, lse_ce, cfg: StatsConfig):
+    """logp = r_y / T_ce - lse_ce, [N] f32; NaN where the target was not found (out of range:
+    loud, never silently wrong)."""
+    return xp.where(found > 0, r_y * (1.0 / cfg.ce_temperature) - lse_ce, float("nan"))
+
+
 def column_mask(xp, cols, cfg: StatsConfig, valid=None):
     """[C] bool: columns that count (below ``cfg.vocab_size``, and ``valid`` when given)."""
     if cfg.vocab_size is not None:
@@ -199,7 +205,7 @@ def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     lse_ce = lse
     if cfg.separate_ce:
         lse_ce = state.m2 + xp.log(state.a2)
-    logp = xp.where(found > 0, r_y * (1.0 / cfg.ce_temperature) - lse_ce, float("nan"))
+    logp = target_logp(xp, r_y, found, lse_ce, cfg)
     zero = xp.zeros_like(lse)
     kl, lse_u, kl_shift = zero, zero, zero
     if cfg.has_teacher:

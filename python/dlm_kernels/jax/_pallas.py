@@ -79,7 +79,11 @@ class PallasJax:
     def forward(cls, z, u, y, active, x, d, cfg):
         # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
         out = cls._run_forward(z, u, y, active, x, d, cfg, 0, False)
-        return M.Stats(*(out[:, j] for j in range(7)))
+        stats = M.Stats(*(out[:, j] for j in range(7)))
+        # the kernel leaves logp to us: one gathered logit per row
+        r_y, found = M.target_logit(JaxOps, z, y, x, d, cfg)
+        logp = M.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
+        return stats._replace(logp=jnp.where(active, logp, 0.0))
 
     @classmethod
     def forward_partial(cls, z, u, y, x, d, cfg, offset=0):
