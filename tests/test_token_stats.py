@@ -16,7 +16,8 @@ import oracle
 from dlm_kernels.testing import cancellation_scale
 from harness import DTYPES, assert_close, assert_exact_zero, framework, new_seed
 
-SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130)]
+SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130),
+          ((2, 3), 256)]  # the last: whole blocks only (no ragged tail)
 
 FEATURES = {
     "plain": dict(),
