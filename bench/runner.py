@@ -193,11 +193,12 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
         return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
                      dtype=dtype, mode=m, error=msg) for m in S.MODES]
     finally:
+        case = None  # drop the inputs first, so that emptying the cache hands their memory back
         gc.collect()
         if cuda:
             import torch
 
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # (JAX shares the card: torch must not sit on freed blocks)
     for mode in S.MODES:
         t = timings[mode]
         nbytes = S.bytes_moved(objective, mode, n, k, elem)
@@ -304,6 +305,14 @@ def main(argv=None):
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
 
+    # torch and JAX share one GPU in this process. At its first operation (detect() asks for
+    # its backend) JAX would take 75 % of the card and leave torch's real-size cases to run out
+    # of memory: it allocates on demand instead, up to half the card (both names of the limit:
+    # jax 0.10 and 0.11). Set before jax is imported; a caller's own setting wins.
+    for var, value in (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+                       ("XLA_CLIENT_MEM_FRACTION", "0.5"),
+                       ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")):
+        os.environ.setdefault(var, value)
     env = detect()
     print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
     if env["cuda"]:
