@@ -145,6 +145,7 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         if masked or has_shift:
             local = kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
             cols = local + ints[:, 2:3]  # global vocabulary ids (a shard starts at its offset)
+        if masked:
             valid = (local < vocab) & (cols < vocab_limit)
         # Inactive rows are not cleaned: every reduction runs along a row, so what they hold
         # stays in their own sums, and their outputs are replaced by zeros at the end.
@@ -238,7 +239,9 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     if entropy:  # (without it g_h is the cotangent of nothing)
         coef = coef - g_h * inv_t * jnp.where(p > 0, logp_k + ent, 0.0)
     dr = p * coef
-    keep = active if cols is None else active & (cols < vocab_limit)  # padding columns: 0
+    keep = active  # and a padded shard's padding columns get exact zeros
+    if vocab_limit < NO_VOCAB_LIMIT:
+        keep = keep & (cols < vocab_limit)
     if has_teacher:
         t = _scaled(u_ref[...].astype(jnp.float32), inv_t_kl)
         q = jnp.exp(t - lse_u)
