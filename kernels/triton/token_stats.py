@@ -413,9 +413,20 @@ def stats_grad_kernel(
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
     g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
-    row_stats = (tl.load(stats_ptr + 0 * N + row) * LOG2E, tl.load(stats_ptr + 2 * N + row),
-                 tl.load(stats_ptr + 4 * N + row) * LOG2E, tl.load(stats_ptr + 5 * N + row) * LOG2E,
-                 tl.load(stats_ptr + 6 * N + row))  # lse, entropy, lse_ce, lse_u (base 2), kl_shift
+    # saved statistics this launch uses: lse, lse_ce, lse_u in base 2 (· log2 e)
+    lse2 = tl.load(stats_ptr + 0 * N + row) * LOG2E
+    entropy = 0.0
+    if HAS_ENTROPY:
+        entropy = tl.load(stats_ptr + 2 * N + row)
+    lse2_ce = lse2
+    if SEPARATE_CE:
+        lse2_ce = tl.load(stats_ptr + 4 * N + row) * LOG2E
+    lse2_u = 0.0
+    kl_shift = 0.0
+    if HAS_TEACHER:
+        lse2_u = tl.load(stats_ptr + 5 * N + row) * LOG2E
+        kl_shift = tl.load(stats_ptr + 6 * N + row)
+    row_stats = (lse2, entropy, lse2_ce, lse2_u, kl_shift)
     y = tl.load(y_ptr + row).to(tl.int32)
     rows = (z_ptr + row64 * stride_z, u_ptr + row64 * stride_u, dz_ptr + row64 * stride_dz,
             du_ptr + row64 * stride_du)
