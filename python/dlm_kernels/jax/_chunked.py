@@ -119,9 +119,11 @@ class ChunkedJax:
                 cols = offset + start + jnp.arange(c, dtype=jnp.int32)
                 gz, gu = M.chunk_grads(xp, _slice(z_i, start, c), _slice(u_i, start, c), cols,
                                        y, active, x, d, stats, grads, cfg)
-                dz = lax.dynamic_update_slice_in_dim(dz, _to_carry(gz, z.dtype, carry_z), start, 1)
+                update = lambda buf, g, dtype, carry: lax.dynamic_update_slice_in_dim(
+                    buf, _to_carry(g, dtype, carry), start, axis=1)
+                dz = update(dz, gz, z.dtype, carry_z)
                 if du is not None:
-                    du = lax.dynamic_update_slice_in_dim(du, _to_carry(gu, u.dtype, carry_u), start, 1)
+                    du = update(du, gu, u.dtype, carry_u)
                 return dz, du
 
             du0 = jnp.zeros(u.shape, carry_u) if cfg.teacher_grad else None
