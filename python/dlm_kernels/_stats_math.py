@@ -44,12 +44,37 @@ def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
     z: [N, C] any float dtype; col_ids: the column id of each entry, broadcastable to
     [N, C] ([1, C] for a chunk, [N, 1] for a gathered column) -> [N, C] float32.
     """
-    r = xp.f32(z)
-    if cfg.softcap is not None:
-        r = xp.tanh(r * (1.0 / cfg.softcap)) * cfg.softcap
+    r = _capped(xp, z, cfg)
     if shift_ids is not None:
         r = r + xp.where(col_ids == shift_ids[:, None], shift[:, None], 0.0)
     return r
+
+
+def chunk_logits(xp, z, col0, shift_ids, shift, cfg: StatsConfig):
+    """r = cap(z) + d·[k == x] of a chunk of contiguous columns whose first global id is
+    ``col0``: the same values as ``shifted_logits``, but the shift lands at one column per
+    row instead of a compare and a select over [N, C] (in torch those took about half of a
+    LOO CE forward at N 512, K 32768 on a CPU). z: [N, C] -> [N, C] float32."""
+    r = _capped(xp, z, cfg)
+    if shift_ids is not None:
+        r = _add_at(xp, xp.owned(r, z), shift_ids, col0, shift)
+    return r
+
+
+def _capped(xp, z, cfg: StatsConfig):
+    """cap(z) in float32 (z itself when it is float32 and there is no softcap)."""
+    r = xp.f32(z)
+    if cfg.softcap is not None:
+        r = xp.tanh(r * (1.0 / cfg.softcap)) * cfg.softcap
+    return r
+
+
+def _add_at(xp, x, ids, col0, vals):
+    """x [N, C] + vals [N] at column ``ids - col0`` of each row whose id is in this chunk of
+    contiguous columns (x is a temporary: torch updates it in place)."""
+    local = ids - col0
+    hit = (local >= 0) & (local < x.shape[1])
+    return xp.add_at_cols(x, xp.where(hit, local, 0), xp.where(hit, vals, 0.0))
 
 
 def _scaled(x, temperature):
@@ -76,7 +101,7 @@ def chunk_partial(xp, z, u, cols, valid, shift_ids, shift, cfg: StatsConfig) -> 
     z, u: [N, C] student / teacher logits (u may be None); cols: [C] global column ids;
     valid: [C] bool or None, columns that belong to this chunk (others count as -inf).
     """
-    r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
+    r = chunk_logits(xp, z, cols[0], shift_ids, shift, cfg)
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
     s = _scaled(r, cfg.temperature)
@@ -230,7 +255,7 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
     is a pass over memory in an eager framework): the per-row factors of p are gathered into
     one [N, 1] coefficient, and the target's g_lp / T_ce is added at one column per row.
     """
-    r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
+    r = chunk_logits(xp, z, cols[0], shift_ids, shift, cfg)
     s = _scaled(r, cfg.temperature)
     logp_k = s - stats.lse[:, None]
     p = xp.exp(logp_k)
@@ -256,9 +281,7 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
             du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
     if cfg.separate_ce:
         dr = dr - g_ce[:, None] * xp.exp(_scaled(r, cfg.ce_temperature) - stats.lse_ce[:, None])
-    local = targets - cols[0]  # the target's column in this chunk, when it has it
-    hit = (local >= 0) & (local < cols.shape[0])
-    dr = xp.add_at_cols(dr, xp.where(hit, local, 0), xp.where(hit, g_ce, 0.0))
+    dr = _add_at(xp, dr, targets, cols[0], g_ce)  # the target's column, when in this chunk
     if cfg.softcap is not None:
         th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
         dr = dr * (1.0 - th * th)

@@ -50,6 +50,10 @@ class JaxOps:
         return jnp.take_along_axis(z, idx[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
     @staticmethod
+    def owned(x, source):  # arrays are immutable: nothing to protect
+        return x
+
+    @staticmethod
     def add_at_cols(x, idx, vals):  # x [N, C], idx, vals [N] -> x with vals added at idx
         # a compare-and-select XLA fuses with the elementwise work around it (a scatter would
         # materialise x as one more [N, C] temporary)

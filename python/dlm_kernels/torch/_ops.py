@@ -48,6 +48,10 @@ class TorchOps:
         return z.gather(-1, idx.long()[:, None])[:, 0]
 
     @staticmethod
+    def owned(x, source):  # x, or a copy of it when it is the caller's ``source`` itself
+        return x.clone() if x is source else x
+
+    @staticmethod
     def add_at_cols(x, idx, vals):  # x [N, C] (a temporary: updated in place), idx, vals [N]
         return x.scatter_add_(-1, idx.long()[:, None], vals[:, None].to(x.dtype))
 
