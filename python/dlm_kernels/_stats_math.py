@@ -87,11 +87,12 @@ def _row_lse_parts(xp, s, with_b=True):
     s: [N, C]."""
     m = xp.rowmax(s)
     ms = xp.where(m == NEG_INF, 0.0, m)
-    e = xp.exp(s - ms[:, None])
+    d = s - ms[:, None]  # [N, C], shared by e and b (one pass less in eager frameworks)
+    e = xp.exp(d)
     a = xp.rowsum(e)
     if not with_b:
         return m, a, xp.zeros_like(a)
-    b = xp.rowsum(xp.where(e > 0, e * (s - ms[:, None]), 0.0))
+    b = xp.rowsum(xp.where(e > 0, e * d, 0.0))
     return m, a, b
 
 
