@@ -62,6 +62,44 @@ def test_jax_chunked_temp_bytes_are_a_fraction_of_reference(dtype, features):
         assert not update.search(compiled.as_text()), "a [N, K] float32 update in the loop"
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_jax_chunk_follows_the_platform_it_is_lowered_for(platform):
+    """A CPU chunk holds 8 MiB of float32 per [N, C] buffer; an accelerator's 128 MiB, so
+    its passes outlast their kernel launches (N 4096, K 262144: 512 vs 8192 columns). JAX
+    picks while lowering (lax.platform_dependent), seen in the chunk loops' slices."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+    from dlm_kernels._common import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU
+
+    n, k = 4096, 262144
+
+    def loss(z, y):
+        return jnp.sum(D.token_stats(z, y, backend="chunked", entropy=False).logp)
+
+    args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.int32))
+    text = jax.jit(jax.value_and_grad(loss)).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
+    chunks = {int(c) for c in re.findall(rf"dynamic_slice .*sizes = \[{n}, (\d+)\]", text)}
+    budget = CHUNK_BYTES_CPU if platform == "cpu" else CHUNK_BYTES_ACCELERATOR
+    assert chunks == {budget // (4 * n)}, f"{platform}: chunk widths {sorted(chunks)}"
+
+
+def test_torch_chunk_follows_the_device():
+    import torch
+
+    from dlm_kernels._common import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU, make_config
+    from dlm_kernels.torch._chunked import _chunks
+
+    n, k = 4096, 262144
+    for device, budget in (("cpu", CHUNK_BYTES_CPU), ("cuda", CHUNK_BYTES_ACCELERATOR),
+                           ("mps", CHUNK_BYTES_ACCELERATOR)):
+        spans = _chunks(n, k, make_config(), torch.device(device))
+        width = budget // (4 * n)
+        assert spans == [(c0, c0 + width) for c0 in range(0, k, width)], (device, spans[:2])
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_torch_chunked_peak_memory():
     """VmHWM growth of forward+backward at N = 4096, K = 32768 f32 (512 MiB logits)."""

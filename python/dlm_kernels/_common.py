@@ -151,20 +151,28 @@ def make_config(
     )
 
 
-# Bytes of float32 temporaries one vocabulary chunk may occupy per live buffer.
-CHUNK_BYTES_BUDGET = 8 * 1024 * 1024
+# Bytes one float32 [N, C] temporary of a vocabulary chunk may occupy, by where it runs.
+# On a CPU the chunk stays small (a handful of them is the whole extra memory). On an
+# accelerator every elementwise pass over a chunk is a kernel launch of a few microseconds,
+# so a chunk must carry enough bytes for the launches not to dominate: at an HBM rate of
+# ~4 TB/s, 128 MiB is ~30 us of traffic per pass (8 MiB chunks of N = 16384 rows would be
+# 128 columns: 2048 chunks, several launches each, per pass at K = 262144).
+CHUNK_BYTES_CPU = 8 * 1024 * 1024
+CHUNK_BYTES_ACCELERATOR = 128 * 1024 * 1024
 
 
-def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig) -> int:
+def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = True) -> int:
     """Vocabulary chunk of the framework-native chunked backends.
 
     Each live float32 temporary of a chunk is ``[N, C]``; C is picked so one such buffer
-    stays under ``CHUNK_BYTES_BUDGET`` (8 MiB), a multiple of 128 columns, at least 128 and
-    at most K. Peak extra memory is then a handful of these buffers, independent of K.
+    stays under ``CHUNK_BYTES_CPU`` (8 MiB) on a CPU, ``CHUNK_BYTES_ACCELERATOR`` (128 MiB)
+    elsewhere, a multiple of 128 columns, at least 128 and at most K. Peak extra memory is
+    then a handful of these buffers, independent of K. ``cfg.chunk_size`` overrides.
     """
     if cfg.chunk_size is not None:
         return max(1, min(cfg.chunk_size, vocab))
-    c = CHUNK_BYTES_BUDGET // (4 * max(n_rows, 1))
+    budget = CHUNK_BYTES_CPU if on_cpu else CHUNK_BYTES_ACCELERATOR
+    c = budget // (4 * max(n_rows, 1))
     c = max(128, (c // 128) * 128)
     return max(1, min(c, vocab))
 

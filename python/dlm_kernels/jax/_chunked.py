@@ -19,10 +19,20 @@ from .._common import chunk_size_for
 from ._ops import JaxOps as xp
 
 
-def _plan(z, cfg):
+def _plan(z, cfg, on_cpu):
     n, k = z.shape
-    c = chunk_size_for(n, k, cfg)
+    c = chunk_size_for(n, k, cfg, on_cpu)
     return n, k, c, -(-k // c)
+
+
+def _per_platform(run, z, cfg, cpu_differs=False):
+    """run(on_cpu) for the platform the call is lowered for (``lax.platform_dependent``: a
+    jitted function does not know its device while it is traced). The chunk differs (a
+    CPU's is smaller, _common.chunk_size_for) and so may the CPU's gradient carry; when
+    neither does, the one program is traced once."""
+    if not cpu_differs and _plan(z, cfg, True)[2] == _plan(z, cfg, False)[2]:
+        return run(True)
+    return lax.platform_dependent(cpu=lambda: run(True), default=lambda: run(False))
 
 
 def _slice(a, start, c):
@@ -45,14 +55,14 @@ def _is_half(dtype):
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
 
 
-def _carry_dtype(dtype, as_bits):
+def _carry_dtype(dtype, on_cpu):
     """The gradient buffer's dtype in the backward loop: on CPU a 16-bit float gradient is
     carried as its uint16 bits. XLA's CPU compiler has no 16-bit float dynamic-update-slice:
     it would convert the *whole* [N, K] buffer to float32 and back at every chunk (forward +
     gradient at N 512, K 32768 on two cores: 160 ms, 51 ms with the bits). An integer update
     is native; the one bitcast at the end costs a copy of the gradient (a [N, K] temporary of
     the gradient's own 2 bytes per element). Other platforms update 16-bit floats natively."""
-    return jnp.uint16 if as_bits and _is_half(dtype) else dtype
+    return jnp.uint16 if on_cpu and _is_half(dtype) else dtype
 
 
 def _to_carry(g, dtype, carry):
@@ -77,25 +87,27 @@ class ChunkedJax:
     @staticmethod
     def forward_partial(z, u, y, x, d, cfg, offset=0):
         # z, u: [N, K] (one shard); y, x, d: [N] -> (State, r_y, found) of [N] f32
-        n, k, c, n_chunks = _plan(z, cfg)
+        def run(on_cpu):
+            n, k, c, n_chunks = _plan(z, cfg, on_cpu)
 
-        def body(i, state):
-            z_i, u_i = _in_loop(i, z, u)
-            start = jnp.minimum(i * c, k - c)
-            local = start + jnp.arange(c, dtype=jnp.int32)  # [C]
-            cols = offset + local  # global column ids
-            valid = M.column_mask(xp, cols, cfg, local >= i * c)  # clamped last chunk: skip seen
-            part = M.chunk_partial(xp, _slice(z_i, start, c), _slice(u_i, start, c), cols,
-                                   valid, x, d, cfg)
-            return M.merge(xp, M.State(*state), part, cfg)
+            def body(i, state):
+                z_i, u_i = _in_loop(i, z, u)
+                start = jnp.minimum(i * c, k - c)
+                local = start + jnp.arange(c, dtype=jnp.int32)  # [C]
+                cols = offset + local  # global column ids
+                valid = M.column_mask(xp, cols, cfg, local >= i * c)  # clamped last: skip seen
+                part = M.chunk_partial(xp, _slice(z_i, start, c), _slice(u_i, start, c), cols,
+                                       valid, x, d, cfg)
+                return M.merge(xp, M.State(*state), part, cfg)
 
-        # The first chunk is peeled so the loop carry starts from values that vary over the
-        # same shard_map axes as the inputs (a constant initial state would not).
-        first = M.chunk_partial(xp, _slice(z, 0, c), _slice(u, 0, c),
-                                offset + jnp.arange(c, dtype=jnp.int32),
-                                M.column_mask(xp, offset + jnp.arange(c, dtype=jnp.int32), cfg),
-                                x, d, cfg)
-        state = lax.fori_loop(1, n_chunks, body, first)
+            # The first chunk is peeled so the loop carry starts from values that vary over
+            # the same shard_map axes as the inputs (a constant initial state would not).
+            cols = offset + jnp.arange(c, dtype=jnp.int32)
+            first = M.chunk_partial(xp, _slice(z, 0, c), _slice(u, 0, c), cols,
+                                    M.column_mask(xp, cols, cfg), x, d, cfg)
+            return tuple(lax.fori_loop(1, n_chunks, body, first))
+
+        state = _per_platform(run, z, cfg)
         return (M.State(*state), *M.target_logit(xp, z, y, x, d, cfg, offset))
 
     @classmethod
@@ -106,11 +118,10 @@ class ChunkedJax:
     @staticmethod
     def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
         # -> dz [N, K] in z's dtype, du [N, K] in u's dtype or None
-        n, k, c, n_chunks = _plan(z, cfg)
-
-        def gradient(as_bits):
-            carry_z = _carry_dtype(z.dtype, as_bits)
-            carry_u = None if u is None else _carry_dtype(u.dtype, as_bits)
+        def gradient(on_cpu):
+            n, k, c, n_chunks = _plan(z, cfg, on_cpu)
+            carry_z = _carry_dtype(z.dtype, on_cpu)
+            carry_u = None if u is None else _carry_dtype(u.dtype, on_cpu)
 
             def body(i, carry):
                 dz, du = carry
@@ -132,10 +143,8 @@ class ChunkedJax:
             dz, du = lax.fori_loop(1, n_chunks, body, first)
             return _from_carry(dz, z.dtype), (None if du is None else _from_carry(du, u.dtype))
 
-        if _is_half(z.dtype) or (cfg.teacher_grad and _is_half(u.dtype)):
-            return lax.platform_dependent(cpu=lambda: gradient(True),
-                                          default=lambda: gradient(False))
-        return gradient(False)
+        half = _is_half(z.dtype) or (cfg.teacher_grad and _is_half(u.dtype))
+        return _per_platform(gradient, z, cfg, cpu_differs=half)
 
 
 IMPLEMENTATION = ChunkedJax()

@@ -16,8 +16,8 @@ from .._common import chunk_size_for
 from ._ops import TorchOps as xp
 
 
-def _chunks(n, k, cfg):
-    c = chunk_size_for(n, k, cfg)
+def _chunks(n, k, cfg, device):
+    c = chunk_size_for(n, k, cfg, on_cpu=device.type == "cpu")
     return [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
 
 
@@ -37,7 +37,7 @@ class ChunkedTorch:
         # z, u: [N, K] (one shard); y, x, d: [N] -> (State, r_y, found) of [N] f32
         n, k = z.shape
         state = None
-        for c0, c1 in _chunks(n, k, cfg):
+        for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
             part = M.chunk_partial(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols,
                                    M.column_mask(xp, cols, cfg), x, d, cfg)
@@ -56,7 +56,7 @@ class ChunkedTorch:
         n, k = z.shape
         dz = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         du = torch.empty(u.shape, dtype=u.dtype, device=u.device) if cfg.teacher_grad else None
-        for c0, c1 in _chunks(n, k, cfg):
+        for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)
             gz, gu = M.chunk_grads(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols, y,
                                    active, x, d, stats, grads, cfg)
