@@ -1,4 +1,5 @@
-"""The chunked backends never allocate [N, K] float32 temporaries."""
+"""The chunked backends never allocate [N, K] float32 temporaries; their chunk follows the
+device they run on."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def test_jax_chunked_temp_bytes_are_a_fraction_of_reference(dtype, features):
     [N, C] chunks, never a [N, K] float32 buffer. (On CPU a 16-bit gradient is carried as
     its bits, one buffer of the gradient's own size: see jax/_chunked.py. Before that, and
     before the loop-index barrier, XLA converted whole bfloat16 logits to float32.)"""
+    from dlm_kernels._common import CHUNK_BYTES_CPU
+
     n, k = 2048, 32768
     full = n * k * 4  # one [N, K] float32 buffer
-    chunks = 8 * 8 * 2**20  # a handful of [N, C] float32 chunks of the 8 MiB budget
+    chunks = 8 * CHUNK_BYTES_CPU  # a handful of [N, C] float32 chunks of the CPU's budget
     carry = n * k * 2 if dtype == "bfloat16" else 0
     temp = lambda compiled: compiled.memory_analysis().temp_size_in_bytes
     fwd = temp(_jax_compiled("chunked", dtype, features, False, n, k))
