@@ -93,15 +93,15 @@ def main():
     values = dict(N=16384, K=262144, S=cfg["splits"], stride_z=262144, stride_u=262144,
                   stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
                   vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
-    streaming = lambda f, teacher_grad: [
+    streaming_kernels = lambda f, teacher_grad: [
         (K.stats_partial_kernel, dict(f, BLOCK_K=cfg["block_k"], VEC=cfg["vec"]),
          cfg["num_warps"]),
         (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"]),
          cfg["num_warps"])]
-    kernels = [("", k) for k in streaming(flags, teacher) + [
+    kernels = [("", k) for k in streaming_kernels(flags, teacher) + [
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4)]]
-    kernels += [("objective:", k) for k in streaming(objective, False)]
+    kernels += [("objective:", k) for k in streaming_kernels(objective, False)]
     report = {}
     for prefix, (fn, constexprs, warps) in kernels:
         # every parameter is typed here or a constexpr given above (a KeyError otherwise)

@@ -75,14 +75,17 @@ class TokenStatsSuite:
     def fw(self):
         return framework(self.FW)
 
-    def run_case(self, case, rng, chunk_size=None, entropy=True):
+    def run_case(self, case, rng, chunk_size=None, entropy=True, seen=None):
         """(outputs, gradients, cotangents) of one call. With ``entropy=False`` the outputs
-        are (lse, logp, None, kl) and the entropy's cotangent is 0 (it has no output)."""
+        are (lse, logp, None, kl) and the entropy's cotangent is 0 (it has no output).
+        ``seen``: a list that receives the differentiated arrays the call got."""
         api = self.fw.api
         u = case["u"]
         teacher_grad = case["api_kw"].get("teacher_grad", False)
 
         def fn(z, *maybe_u):
+            if seen is not None:
+                seen.extend((z,) + maybe_u)
             teacher = maybe_u[0] if maybe_u else u
             s = api.token_stats(z, case["y"], case["w"], teacher_logits=teacher,
                                 chunk_size=chunk_size, entropy=entropy, backend=self.BACKEND,
@@ -148,21 +151,15 @@ class TokenStatsSuite:
         into the logits is opt-in: inplace_grad). float32 logits without a softcap are their
         own float32 view, so a backend that adds the LOO shift in place must copy first."""
         case = make_case(self.fw, rng, (2, 3), 301, dtype, FEATURES[feature])
-        names = ["logits"] + (["teacher_logits"] if case["u"] is not None else [])
-        primals = [case["z"]] + ([case["u"]] if case["u"] is not None else [])
-        before = [self.fw.numpy(a).copy() for a in primals]
+        inputs = {"logits": case["z"], "teacher_logits": case["u"]}  # ("all": differentiated)
+        inputs = {name: a for name, a in inputs.items() if a is not None}
+        before = [self.fw.numpy(a).copy() for a in inputs.values()]
         seen = []  # torch: the arrays the call got (the harness passes fresh leaves)
-
-        def fn(z, *u):
-            seen.extend((z,) + u)
-            return self.fw.api.token_stats(z, case["y"], case["w"],
-                                           teacher_logits=u[0] if u else None,
-                                           backend=self.BACKEND, **case["api_kw"])
-
-        cots = [rng.normal(size=case["rows"]).astype(np.float32) for _ in range(4)]
-        self.fw.vjp(fn, primals, cots)
+        self.run_case(case, rng, seen=seen)
         # JAX: the call saw tracers; the concrete arrays must still hold (and be) the same
-        for name, old, arg in zip(names, before, seen if self.FW == "torch" else primals):
+        after = seen if self.FW == "torch" else list(inputs.values())
+        assert len(after) == len(before), (list(inputs), len(after))
+        for name, old, arg in zip(inputs, before, after):
             new = self.fw.numpy(arg)
             changed = ~((new == old) | (np.isnan(new) & np.isnan(old)))
             assert not changed.any(), (f"{name} changed at {np.argwhere(changed)[:3].tolist()} "
