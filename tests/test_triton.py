@@ -186,6 +186,24 @@ def test_launch_config_covers_the_vocabulary(n, k, eb, teacher):
 
 # -- ahead-of-time compile for Hopper -----------------------------------------------------
 
+def test_zero_offset_made_during_graph_capture_is_not_kept(monkeypatch):
+    """Plain calls share one zero column offset per device; one created inside a CUDA graph
+    capture is filled only when the graph replays, so it must not be cached for later calls."""
+    import torch
+
+    from dlm_kernels.torch import _triton as TT
+
+    device = torch.device("cuda", 0)
+    made = []
+    monkeypatch.setattr(TT, "_ZERO_OFFSET", {})
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: made.append(kw) or len(made))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert TT._offset(0, device) == 1 and TT._ZERO_OFFSET == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert TT._offset(0, device) == 2 and TT._offset(0, device) == 2  # made once, then kept
+    assert len(made) == 2 and made[-1]["device"] == device
+
+
 AOT_CASES = [("bf16", False), ("bf16", True), ("fp32", True), ("fp16", False)]
 
 

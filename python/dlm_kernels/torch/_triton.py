@@ -70,7 +70,12 @@ def _offset(col_offset, device):
     if col_offset != 0:
         return torch.full((1,), col_offset, dtype=torch.int32, device=device)
     if device not in _ZERO_OFFSET:
-        _ZERO_OFFSET[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a CUDA graph capture, its fill runs only when the graph replays:
+            # not a zero eager calls could rely on, so it is not kept
+            return zero
+        _ZERO_OFFSET[device] = zero
     return _ZERO_OFFSET[device]
 
 
