@@ -4,9 +4,10 @@
 # wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder was carried along.
 # Writes everything under $OUT (default bench/results/gpu-<date>): device info, JUnit XML of
 # the GPU parity suites, the benchmark JSON/Markdown/PNG, the launch-plan sweep JSON.
-# Optional wheels (prepared on a networked machine, then carried as .whl):
+# Optional wheels (prepared on a networked machine, then carried as .whl). jax-triton 0.3.1
+# is the release for the H200 image's Triton 3.6 and jax 0.11 (0.4 needs Triton >= 3.7):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_27_x86_64 \
-#       -d .whl jax-triton absl-py liger-kernel
+#       -d .whl "jax-triton==0.3.1" absl-py liger-kernel
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu-$(date +%F)}
@@ -53,6 +54,8 @@ TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --reps 8 --budget-s $(( 
   | tail -60 | tee -a "$OUT/gpu_check.log"
 
 log "JAX through jax-triton (skips without the carried jax-triton wheel)"
+python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
+jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu_check.log"
 t=$(left 150); [ "$t" -gt 60 ] && t=60
 gpu_pytest "$t" gpu_jax_tests.xml "tests/test_gpu.py::test_jax_triton_parity" "tests/test_gpu.py::TestJaxTritonGpu"
 

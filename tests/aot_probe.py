@@ -98,14 +98,26 @@ def main():
          cfg["num_warps"]),
         (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"]),
          cfg["num_warps"])]
-    kernels = [("", k) for k in streaming_kernels(flags, teacher) + [
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0], BLOCK_S=64), 4),
+    finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0],
+                                              BLOCK_S=64), 4)
+    kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
+        finalize,
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4)]]
-    kernels += [("objective:", k) for k in streaming_kernels(objective, False)]
+    kernels += [("objective:", types, k) for k in streaming_kernels(objective, False)]
+    # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
+    # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
+    # the constexpr 1 (the objectives' T = 1), token ids int32. Every feature on, at T = 1.
+    jax_types = dict(types, x_ptr="*i32", y_ptr="*i32", stride_z="i32", stride_u="i32",
+                     stride_dz="i32", stride_du="i32", inv_t="fp64", inv_t_ce="fp64",
+                     inv_t_kl="fp64", softcap="fp64")
+    at_t1 = dict(inv_t=1, inv_t_ce=1, inv_t_kl=1)
+    kernels += [("jax:", jax_types, (fn, dict(c, **{k: v for k, v in at_t1.items()
+                                                    if k in fn.arg_names}), w))
+                for fn, c, w in streaming_kernels(flags, teacher) + [finalize]]
     report = {}
-    for prefix, (fn, constexprs, warps) in kernels:
+    for prefix, typed, (fn, constexprs, warps) in kernels:
         # every parameter is typed here or a constexpr given above (a KeyError otherwise)
-        sig = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+        sig = {name: "constexpr" if name in constexprs else typed[name] for name in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if sig[name].startswith("*") or values.get(name, 1) % 16 == 0}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -123,6 +135,8 @@ def main():
             vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx)),
             # tl.exp's ex2 without .ftz drags a subnormal fix-up along (3 more instructions)
             slow_exps=len(re.findall(r"ex2\.approx\.f32", ptx)),
+            # float64 instructions besides the narrowing of a float64 argument (cvt.rn.f32.f64)
+            f64_ops=len(re.findall(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", ptx, re.M)),
             sass_per_logit=per_logit, loop_barriers=barriers,
             **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
     print(json.dumps(report))

@@ -96,6 +96,33 @@ def test_jax_triton_is_honest_without_a_gpu():
                             jfw.array(np.zeros(2, np.int32)), backend="triton")
 
 
+def test_real_jax_triton_lowers_for_cuda():
+    """Where the real jax-triton and a GPU-enabled jaxlib plugin are installed (a GPU is not
+    needed), every JAX launch lowers for CUDA through jax-triton's own typing and
+    specialisation (tests/jax_triton_probe.py), with no float64 arithmetic in the PTX.
+    Skipped elsewhere (CI has neither); run by hand against jax-triton 0.3.1 / Triton 3.6
+    (the H200 image's) and 0.4.1 / Triton 3.9. A subprocess: the interpreter is on here."""
+    import importlib.util
+    import json
+    import sys
+
+    if importlib.util.find_spec("jax_triton") is None:
+        pytest.skip("jax-triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
+    probe = os.path.join(os.path.dirname(__file__), "jax_triton_probe.py")
+    out = subprocess.run([sys.executable, probe], env=dict(env, JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True)
+    if out.returncode == 3:
+        pytest.skip(out.stdout.strip())
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    versions = report.pop("versions")
+    assert len(report) >= 10, report
+    for case, entry in report.items():
+        assert "error" not in entry, (versions, case, entry)
+        assert entry["kernels"] == 3 and entry["f64_ops"] == 0, (versions, case, entry)
+
+
 def test_inplace_grad_chunked_and_rejections():
     import torch
 
@@ -176,8 +203,9 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
     accesses (the unmasked whole-block loops; scalar 2-byte loads would cap the bandwidth), and
     the partial kernel's loop synchronises no threads (its sums are per lane). As the
     objectives launch them (CE, or distillation with a teacher), the streaming loops issue
-    few enough instructions per byte to keep up with the copy rate (ISSUE_PER_BYTE).
-    A subprocess, since the interpreter is on in this one."""
+    few enough instructions per byte to keep up with the copy rate (ISSUE_PER_BYTE). Typed
+    as jax-triton 0.3 launches them too (float64 float scalars, T = 1 as a constexpr 1), no
+    kernel computes in float64. A subprocess, since the interpreter is on in this one."""
     import json
     import sys
 
@@ -189,8 +217,9 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
         pytest.skip(out.stdout.strip())
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 9
     for name, r in report.items():
+        assert r["f64_ops"] == 0, (name, "float64 arithmetic (a float64 scalar argument)", r)
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert 0 < r["registers"] <= 255, (name, r)
         assert r["slow_exps"] == 0, (name, "tl.exp's subnormal fix-up is back", r)

@@ -58,6 +58,15 @@ def _exp(x):
 
 
 @triton.jit
+def _f32(x):
+    """A float scalar argument in float32, however the launcher typed it: torch's launcher
+    passes a Python float as fp32, jax-triton 0.3 as fp64 (which would turn every product
+    with it, and the loop-carried sums, into float64), and jax-triton specialises a value
+    equal to 1 into a constexpr. A no-op for fp32."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _tanh(x):
     # tanh from one exp, stable for any |x| (including inf): sign(x)·(1 - e)/(1 + e), e = e^{-2|x|}
     e = _exp(-2.0 * tl.abs(x))
@@ -184,6 +193,8 @@ def stats_partial_kernel(
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
         BLOCK_K)
+    inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
+    softcap = _f32(softcap)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     z_row = z_ptr + row.to(tl.int64) * stride_z
@@ -265,6 +276,7 @@ def stats_finalize_kernel(
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
+    inv_t_ce, softcap = _f32(inv_t_ce), _f32(softcap)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     splits = tl.arange(0, BLOCK_S)
@@ -407,6 +419,8 @@ def stats_grad_kernel(
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
         BLOCK_K)
+    inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
+    softcap = _f32(softcap)
     row64 = row.to(tl.int64)
     # cotangents are zeroed for inactive rows, so their gradient is exactly 0
     g_lse = tl.where(is_active, tl.load(g_lse_ptr + row), 0.0)

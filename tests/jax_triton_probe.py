@@ -1,0 +1,124 @@
+"""Lower the JAX triton backend for CUDA through the real jax-triton, on a machine without a
+GPU: jax-triton's own specialisation and typing of every launch, and Triton's compile of each
+kernel to PTX, short of running it.
+
+Needs jax-triton and a GPU-enabled jaxlib plugin beside a CPU jaxlib (no GPU, no CUDA
+libraries: lowering only compiles the kernels). For the H200 image (Python 3.12, jax 0.11.2,
+Triton 3.6):
+
+    pip install "jax==0.11.2" "jaxlib==0.11.2" "triton==3.6.0" absl-py
+    pip install --no-deps "jax-cuda13-plugin==0.11.2" "jax-triton==0.3.1"
+    JAX_PLATFORMS=cpu python tests/jax_triton_probe.py
+
+jax-triton reads the compute capability off device 0; it is given as 90 (an H200) here.
+Prints one JSON line {case: {"kernels": launches lowered, "f64_ops": float64 instructions in
+their PTX besides the narrowing of an argument, "error": ...}}; exit 3 when jax-triton or
+the plugin does not import. ``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must make compilable functions
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+try:
+    import jax_triton as jt
+    from jax_triton import triton_lib
+    from jax._src.lib import gpu_triton
+
+    assert gpu_triton.TritonKernel is not None
+except Exception as err:  # noqa: BLE001 - ImportError, or no GPU plugin in this jaxlib
+    print(f"no real jax-triton with a GPU-enabled jaxlib here: {err!r}")
+    sys.exit(3)
+
+import dlm_kernels.jax as dk  # noqa: E402
+from dlm_kernels.jax import _triton as backend  # noqa: E402
+
+F64 = re.compile(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", re.M)
+PTX = []  # the PTX of every kernel compiled by the current case
+
+
+def _capture(compile_fn):
+    def wrapped(*args, **kwargs):
+        result = compile_fn(*args, **kwargs)
+        PTX.append(result.binary)
+        return result
+
+    return wrapped
+
+
+def cases(rng):
+    """(name, fn, args): each fn is jitted, differentiated where it has a gradient, and
+    lowered for CUDA."""
+    n, k = 6, 1271  # K unaligned, several row blocks
+    z = lambda dtype, *rows: jnp.asarray(rng.normal(size=rows + (k,)) * 3, dtype)
+    y = jnp.asarray(rng.integers(0, k, (n,)), jnp.int32)
+    w = jnp.asarray((rng.uniform(size=(n,)) < 0.7).astype(np.float32))
+    x = jnp.asarray(rng.integers(0, k, (n,)), jnp.int32)
+    d = jnp.asarray(rng.uniform(0, 3, (n,)), jnp.float32)
+    every = dict(temperature=0.7, ce_temperature=1.0, softcap=30.0, shift_ids=x, shift=d,
+                 teacher_temperature=1.3)
+
+    def stats_loss(**kw):
+        def fn(zz, uu):
+            s = dk.token_stats(zz, y, w, teacher_logits=uu, backend="triton", **kw)
+            return s.lse.sum() + s.logp.sum() + s.entropy.sum() + s.kl.sum()
+        return jax.grad(fn, argnums=(0, 1))
+
+    for dtype in ("bfloat16", "float16", "float32"):
+        yield (f"every feature, teacher gradient, {dtype}", stats_loss(teacher_grad=True, **every),
+               (z(dtype, n), z(dtype, n)))
+    yield ("T = 1 everywhere (scalars equal to 1 become constexprs)", stats_loss(),
+           (z("bfloat16", n), z("bfloat16", n)))
+    yield ("split-K blocks of 128 columns", stats_loss(chunk_size=128, **every),
+           (z("bfloat16", n), z("bfloat16", n)))
+    one = lambda f: jax.grad(lambda zz: f(zz).sum())
+    yield ("one row", one(lambda zz: dk.token_stats(zz, y[:1], backend="triton").logp),
+           (z("bfloat16", 1),))
+    batch = dk.DiffusionTokenBatch.create(model_inputs=y[None], target_ids=y[None],
+                                          loss_weights=w[None])
+    yield ("weighted_cross_entropy",
+           jax.grad(lambda zz: dk.weighted_cross_entropy(zz, batch, backend="triton").compute()),
+           (z("bfloat16", 1, n),))
+    yield ("per_token_logps with entropy", jax.grad(lambda zz: sum(
+        v.sum() for v in dk.per_token_logps(zz, batch, temperature=0.7, stop_gradient=False,
+                                            return_entropy=True, backend="triton"))),
+           (z("bfloat16", 1, n),))
+    dbatch = dk.DiffusionDistillationBatch.create(student_batch=batch,
+                                                  teacher_logits=z("bfloat16", 1, n))
+    yield ("opd_loss", jax.grad(lambda zz: dk.opd_loss(
+        zz, dbatch, temperature=2.0, hard_loss_weight=0.1, backend="triton")[0].compute()),
+           (z("bfloat16", 1, n),))
+    yield ("vmap over a batch axis (folded into rows)", jax.vmap(one(
+        lambda zz: dk.token_stats(zz, y, w, backend="triton", **every).logp)),
+           (z("bfloat16", 3, n),))
+
+
+def main():
+    triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
+    triton_lib.compile_ttir_inplace = _capture(triton_lib.compile_ttir_inplace)
+    backend.TritonJax.unsupported_reason = staticmethod(lambda platform: None)  # CPU arrays
+    report = {"versions": dict(jax=jax.__version__, jax_triton=jt.__version__,
+                               triton=__import__("triton").__version__)}
+    for name, fn, args in cases(np.random.default_rng(0)):
+        PTX.clear()
+        entry = {}
+        try:
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            entry["kernels"] = text.count("triton_kernel_call")
+        except Exception as err:  # noqa: BLE001 - reported, the test fails on it
+            entry["error"] = f"{type(err).__name__}: {err}"[-2000:]
+        entry["compiled"] = len(PTX)
+        entry["f64_ops"] = sum(len(F64.findall(ptx)) for ptx in PTX)
+        report[name] = entry
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
