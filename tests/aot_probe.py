@@ -10,7 +10,9 @@ what lets the unmasked main loops use 16-byte accesses. Every kernel is compiled
 feature on (the register worst case; keys "stats_*_kernel[...]"), and the two streaming
 kernels once more as the objectives launch them (keys "objective:..."): weighted CE (no
 teacher, no entropy) or, with TEACHER=1, distillation (teacher, T = 1 CE beside the
-T-scaled KL, no entropy).
+T-scaled KL, no entropy). Keys "jax:...": the streaming and finalize kernels typed and
+specialised as jax-triton 0.3 launches them (see below), with "f64_ops" counting float64
+arithmetic in every kernel.
 """
 
 import json
@@ -94,10 +96,10 @@ def main():
                   stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
                   vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
     streaming_kernels = lambda f, teacher_grad: [
-        (K.stats_partial_kernel, dict(f, BLOCK_K=cfg["block_k"], VEC=cfg["vec"]),
-         cfg["num_warps"]),
-        (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"]),
-         cfg["num_warps"])]
+        (K.stats_partial_kernel, dict(f, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
+                                      ROWS_ALIGNED=True), cfg["num_warps"]),
+        (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"],
+                                   ROWS_ALIGNED=True), cfg["num_warps"])]
     finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0],
                                               BLOCK_S=64), 4)
     kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
@@ -106,7 +108,8 @@ def main():
     kernels += [("objective:", types, k) for k in streaming_kernels(objective, False)]
     # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
-    # the constexpr 1 (the objectives' T = 1), token ids int32. Every feature on, at T = 1.
+    # the constexpr 1 (the objectives' T = 1), token ids int32; it marks pointers as 16-byte
+    # aligned but no integer as divisible by 16. Every feature on, at T = 1.
     jax_types = dict(types, x_ptr="*i32", y_ptr="*i32", stride_z="i32", stride_u="i32",
                      stride_dz="i32", stride_du="i32", inv_t="fp64", inv_t_ce="fp64",
                      inv_t_kl="fp64", softcap="fp64")
@@ -119,7 +122,8 @@ def main():
         # every parameter is typed here or a constexpr given above (a KeyError otherwise)
         sig = {name: "constexpr" if name in constexprs else typed[name] for name in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if sig[name].startswith("*") or values.get(name, 1) % 16 == 0}
+                 if sig[name].startswith("*")
+                 or (prefix != "jax:" and values.get(name, 1) % 16 == 0)}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=cfg["num_stages"]))

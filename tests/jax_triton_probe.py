@@ -12,8 +12,8 @@ Triton 3.6):
 
 jax-triton reads the compute capability off device 0; it is given as 90 (an H200) here.
 Prints one JSON line {case: {"kernels": launches lowered, "f64_ops": float64 instructions in
-their PTX besides the narrowing of an argument, "error": ...}}; exit 3 when jax-triton or
-the plugin does not import. ``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
+their PTX besides the narrowing of an argument, "vector_loads": {kernel: 16-byte loads in
+its PTX}, "error": ...}}; exit 3 when jax-triton or the plugin does not import. ``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
 """
 
 import json
@@ -41,13 +41,14 @@ import dlm_kernels.jax as dk  # noqa: E402
 from dlm_kernels.jax import _triton as backend  # noqa: E402
 
 F64 = re.compile(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", re.M)
-PTX = []  # the PTX of every kernel compiled by the current case
+VECTOR_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.v[24]\.")
+PTX = []  # (kernel name, PTX) of every kernel compiled by the current case
 
 
 def _capture(compile_fn):
     def wrapped(*args, **kwargs):
         result = compile_fn(*args, **kwargs)
-        PTX.append(result.binary)
+        PTX.append((result.name, result.binary))
         return result
 
     return wrapped
@@ -95,6 +96,9 @@ def cases(rng):
     yield ("opd_loss", jax.grad(lambda zz: dk.opd_loss(
         zz, dbatch, temperature=2.0, hard_loss_weight=0.1, backend="triton")[0].compute()),
            (z("bfloat16", 1, n),))
+    wide = lambda dtype: jnp.asarray(rng.normal(size=(n, 4096)), dtype)
+    yield ("K = 4096: rows start 16-byte aligned", stats_loss(teacher_grad=True),
+           (wide("bfloat16"), wide("bfloat16")))
     yield ("vmap over a batch axis (folded into rows)", jax.vmap(one(
         lambda zz: dk.token_stats(zz, y, w, backend="triton", **every).logp)),
            (z("bfloat16", 3, n),))
@@ -115,7 +119,8 @@ def main():
         except Exception as err:  # noqa: BLE001 - reported, the test fails on it
             entry["error"] = f"{type(err).__name__}: {err}"[-2000:]
         entry["compiled"] = len(PTX)
-        entry["f64_ops"] = sum(len(F64.findall(ptx)) for ptx in PTX)
+        entry["f64_ops"] = sum(len(F64.findall(ptx)) for _, ptx in PTX)
+        entry["vector_loads"] = {name: len(VECTOR_LOAD.findall(ptx)) for name, ptx in PTX}
         report[name] = entry
     print(json.dumps(report))
 

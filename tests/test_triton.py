@@ -99,7 +99,8 @@ def test_jax_triton_is_honest_without_a_gpu():
 def test_real_jax_triton_lowers_for_cuda():
     """Where the real jax-triton and a GPU-enabled jaxlib plugin are installed (a GPU is not
     needed), every JAX launch lowers for CUDA through jax-triton's own typing and
-    specialisation (tests/jax_triton_probe.py), with no float64 arithmetic in the PTX.
+    specialisation (tests/jax_triton_probe.py), with no float64 arithmetic in the PTX and
+    16-byte loads in the streaming loops where rows are aligned.
     Skipped elsewhere (CI has neither); run by hand against jax-triton 0.3.1 / Triton 3.6
     (the H200 image's) and 0.4.1 / Triton 3.9. A subprocess: the interpreter is on here."""
     import importlib.util
@@ -121,6 +122,10 @@ def test_real_jax_triton_lowers_for_cuda():
     for case, entry in report.items():
         assert "error" not in entry, (versions, case, entry)
         assert entry["kernels"] == 3 and entry["f64_ops"] == 0, (versions, case, entry)
+    # aligned rows: the streaming kernels' unmasked loops move 16 bytes per access, although
+    # jax-triton marks no integer argument divisible by 16
+    loads = report["K = 4096: rows start 16-byte aligned"]["vector_loads"]
+    assert loads["stats_partial_kernel"] > 0 and loads["stats_grad_kernel"] > 0, (versions, loads)
 
 
 def test_inplace_grad_chunked_and_rejections():
@@ -225,7 +230,7 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
         assert r["slow_exps"] == 0, (name, "tl.exp's subnormal fix-up is back", r)
     streams = 2 if teacher else 1  # logits (and teacher logits)
     elem = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
-    for prefix in ("", "objective:"):
+    for prefix in ("", "objective:", "jax:"):
         partial = report_of(report, prefix + "stats_partial_kernel")
         assert partial["vector_loads"] >= streams, report
         # per-lane running sums: no block-wide reduction (barrier) in the streaming loop

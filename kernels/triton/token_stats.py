@@ -99,7 +99,10 @@ def _row_span(active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab
     row = tl.program_id(0)
     is_active = tl.load(active_ptr + row) != 0
     col_offset = tl.load(col_offset_ptr)
-    k_start = tl.program_id(1) * cols_per_split
+    # cols_per_split is a multiple of BLOCK_K (launch_config); said here because jax-triton,
+    # unlike torch's launcher, marks no integer argument as divisible by 16, and without it
+    # no block would be known to start on a 16-byte boundary (no vector loads)
+    k_start = tl.multiple_of(tl.program_id(1) * cols_per_split, BLOCK_K)
     k_end = tl.minimum(k_start + cols_per_split, K)
     k_valid = tl.maximum(tl.minimum(k_end, vocab_limit - col_offset), k_start)
     k_valid = tl.where(is_active, k_valid, k_start)
@@ -110,6 +113,18 @@ def _row_span(active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab
         x = tl.load(x_ptr + row).to(tl.int32)
         d = tl.load(d_ptr + row).to(tl.float32)
     return row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d
+
+
+@triton.jit
+def _row_start(row, stride, ROWS_ALIGNED: tl.constexpr):
+    """Offset (int64, elements) of a row's first element. ROWS_ALIGNED: the launcher found the
+    stride a multiple of 16 elements (``rows_aligned``), which torch's launcher would also
+    tell Triton by specialising the argument, but jax-triton does not; with the row start
+    and the block start both known aligned, the unmasked loops load 16 bytes at a time."""
+    start = row.to(tl.int64) * stride
+    if ROWS_ALIGNED:
+        start = tl.multiple_of(start, 16)
+    return start
 
 
 @triton.jit
@@ -188,7 +203,7 @@ def stats_partial_kernel(
     part_ptr,  # [8, S, N] f32 out
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
@@ -197,8 +212,8 @@ def stats_partial_kernel(
     softcap = _f32(softcap)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
-    z_row = z_ptr + row.to(tl.int64) * stride_z
-    u_row = u_ptr + row.to(tl.int64) * stride_u
+    z_row = z_ptr + _row_start(row, stride_z, ROWS_ALIGNED)
+    u_row = u_ptr + _row_start(row, stride_u, ROWS_ALIGNED)
 
     # A block is R lanes of VEC contiguous columns (one 16-byte load each); every lane keeps
     # its own running sums, so the loops carry no cross-thread reduction; the lanes merge once
@@ -414,14 +429,13 @@ def stats_grad_kernel(
     du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
         BLOCK_K)
     inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
     softcap = _f32(softcap)
-    row64 = row.to(tl.int64)
     # cotangents are zeroed for inactive rows, so their gradient is exactly 0
     g_lse = tl.where(is_active, tl.load(g_lse_ptr + row), 0.0)
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
@@ -442,8 +456,10 @@ def stats_grad_kernel(
         kl_shift = tl.load(stats_ptr + 6 * N + row)
     row_stats = (lse2, entropy, lse2_ce, lse2_u, kl_shift)
     y = tl.load(y_ptr + row).to(tl.int32)
-    rows = (z_ptr + row64 * stride_z, u_ptr + row64 * stride_u, dz_ptr + row64 * stride_dz,
-            du_ptr + row64 * stride_du)
+    rows = (z_ptr + _row_start(row, stride_z, ROWS_ALIGNED),
+            u_ptr + _row_start(row, stride_u, ROWS_ALIGNED),
+            dz_ptr + _row_start(row, stride_dz, ROWS_ALIGNED),
+            du_ptr + _row_start(row, stride_du, ROWS_ALIGNED))
 
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks of real vocabulary: no masks
@@ -490,6 +506,12 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     splits = -(-vocab // cols_per_split)
     return dict(block_k=block_k, vec=max(1, min(16 // elem_bytes, block_k)),
                 num_warps=num_warps, num_stages=2, splits=splits, cols_per_split=cols_per_split)
+
+
+def rows_aligned(*strides):
+    """ROWS_ALIGNED of the streaming kernels: every row stride (elements) is a multiple of 16,
+    so with 16-byte aligned buffers every row starts on a 16-byte boundary."""
+    return all(s % 16 == 0 for s in strides)
 
 
 def finalize_blocks(splits):

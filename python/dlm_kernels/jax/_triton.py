@@ -121,7 +121,8 @@ def _partial(z, u, active, x, d, offsets, cfg):
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT, *_scalars(cfg)),
         jax.ShapeDtypeStruct((8, lc["splits"], n), jnp.float32),  # 32·S bytes per row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-        BLOCK_K=lc["block_k"], VEC=lc["vec"], **_flags(cfg, x is not None))
+        BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=K.rows_aligned(k),
+        **_flags(cfg, x is not None))
 
 
 def _forward(z, u, y, active, x, d, cfg):
@@ -155,7 +156,8 @@ def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
          *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-        TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], **_flags(cfg, x is not None))
+        TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], ROWS_ALIGNED=K.rows_aligned(k),
+        **_flags(cfg, x is not None))
     return dz, (du if cfg.teacher_grad else None)
 
 

@@ -99,7 +99,9 @@ def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entr
             active, _offset(col_offset, z.device), n, k, z.stride(0),
             0 if u is None else u.stride(0), cfg["cols_per_split"], vocab_limit, inv_t,
             inv_t_ce, inv_t_kl, softcap,
-            part, BLOCK_K=cfg["block_k"], VEC=cfg["vec"], num_warps=cfg["num_warps"],
+            part, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
+            ROWS_ALIGNED=K.rows_aligned(z.stride(0), 0 if u is None else u.stride(0)),
+            num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
     return part
 
@@ -162,6 +164,7 @@ def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, i
         0 if du is None else du.stride(0), cfg["cols_per_split"], vocab_limit,
         inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du,
         TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
+        ROWS_ALIGNED=K.rows_aligned(*(t.stride(0) for t in (z, u, dz, du) if t is not None)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
 
