@@ -22,10 +22,12 @@ import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must make compilable functions
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # a mesh for shard_map
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 try:
     import jax_triton as jt
@@ -55,8 +57,9 @@ def _capture(compile_fn):
 
 
 def cases(rng):
-    """(name, fn, args): each fn is jitted, differentiated where it has a gradient, and
-    lowered for CUDA."""
+    """(name, fn, args[, launches]): each fn (differentiated where it has a gradient) is
+    jitted and lowered for CUDA; ``launches``: the jax-triton calls expected, 3 when not
+    given (partial, finalize, gradient)."""
     n, k = 6, 1271  # K unaligned, several row blocks
     z = lambda dtype, *rows: jnp.asarray(rng.normal(size=rows + (k,)) * 3, dtype)
     y = jnp.asarray(rng.integers(0, k, (n,)), jnp.int32)
@@ -102,6 +105,20 @@ def cases(rng):
     yield ("vmap over a batch axis (folded into rows)", jax.vmap(one(
         lambda zz: dk.token_stats(zz, y, w, backend="triton", **every).logp)),
            (z("bfloat16", 3, n),))
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "vocab"))
+
+    def shard_loss(zz, yy, ww):  # zz: [B/2, L, K/2] on each device, padded vocabulary
+        b = dk.DiffusionTokenBatch.create(model_inputs=yy, target_ids=yy, loss_weights=ww)
+        with dk.vocab_parallel("vocab", vocab_size=k - 3):
+            ws = dk.weighted_cross_entropy(zz, b, backend="triton")
+        return jax.lax.psum(ws.unreduced_sum, "data") / jax.lax.psum(ws.denominator, "data")
+
+    sharded = jax.shard_map(shard_loss, mesh=mesh, out_specs=P(),
+                            in_specs=(P("data", None, "vocab"), P("data"), P("data")))
+    yield ("vocabulary-parallel under shard_map (traced column offset; no finalize)",
+           jax.value_and_grad(sharded),
+           (jnp.asarray(rng.normal(size=(2, n, 2 * 640)), jnp.bfloat16),
+            jnp.stack([y, y[::-1]]) % (k - 3), jnp.stack([w, w[::-1]])), 2)
 
 
 def main():
@@ -110,9 +127,9 @@ def main():
     backend.TritonJax.unsupported_reason = staticmethod(lambda platform: None)  # CPU arrays
     report = {"versions": dict(jax=jax.__version__, jax_triton=jt.__version__,
                                triton=__import__("triton").__version__)}
-    for name, fn, args in cases(np.random.default_rng(0)):
+    for name, fn, args, *launches in cases(np.random.default_rng(0)):
         PTX.clear()
-        entry = {}
+        entry = {"expected": launches[0] if launches else 3}
         try:
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             entry["kernels"] = text.count("triton_kernel_call")
