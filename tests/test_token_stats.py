@@ -257,9 +257,20 @@ class TorchCompileChecks:
 
     COMPILE_CHUNK = None
 
-    def test_torch_compile_fullgraph(self, rng):
+    def check_compiled(self, loss, z):
+        """loss(z) and its gradient agree eager and under torch.compile(fullgraph=True)."""
         import torch
 
+        fw = self.fw
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        z1, z2 = (z.detach().clone().requires_grad_(True) for _ in range(2))
+        v1, v2 = loss(z1), compiled(z2)
+        (g1,) = torch.autograd.grad(v1, z1)
+        (g2,) = torch.autograd.grad(v2, z2)
+        assert_close(fw.numpy(v2), fw.numpy(v1), "float32", "compiled value")
+        assert_close(fw.numpy(g2), fw.numpy(g1), "float32", "compiled gradient")
+
+    def test_torch_compile_fullgraph(self, rng):
         fw = self.fw
         case = make_case(fw, rng, (2, 3), 97, "float32", FEATURES["all"], poison=False)
 
@@ -269,19 +280,10 @@ class TorchCompileChecks:
                                    **case["api_kw"])
             return s.logp.sum() + 0.5 * s.entropy.sum() + s.kl.sum()
 
-        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-        z1 = case["z"].clone().requires_grad_(True)
-        z2 = case["z"].clone().requires_grad_(True)
-        v1, v2 = loss(z1), compiled(z2)
-        (g1,) = torch.autograd.grad(v1, z1)
-        (g2,) = torch.autograd.grad(v2, z2)
-        assert_close(fw.numpy(v2), fw.numpy(v1), "float32", "compiled value")
-        assert_close(fw.numpy(g2), fw.numpy(g1), "float32", "compiled gradient")
+        self.check_compiled(loss, case["z"])
 
     def test_torch_compile_fullgraph_objective(self, rng):
         """An objective's launch (no entropy, a separate T = 1 CE, a teacher) traces too."""
-        import torch
-
         fw = self.fw
         z64, u64 = rng.normal(size=(2, 3, 97)) * 3, rng.normal(size=(2, 3, 97)) * 3
         y = fw.array(rng.integers(0, 97, (2, 3)))
@@ -296,14 +298,7 @@ class TorchCompileChecks:
                                        backend=self.BACKEND)
             return total.compute()
 
-        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-        z1 = fw.array(z64, "float32").requires_grad_(True)
-        z2 = fw.array(z64, "float32").requires_grad_(True)
-        v1, v2 = loss(z1), compiled(z2)
-        (g1,) = torch.autograd.grad(v1, z1)
-        (g2,) = torch.autograd.grad(v2, z2)
-        assert_close(fw.numpy(v2), fw.numpy(v1), "float32", "compiled value")
-        assert_close(fw.numpy(g2), fw.numpy(g1), "float32", "compiled gradient")
+        self.check_compiled(loss, fw.array(z64, "float32"))
 
 
 class TestTorchReference(TorchCompileChecks, TokenStatsSuite):
