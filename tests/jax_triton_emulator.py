@@ -13,7 +13,10 @@ jax-triton it has no vmap rule and types its outputs as device-invariant.
 
 What this checks: the argument wiring (order, count, dtypes, strides of row-major arrays),
 output shapes, grids, traced values reaching the kernel only as arrays, and the numbers.
-What it cannot check: jax-triton's own lowering and a real GPU launch (bench/gpu_check.sh).
+What it cannot check: jax-triton's own typing, specialisation and lowering (float64 float
+scalars, no divisibility marks on integers: tests/jax_triton_probe.py lowers every launch
+through the real jax-triton where it is installed, and the AOT test compiles the kernels
+typed that way) and a real GPU launch (bench/gpu_check.sh).
 Outputs start as NaN: jax-triton leaves them uninitialised, so an unwritten element fails.
 """
 
