@@ -17,6 +17,7 @@ MODEL_SHAPES = [(f"{m}-N4096", 4096, k, "bfloat16") for m, k in MODELS.items()]
 CPU_SHAPES = [
     ("cpu-N512-K4k", 512, 4096, "float32"),
     ("cpu-N512-K32k", 512, 32768, "float32"),
+    ("cpu-N512-K32k-bf16", 512, 32768, "bfloat16"),  # 16-bit logits, float32 math
 ]
 SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
 
