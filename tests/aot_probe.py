@@ -29,6 +29,11 @@ from triton.compiler import ASTSource
 from dlm_kernels.kernels.triton import token_stats as K
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# PTX instructions: 16-byte (or 8-byte) global loads and stores; float64 instructions other
+# than the narrowing of a float64 argument (cvt.rn.f32.f64)
+VECTOR_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.v[24]\.")
+VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.")
+F64_OP = re.compile(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", re.M)
 
 
 def ptxas_report(ptx, ptxas):
@@ -135,12 +140,11 @@ def main():
                                if streaming else (None, None))
         report[key] = dict(
             ptxas_report(ptx, ptxas), num_warps=warps,
-            vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
-            vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[24]\.", ptx)),
+            vector_loads=len(VECTOR_LOAD.findall(ptx)),
+            vector_stores=len(VECTOR_STORE.findall(ptx)),
             # tl.exp's ex2 without .ftz drags a subnormal fix-up along (3 more instructions)
             slow_exps=len(re.findall(r"ex2\.approx\.f32", ptx)),
-            # float64 instructions besides the narrowing of a float64 argument (cvt.rn.f32.f64)
-            f64_ops=len(re.findall(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", ptx, re.M)),
+            f64_ops=len(F64_OP.findall(ptx)),
             sass_per_logit=per_logit, loop_barriers=barriers,
             **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
     print(json.dumps(report))

@@ -13,12 +13,12 @@ Triton 3.6):
 jax-triton reads the compute capability off device 0; it is given as 90 (an H200) here.
 Prints one JSON line {case: {"kernels": launches lowered, "f64_ops": float64 instructions in
 their PTX besides the narrowing of an argument, "vector_loads": {kernel: 16-byte loads in
-its PTX}, "error": ...}}; exit 3 when jax-triton or the plugin does not import. ``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
+its PTX}, "error": ...}}; exit 3 when jax-triton or the plugin does not import.
+``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
 """
 
 import json
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # triton.jit must make compilable functions
@@ -40,10 +40,9 @@ except Exception as err:  # noqa: BLE001 - ImportError, or no GPU plugin in this
     sys.exit(3)
 
 import dlm_kernels.jax as dk  # noqa: E402
+from aot_probe import F64_OP, VECTOR_LOAD  # noqa: E402 - this folder
 from dlm_kernels.jax import _triton as backend  # noqa: E402
 
-F64 = re.compile(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", re.M)
-VECTOR_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.v[24]\.")
 PTX = []  # (kernel name, PTX) of every kernel compiled by the current case
 
 
@@ -136,8 +135,8 @@ def main():
         except Exception as err:  # noqa: BLE001 - reported, the test fails on it
             entry["error"] = f"{type(err).__name__}: {err}"[-2000:]
         entry["compiled"] = len(PTX)
-        entry["f64_ops"] = sum(len(F64.findall(ptx)) for _, ptx in PTX)
-        entry["vector_loads"] = {name: len(VECTOR_LOAD.findall(ptx)) for name, ptx in PTX}
+        entry["f64_ops"] = sum(len(F64_OP.findall(ptx)) for _, ptx in PTX)
+        entry["vector_loads"] = {kernel: len(VECTOR_LOAD.findall(ptx)) for kernel, ptx in PTX}
         report[name] = entry
     print(json.dumps(report))
 
