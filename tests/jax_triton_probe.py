@@ -104,6 +104,17 @@ def cases(rng):
     yield ("vmap over a batch axis (folded into rows)", jax.vmap(one(
         lambda zz: dk.token_stats(zz, y, w, backend="triton", **every).logp)),
            (z("bfloat16", 3, n),))
+    big = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((16384, 262144), jnp.bfloat16), ((16384, 262144), jnp.bfloat16),
+        ((16384,), jnp.int32), ((16384,), jnp.float32))]  # traced, never allocated
+
+    def target_shape_loss(zz, uu, yy, ww):
+        s = dk.token_stats(zz, yy, ww, teacher_logits=uu, temperature=2.0, ce_temperature=1.0,
+                           entropy=False, backend="triton")
+        return s.logp.sum() + s.kl.sum()
+
+    yield ("the target shape, N 16384, K 262144 (N·K > 2^31), distillation",
+           jax.grad(target_shape_loss), big)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "vocab"))
 
     def shard_loss(zz, yy, ww):  # zz: [B/2, L, K/2] on each device, padded vocabulary
@@ -128,6 +139,7 @@ def main():
                                triton=__import__("triton").__version__)}
     for name, fn, args, *launches in cases(np.random.default_rng(0)):
         PTX.clear()
+        getattr(triton_lib, "_COMPILED_KERNEL_CACHE", {}).clear()  # 0.3: compile every case
         entry = {"expected": launches[0] if launches else 3}
         try:
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
