@@ -64,7 +64,17 @@ def test_auto_fallback_is_logged(caplog):
     reg.mark_unavailable("triton", "no GPU triton here")
     with caplog.at_level(logging.DEBUG, logger="dlm_kernels"):
         assert reg.resolve(None, "cuda").name == "chunked"
-    assert "triton unavailable" in caplog.text and "no GPU triton here" in caplog.text
+    # the accelerator's own kernels missing: one WARNING that says why and how to silence it
+    (first,) = caplog.records
+    assert first.levelno == logging.WARNING, first
+    assert "'triton' is unavailable (no GPU triton here)" in first.getMessage()
+    assert "DLM_KERNELS_BACKEND=chunked" in first.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="dlm_kernels"):
+        assert reg.resolve(None, "cuda").name == "chunked"
+        assert reg.resolve(None, "cpu").name == "chunked"
+    (again,) = caplog.records  # then DEBUG; a CPU (chunked is its own backend) logs nothing
+    assert again.levelno == logging.DEBUG and "triton unavailable" in again.getMessage()
     with pytest.raises(dlm_kernels._dispatch.BackendUnavailableError, match="no GPU triton here"):
         reg.resolve("triton", "cuda")
 

@@ -5,7 +5,9 @@ when it imports; one that cannot import records why (``mark_unavailable``), so a
 request can say so. ``backend=None`` means auto: the first registered backend in the
 platform's preference list that supports the array, or the ``DLM_KERNELS_BACKEND``
 environment variable when set. Auto never changes path silently: every fallback is logged
-at DEBUG level on the ``dlm_kernels`` logger, and ``backend_for(...)`` tells the choice.
+on the ``dlm_kernels`` logger (at DEBUG, except the first time an accelerator's own kernels
+are missing: a WARNING, since the fallback there is much slower), and
+``backend_for(...)`` tells the choice.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Registry:
         self.framework = framework
         self.IMPLEMENTATIONS: Dict[str, object] = {}
         self._unavailable: Dict[str, str] = {}
+        self._warned = set()  # (platform, backend) fallbacks already logged as a WARNING
 
     def register(self, impl) -> None:
         self.IMPLEMENTATIONS[impl.name] = impl
@@ -88,13 +91,20 @@ class Registry:
                 return self._explicit(forced, platform)
             except (BackendUnavailableError, ValueError) as err:
                 raise BackendUnavailableError(f"{BACKEND_ENV}={forced!r}: {err}") from err
-        for name in AUTO_PREFERENCE.get(platform, DEFAULT_PREFERENCE):
+        preference = AUTO_PREFERENCE.get(platform, DEFAULT_PREFERENCE)
+        for name in preference:
             impl = self.IMPLEMENTATIONS.get(name)
             if impl is None:
-                logger.debug(
-                    "auto backend: %s unavailable for %s (%s); trying the next",
-                    name, self.framework, self._unavailable.get(name, "not registered"),
-                )
+                reason = self._unavailable.get(name, "not registered")
+                if name == preference[0] and (platform, name) not in self._warned:
+                    self._warned.add((platform, name))  # the platform's own kernels: once
+                    logger.warning(
+                        "%s arrays on %r: backend %r is unavailable (%s); using the slower "
+                        "chunked fallback. Set %s=chunked to choose it explicitly.",
+                        self.framework, platform, name, reason, BACKEND_ENV)
+                else:
+                    logger.debug("auto backend: %s unavailable for %s (%s); trying the next",
+                                 name, self.framework, reason)
                 continue
             why = impl.unsupported_reason(platform)
             if why is None:
