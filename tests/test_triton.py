@@ -96,6 +96,55 @@ def test_jax_triton_is_honest_without_a_gpu():
                             jfw.array(np.zeros(2, np.int32)), backend="triton")
 
 
+@pytest.fixture
+def fake_metadata(monkeypatch):
+    """Installed distributions as a dict name -> (version, declared requirements)."""
+    from importlib import metadata
+
+    dists = {}
+
+    def lookup(name):
+        if name not in dists:
+            raise metadata.PackageNotFoundError(name)
+        return dists[name]
+
+    monkeypatch.setattr(metadata, "version", lambda name: lookup(name)[0])
+    monkeypatch.setattr(metadata, "requires", lambda name: lookup(name)[1])
+    return dists
+
+
+def test_unmet_requirement(fake_metadata):
+    from dlm_kernels._common import unmet_requirement
+
+    fake_metadata["jax-triton"] = ("0.4.1", ["absl-py>=1.4.0", "jax>=0.11.0", "triton>=3.7",
+                                             'pytest; extra == "tests"'])
+    fake_metadata["triton"] = ("3.6.0", [])
+    assert unmet_requirement("jax-triton", "triton") == (
+        "jax-triton 0.4.1 needs triton>=3.7; triton 3.6.0 is installed")
+    for ok in ("3.7.0", "3.10.1+git2b4c", "4.0"):  # release order, not string order
+        fake_metadata["triton"] = (ok, [])
+        assert unmet_requirement("jax-triton", "triton") is None, ok
+    del fake_metadata["triton"]  # e.g. Triton installed as pytorch-triton: nothing to say
+    assert unmet_requirement("jax-triton", "triton") is None
+    assert unmet_requirement("not-installed", "triton") is None
+
+
+def test_jax_triton_release_mismatch_is_an_honest_import_error(fake_metadata, monkeypatch):
+    """jax-triton 0.4 imports beside Triton 3.6 but fails at its first lowering with an
+    unrelated TypeError; the backend refuses to load instead and says why."""
+    import importlib
+    import sys
+
+    import jax_triton_emulator
+
+    fake_metadata["jax-triton"] = ("0.4.1", ["triton>=3.7"])
+    fake_metadata["triton"] = ("3.6.0", [])
+    monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
+    monkeypatch.delitem(sys.modules, "dlm_kernels.jax._triton", raising=False)
+    with pytest.raises(ImportError, match=r"jax-triton 0.4.1 needs triton>=3.7; triton 3.6.0"):
+        importlib.import_module("dlm_kernels.jax._triton")
+
+
 def test_real_jax_triton_lowers_for_cuda():
     """Where the real jax-triton and a GPU-enabled jaxlib plugin are installed (a GPU is not
     needed), every JAX launch lowers for CUDA through jax-triton's own typing and

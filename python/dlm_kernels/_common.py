@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Optional
 
 EPS = 1e-12
@@ -184,3 +185,28 @@ def env_backend() -> Optional[str]:
 
 def shape_str(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def unmet_requirement(dist: str, dependency: str) -> Optional[str]:
+    """Why the installed ``dependency`` does not meet the lower bound that the installed
+    ``dist`` declares for it (``dependency>=X.Y``), or None when it does or either is not
+    installed as a distribution. jax-triton 0.4 declares triton>=3.7 yet imports with Triton
+    3.6 and fails only at its first lowering, with an unrelated TypeError."""
+    from importlib import metadata
+
+    try:
+        declared, have = metadata.requires(dist) or [], metadata.version(dependency)
+    except metadata.PackageNotFoundError:
+        return None
+    for req in declared:
+        spec = req.split(";")[0].replace(" ", "")
+        if spec.startswith(dependency + ">=") and _release(have) < _release(spec.split(">=")[1]):
+            return (f"{dist} {metadata.version(dist)} needs {spec}; {dependency} {have} is "
+                    "installed")
+    return None
+
+
+def _release(version: str) -> tuple:
+    """The leading numeric release of a version string: '3.6.0+git1' -> (3, 6, 0)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import inspect
 
+from .._common import unmet_requirement
+
 try:
     import jax_triton as jt
 except Exception as err:  # noqa: BLE001 - jax-triton raises ImportError or RuntimeError
     raise ImportError(
         f"jax-triton is not importable here (it needs a GPU-enabled jaxlib): {err}") from err
+_MISMATCH = unmet_requirement("jax-triton", "triton")
+if _MISMATCH is not None:  # it would import, then fail at the first lowering
+    raise ImportError(f"{_MISMATCH} (jax-triton 0.3.1 goes with Triton 3.6)")
 
 import jax
 import jax.numpy as jnp
