@@ -124,6 +124,9 @@ def test_unmet_requirement(fake_metadata):
     for ok in ("3.7.0", "3.10.1+git2b4c", "4.0"):  # release order, not string order
         fake_metadata["triton"] = (ok, [])
         assert unmet_requirement("jax-triton", "triton") is None, ok
+    fake_metadata["triton"] = ("3.6.0", [])
+    fake_metadata["jax-triton"] = ("0.5", ['triton>=3.7; extra == "gpu"'])  # conditional
+    assert unmet_requirement("jax-triton", "triton") is None
     del fake_metadata["triton"]  # e.g. Triton installed as pytorch-triton: nothing to say
     assert unmet_requirement("jax-triton", "triton") is None
     assert unmet_requirement("not-installed", "triton") is None

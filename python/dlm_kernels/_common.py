@@ -199,7 +199,9 @@ def unmet_requirement(dist: str, dependency: str) -> Optional[str]:
     except metadata.PackageNotFoundError:
         return None
     for req in declared:
-        spec = req.split(";")[0].replace(" ", "")
+        if ";" in req:  # conditional (an extra, a platform): never a reason to refuse
+            continue
+        spec = req.replace(" ", "")
         if spec.startswith(dependency + ">=") and _release(have) < _release(spec.split(">=")[1]):
             return (f"{dist} {metadata.version(dist)} needs {spec}; {dependency} {have} is "
                     "installed")
