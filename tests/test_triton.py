@@ -124,6 +124,11 @@ def test_unmet_requirement(fake_metadata):
     for ok in ("3.7.0", "3.10.1+git2b4c", "4.0"):  # release order, not string order
         fake_metadata["triton"] = (ok, [])
         assert unmet_requirement("jax-triton", "triton") is None, ok
+    # the pair on the H200 image (jax-triton 0.3.1's declared requirements, from its wheel)
+    fake_metadata["jax-triton"] = ("0.3.1", ["absl-py>=1.4.0", "jax>=0.8.2", "triton>=3.6",
+                                             'pytest; extra == "tests"'])
+    fake_metadata["triton"] = ("3.6.0", [])
+    assert unmet_requirement("jax-triton", "triton") is None
     fake_metadata["triton"] = ("3.6.0", [])
     fake_metadata["jax-triton"] = ("0.5", ['triton>=3.7; extra == "gpu"'])  # conditional
     assert unmet_requirement("jax-triton", "triton") is None
