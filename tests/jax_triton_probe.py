@@ -11,7 +11,8 @@ Triton 3.6):
     JAX_PLATFORMS=cpu python tests/jax_triton_probe.py
 
 jax-triton reads the compute capability off device 0; it is given as 90 (an H200) here.
-Prints one JSON line {case: {"kernels": launches lowered, "f64_ops": float64 instructions in
+Prints one JSON line {"plain_triton_compile_error": None or why a plain triton.compile fails
+in this process, case: {"kernels": launches lowered, "f64_ops": float64 instructions in
 their PTX besides the narrowing of an argument, "vector_loads": {kernel: 16-byte loads in
 its PTX}, "error": ...}}; exit 3 when jax-triton or the plugin does not import.
 ``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
@@ -131,12 +132,36 @@ def cases(rng):
             jnp.stack([y, y[::-1]]) % (k - 3), jnp.stack([w, w[::-1]])), 2)
 
 
+def plain_triton_compile():
+    """None, or why a plain ``triton.compile`` (what the torch backend's kernels, Liger and
+    torch.compile do) fails in this process once jax-triton and the JAX backend are loaded:
+    jax-triton 0.3.1 blanks TRITON_CACHE_DIR on import; the backend must undo that."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def copy_kernel(src_ptr, dst_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
+
+    src = ASTSource(fn=copy_kernel, signature={"src_ptr": "*fp32", "dst_ptr": "*fp32",
+                                               "BLOCK": "constexpr"}, constexprs={"BLOCK": 128})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    except Exception as err:  # noqa: BLE001 - reported, the test fails on it
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def main():
     triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
     triton_lib.compile_ttir_inplace = _capture(triton_lib.compile_ttir_inplace)
     backend.TritonJax.unsupported_reason = staticmethod(lambda platform: None)  # CPU arrays
     report = {"versions": dict(jax=jax.__version__, jax_triton=jt.__version__,
-                               triton=__import__("triton").__version__)}
+                               triton=__import__("triton").__version__),
+              "plain_triton_compile_error": plain_triton_compile()}
     for name, fn, args, *launches in cases(np.random.default_rng(0)):
         PTX.clear()
         getattr(triton_lib, "_COMPILED_KERNEL_CACHE", {}).clear()  # 0.3: compile every case

@@ -153,12 +153,40 @@ def test_jax_triton_release_mismatch_is_an_honest_import_error(fake_metadata, mo
         importlib.import_module("dlm_kernels.jax._triton")
 
 
+@pytest.mark.parametrize("user_dir", [None, "", "/tmp/my-triton-cache"])
+def test_jax_triton_import_keeps_the_triton_cache_dir(monkeypatch, tmp_path, user_dir):
+    """jax-triton 0.3.1 sets TRITON_CACHE_DIR="" on import, which Triton 3.x reads as "no
+    cache directory": every later triton.compile in the process fails (on a GPU, the torch
+    backend's kernels beside dlm_kernels.jax; seen with the real pair). Loading the JAX
+    backend leaves the variable as the user had it (an empty one, never usable, unset)."""
+    import importlib
+    import sys
+
+    import dlm_kernels.jax as package
+
+    (tmp_path / "jax_triton.py").write_text(
+        "import os\n"
+        "os.environ['TRITON_CACHE_DIR'] = ''  # what jax_triton/triton_lib.py does\n"
+        "from jax_triton_emulator import triton_call  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    monkeypatch.delitem(sys.modules, "dlm_kernels.jax._triton", raising=False)
+    monkeypatch.setattr(package, "_triton", getattr(package, "_triton", None), raising=False)
+    if user_dir is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", user_dir)
+    module = importlib.import_module("dlm_kernels.jax._triton")
+    assert module.jt.__file__ == str(tmp_path / "jax_triton.py")  # the blanking one ran
+    assert os.environ.get("TRITON_CACHE_DIR") == (user_dir or None)
+
+
 def test_real_jax_triton_lowers_for_cuda():
     """Where the real jax-triton and a GPU-enabled jaxlib plugin are installed (a GPU is not
     needed), every JAX launch lowers for CUDA through jax-triton's own typing and
     specialisation (tests/jax_triton_probe.py), with no float64 arithmetic in the PTX and
-    16-byte loads in the streaming loops where rows are aligned.
-    Skipped elsewhere (CI has neither); run by hand against jax-triton 0.3.1 / Triton 3.6
+    16-byte loads in the streaming loops where rows are aligned; and a plain triton.compile
+    still works in that process. Skipped elsewhere (CI has neither); run by hand against jax-triton 0.3.1 / Triton 3.6
     (the H200 image's) and 0.4.1 / Triton 3.9. A subprocess: the interpreter is on here."""
     import importlib.util
     import json
@@ -175,6 +203,7 @@ def test_real_jax_triton_lowers_for_cuda():
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     versions = report.pop("versions")
+    assert report.pop("plain_triton_compile_error") is None, versions  # TRITON_CACHE_DIR
     assert len(report) >= 13, report
     for case, entry in report.items():
         assert "error" not in entry, (versions, case, entry)

@@ -17,11 +17,36 @@ static Python scalars are passed by value: a shard's column offset travels as an
 from __future__ import annotations
 
 import inspect
+import os
 
 from .._common import unmet_requirement
 
+_CACHE_DIR = "TRITON_CACHE_DIR"
+
+
+def _import_jax_triton():
+    """``import jax_triton``, undoing the one process-wide change it makes on import.
+
+    jax-triton (0.3.1, the H200 image's) sets TRITON_CACHE_DIR to "" when imported. Triton
+    3.x reads an empty value as "no cache directory", so every later ``triton.compile`` in
+    the process (the torch backend's kernels beside this one, Liger's, a benchmark's) would
+    raise "Could not create or locate cache dir". jax-triton compiles without that cache, so
+    the variable goes back to what it was (unset, Triton's default, when it was unset or
+    already blank)."""
+    before = os.environ.get(_CACHE_DIR)
+    try:
+        import jax_triton
+    finally:
+        if os.environ.get(_CACHE_DIR) == "":
+            if before:
+                os.environ[_CACHE_DIR] = before
+            else:
+                del os.environ[_CACHE_DIR]
+    return jax_triton
+
+
 try:
-    import jax_triton as jt
+    jt = _import_jax_triton()
 except Exception as err:  # noqa: BLE001 - jax-triton raises ImportError or RuntimeError
     raise ImportError(
         f"jax-triton is not importable here (it needs a GPU-enabled jaxlib): {err}") from err
