@@ -47,17 +47,18 @@ def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=
         y_ok = (y >= 0) & (y < k)
         logp = np.where(y_ok, s_ce[np.arange(n), np.where(y_ok, y, 0)] - lse_ce, np.nan)
         kl = np.zeros(n)
-        q = logq = None
+        q = logq = lse_u = None
         if u is not None:
             t = np.where(active[:, None], np.asarray(u, np.float64), 0.0) / T_kl
-            logq = t - _logsumexp(t)[:, None]
+            lse_u = _logsumexp(t)
+            logq = t - lse_u[:, None]
             q = np.exp(logq)
             kl = np.sum(np.where(q > 0, q * (np.where(q > 0, logq, 0) - np.where(q > 0, logp_all, 0)), 0.0), axis=-1)
     act = active.astype(bool)
     out = {name: np.where(act, v, 0.0) for name, v in
            (("lse", lse), ("logp", logp), ("entropy", ent), ("kl", kl))}
     out.update(p=p, p_ce=p_ce, logp_all=logp_all, q=q, logq=logq, z=z, T=T, T_ce=T_ce,
-               T_kl=T_kl)
+               T_kl=T_kl, lse_all=lse, lse_ce=lse_ce, lse_u=lse_u)
     return out
 
 
@@ -88,6 +89,31 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, **kw):
     dz = np.where(act, dr, 0.0)
     du = None if du is None else np.where(act, du, 0.0)
     return dz, du
+
+
+def saved_lse_slack(z, y, active, grads, *, ulps=2.0, softcap=None, **kw):
+    """[N, K] float64: how far a float32 implementation's d logits may lie from
+    ``token_stats_vjp`` because its backward reads the log-normalisers (lse, lse_ce, lse_u)
+    as saved float32 numbers (DESIGN §2's O(N) residuals). p = exp(s - lse) takes an error e
+    in lse as a relative error e, so each gradient term g·p moves by |g|·p·e (the entropy's
+    p·(log p + H) by |g_h|·p·(|log p + H + 1| + 1)·e, the saved H being a difference of
+    terms of size |lse| with an error of its own); e is ``ulps`` float32 ulps of |lse| (the
+    rounding of the saved value and of the forward's own sums). The tolerance's absolute floor
+    is for unit-size terms: with |lse| about 17 (logits of size 12 at T = 0.7) this is the
+    larger allowance where p is close to 1, and it vanishes where p is small."""
+    g_lse, g_lp, g_h, g_kl = (np.abs(np.asarray(g, np.float64))[:, None] for g in grads)
+    P = stats_parts(z, y, active, softcap=softcap, **kw)
+
+    def err(lse):  # [N, 1]: ``ulps`` float32 ulps of each row's |lse|
+        return ulps * np.spacing(np.abs(lse).astype(np.float32)).astype(np.float64)[:, None]
+
+    p, la = P["p"], np.where(P["p"] > 0, P["logp_all"], 0.0)
+    entropy_term = p * (np.abs(la + P["entropy"][:, None] + 1.0) + 1.0)
+    slack = err(P["lse_all"]) * ((g_lse + g_kl) * p + g_h * entropy_term) / P["T"]
+    slack = slack + err(P["lse_ce"]) * g_lp * P["p_ce"] / P["T_ce"]
+    if P["q"] is not None:
+        slack = slack + err(P["lse_u"]) * g_kl * P["q"] / P["T"]
+    return np.where(np.asarray(active, bool)[:, None], slack, 0.0)
 
 
 # -- objectives -------------------------------------------------------------------------

@@ -56,3 +56,30 @@ def test_oracle_vjp_matches_finite_differences(rng, feat):
             e[idx] = h
             num_u[idx] = (f(z, u + e) - f(z, u - e)) / (2 * h)
         np.testing.assert_allclose(du, num_u, atol=1e-7, rtol=1e-6)
+
+
+def test_saved_lse_slack():
+    """The d-logits allowance for float32 saved log-normalisers: 2 ulps of |lse| times
+    |g|·p/T per term, so it is large only where p is close to 1 in a row with a large lse,
+    and nothing on inactive rows."""
+    k, T = 301, 0.7
+    z = np.zeros((3, k))
+    z[:, 5] = 12.0  # peaked rows: p ≈ 1 at column 5, lse ≈ 12/T ≈ 17
+    y = np.array([5, 7, 9])
+    active = np.array([True, True, False])
+    g_lse = np.array([1.5, -2.0, 3.0])
+    zero = np.zeros(3)
+    slack = oracle.saved_lse_slack(z, y, active, (g_lse, zero, zero, zero), T=T)
+    P = oracle.stats_parts(z, y, active, T=T)
+    ulp = np.spacing(np.float32(P["lse_all"][0]))
+    assert 16 < P["lse_all"][0] < 18 and P["p"][0, 5] > 0.99
+    np.testing.assert_allclose(slack[:2, 5], 2 * ulp * np.abs(g_lse[:2]) * P["p"][:2, 5] / T,
+                               rtol=1e-12)
+    assert slack[0, 5] > 2e-6  # more than the float32 absolute floor of the tolerance table
+    assert np.all(slack[:2, :5] < 1e-12) and np.all(slack[2] == 0)
+    # each cotangent contributes, the entropy's with its |log p + H + 1| + 1
+    g_h = np.array([1.0, 0.0, 0.0])
+    slack_h = oracle.saved_lse_slack(z, y, active, (zero, zero, g_h, zero), T=T)
+    la, H = P["logp_all"][0, 5], P["entropy"][0]
+    np.testing.assert_allclose(slack_h[0, 5], 2 * ulp * P["p"][0, 5] * (abs(la + H + 1) + 1) / T,
+                               rtol=1e-12)

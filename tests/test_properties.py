@@ -62,7 +62,8 @@ def test_chunked_matches_oracle(problem):
                               oracle.token_stats(z32, y, active, **ora)):
         assert_close(got, exp, "float32", name)
     dz, du = oracle.token_stats_vjp(z32, y, active, g, **ora)
-    assert_close(grads[0], dz, "float32", "d logits")
+    assert_close(grads[0], dz, "float32", "d logits",
+                 slack=oracle.saved_lse_slack(z32, y, active, g, **ora))
     if u is not None:
         scale = cancellation_scale(g[3], ora["u"][active] / ora["T"], z32[active] / ora["T"])
         assert_close(grads[1], du, "float32", "d teacher", scale=scale)
