@@ -141,9 +141,10 @@ class ObjectivesSuite:
         assert_close(logps.reshape(-1), e_lp, "float32", "logps")
         assert_close(ent.reshape(-1), e_ent, "float32", "entropy")
         zeros = np.zeros(12)
-        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
-                                       (zeros, cots[0].reshape(-1), cots[1].reshape(-1), zeros), T=0.8)
-        assert_close(grad.reshape(12, 41), dz, dtype, "d logits")
+        g = (zeros, cots[0].reshape(-1), cots[1].reshape(-1), zeros)
+        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g, T=0.8)
+        assert_close(grad.reshape(12, 41), dz, dtype, "d logits",
+                     slack=oracle.saved_lse_slack(z64, y.reshape(-1), active, g, T=0.8))
 
     def test_per_token_logps_stop_gradient(self, rng):
         fw = self.fw
@@ -176,9 +177,10 @@ class ObjectivesSuite:
         assert_close(s, -(w.reshape(-1) * lp).sum(), "float32", "unreduced_sum")
         assert_close(den, w.sum(), "float32", "denominator")
         zeros = np.zeros(12)
-        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
-                                       (zeros, -1.7 * w.reshape(-1), zeros, zeros))
-        assert_close(grad.reshape(12, 41), dz, dtype, "d logits")
+        g = (zeros, -1.7 * w.reshape(-1), zeros, zeros)
+        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g)
+        assert_close(grad.reshape(12, 41), dz, dtype, "d logits",
+                     slack=oracle.saved_lse_slack(z64, y.reshape(-1), active, g))
 
     def test_all_zero_weights_give_zero_loss_and_exact_zero_grads(self, rng):
         fw = self.fw
@@ -220,11 +222,14 @@ class ObjectivesSuite:
         assert_close(tot, soft_w * e_soft + hard_w * e_hard, "float32", "total")
         assert_close(den, wf.sum(), "float32", "denominator")
         zeros = np.zeros(12)
-        dz_soft, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
-                                            (zeros, zeros, zeros, cot * soft_w * T * T * wf), u=u_np, T=T)
-        dz_hard, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active,
-                                            (zeros, -cot * hard_w * wf, zeros, zeros))
-        assert_close(grad.reshape(12, 41), dz_soft + dz_hard, dtype, "d student logits")
+        g_soft = (zeros, zeros, zeros, cot * soft_w * T * T * wf)
+        g_hard = (zeros, -cot * hard_w * wf, zeros, zeros)
+        dz_soft, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g_soft, u=u_np, T=T)
+        dz_hard, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g_hard)
+        slack = (oracle.saved_lse_slack(z64, y.reshape(-1), active, g_soft, u=u_np, T=T)
+                 + oracle.saved_lse_slack(z64, y.reshape(-1), active, g_hard))
+        assert_close(grad.reshape(12, 41), dz_soft + dz_hard, dtype, "d student logits",
+                     slack=slack)
 
     def test_opd_disabled_terms_do_not_read_their_inputs(self, rng):
         fw = self.fw
