@@ -140,7 +140,6 @@ def test_unmet_requirement(fake_metadata):
                                              'pytest; extra == "tests"'])
     fake_metadata["triton"] = ("3.6.0", [])
     assert unmet_requirement("jax-triton", "triton") is None
-    fake_metadata["triton"] = ("3.6.0", [])
     fake_metadata["jax-triton"] = ("0.5", ['triton>=3.7; extra == "gpu"'])  # conditional
     assert unmet_requirement("jax-triton", "triton") is None
     del fake_metadata["triton"]  # e.g. Triton installed as pytorch-triton: nothing to say
@@ -197,8 +196,9 @@ def test_real_jax_triton_lowers_for_cuda():
     needed), every JAX launch lowers for CUDA through jax-triton's own typing and
     specialisation (tests/jax_triton_probe.py), with no float64 arithmetic in the PTX and
     16-byte loads in the streaming loops where rows are aligned; and a plain triton.compile
-    still works in that process. Skipped elsewhere (CI has neither); run by hand against jax-triton 0.3.1 / Triton 3.6
-    (the H200 image's) and 0.4.1 / Triton 3.9. A subprocess: the interpreter is on here."""
+    still works in that process. Skipped elsewhere (CI has neither); run by hand against
+    jax-triton 0.3.1 / Triton 3.6 (the H200 image's) and 0.4.1 / Triton 3.9. A subprocess:
+    the interpreter is on here."""
     import importlib.util
     import json
     import sys
@@ -271,8 +271,6 @@ def test_launch_config_covers_the_vocabulary(n, k, eb, teacher):
         assert s > 1, "small N must split the vocabulary to fill the SMs"
 
 
-# -- ahead-of-time compile for Hopper -----------------------------------------------------
-
 def test_zero_offset_made_during_graph_capture_is_not_kept(monkeypatch):
     """Plain calls share one zero column offset per device; one created inside a CUDA graph
     capture is filled only when the graph replays, so it must not be cached for later calls."""
@@ -290,6 +288,8 @@ def test_zero_offset_made_during_graph_capture_is_not_kept(monkeypatch):
     assert TT._offset(0, device) == 2 and TT._offset(0, device) == 2  # made once, then kept
     assert len(made) == 2 and made[-1]["device"] == device
 
+
+# -- ahead-of-time compile for Hopper -----------------------------------------------------
 
 AOT_CASES = [("bf16", False), ("bf16", True), ("fp32", True), ("fp16", False)]
 

@@ -72,7 +72,8 @@ def assert_close(actual, expected, dtype="float32", name="value", scale=1.0, sla
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
-    allow = atol if slack is None else atol + np.broadcast_to(slack, a.shape)
+    slack = None if slack is None else np.broadcast_to(slack, a.shape)
+    allow = atol if slack is None else atol + slack
     ok = np.isclose(a, e, atol=allow, rtol=rtol, equal_nan=True)
     if not ok.all():
         bad = np.argwhere(~ok)
@@ -81,7 +82,7 @@ def assert_close(actual, expected, dtype="float32", name="value", scale=1.0, sla
             err = np.abs(a - e)
             rel = err / np.maximum(np.abs(e), 1e-30)
         finite = np.isfinite(err)
-        extra = "" if slack is None else f" + slack there {np.broadcast_to(slack, a.shape)[idx]:.2g}"
+        extra = "" if slack is None else f" + slack there {slack[idx]:.2g}"
         raise AssertionError(
             f"{name} ({dtype}, atol={atol:.2g}{extra}, rtol={rtol}): {len(bad)} of {a.size} "
             f"elements differ; max abs err {np.max(err[finite], initial=0):.3e}, max rel err "
