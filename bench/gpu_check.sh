@@ -14,6 +14,11 @@ OUT=${OUT:-bench/results/gpu-$(date +%F)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
+# The device tool brings back at most 8 files: on exit the JUnit XMLs and the device line go
+# into one archive beside the log and the benchmark's and sweep's own files.
+pack() { (cd "$OUT" && ls *.xml device.csv >/dev/null 2>&1 && tar czf gpu_tests.tgz *.xml device.csv \
+  && rm -f *.xml device.csv); ls -l "$OUT"; }
+trap pack EXIT
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
 if [ -d .whl ]; then

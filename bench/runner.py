@@ -331,6 +331,14 @@ def main(argv=None):
         print(f"parity {row['framework']}/{row['backend']}/{row['dtype']}: "
               f"{'ok' if row['ok'] else 'FAIL'} {row['max_abs_err']}", flush=True)
 
+    os.makedirs(args.out, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
+    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
+
+    def save(report):  # after every case too: a run cut short by a timeout keeps what it measured
+        with open(stem + ".json", "w") as f:
+            json.dump(report, f, indent=1)
+
     results = []
     frameworks = [f for f in args.frameworks.split(",") if env.get(f)]
     started = time.monotonic()
@@ -346,6 +354,8 @@ def main(argv=None):
                         continue
                     rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
                     results += rows
+                    save(dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
+                              shapes=shapes, results=results, partial=True))
                     fb = next(r for r in rows if r["mode"] == "fwd+bwd")
                     print(f"{fw:5s} {obj:6s} {variant:18s} {label:16s} fwd+bwd "
                           + (f"{fb['ms']:9.2f} ms {fb['gbps']:7.1f} GB/s" if "ms" in fb else fb["error"]),
@@ -353,13 +363,9 @@ def main(argv=None):
     add_speedups(results)
     comm = vocab_parallel_comm(env)
 
-    os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
-    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
     report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
                   shapes=shapes, results=results, vocab_parallel_comm=comm)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    save(report)
     table = markdown(env, copy_gbps, results, parity_rows)
     if comm:
         table += ("\nVocabulary-parallel communication (JAX, 1 x 8 mesh, compiled HLO all-reduces, "

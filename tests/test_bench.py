@@ -28,6 +28,32 @@ def test_bench_smoke(tmp_path):
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))
 
 
+
+def test_bench_keeps_partial_report(tmp_path, monkeypatch):
+    """A run killed mid-way (the GPU check's timeout) leaves the cases measured so far on disk."""
+    import pytest
+
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+
+    real, calls = R.run_case, []
+
+    def run_case_then_die(*args):
+        if calls:
+            raise KeyboardInterrupt  # the second case never finishes
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(R, "run_case", run_case_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        R.main(["--smoke", "--reps", "2", "--objectives", "ce", "--frameworks", "torch",
+                "--out", str(tmp_path)])
+    (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
+    assert report["partial"] is True
+    assert {(r["backend"], r["mode"]) for r in report["results"]} == {
+        (calls[0][3], m) for m in ("fwd", "bwd", "fwd+bwd")}
+    assert all("ms" in r for r in report["results"])
+
 def test_torch_compile_baseline_case(monkeypatch):
     """The torch.compile baseline (timed on GPUs) runs end to end; its backward is derived."""
     import types
