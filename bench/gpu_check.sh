@@ -36,6 +36,11 @@ fi
 # each step gets what is left, minus what the later steps are promised.
 DEADLINE=${GPU_CHECK_SECONDS:-560}
 left() { local t=$(( DEADLINE - SECONDS - $1 )); echo $(( t > 10 ? t : 10 )); }
+# GPU_CHECK_STEPS picks steps (a rerun after a partial run), e.g. "parity bench jax".
+STEPS=" ${GPU_CHECK_STEPS:-parity bench jax sweep suites} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+# what the later steps are promised, in seconds, when they are to run
+later() { local s=0 step; for step in "$@"; do want "${step%:*}" && s=$(( s + ${step#*:} )); done; echo $s; }
 
 # Steps in order of what only a GPU can tell, each with its own JUnit XML or JSON (a run cut
 # by its timeout writes no XML): real-size parity, the benchmark at the target shape, the
@@ -49,28 +54,38 @@ gpu_pytest() {  # gpu_pytest SECONDS XML TESTS...
     "$@" --junitxml="$OUT/$xml" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
 }
 
-log "GPU parity at real sizes (compiled Triton on CUDA tensors, K = 262144, N·K > 2^31)"
-t=$(left 460); [ "$t" -gt 100 ] && t=100
-gpu_pytest "$t" gpu_tests.xml -k "not jax" tests/test_gpu.py
+if want parity; then
+  log "GPU parity at real sizes (compiled Triton on CUDA tensors, K = 262144, N·K > 2^31)"
+  t=$(left "$(later bench:150 jax:150 sweep:60 suites:100)"); [ "$t" -gt 100 ] && t=100
+  gpu_pytest "$t" gpu_tests.xml -k "not jax" tests/test_gpu.py
+fi
 
-log "benchmark (target shape first; stops starting cases after the budget)"
-t=$(left 210); [ "$t" -gt 300 ] && t=300
-TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUT" 2>&1 \
-  | tail -60 | tee -a "$OUT/gpu_check.log"
+if want bench; then
+  log "benchmark (target shape first; stops starting cases after the budget)"
+  t=$(left "$(later jax:150 sweep:60)"); [ "$t" -gt 400 ] && t=400
+  TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUT" 2>&1 \
+    | tail -60 | tee -a "$OUT/gpu_check.log"
+fi
 
-log "JAX through jax-triton (skips without the carried jax-triton wheel)"
-python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
+if want jax; then
+  log "JAX through jax-triton (skips without the carried jax-triton wheel)"
+  python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
 jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu_check.log"
-t=$(left 150); [ "$t" -gt 60 ] && t=60
-gpu_pytest "$t" gpu_jax_tests.xml "tests/test_gpu.py::test_jax_triton_parity" "tests/test_gpu.py::TestJaxTritonGpu"
+  t=$(left "$(later sweep:60)"); [ "$t" -gt 150 ] && t=150
+  gpu_pytest "$t" gpu_jax_tests.xml "tests/test_gpu.py::test_jax_triton_parity" "tests/test_gpu.py::TestJaxTritonGpu"
+fi
 
-log "launch-plan sweep of the streaming kernels (CE, N = 16384, K = 262144, bf16)"
-t=$(left 60); [ "$t" -gt 90 ] && t=90
-TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUT" 2>&1 \
-  | tail -15 | tee -a "$OUT/gpu_check.log"
+if want sweep; then
+  log "launch-plan sweep of the streaming kernels (CE, N = 16384, K = 262144, bf16)"
+  t=$(left 60); [ "$t" -gt 90 ] && t=90
+  TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUT" 2>&1 \
+    | tail -15 | tee -a "$OUT/gpu_check.log"
+fi
 
 t=$(left 5)
-if [ "$t" -gt 30 ]; then  # left() never answers below 10
+if ! want suites; then
+  :
+elif [ "$t" -gt 30 ]; then  # left() never answers below 10
   log "GPU parity suites at small awkward shapes (torch)"
   gpu_pytest "$t" gpu_suite_tests.xml "tests/test_triton.py::TestTorchTriton" \
     "tests/test_triton.py::TestTorchTritonObjectives"

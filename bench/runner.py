@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -56,10 +57,14 @@ def detect():
             pass
         device = f"{model} ({os.cpu_count()} cores)"
     versions = {"python": platform.python_version(), "numpy": np.__version__}
+    # Read from the installed metadata, not by importing: importing jax_triton blanks
+    # TRITON_CACHE_DIR for the whole process (dlm_kernels.jax undoes that when it loads it), and
+    # every later Triton compile in this process, torch's kernels too, would then fail.
     for name in ("torch", "jax", "jaxlib", "triton", "liger_kernel", "jax_triton"):
-        mod = _try_import(name)
-        if mod is not None:
-            versions[name] = getattr(mod, "__version__", "?")
+        try:
+            versions[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return dict(device=device, cuda=cuda, torch=torch is not None, jax=jax is not None,
                 jax_backend=jax.default_backend() if jax is not None else None,
                 versions=versions, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
