@@ -71,6 +71,30 @@ def detect():
                 argv=sys.argv[1:])
 
 
+def share_gpu_with_torch(environ):
+    """torch and JAX share one GPU in this process. At its first operation (detect() asks for
+    its backend) JAX would take 75 % of the card and leave torch's real-size cases to run out
+    of memory: it allocates on demand instead, up to half the card. Set before jax is imported;
+    a caller's own setting wins. One name of the limit only: jaxlib 0.11 refuses to start its
+    GPU plugin when both are set (and JAX then runs on the CPU); the older name is read by
+    jax 0.10 and, deprecated, by 0.11."""
+    environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if not (environ.get("XLA_CLIENT_MEM_FRACTION") or environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")):
+        environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"
+
+
+def frameworks_to_time(env, requested):
+    """The requested frameworks that are installed; JAX not when it fell back to the CPU beside
+    a CUDA GPU (no CUDA jaxlib, or its plugin failed to start): GPU shapes on the CPU take
+    minutes a case and say nothing about the GPU."""
+    out = [f for f in requested if env.get(f)]
+    if env["cuda"] and "jax" in out and env["jax_backend"] == "cpu":
+        print("JAX runs on the CPU beside a CUDA GPU (see the plugin error above, if any); "
+              "its cases are skipped", flush=True)
+        out.remove("jax")
+    return out
+
+
 def variants(env, framework, objective):
     """(ours, [baselines]) for one framework on this device."""
     if framework == "torch":
@@ -253,20 +277,21 @@ def markdown(env, copy_gbps, results, parity_rows):
         if not rows:
             continue
         lines += ["", f"### {obj}", "",
-                  "| framework | backend | shape | mode | ms (p20-p80) | GB/s | % copy | peak MiB beyond inputs | vs reference |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| framework | backend | shape | mode | ms (p20-p80) | GB/s | % copy | peak MiB beyond inputs | vs reference | vs reference+compile |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | {r['error']} | | | | |")
+                error = r["error"].split(". ")[0][:120]  # e.g. "OutOfMemoryError: CUDA out of memory"
+                lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | {error} | | | | | |")
                 continue
             spread = f" ({r['p20']:.2f}-{r['p80']:.2f})" if r["p20"] is not None else " (derived)"
             peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"
-            vs = r["speedup"].get("reference")
+            vs = [r["speedup"].get(b) for b in ("reference", "reference+compile")]
             gbps = f"{r['gbps']:.1f}" if r["gbps"] else "-"
             pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] else "-"
             lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | "
                          f"{r['ms']:.2f}{spread} | {gbps} | {pct} | {peak} | "
-                         f"{'%.2fx' % vs if vs else '-'} |")
+                         + " | ".join("%.2fx" % v if v else "-" for v in vs) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -310,14 +335,7 @@ def main(argv=None):
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
 
-    # torch and JAX share one GPU in this process. At its first operation (detect() asks for
-    # its backend) JAX would take 75 % of the card and leave torch's real-size cases to run out
-    # of memory: it allocates on demand instead, up to half the card (both names of the limit:
-    # jax 0.10 and 0.11). Set before jax is imported; a caller's own setting wins.
-    for var, value in (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
-                       ("XLA_CLIENT_MEM_FRACTION", "0.5"),
-                       ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")):
-        os.environ.setdefault(var, value)
+    share_gpu_with_torch(os.environ)
     env = detect()
     print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
     if env["cuda"]:
@@ -345,7 +363,7 @@ def main(argv=None):
             json.dump(report, f, indent=1)
 
     results = []
-    frameworks = [f for f in args.frameworks.split(",") if env.get(f)]
+    frameworks = frameworks_to_time(env, args.frameworks.split(","))
     started = time.monotonic()
     for label, n, k, dtype in shapes:
         for fw in frameworks:

@@ -102,3 +102,41 @@ def test_launch_sweep_smoke(tmp_path):
     for r in report["rows"]:
         assert r["partial"]["bytes"] == n * k * 4 and r["grad"]["bytes"] == 2 * n * k * 4
         assert r["partial"]["ms"] > 0 and r["grad"]["gbps"] > 0
+
+
+def test_share_gpu_with_torch_sets_one_memory_limit(monkeypatch):
+    """jaxlib 0.11 refuses to start its GPU plugin when both names of the memory limit are set
+    (the first H200 run's JAX fell back to the CPU so): the bench sets one, and none over a
+    caller's own."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import share_gpu_with_torch
+
+    names = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    env = {}
+    share_gpu_with_torch(env)
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert sum(n in env for n in names) == 1 and 0 < float(env[names[1]]) <= 0.5
+    for name in names:
+        env = {name: "0.3"}
+        share_gpu_with_torch(env)
+        assert {n: env.get(n) for n in names} == {n: "0.3" if n == name else None for n in names}
+    xla_client = __import__("jaxlib.xla_client", fromlist=["xla_client"])
+    if hasattr(xla_client, "generate_pjrt_gpu_plugin_options"):  # jaxlib's own check, no GPU needed
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+        env = {}
+        share_gpu_with_torch(env)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert xla_client.generate_pjrt_gpu_plugin_options()["memory_fraction"] == 0.5
+
+
+def test_jax_on_cpu_beside_a_gpu_is_not_timed(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import frameworks_to_time
+
+    env = dict(torch=True, jax=True, cuda=True, jax_backend="cpu")
+    assert frameworks_to_time(env, ["torch", "jax"]) == ["torch"]
+    assert frameworks_to_time(dict(env, jax_backend="gpu"), ["torch", "jax"]) == ["torch", "jax"]
+    assert frameworks_to_time(dict(env, cuda=False), ["torch", "jax"]) == ["torch", "jax"]
+    assert frameworks_to_time(dict(env, jax=False), ["torch", "jax"]) == ["torch"]

@@ -6,47 +6,54 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 import oracle  # noqa: E402
 from harness import assert_close  # noqa: E402
 
 
+def check_rows_at_both_ends(device, n, k, teacher, ends):
+    """token_stats (temperature 1.3, 10 % inactive rows) of bf16 [N, K] logits through the
+    triton backend: statistics and d logits of the first and last ``ends`` rows against the
+    float64 oracle. test_triton runs it at a small shape in the interpreter."""
+    import dlm_kernels.torch as D
+
+    gen = torch.Generator(device).manual_seed(0)
+    z = (torch.randn(n, k, generator=gen, device=device) * 3).to(torch.bfloat16).requires_grad_(True)
+    u = (torch.randn(n, k, generator=gen, device=device) * 3).to(torch.bfloat16) if teacher else None
+    y = torch.randint(0, k, (n,), generator=gen, device=device)
+    w = (torch.rand(n, generator=gen, device=device) > 0.1).float()
+    s = D.token_stats(z, y, w, teacher_logits=u, temperature=1.3, backend="triton")
+    g_lp, g_h, g_kl = (torch.randn(n, generator=gen, device=device) for _ in range(3))
+    (dz,) = torch.autograd.grad([s.logp, s.entropy, s.kl], z, [g_lp, g_h, g_kl])
+    rows = torch.cat([torch.arange(ends), torch.arange(n - ends, n)]).to(device)
+    pick = lambda t: t[rows].detach().double().cpu().numpy()
+    kw = dict(T=1.3, u=pick(u) if teacher else None)
+    active = pick(w) != 0
+    y_rows = y[rows].cpu().numpy()  # int64 targets (pick would make them float)
+    exp = oracle.token_stats(pick(z), y_rows, active, **kw)
+    for name, got, e in zip(("lse", "logp", "entropy", "kl"), s, exp):
+        assert_close(pick(got), e, "float32", name)
+    zeros = np.zeros(2 * ends)
+    g = (zeros, pick(g_lp), pick(g_h), pick(g_kl) if teacher else zeros)
+    dz_exp, _ = oracle.token_stats_vjp(pick(z), y_rows, active, g, **kw)
+    assert_close(pick(dz), dz_exp, "bfloat16", "d logits")
+
+
+@needs_cuda
 def test_triton_is_auto_on_cuda():
     import dlm_kernels.torch as D
 
     assert D.backend_for(torch.zeros(2, 3, device="cuda")) == "triton"
 
 
+@needs_cuda
 @pytest.mark.parametrize("teacher", [False, True])
 def test_triton_beyond_int32_offsets(teacher):
     """N·K > 2^31 at K = 262144 (bf16): rows at both ends against the float64 oracle."""
-    import dlm_kernels.torch as D
-
     n, k = 8320, 262144
     assert n * k > 2**31
-    gen = torch.Generator("cuda").manual_seed(0)
-    z = (torch.randn(n, k, generator=gen, device="cuda") * 3).to(torch.bfloat16).requires_grad_(True)
-    u = (torch.randn(n, k, generator=gen, device="cuda") * 3).to(torch.bfloat16) if teacher else None
-    y = torch.randint(0, k, (n,), generator=gen, device="cuda")
-    w = (torch.rand(n, generator=gen, device="cuda") > 0.1).float()
-    s = D.token_stats(z, y, w, teacher_logits=u, temperature=1.3, backend="triton")
-    g_lp = torch.randn(n, generator=gen, device="cuda")
-    g_h = torch.randn(n, generator=gen, device="cuda")
-    g_kl = torch.randn(n, generator=gen, device="cuda")
-    (dz,) = torch.autograd.grad([s.logp, s.entropy, s.kl], z, [g_lp, g_h, g_kl])
-    rows = torch.cat([torch.arange(32), torch.arange(n - 32, n)]).cuda()
-    pick = lambda t: t[rows].double().cpu().numpy()
-    kw = dict(T=1.3, u=pick(u) if teacher else None)
-    active = pick(w) != 0
-    y_np = y[rows].cpu().numpy()  # int64 targets (pick would make them float)
-    exp = oracle.token_stats(pick(z.detach()), y_np, active, **kw)
-    for name, got, e in zip(("lse", "logp", "entropy", "kl"), s, exp):
-        assert_close(pick(got), e, "float32", name)
-    zeros = np.zeros(64)
-    dz_exp, _ = oracle.token_stats_vjp(pick(z.detach()), y_np, active,
-                                       (zeros, pick(g_lp), pick(g_h), pick(g_kl) if teacher else zeros), **kw)
-    assert_close(pick(dz), dz_exp, "bfloat16", "d logits")
+    check_rows_at_both_ends("cuda", n, k, teacher, ends=32)
 
 
 # -- JAX through the real jax-triton ------------------------------------------------------
@@ -64,6 +71,7 @@ def _skip_without_jax_triton_on_gpu():
         pytest.skip(f"jax triton backend unavailable: {_primitive.REGISTRY._unavailable.get('triton')}")
 
 
+@needs_cuda
 class TestJaxTritonGpu(TokenStatsSuite):
     """The whole primitive suite through jax_triton.triton_call on the GPU."""
 
@@ -75,6 +83,7 @@ class TestJaxTritonGpu(TokenStatsSuite):
         _skip_without_jax_triton_on_gpu()
 
 
+@needs_cuda
 @pytest.mark.parametrize("vocab_shard", [False, True])
 def test_jax_triton_parity(vocab_shard):
     """Every feature through the real jax-triton under jit; vocab_shard: the partial-state path

@@ -251,6 +251,58 @@ def test_inplace_grad_chunked_and_rejections():
                             inplace_grad=True)
 
 
+# -- the GPU check's own code, and offsets past 2^31 -----------------------------------------
+
+@needs_interpreter
+@pytest.mark.parametrize("teacher", [False, True])
+def test_gpu_check_at_a_small_shape(teacher):
+    """test_gpu's real-size check, at a shape the interpreter runs in seconds: its own code is
+    exercised here, not first on a lent GPU (the first H200 run lost it to two test bugs)."""
+    from test_gpu import check_rows_at_both_ends
+
+    check_rows_at_both_ends("cuda" if ON_GPU else "cpu", 9, 1271, teacher, ends=2)
+
+
+@needs_interpreter
+@pytest.mark.skipif(not ON_GPU and os.environ.get("DLM_TEST_LARGE") != "1",
+                    reason="in the interpreter it touches 9 GB of memory: DLM_TEST_LARGE=1 runs it")
+@pytest.mark.parametrize("inplace", [False, True])
+def test_row_offsets_past_int32(inplace):
+    """A row that starts past element 2^31 at a row stride that fits in int32 (2^30 + 16,
+    three rows: the last starts at 2^31 + 32). In int32 arithmetic its offset would wrap and
+    the kernels would read (and, in place, write) another row: with `row * stride` in place of
+    `row.to(tl.int64) * stride` the interpreter crashes here. On a GPU the 4 GiB storage is
+    reserved and only three rows are written; the interpreter copies the whole storage back
+    after each launch, so on CPU it runs only when asked (DLM_TEST_LARGE=1; done 2026-11-30)."""
+    import torch
+
+    device = "cuda" if ON_GPU else "cpu"
+    n, k, stride = 3, 1271, 2**30 + 16
+    assert (n - 1) * stride > 2**31 - 1 > stride
+    rng = np.random.default_rng(5)
+    values = torch.tensor(rng.normal(size=(n, k)) * 3, dtype=torch.bfloat16)
+    y = torch.tensor(rng.integers(0, k, n))
+    storage = torch.empty((n - 1) * stride + k, dtype=torch.bfloat16, device=device)
+    leaf = values.to(device, copy=True).requires_grad_(True)
+    z = storage.as_strided((n, k), (stride, 1))
+    z.copy_(leaf)  # a non-leaf view of the storage, as an LM head's output would be
+    s = framework("torch").api.token_stats(z, y.to(device), temperature=1.3, backend="triton",
+                                           inplace_grad=inplace)
+    g_lp, g_h = (torch.tensor(rng.normal(size=n), dtype=torch.float32) for _ in range(2))
+    (dz,) = torch.autograd.grad([s.logp, s.entropy], leaf, [g_lp.to(device), g_h.to(device)])
+    import oracle
+
+    host = lambda t: t.detach().double().cpu().numpy()
+    z64, act = values.double().numpy(), np.ones(n, bool)
+    for name, got, e in zip(("lse", "logp", "entropy"), s, oracle.token_stats(z64, y.numpy(), act, T=1.3)):
+        assert_close(host(got), e, "float32", name)
+    dz_exp, _ = oracle.token_stats_vjp(z64, y.numpy(), act, (np.zeros(n), g_lp.double().numpy(),
+                                                             g_h.double().numpy(), np.zeros(n)), T=1.3)
+    assert_close(host(dz), dz_exp, "bfloat16", "d logits")
+    if inplace:
+        assert_close(host(z), dz_exp, "bfloat16", "d logits in the strided rows")
+
+
 # -- launch configuration ---------------------------------------------------------------
 
 from dlm_kernels.kernels.triton import token_stats as K  # noqa: E402
