@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 # Triton's interpreter must be chosen before triton is imported anywhere.
@@ -12,6 +13,32 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 
 from harness import new_seed  # noqa: E402
+
+
+def interpreter_incompatibility(triton_version, numpy_version):
+    """Why Triton's interpreter cannot run beside this NumPy, or None. Before Triton 3.7 the
+    interpreter turns one-element arrays into Python ints with int(), which NumPy 2.4 made an
+    error ("only 0-dimensional arrays can be converted to Python scalars" from every kernel;
+    the H200 image's pair, Triton 3.6 with NumPy 2.5, is one such)."""
+    major_minor = lambda v: tuple(int(p) for p in re.findall(r"\d+", v)[:2])
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1, which the CPU tests "
+                f"use) fails with NumPy {numpy_version}: install numpy<2.4 or triton>=3.7")
+    return None
+
+
+def pytest_configure(config):
+    import importlib.metadata as md
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        versions = md.version("triton"), md.version("numpy")
+    except md.PackageNotFoundError:
+        return
+    reason = interpreter_incompatibility(*versions)
+    if reason:
+        raise pytest.UsageError(reason)
 
 
 @pytest.fixture

@@ -251,6 +251,16 @@ def test_inplace_grad_chunked_and_rejections():
                             inplace_grad=True)
 
 
+def test_interpreter_incompatibility():
+    """conftest refuses, with the fix, a Triton whose interpreter NumPy breaks."""
+    from conftest import interpreter_incompatibility as why
+
+    assert "numpy<2.4 or triton>=3.7" in why("3.6.0", "2.5.2")
+    assert why("3.6.0", "2.4.0") and why("3.2.0", "2.4.6")
+    assert why("3.6.0", "2.3.5") is None and why("3.7.0", "2.5.2") is None
+    assert why("3.9.0", "2.4.6") is None and why("3.10.1", "3.0.0") is None
+
+
 # -- the GPU check's own code, and offsets past 2^31 -----------------------------------------
 
 @needs_interpreter
