@@ -377,6 +377,7 @@ def main(argv=None):
                         continue
                     rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
                     results += rows
+                    add_speedups(results)
                     save(dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
                               shapes=shapes, results=results, partial=True))
                     fb = next(r for r in rows if r["mode"] == "fwd+bwd")

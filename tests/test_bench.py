@@ -52,7 +52,7 @@ def test_bench_keeps_partial_report(tmp_path, monkeypatch):
     assert report["partial"] is True
     assert {(r["backend"], r["mode"]) for r in report["results"]} == {
         (calls[0][3], m) for m in ("fwd", "bwd", "fwd+bwd")}
-    assert all("ms" in r for r in report["results"])
+    assert all("ms" in r and "speedup" in r for r in report["results"])
 
 def test_torch_compile_baseline_case(monkeypatch):
     """The torch.compile baseline (timed on GPUs) runs end to end; its backward is derived."""
