@@ -80,6 +80,14 @@ if want sweep; then
   t=$(left 60); [ "$t" -gt 90 ] && t=90
   TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUT" 2>&1 \
     | tail -15 | tee -a "$OUT/gpu_check.log"
+  # the same with a teacher stream (OPD) at N = 4096, if the time allows
+  t=$(left "$(later suites:60)")
+  if [ "$t" -gt 40 ]; then
+    [ "$t" -gt 90 ] && t=90
+    log "launch-plan sweep, distillation (two streams), N = 4096"
+    TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --teacher --n 4096 --reps 8 \
+      --out "$OUT" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
+  fi
 fi
 
 t=$(left 5)

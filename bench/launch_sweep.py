@@ -102,9 +102,14 @@ def main(argv=None):
     ints = lambda s: [int(v) for v in s.split(",") if v]
     os.makedirs(args.out, exist_ok=True)
 
+    defaults = p.parse_args([])
+    case = (args.n, args.k, args.dtype, args.teacher)
+    tag = ("" if case == (defaults.n, defaults.k, defaults.dtype, defaults.teacher)  # the target
+           else f"-n{args.n}-k{args.k}-{args.dtype}" + ("-teacher" if args.teacher else ""))
+
     def save(report):
         slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-        path = os.path.join(args.out, f"launch-sweep-{slug}-{report['date']}.json")
+        path = os.path.join(args.out, f"launch-sweep-{slug}-{report['date']}{tag}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         return path

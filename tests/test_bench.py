@@ -93,7 +93,9 @@ def test_launch_sweep_smoke(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.launch_sweep", "--n", str(n), "--k", str(k),
                     "--dtype", "float32", "--blocks", "128,512", "--warps", "1,2", "--reps", "2",
                     "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True)
-    (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path)]
+    (name,) = os.listdir(tmp_path)  # a non-default case is named after its shape
+    assert name.endswith(f"-n{n}-k{k}-float32.json"), name
+    report = json.load(open(tmp_path / name))
     assert [(r["block_k"], r["num_warps"]) for r in report["rows"]] == [
         (128, 1), (128, 2), (512, 1), (512, 2)]
     plan = report["heuristic"]  # K = 300 f32: one 512-column block (2 KiB), 2 warps
