@@ -142,3 +142,23 @@ def test_jax_on_cpu_beside_a_gpu_is_not_timed(monkeypatch):
     assert frameworks_to_time(dict(env, jax_backend="gpu"), ["torch", "jax"]) == ["torch", "jax"]
     assert frameworks_to_time(dict(env, cuda=False), ["torch", "jax"]) == ["torch", "jax"]
     assert frameworks_to_time(dict(env, jax=False), ["torch", "jax"]) == ["torch"]
+
+
+def test_detect_does_not_import_jax_triton(monkeypatch, tmp_path):
+    """The first H200 run: the benchmark's version report imported jax_triton, whose import
+    blanks TRITON_CACHE_DIR, and every torch Triton compile after it failed. detect() reads
+    versions from package metadata and imports no jax_triton."""
+    import sys
+
+    (tmp_path / "jax_triton.py").write_text(
+        "import os\nos.environ['TRITON_CACHE_DIR'] = ''  # what jax-triton 0.3.1 does\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(ROOT)
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    from bench.runner import detect
+
+    env = detect()
+    assert "jax_triton" not in sys.modules
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
+    assert env["versions"]["numpy"] and env["versions"].get("torch")
