@@ -208,6 +208,8 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
             fb, f = timings["fwd+bwd"], timings["fwd"]
             timings["bwd"] = dict(ms=max(fb["ms"] - f["ms"], 0.0), p20=None, p80=None,
                                   reps=fb["reps"], derived="fwd+bwd minus fwd")
+            if "back_to_back_ms" in fb and "back_to_back_ms" in f:
+                timings["bwd"]["back_to_back_ms"] = max(fb["back_to_back_ms"] - f["back_to_back_ms"], 0.0)
         if fw == "torch":
             if cuda:
                 peak, mem_kind = case.cuda_peak_bytes(), "cuda max_memory_allocated delta"
@@ -235,6 +237,7 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
         out.append(dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
                         dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
                         reps=t["reps"], times_ms=t.get("times"), derived=t.get("derived"),
+                        back_to_back_ms=t.get("back_to_back_ms"),
                         bytes=nbytes, gbps=gbps,
                         pct_copy=100 * gbps / copy_gbps if gbps else None,
                         peak_bytes=peak, peak_kind=mem_kind))
@@ -272,19 +275,25 @@ def markdown(env, copy_gbps, results, parity_rows):
     bad = [p for p in parity_rows if not p["ok"]]
     lines.append(f"Parity vs reference: {len(parity_rows) - len(bad)}/{len(parity_rows)} pass" +
                  ("" if not bad else f" (FAIL: {[(p['framework'], p['backend'], p['dtype']) for p in bad]})"))
+    # GPU runs: also the mean of the same calls back to back (bench/timing.py)
+    b2b = any(r.get("back_to_back_ms") is not None for r in results)
     for obj in S.OBJECTIVES:
         rows = [r for r in results if r["objective"] == obj]
         if not rows:
             continue
         lines += ["", f"### {obj}", "",
-                  "| framework | backend | shape | mode | ms (p20-p80) | GB/s | % copy | peak MiB beyond inputs | vs reference | vs reference+compile |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| framework | backend | shape | mode | ms (p20-p80) |" + (" ms back to back |" if b2b else "")
+                  + " GB/s | % copy | peak MiB beyond inputs | vs reference | vs reference+compile |",
+                  "|---|---|---|---|---|" + ("---|" if b2b else "") + "---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
                 error = r["error"].split(". ")[0][:120]  # e.g. "OutOfMemoryError: CUDA out of memory"
-                lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | {error} | | | | | |")
+                lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | {error} |"
+                             + (" |" if b2b else "") + " | | | | |")
                 continue
             spread = f" ({r['p20']:.2f}-{r['p80']:.2f})" if r["p20"] is not None else " (derived)"
+            if b2b:
+                spread += " | " + ("%.2f" % r["back_to_back_ms"] if r.get("back_to_back_ms") is not None else "-")
             peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"
             vs = [r["speedup"].get(b) for b in ("reference", "reference+compile")]
             gbps = f"{r['gbps']:.1f}" if r["gbps"] else "-"

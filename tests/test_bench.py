@@ -162,3 +162,59 @@ def test_detect_does_not_import_jax_triton(monkeypatch, tmp_path):
     assert "jax_triton" not in sys.modules
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
     assert env["versions"]["numpy"] and env["versions"].get("torch")
+
+
+def test_back_to_back_timing(monkeypatch):
+    """On a GPU, measure() also times the same calls back to back between one pair of events
+    (host time before the first launch then overlaps the GPU's work); a stand-in for CUDA
+    events on the host clock checks the bookkeeping here."""
+    import time
+    import types
+
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.timing as T
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event))
+    monkeypatch.setattr(T, "_torch_cuda", lambda: fake)
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        time.sleep(0.002)
+
+    t = T.measure(fn, cuda=True, warmup=1, reps=4)
+    assert calls == [0] + [0, 1, 2, 3] + [0, 1, 2, 3]  # warm-up, per call, back to back
+    assert t["reps"] == 4 and 2.0 <= t["back_to_back_ms"] < 50 and 2.0 <= t["ms"] < 50
+    assert "back_to_back_ms" not in T.measure(fn, cuda=False, warmup=0, reps=2)
+
+
+def test_markdown_back_to_back_column(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import add_speedups, markdown
+
+    row = dict(framework="torch", objective="ce", backend="triton", shape="s", mode="fwd",
+               ms=2.0, p20=1.9, p80=2.1, gbps=10.0, pct_copy=50.0, peak_bytes=2**20)
+    env = dict(device="d", date="2026-11-30")
+    for b2b in (None, 1.5):
+        results = [dict(row, back_to_back_ms=b2b),
+                   dict(row, backend="reference", error="OutOfMemoryError: CUDA out of memory. More")]
+        add_speedups(results)
+        table = markdown(env, 20.0, results, [])
+        lines = [l for l in table.splitlines() if l.startswith("|")]
+        assert len({l.count("|") for l in lines}) == 1, table  # every row has the header's cells
+        assert ("ms back to back" in table) == (b2b is not None)
+        assert ("| 1.50 |" in table) == (b2b is not None)
+        assert "OutOfMemoryError: CUDA out of memory |" in table and "More" not in table
