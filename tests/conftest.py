@@ -23,7 +23,8 @@ def interpreter_incompatibility(triton_version, numpy_version):
     major_minor = lambda v: tuple(int(p) for p in re.findall(r"\d+", v)[:2])
     if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1, which the CPU tests "
-                f"use) fails with NumPy {numpy_version}: install numpy<2.4 or triton>=3.7")
+                f"use) fails with NumPy {numpy_version}: install numpy<2.4 or triton>=3.7 (on a "
+                f"GPU, TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda runs compiled kernels instead)")
     return None
 
 
