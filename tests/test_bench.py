@@ -218,3 +218,15 @@ def test_markdown_back_to_back_column(monkeypatch):
         assert ("ms back to back" in table) == (b2b is not None)
         assert ("| 1.50 |" in table) == (b2b is not None)
         assert "OutOfMemoryError: CUDA out of memory |" in table and "More" not in table
+
+
+def test_skip_reason(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import skip_reason
+
+    gpu, cpu = dict(cuda=True), dict(cuda=False)
+    assert skip_reason(gpu, "triton", 3, 10.0, 60.0) is None
+    assert skip_reason(gpu, "chunked", 0, 10.0, 60.0) is None  # the first shape: timed
+    assert "first GPU shape" in skip_reason(gpu, "chunked", 1, 10.0, 60.0)
+    assert skip_reason(cpu, "chunked", 2, 10.0, None) is None  # CPU: the fallback is the point
+    assert skip_reason(cpu, "reference", 0, 61.0, 60.0) == "time budget"
