@@ -1,5 +1,4 @@
 import os
-import re
 import sys
 
 # Triton's interpreter must be chosen before triton is imported anywhere.
@@ -20,8 +19,9 @@ def interpreter_incompatibility(triton_version, numpy_version):
     interpreter turns one-element arrays into Python ints with int(), which NumPy 2.4 made an
     error ("only 0-dimensional arrays can be converted to Python scalars" from every kernel;
     the H200 image's pair, Triton 3.6 with NumPy 2.5, is one such)."""
-    major_minor = lambda v: tuple(int(p) for p in re.findall(r"\d+", v)[:2])
-    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+    from dlm_kernels._common import _release
+
+    if _release(triton_version) < (3, 7) and _release(numpy_version)[:2] >= (2, 4):
         return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1, which the CPU tests "
                 f"use) fails with NumPy {numpy_version}: install numpy<2.4 or triton>=3.7 (on a "
                 f"GPU, TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda runs compiled kernels instead)")
