@@ -289,30 +289,30 @@ def markdown(env, copy_gbps, results, parity_rows):
                  ("" if not bad else f" (FAIL: {[(p['framework'], p['backend'], p['dtype']) for p in bad]})"))
     # GPU runs: also the mean of the same calls back to back (bench/timing.py)
     b2b = any(r.get("back_to_back_ms") is not None for r in results)
+    header = ["framework", "backend", "shape", "mode", "ms (p20-p80)"] + (["ms back to back"] if b2b else []) \
+        + ["GB/s", "% copy", "peak MiB beyond inputs", "vs reference", "vs reference+compile"]
+    row_of = lambda cells: "| " + " | ".join(cells) + " |"
     for obj in S.OBJECTIVES:
         rows = [r for r in results if r["objective"] == obj]
         if not rows:
             continue
-        lines += ["", f"### {obj}", "",
-                  "| framework | backend | shape | mode | ms (p20-p80) |" + (" ms back to back |" if b2b else "")
-                  + " GB/s | % copy | peak MiB beyond inputs | vs reference | vs reference+compile |",
-                  "|---|---|---|---|---|" + ("---|" if b2b else "") + "---|---|---|---|---|"]
+        lines += ["", f"### {obj}", "", row_of(header), "|" + "---|" * len(header)]
         for r in rows:
+            cells = [r["framework"], r["backend"], r["shape"], r["mode"]]
             if "error" in r:
                 error = r["error"].split(". ")[0][:120]  # e.g. "OutOfMemoryError: CUDA out of memory"
-                lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | {error} |"
-                             + (" |" if b2b else "") + " | | | | |")
+                lines.append(row_of(cells + [error] + [""] * (len(header) - 5)))
                 continue
             spread = f" ({r['p20']:.2f}-{r['p80']:.2f})" if r["p20"] is not None else " (derived)"
+            cells.append(f"{r['ms']:.2f}{spread}")
             if b2b:
-                spread += " | " + ("%.2f" % r["back_to_back_ms"] if r.get("back_to_back_ms") is not None else "-")
-            peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"
-            vs = [r["speedup"].get(b) for b in ("reference", "reference+compile")]
-            gbps = f"{r['gbps']:.1f}" if r["gbps"] else "-"
-            pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] else "-"
-            lines.append(f"| {r['framework']} | {r['backend']} | {r['shape']} | {r['mode']} | "
-                         f"{r['ms']:.2f}{spread} | {gbps} | {pct} | {peak} | "
-                         + " | ".join("%.2fx" % v if v else "-" for v in vs) + " |")
+                cells.append("%.2f" % r["back_to_back_ms"] if r.get("back_to_back_ms") is not None else "-")
+            cells += [f"{r['gbps']:.1f}" if r["gbps"] else "-",
+                      f"{r['pct_copy']:.0f}%" if r["pct_copy"] else "-",
+                      f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"]
+            cells += ["%.2fx" % v if v else "-"
+                      for v in (r["speedup"].get(b) for b in ("reference", "reference+compile"))]
+            lines.append(row_of(cells))
     return "\n".join(lines) + "\n"
 
 
@@ -379,9 +379,12 @@ def main(argv=None):
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
     stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
 
-    def save(report):  # after every case too: a run cut short by a timeout keeps what it measured
+    def save(**extra):  # after every case too: a run cut short by a timeout keeps what it measured
+        report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
+                      shapes=shapes, results=results, **extra)
         with open(stem + ".json", "w") as f:
             json.dump(report, f, indent=1)
+        return report
 
     results = []
     frameworks = frameworks_to_time(env, args.frameworks.split(","))
@@ -400,18 +403,13 @@ def main(argv=None):
                     rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
                     results += rows
                     add_speedups(results)
-                    save(dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
-                              shapes=shapes, results=results, partial=True))
+                    save(partial=True)
                     fb = next(r for r in rows if r["mode"] == "fwd+bwd")
                     print(f"{fw:5s} {obj:6s} {variant:18s} {label:16s} fwd+bwd "
                           + (f"{fb['ms']:9.2f} ms {fb['gbps']:7.1f} GB/s" if "ms" in fb else fb["error"]),
                           flush=True)
-    add_speedups(results)
     comm = vocab_parallel_comm(env)
-
-    report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
-                  shapes=shapes, results=results, vocab_parallel_comm=comm)
-    save(report)
+    report = save(vocab_parallel_comm=comm)
     table = markdown(env, copy_gbps, results, parity_rows)
     if comm:
         table += ("\nVocabulary-parallel communication (JAX, 1 x 8 mesh, compiled HLO all-reduces, "
