@@ -12,6 +12,16 @@ import oracle  # noqa: E402
 from harness import assert_close  # noqa: E402
 
 
+def check_with_oracle(stats, dz, z, y, active, grads, **kw):
+    """Statistics (lse, logp, entropy, kl; float32 tolerance) and bf16 d logits, as float64
+    host arrays, against the float64 oracle at z [N, K] (grads: the four [N] cotangents)."""
+    for name, got, e in zip(("lse", "logp", "entropy", "kl"), stats, oracle.token_stats(z, y, active, **kw)):
+        assert_close(got, e, "float32", name)
+    dz_exp, _ = oracle.token_stats_vjp(z, y, active, grads, **kw)
+    assert_close(dz, dz_exp, "bfloat16", "d logits")
+    return dz_exp
+
+
 def check_rows_at_both_ends(device, n, k, teacher, ends):
     """token_stats (temperature 1.3, 10 % inactive rows) of bf16 [N, K] logits through the
     triton backend: statistics and d logits of the first and last ``ends`` rows against the
@@ -28,16 +38,10 @@ def check_rows_at_both_ends(device, n, k, teacher, ends):
     (dz,) = torch.autograd.grad([s.logp, s.entropy, s.kl], z, [g_lp, g_h, g_kl])
     rows = torch.cat([torch.arange(ends), torch.arange(n - ends, n)]).to(device)
     pick = lambda t: t[rows].detach().double().cpu().numpy()
-    kw = dict(T=1.3, u=pick(u) if teacher else None)
-    active = pick(w) != 0
-    y_rows = y[rows].cpu().numpy()  # int64 targets (pick would make them float)
-    exp = oracle.token_stats(pick(z), y_rows, active, **kw)
-    for name, got, e in zip(("lse", "logp", "entropy", "kl"), s, exp):
-        assert_close(pick(got), e, "float32", name)
     zeros = np.zeros(2 * ends)
     g = (zeros, pick(g_lp), pick(g_h), pick(g_kl) if teacher else zeros)
-    dz_exp, _ = oracle.token_stats_vjp(pick(z), y_rows, active, g, **kw)
-    assert_close(pick(dz), dz_exp, "bfloat16", "d logits")
+    check_with_oracle([pick(v) for v in s], pick(dz), pick(z), y[rows].cpu().numpy(),  # int64 targets
+                      pick(w) != 0, g, T=1.3, u=pick(u) if teacher else None)
 
 
 @needs_cuda
