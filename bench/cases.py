@@ -79,7 +79,12 @@ class TorchCase:
             return objective_loss(D, obj, z, b, backend)
 
         if self.variant == "reference+compile":
-            return torch.compile(loss)
+            # Each case compiles afresh at its static shape. Dynamo keys its cache on the code
+            # object of `loss`, which every case shares: without the reset, the second shape
+            # recompiles with symbolic sizes, and after 8 (objective, shape) pairs it hits its
+            # recompile limit and runs the reference eagerly under this variant's name.
+            torch._dynamo.reset()
+            return torch.compile(loss, dynamic=False)
         return loss
 
     def fwd(self, i):

@@ -14,6 +14,9 @@ MODELS = {
 GPU_SHAPES = [(f"N{n}-K{k}", n, k, "bfloat16")
               for n in (16384, 4096) for k in (262144, 131072, 32768)]
 MODEL_SHAPES = [(f"{m}-N4096", 4096, k, "bfloat16") for m, k in MODELS.items()]
+# --full: the grid, then the model vocabularies it lacks (gemma and 32k at N 4096 are in it)
+FULL_SHAPES = GPU_SHAPES + [s for s in MODEL_SHAPES
+                            if (s[1], s[2]) not in {(n, k) for _, n, k, _ in GPU_SHAPES}]
 CPU_SHAPES = [
     ("cpu-N512-K4k", 512, 4096, "float32"),
     ("cpu-N512-K32k", 512, 32768, "float32"),

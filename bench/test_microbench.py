@@ -16,7 +16,7 @@ from bench.runner import detect, variants
 
 ENV = detect()
 if ENV["cuda"]:
-    SHAPES = S.GPU_SHAPES + S.MODEL_SHAPES if os.environ.get("DLM_BENCH_FULL") else S.MODEL_SHAPES
+    SHAPES = S.FULL_SHAPES if os.environ.get("DLM_BENCH_FULL") else S.MODEL_SHAPES
 else:
     SHAPES = S.SMOKE_SHAPES + S.CPU_SHAPES[:1]
 

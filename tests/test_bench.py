@@ -67,6 +67,34 @@ def test_torch_compile_baseline_case(monkeypatch):
     assert next(r for r in rows if r["mode"] == "bwd")["derived"]
 
 
+def test_torch_compile_baseline_compiles_every_case_statically(monkeypatch):
+    """Across the grid, every reference+compile case is one graph at its own static shape.
+    Before the fix the second shape recompiled with symbolic sizes and, past Dynamo's limit of
+    8 recompiles of the shared `loss`, later cases ran the reference eagerly under the compile
+    label. Dynamo is run with a backend that records each graph's inputs (no Inductor)."""
+    import torch
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.cases import TorchCase
+
+    graphs, real_compile = [], torch.compile
+
+    def record(gm, example_inputs):
+        graphs.append([tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                       for t in example_inputs])
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=record, **kw))
+    for n, k in ((16, 257), (24, 257), (8, 300), (16, 311)):  # 12 cases, more than 8
+        for objective in ("ce", "policy", "opd"):
+            case = TorchCase(objective, "reference+compile", n, k, "float32", "cpu")
+            before = len(graphs)
+            case.fwd(0), case.fwdbwd(1)
+            (inputs,) = graphs[before:]  # one graph per case, the same for both calls
+            assert all(isinstance(s, tuple) for s in inputs), (objective, n, k, inputs)
+            assert (1, n, k) in inputs, (objective, n, k, inputs)
+
+
 def test_liger_baseline_case(monkeypatch):
     """The Liger-Kernel baseline (timed on GPUs) runs end to end; on CPU through the Triton
     interpreter that conftest turns on."""
@@ -230,3 +258,39 @@ def test_skip_reason(monkeypatch):
     assert "first GPU shape" in skip_reason(gpu, "chunked", 1, 10.0, 60.0)
     assert skip_reason(cpu, "chunked", 2, 10.0, None) is None  # CPU: the fallback is the point
     assert skip_reason(cpu, "reference", 0, 61.0, 60.0) == "time budget"
+
+
+def test_full_grid_is_the_issues_grid_then_new_vocabularies(monkeypatch):
+    """--full times the Triton issue's grid (target shape first), then each model vocabulary
+    not already in it, no (N, K) twice: a lent GPU's minutes are not spent on repeats."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import shapes as S
+
+    grid = [(n, k) for _, n, k, _ in S.FULL_SHAPES[:6]]
+    assert grid[0] == (16384, 262144)
+    assert sorted(grid) == sorted((n, k) for n in (4096, 16384) for k in (32768, 131072, 262144))
+    keys = [(n, k, dtype) for _, n, k, dtype in S.FULL_SHAPES]
+    assert len(set(keys)) == len(keys) and {k for _, k, _ in keys} >= set(S.MODELS.values())
+
+
+def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
+    """A run that its budget cuts short has timed every torch shape before the first JAX case."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+    from bench import shapes as S
+
+    order = []
+
+    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
+        order.append((fw, label))
+        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
+                     dtype=dtype, mode=m, error="stub") for m in S.MODES]
+
+    monkeypatch.setattr(R, "run_case", stub_case)
+    monkeypatch.setattr(R, "parity", lambda env: [])
+    monkeypatch.setattr(R, "vocab_parallel_comm", lambda env: None)
+    monkeypatch.setattr(S, "SMOKE_SHAPES", [("a", 8, 130, "float32"), ("b", 4, 70, "float32")])
+    R.main(["--smoke", "--reps", "1", "--objectives", "ce", "--out", str(tmp_path)])
+    frameworks = [fw for fw, _ in order]
+    assert frameworks == sorted(frameworks, key=["torch", "jax"].index), order
+    assert {label for fw, label in order if fw == "torch"} == {"a", "b"}
