@@ -203,6 +203,12 @@ def _stats_and_grad(fw, env, backend, dtype, z64, u64, y, x, dsh, w, kw):
 
 # -- the benchmark ----------------------------------------------------------------------------------
 
+def untimed_rows(fw, objective, variant, label, n, k, dtype, error):
+    """A case's result rows, one per mode, when it has no timings: why (skipped, or the error)."""
+    return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
+                 dtype=dtype, mode=m, error=error) for m in S.MODES]
+
+
 def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
     elem = 2 if dtype in ("bfloat16", "float16") else 4
     out = []
@@ -233,8 +239,7 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
             peak, mem_kind = case.temp_bytes(), "XLA temp bytes (memory_analysis)"
     except Exception as err:  # noqa: BLE001 - e.g. the reference running out of memory
         msg = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
-                     dtype=dtype, mode=m, error=msg) for m in S.MODES]
+        return untimed_rows(fw, objective, variant, label, n, k, dtype, msg)
     finally:
         case = None  # drop the inputs first, so that emptying the cache hands their memory back
         gc.collect()
@@ -398,9 +403,7 @@ def main(argv=None):
                 for variant in ours + baselines:
                     why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s)
                     if why:
-                        results += [dict(framework=fw, objective=obj, backend=variant, shape=label,
-                                         n=n, k=k, dtype=dtype, mode=m, error=f"skipped: {why}")
-                                    for m in S.MODES]
+                        results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
                         continue
                     rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
                     results += rows

@@ -283,8 +283,7 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
 
     def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
         order.append((fw, label))
-        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
-                     dtype=dtype, mode=m, error="stub") for m in S.MODES]
+        return R.untimed_rows(fw, objective, variant, label, n, k, dtype, "stub")
 
     monkeypatch.setattr(R, "run_case", stub_case)
     monkeypatch.setattr(R, "parity", lambda env: [])
