@@ -3,10 +3,15 @@ merging, WeightedSum, and JAX pytree behaviour under jit and a leading-axis Name
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from harness import framework
+from dlm_kernels._common import shape_str
+
+import oracle
+from harness import assert_close, framework, new_seed
 
 FWS = ("torch", "jax")
 
@@ -18,17 +23,31 @@ def good(fw, b=2, l=3, k=11):
 
 
 BAD_BATCHES = [
-    # (what to change, exception type, words the message must hold)
-    (dict(model_inputs=np.zeros((2, 3, 1), np.int32)), ValueError, "model_inputs"),
-    (dict(model_inputs=np.zeros((2, 3), np.float32)), TypeError, "model_inputs"),
-    (dict(target_ids=np.zeros((2, 4), np.int32)), ValueError, "target_ids"),
-    (dict(target_ids=np.zeros((2, 3), np.float32)), TypeError, "target_ids"),
-    (dict(loss_weights=np.ones((3, 3), np.float32)), ValueError, "loss_weights"),
-    (dict(loss_weights=np.ones((2, 3), np.int32)), TypeError, "loss_weights"),
-    (dict(loss_weights=np.array([[1, -1, 1], [1, 1, 1]], np.float32)), ValueError, "loss_weights"),
-    (dict(loss_weights=np.array([[1, np.nan, 1], [1, 1, 1]], np.float32)), ValueError, "loss_weights"),
-    (dict(loss_weights=np.array([[1, np.inf, 1], [1, 1, 1]], np.float32)), ValueError, "loss_weights"),
-    (dict(target_ids=np.array([[0, -1, 0], [0, 0, 0]], np.int32)), ValueError, "target_ids"),
+    # (what to change, exception type, pattern the message must match)
+    (dict(model_inputs=np.zeros((3, 3), np.int32)), ValueError,
+     r"model_inputs must be batch-major \[B, \.\.\.\] with B = 2 .*; got \[3, 3\]"),
+    (dict(model_inputs=np.zeros((2, 3), np.complex64)), TypeError,
+     "model_inputs must have a bool, integer or floating dtype; got complex64"),
+    (dict(target_ids=np.zeros((2, 3, 1), np.int32)), ValueError,
+     r"target_ids must have shape \[B, L\]; got \[2, 3, 1\]"),
+    (dict(target_ids=np.zeros((2, 4), np.int32)), ValueError,
+     r"loss_weights must have shape target_ids.shape \[B, L\] = \[2, 4\]; got \[2, 3\]"),
+    (dict(target_ids=np.zeros((2, 3), np.float32)), TypeError,
+     "target_ids must have an integer dtype; got float32"),
+    (dict(loss_weights=np.ones((3, 3), np.float32)), ValueError,
+     r"loss_weights must have shape .*\[2, 3\]; got \[3, 3\]"),
+    (dict(loss_weights=np.ones((2, 3), np.complex64)), TypeError,
+     "loss_weights must have a bool, integer or floating dtype; got complex64"),
+    (dict(loss_weights=np.array([[1, -1, 1], [1, 1, 1]], np.float32)), ValueError,
+     r"loss_weights must be finite and non-negative; got -1.0 at index \(0, 1\)$"),
+    (dict(loss_weights=np.array([[1, 1, 1], [1, 1, -2]], np.int32)), ValueError,
+     r"loss_weights must be finite and non-negative; got -2 at index \(1, 2\)$"),
+    (dict(loss_weights=np.array([[1, np.nan, 1], [1, 1, 1]], np.float32)), ValueError,
+     r"got nan at index \(0, 1\)$"),
+    (dict(loss_weights=np.array([[1, np.inf, 1], [1, 1, 1]], np.float32)), ValueError,
+     r"got inf at index \(0, 1\)$"),
+    (dict(target_ids=np.array([[0, -1, 0], [0, 0, 0]], np.int32)), ValueError,
+     r"target_ids at active positions must be >= 0; got -1 at index \(0, 1\)$"),
 ]
 
 
@@ -38,8 +57,9 @@ def test_token_batch_validation(fw_name, change, exc, word):
     fw = framework(fw_name)
     fields = good(fw)
     fields.update({k: fw.array(v) for k, v in change.items()})
-    with pytest.raises(exc, match=word):
+    with pytest.raises(exc, match=word) as err:
         fw.api.DiffusionTokenBatch.create(**fields)
+    assert "np." not in str(err.value), f"numbers in messages are plain: {err.value}"
 
 
 @pytest.mark.parametrize("fw_name", FWS)
@@ -252,3 +272,377 @@ def test_jax_contract_is_a_pytree_under_jit_and_sharding():
     out = jax.jit(lambda b: b)(sharded)
     assert isinstance(out, D.DiffusionDistillationBatch)
     assert out.teacher_logits.sharding.spec == P("data")
+
+
+# -- the Tunix contract: model_inputs is a batch-major pytree ----------------------------------
+
+def tunix_inputs(fw, rng, b=2, l=3, k=11):
+    """A Tunix-style batch: a dict of model inputs of several ranks and dtypes."""
+    return dict(
+        model_inputs={"input_tokens": fw.array(rng.integers(0, k, (b, l)).astype(np.int32)),
+                      "positions": fw.array(np.tile(np.arange(l, dtype=np.int32), (b, 1))),
+                      "time": fw.array(rng.uniform(size=b).astype(np.float32))},
+        target_ids=fw.array(rng.integers(0, k, (b, l)).astype(np.int32)),
+        loss_weights=fw.array((rng.uniform(size=(b, l)) < 0.7).astype(np.float32)))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("structure", ["dict", "tuple", "nested", "bare", "bool_and_3d"])
+def test_model_inputs_pytrees_are_accepted_and_kept(fw_name, structure, rng):
+    fw = framework(fw_name)
+    fields = tunix_inputs(fw, rng)
+    tokens, time = fields["model_inputs"]["input_tokens"], fields["model_inputs"]["time"]
+    trees = {
+        "dict": fields["model_inputs"],
+        "tuple": (tokens, time),
+        "nested": {"text": {"tokens": tokens, "extra": [time, tokens]}, "time": time},
+        "bare": tokens,
+        "bool_and_3d": {"keep": fw.array(np.ones((2, 3), bool)),
+                        "embeds": fw.array(rng.normal(size=(2, 3, 4)).astype(np.float32))},
+    }
+    fields["model_inputs"] = trees[structure]
+    batch = fw.api.DiffusionTokenBatch.create(**fields)
+    assert batch.model_inputs is trees[structure], "the batch keeps model_inputs as given"
+    z = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    got = fw.numpy(fw.api.per_token_logps(z, batch))
+    exp = oracle.token_stats(fw.numpy(z).reshape(6, 11), fw.numpy(batch.target_ids).reshape(6),
+                             fw.numpy(batch.loss_weights).reshape(6) != 0)[1]
+    assert_close(got.reshape(6), exp, "float32", f"logps with {structure} model_inputs")
+
+
+BAD_MODEL_INPUTS = [
+    # (model_inputs built from t = tokens [2, 3] int, exception, pattern)
+    (lambda fw, t: {}, ValueError, "model_inputs must be a pytree with at least one array leaf; got dict"),
+    (lambda fw, t: {"input_tokens": t, "positions": fw.array(np.zeros((3, 3), np.int32))},
+     ValueError, r"model_inputs\['positions'\] must be batch-major .* B = 2 .*; got \[3, 3\]"),
+    (lambda fw, t: {"input_tokens": t, "time": fw.array(np.float32(0.5))},
+     ValueError, r"model_inputs\['time'\] must be batch-major .*got a scalar"),
+    (lambda fw, t: {"input_tokens": t, "ids": [1, 2]},
+     TypeError, r"model_inputs\['ids'\]\[0\] must be an array/tensor; got int"),
+    (lambda fw, t: {"input_tokens": t, "name": "abc"},
+     TypeError, r"model_inputs\['name'\] must be an array/tensor; got str"),
+    (lambda fw, t: (t, {"phase": fw.array(np.zeros((2, 3), np.complex64))}),
+     TypeError, r"model_inputs\[1\]\['phase'\] must have a bool, integer or floating dtype; got complex64"),
+]
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("make,exc,pattern", BAD_MODEL_INPUTS, ids=lambda v: str(v)[:30])
+def test_model_inputs_leaves_are_checked_by_path(fw_name, make, exc, pattern, rng):
+    fw = framework(fw_name)
+    fields = tunix_inputs(fw, rng)
+    fields["model_inputs"] = make(fw, fields["model_inputs"]["input_tokens"])
+    with pytest.raises(exc, match=pattern):
+        fw.api.DiffusionTokenBatch.create(**fields)
+
+
+def test_jax_model_inputs_numpy_structs_and_tracers():
+    """Leaves may be NumPy arrays, ShapeDtypeStructs (jax.eval_shape over batch construction)
+    or tracers (a batch built inside jit)."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    rng = np.random.default_rng(new_seed())
+    host = {"input_tokens": rng.integers(0, 11, (2, 3)).astype(np.int32),
+            "time": rng.uniform(size=2).astype(np.float32)}
+    y = rng.integers(0, 11, (2, 3)).astype(np.int32)
+    w = np.ones((2, 3), np.float32)
+    batch = D.DiffusionTokenBatch.create(model_inputs=host, target_ids=y, loss_weights=w)
+    assert isinstance(batch.model_inputs["input_tokens"], np.ndarray)
+
+    S = jax.ShapeDtypeStruct
+    spec = D.DiffusionTokenBatch.create(
+        model_inputs={"input_tokens": S((2, 3), jnp.int32), "time": S((2,), jnp.float32)},
+        target_ids=S((2, 3), jnp.int32), loss_weights=S((2, 3), jnp.bool_))
+    assert spec.loss_weights.dtype == jnp.bool_
+    with pytest.raises(ValueError, match=r"model_inputs\['time'\] must be batch-major"):
+        D.DiffusionTokenBatch.create(model_inputs={"time": S((3,), jnp.float32)},
+                                     target_ids=S((2, 3), jnp.int32), loss_weights=S((2, 3), jnp.float32))
+    shapes = jax.eval_shape(lambda m, t, l: D.DiffusionTokenBatch.create(
+        model_inputs=m, target_ids=t, loss_weights=l), host, y, w)
+    assert shapes.model_inputs["time"].shape == (2,)
+
+    @jax.jit
+    def score(m, t, l, z):
+        b = D.DiffusionTokenBatch.create(model_inputs=m, target_ids=t, loss_weights=l)
+        return D.compute_diffusion_per_token_logps(z, b, lambda model, inputs: model + 0.0 * inputs["time"][:, None, None])
+
+    z = jnp.asarray(rng.normal(size=(2, 3, 11)), jnp.float32)
+    got = np.asarray(score(host, y, w, z))
+    exp = oracle.token_stats(np.asarray(z, np.float64).reshape(6, 11), y.reshape(6), np.ones(6, bool))[1]
+    assert_close(got.reshape(6), exp, "float32", "logps of a batch built under jit")
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("dtype", ["bool", "int32", "float32"])
+def test_loss_weights_of_any_real_dtype_are_kept_and_converted_by_objectives(fw_name, dtype, rng):
+    fw = framework(fw_name)
+    fields = tunix_inputs(fw, rng)
+    w = rng.integers(0, 3, (2, 3))
+    w[0, 0] = 1
+    w = w.astype(dtype)
+    fields["loss_weights"] = fw.array(w)
+    batch = fw.api.DiffusionTokenBatch.create(**fields)
+    assert str(batch.loss_weights.dtype).endswith(dtype.replace("bool", "bool")), batch.loss_weights.dtype
+    z = fw.array(rng.normal(size=(2, 3, 11)) * 2, "float32")
+    ws = fw.api.weighted_cross_entropy(z, batch)
+    wf = w.astype(np.float64).reshape(6)
+    lp = oracle.token_stats(fw.numpy(z).reshape(6, 11), fw.numpy(batch.target_ids).reshape(6), wf != 0)[1]
+    assert_close(fw.numpy(ws.unreduced_sum), -(wf * lp).sum(), "float32", "unreduced_sum")
+    assert_close(fw.numpy(ws.denominator), wf.sum(), "float32", "denominator")
+    teacher = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    dbatch = fw.api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=teacher)
+    total, _ = fw.api.opd_loss(z, dbatch, soft_loss_weight=0.0, hard_loss_weight=1.0)
+    assert_close(fw.numpy(total.unreduced_sum), -(wf * lp).sum(), "float32", "opd hard term")
+    assert str(total.unreduced_sum.dtype).endswith("float32")
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_validate_diffusion_logits_returns_its_argument(fw_name, rng):
+    fw = framework(fw_name)
+    batch = fw.api.DiffusionTokenBatch.create(**tunix_inputs(fw, rng))
+    z = fw.array(rng.normal(size=(2, 3, 11)), "bfloat16")
+    assert fw.api.validate_diffusion_logits(batch, z) is z
+    with pytest.raises(ValueError, match=r"logits must have a vocabulary axis K >= 1; got \[2, 3, 0\]"):
+        fw.api.validate_diffusion_logits(batch, fw.array(np.zeros((2, 3, 0), np.float32)))
+    y = fw.numpy(batch.target_ids).astype(np.int32)
+    y[1, 2], w = 11, np.ones((2, 3), np.float32)
+    wide = batch.replace(target_ids=fw.array(y), loss_weights=fw.array(w))
+    with pytest.raises(ValueError, match=r"target_ids at active positions must be in \[0, 11\); "
+                                         r"got 11 at index \(1, 2\)$"):
+        fw.api.validate_diffusion_logits(wide, z)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_distillation_batch_checks_targets_against_the_teacher_vocabulary(fw_name, rng):
+    fw = framework(fw_name)
+    fields = tunix_inputs(fw, rng)
+    y = rng.integers(0, 11, (2, 3)).astype(np.int32)
+    w = np.ones((2, 3), np.float32)
+    y[0, 2], w[1, 1], y[1, 1] = 11, 0.0, 99  # 99 sits at an inactive position: allowed
+    fields.update(target_ids=fw.array(y), loss_weights=fw.array(w))
+    student = fw.api.DiffusionTokenBatch.create(**fields)  # no K known yet: accepted
+    teacher = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    with pytest.raises(ValueError, match=r"target_ids at active positions must be in \[0, 11\); "
+                                         r"got 11 at index \(0, 2\)$"):
+        fw.api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=teacher)
+    y[0, 2] = 10
+    ok = student.replace(target_ids=fw.array(y))
+    fw.api.DiffusionDistillationBatch.create(student_batch=ok, teacher_logits=teacher)
+
+
+# -- merging: every leaf, all or nothing --------------------------------------------------------
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_merge_concatenates_every_leaf_of_a_pytree(fw_name, rng):
+    fw = framework(fw_name)
+    parts = [tunix_inputs(fw, rng, b=b) for b in (2, 3)]
+    for p in parts:
+        p["model_inputs"] = {"text": (p["model_inputs"]["input_tokens"], p["model_inputs"]["positions"]),
+                             "time": p["model_inputs"]["time"]}
+    batches = [fw.api.DiffusionTokenBatch.create(**p) for p in parts]
+    merged = fw.api.merge_diffusion_batches(batches)
+    leaves = lambda b: (b.model_inputs["text"][0], b.model_inputs["text"][1], b.model_inputs["time"],
+                        b.target_ids, b.loss_weights)
+    for got, a, b in zip(leaves(merged), leaves(batches[0]), leaves(batches[1])):
+        np.testing.assert_array_equal(fw.numpy(got), np.concatenate([fw.numpy(a), fw.numpy(b)]))
+        assert got.dtype == a.dtype
+
+
+MERGE_MISMATCHES = [
+    # (how batches[1].model_inputs differs from {"tokens": [B, 3] int32, "time": [B] float32})
+    (lambda fw, m: {"tokens": m["tokens"]}, r"batches\[1\]\.model_inputs has tree structure"),
+    (lambda fw, m: {**m, "time": fw.array(np.zeros((3, 2), np.float32))},
+     r"batches\[1\]\.model_inputs\['time'\] has shape \[3, 2\] and dtype float32; "
+     r"batches\[0\]\.model_inputs\['time'\] has \[2\]"),
+    (lambda fw, m: {**m, "tokens": fw.array(np.zeros((3, 3), np.int16))},
+     r"batches\[1\]\.model_inputs\['tokens'\] has shape \[3, 3\] and dtype int16; "),
+]
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("change,pattern", MERGE_MISMATCHES, ids=lambda v: str(v)[:30])
+def test_merge_rejects_mismatched_trees_naming_field_and_leaf(fw_name, change, pattern):
+    fw = framework(fw_name)
+
+    def batch(b, inputs=None):
+        m = {"tokens": fw.array(np.zeros((b, 3), np.int32)), "time": fw.array(np.zeros(b, np.float32))}
+        return fw.api.DiffusionTokenBatch.create(
+            model_inputs=m if inputs is None else inputs(fw, m),
+            target_ids=fw.array(np.zeros((b, 3), np.int32)),
+            loss_weights=fw.array(np.ones((b, 3), np.float32)))
+
+    with pytest.raises(ValueError, match=pattern):
+        fw.api.merge_diffusion_batches([batch(2), batch(3, change)])
+
+
+def test_jax_merge_keeps_host_numpy_on_the_host_and_device_arrays_on_device():
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    def batch(b, make):
+        return D.DiffusionTokenBatch.create(
+            model_inputs={"tokens": make(np.zeros((b, 3), np.int32))},
+            target_ids=make(np.zeros((b, 3), np.int32)), loss_weights=make(np.ones((b, 3), np.float32)))
+
+    host = D.merge_diffusion_batches([batch(2, np.asarray), batch(1, np.asarray)])
+    for leaf in jax.tree_util.tree_leaves(host):
+        assert type(leaf) is np.ndarray and leaf.shape[0] == 3
+    dev = D.merge_diffusion_batches([batch(2, jnp.asarray), batch(1, jnp.asarray)])
+    for leaf in jax.tree_util.tree_leaves(dev):
+        assert isinstance(leaf, jax.Array) and leaf.shape[0] == 3
+
+
+# -- Megatron-Bridge arguments: bad values -------------------------------------------------------
+
+def sft_args(fw, b=2, l=3, k=11, variant="loo-ce"):
+    return dict(logits=fw.array(np.zeros((b, l, k), np.float32)),
+                x0=fw.array(np.ones((b, l), np.int64)), xt=fw.array(np.full((b, l), k - 1)),
+                t=fw.array(np.array([0.25, 0.75], np.float32)),
+                loss_mask=fw.array(np.ones((b, l), np.float32)), variant=variant, vocab_size=k)
+
+
+BAD_SFT_VALUES = [
+    (dict(loss_mask=np.array([[1, -1, 1], [1, 1, 1]], np.float32)),
+     r"loss_mask must be finite and non-negative; got -1.0 at index \(0, 1\)$"),
+    (dict(loss_mask=np.array([[1, 1, 1], [1, np.nan, 1]], np.float32)),
+     r"loss_mask must be finite and non-negative; got nan at index \(1, 1\)$"),
+    (dict(t=np.array([0.5, 1.5], np.float32)), r"t must lie in \[0, 1\]; got 1.5 at index \(1,\)$"),
+    (dict(t=np.array([-0.25, 0.5], np.float32)), r"t must lie in \[0, 1\]; got -0.25 at index \(0,\)$"),
+    (dict(t=np.array([0.5, np.nan], np.float32)), r"t must lie in \[0, 1\]; got nan at index \(1,\)$"),
+    (dict(vocab_size=12), r"vocab_size must be <= the logits' vocabulary K = 11 .*; got 12$"),
+]
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("fn", ["diffusion_sft_loss", "diffusion_sft_logps"])
+@pytest.mark.parametrize("change,pattern", BAD_SFT_VALUES, ids=lambda v: str(v)[:40])
+def test_sft_rejects_bad_mask_time_and_vocab_size(fw_name, fn, change, pattern):
+    fw = framework(fw_name)
+    args = sft_args(fw)
+    args.update({k: fw.array(v) if isinstance(v, np.ndarray) else v for k, v in change.items()})
+    with pytest.raises(ValueError, match=pattern):
+        getattr(fw.api, fn)(**args)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_sft_accepts_bool_mask_and_the_edges_of_time(fw_name, rng):
+    fw = framework(fw_name)
+    args = sft_args(fw, variant="reweighted-loo-ce")
+    logits = rng.normal(size=(2, 3, 11)) * 2
+    mask = np.array([[True, False, True], [True, True, False]])
+    args.update(logits=fw.array(logits, "float32"), loss_mask=fw.array(mask),
+                t=fw.array(np.array([0.0, 1.0], np.float32)))
+    got = fw.numpy(fw.api.diffusion_sft_loss(**args))
+    exp = oracle.sft_loss(fw.numpy(args["logits"]), np.ones((2, 3), np.int64), np.full((2, 3), 10),
+                          np.array([0.0, 1.0]), mask.astype(np.float64), "reweighted-loo-ce", 11)
+    assert_close(got, exp, "float32", "loss with a bool mask at t in {0, 1}")
+
+
+def test_value_checks_are_skipped_under_jit_and_the_loss_is_nan():
+    """Traced arguments have no values to check: the call traces, and a bad id or mask shows
+    as a NaN loss (documented), never as a plausible number."""
+    import jax
+
+    import dlm_kernels.jax as D
+
+    args = sft_args(framework("jax"))
+    x0 = np.ones((2, 3), np.int64)
+    x0[1, 0] = 11
+    loss = jax.jit(lambda z, x0: D.diffusion_sft_loss(z, x0, args["xt"], args["t"], args["loss_mask"],
+                                                        variant="loo-ce", vocab_size=11))(args["logits"], x0)
+    loss = np.asarray(loss)
+    assert np.isfinite(loss[0]) and np.isnan(loss[1]), loss
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_traced_or_odd_scalars_are_named_plainly(fw_name):
+    fw = framework(fw_name)
+    batch = fw.api.DiffusionTokenBatch.create(**good(fw))
+    z = fw.array(np.zeros((2, 3, 11), np.float32))
+    with pytest.raises(ValueError, match=r"temperature must be a finite positive float; got -2.0$"):
+        fw.api.per_token_logps(z, batch, temperature=np.float64(-2.0))
+    with pytest.raises(ValueError, match=r"vocab_size must be a positive int; got 0$"):
+        fw.api.diffusion_sft_loss(**{**sft_args(fw), "vocab_size": np.int64(0)})
+    if fw_name == "jax":
+        import jax
+
+        for fn in (lambda T: fw.api.per_token_logps(z, batch, temperature=T),
+                   lambda T: fw.api.token_stats(z, batch.target_ids, temperature=T)):
+            with pytest.raises(ValueError, match="temperature must be a static Python number; got a "
+                                                 "traced value .*static_argnums"):
+                jax.jit(fn)(0.5)
+        dbatch = fw.api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=z)
+        with pytest.raises(ValueError, match="soft_loss_weight must be a static Python number"):
+            jax.jit(lambda s: fw.api.opd_loss(z, dbatch, soft_loss_weight=s))(1.0)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("alpha_shape", [(2,), (2, 1), (2, 3)], ids=str)
+def test_loo_to_denoiser_logits_takes_alpha_per_sequence_or_per_position(fw_name, alpha_shape, rng):
+    fw = framework(fw_name)
+    b, l, k = 2, 3, 13
+    logits = rng.normal(size=(b, l, k)).astype(np.float32)
+    xt = rng.integers(0, k, (b, l))
+    alpha = rng.uniform(0.05, 0.95, alpha_shape).astype(np.float32)
+    got = fw.numpy(fw.api.loo_to_denoiser_logits(fw.array(logits), fw.array(xt), fw.array(alpha), k))
+    a = np.broadcast_to(alpha.astype(np.float64).reshape(b, -1), (b, l))
+    delta = np.log1p(k * a / np.maximum(1.0 - a, 1e-12))
+    exp = logits + np.where(np.arange(k) == xt[..., None], delta[..., None], 0.0)
+    assert_close(got, exp, "float32", f"loo_to_denoiser_logits with alpha {alpha_shape}")
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_loo_to_denoiser_logits_rejects_bad_alpha_xt_and_vocab_size(fw_name, rng):
+    fw = framework(fw_name)
+    z = fw.array(rng.normal(size=(2, 3, 13)).astype(np.float32))
+    xt = fw.array(rng.integers(0, 13, (2, 3)))
+    alpha = fw.array(np.full((2, 3), 0.5, np.float32))
+    call = fw.api.loo_to_denoiser_logits
+    for shape in ((3,), (2, 2), (1, 3), (2, 3, 1)):
+        with pytest.raises(ValueError, match=r"alpha must have shape \[B\], \[B, 1\] or \[B, L\] with "
+                                             r"\[B, L\] = \[2, 3\]; got " + re.escape(shape_str(shape))):
+            call(z, xt, fw.array(np.full(shape, 0.5, np.float32)), 13)
+    bad = np.zeros((2, 3), np.int64)
+    bad[1, 1] = 13
+    with pytest.raises(ValueError, match=r"xt must be in \[0, 13\); got 13 at index \(1, 1\)$"):
+        call(z, fw.array(bad), alpha, 13)
+    with pytest.raises(ValueError, match=r"xt must be in \[0, 12\); got 12"):
+        call(z, fw.array(np.full((2, 3), 12)), alpha, 12)
+    with pytest.raises(ValueError, match=r"vocab_size must be <= the logits' vocabulary K = 13"):
+        call(z, xt, alpha, 14)
+
+
+def test_loo_to_denoiser_logits_marks_unreadable_bad_xt_as_nan():
+    import jax
+
+    import dlm_kernels.jax as D
+
+    xt = np.zeros((2, 3), np.int32)
+    xt[0, 2] = -1
+    out = np.asarray(jax.jit(lambda x: D.loo_to_denoiser_logits(
+        np.zeros((2, 3, 5), np.float32), x, np.full(2, 0.5, np.float32), 5))(xt))
+    assert np.isnan(out[0, 2]).all() and np.isfinite(np.delete(out.reshape(6, 5), 2, axis=0)).all()
+
+
+def test_jax_checks_are_trace_safe_under_vmap_and_jit(rng):
+    """Under vmap and jit the value checks see tracers and stay out of the way; the results
+    equal the per-slice eager calls."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    z = jnp.asarray(rng.normal(size=(3, 2, 4, 19)), jnp.float32)  # 3 micro-batches of [2, 4, 19]
+    x0, xt = jnp.asarray(rng.integers(0, 19, (3, 2, 4))), jnp.asarray(rng.integers(0, 19, (3, 2, 4)))
+    t = jnp.asarray(rng.uniform(size=(3, 2)), jnp.float32)
+    mask = jnp.asarray(rng.uniform(size=(3, 2, 4)) < 0.7, jnp.float32)
+    loss = lambda *a: D.diffusion_sft_loss(*a, variant="reweighted-loo-ce", vocab_size=19)
+    got = jax.jit(jax.vmap(loss))(z, x0, xt, t, mask)
+    for i in range(3):
+        assert_close(np.asarray(got[i]), np.asarray(loss(z[i], x0[i], xt[i], t[i], mask[i])),
+                     "float32", f"vmapped SFT loss, slice {i}")

@@ -112,6 +112,130 @@ class ObjectivesSuite:
         exp = logits.astype(np.float32) + np.where(np.arange(37) == xt[..., None], delta[:, None, None], 0)
         assert_close(fw.numpy(shifted), exp, "float32", "loo_to_denoiser_logits")
 
+    # -- ids out of range: an error where values are readable, NaN where they are not ------
+
+    def sft_call(self, fn_name, arrays, variant, vocab_size=37):
+        fw = self.fw
+        logits, x0, xt, t, mask = arrays
+        return getattr(fw.api, fn_name)(fw.array(logits, "float32"), fw.array(x0), fw.array(xt),
+                                        fw.array(t), fw.array(mask), variant=variant,
+                                        vocab_size=vocab_size, backend=self.BACKEND)
+
+    @pytest.mark.parametrize("fn_name", ["diffusion_sft_loss", "diffusion_sft_logps"])
+    def test_sft_ids_out_of_range_raise_naming_value_and_position(self, rng, fn_name):
+        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        mask[1, 2], mask[2, 3] = 1.0, 0.0
+        for bad in (37, -1):
+            x0_bad = x0.copy()
+            x0_bad[1, 2] = bad
+            with pytest.raises(ValueError, match=rf"x0 where loss_mask is set must be in \[0, 37\); "
+                                                 rf"got {bad} at index \(1, 2\)$"):
+                self.sft_call(fn_name, (logits, x0_bad, xt, t, mask), "base-sft")
+            xt_bad = xt.copy()
+            xt_bad[0, 4] = bad
+            with pytest.raises(ValueError, match=rf"xt must be in \[0, 37\); got {bad} at index \(0, 4\)$"):
+                self.sft_call(fn_name, (logits, x0, xt_bad, t, mask), "reweighted-loo-ce")
+            # where the id is not used, it is not checked: unmasked x0, xt outside a LOO variant
+            x0_free = x0.copy()
+            x0_free[2, 3] = bad
+            np.testing.assert_array_equal(
+                self.fw.numpy(self.sft_call(fn_name, (logits, x0_free, xt, t, mask), "loo-ce")),
+                self.fw.numpy(self.sft_call(fn_name, (logits, x0, xt, t, mask), "loo-ce")))
+            got = self.fw.numpy(self.sft_call(fn_name, (logits, x0, xt_bad, t, mask), "base-sft"))
+            assert np.isfinite(got).all(), got
+        # with vocab_size < K, ids in [vocab_size, K) are out of range too
+        x0_pad = x0 % 35
+        x0_pad[1, 2] = 35
+        with pytest.raises(ValueError, match=r"x0 where loss_mask is set must be in \[0, 35\); got 35"):
+            self.sft_call(fn_name, (logits, x0_pad, xt, t, mask), "base-sft", vocab_size=35)
+
+    @pytest.mark.parametrize("fn_name", ["diffusion_sft_loss", "diffusion_sft_logps"])
+    def test_sft_ids_out_of_range_give_nan_where_values_cannot_be_read(self, rng, fn_name,
+                                                                        monkeypatch):
+        """On an accelerator (no sync) or under tracing the checks cannot run: the sequence
+        with a bad id at a scored position gets a NaN loss, the others their exact values. Simulated here by
+        giving the checks no host values; inside sync_checks() an accelerator array is read."""
+        from dlm_kernels import _checks
+
+        fw = self.fw
+        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        x0, xt = x0 % 34, np.where(xt == 36, 34, xt % 34)  # valid ids of vocab_size 35 < K
+        mask[1, 2] = mask[1, 0] = 1.0  # the bad ids below sit at scored positions
+        cases = []
+        for bad in (37, -2):
+            x0_bad, xt_bad = x0.copy(), xt.copy()
+            x0_bad[1, 2], xt_bad[1, 0] = bad, bad
+            cases += [("loo-ce", (logits, x0_bad, xt, t, mask)),
+                      ("reweighted-loo-ce", (logits, x0, xt_bad, t, mask))]
+        x0_pad, xt_pad = x0.copy(), xt.copy()
+        x0_pad[1, 2], xt_pad[1, 0] = 36, 35
+        cases += [("base-sft", (logits, x0_pad, xt, t, mask)), ("loo-ce", (logits, x0, xt_pad, t, mask))]
+        expected = {v: oracle.sft_loss(logits.astype(np.float32).astype(np.float64), x0, xt,
+                                       t.astype(np.float64), mask, v, 35)
+                    for v in ("base-sft", "loo-ce", "reweighted-loo-ce")}
+        monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
+        for variant, arrays in cases:
+            got = fw.numpy(self.sft_call(fn_name, arrays, variant, vocab_size=35))
+            assert np.isnan(got[1]), f"{variant}: the bad sequence must be NaN, got {got}"
+            scale = 1.0 if fn_name == "diffusion_sft_loss" else -np.maximum(mask.sum(1), 1)
+            assert_close(got[[0, 2]], (expected[variant] * scale)[[0, 2]], "float32",
+                         f"{variant}: the other sequences")
+
+    def test_sync_checks_read_accelerator_arrays(self, rng, monkeypatch):
+        """Outside sync_checks() an accelerator array's values are not read (NaN loss);
+        inside, they are, and the bad id is an error. The accelerator is simulated by an ops
+        adapter that refuses to read values unless a sync is allowed."""
+        from dlm_kernels import _checks
+
+        real = _checks.host_values.__globals__["_SyncChecks"]
+        seen = []
+
+        def as_if_on_gpu(xp, x, allow_sync=False):
+            seen.append(allow_sync or real.enabled)
+            return xp.concrete(x) if (allow_sync or real.enabled) else None
+
+        monkeypatch.setattr(_checks, "host_values", as_if_on_gpu)
+        fw = self.fw
+        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        x0[0, 0], mask[0, 0] = 99, 1.0
+        got = fw.numpy(self.sft_call("diffusion_sft_loss", (logits, x0, xt, t, mask), "base-sft"))
+        assert np.isnan(got[0]) and np.isfinite(got[1:]).all(), got
+        assert seen and not any(seen), "a scoring call must not sync by default"
+        with fw.api.sync_checks():
+            with pytest.raises(ValueError, match=r"x0 where loss_mask is set must be in \[0, 37\); got 99"):
+                self.sft_call("diffusion_sft_loss", (logits, x0, xt, t, mask), "base-sft")
+        assert not real.enabled, "sync_checks() restores the default on exit"
+
+    def test_targets_out_of_range_in_every_objective(self, rng, monkeypatch):
+        """target_ids outside [0, K) at active positions: ValueError where readable, else a NaN
+        log-prob (and so a NaN loss) at exactly that position."""
+        from dlm_kernels import _checks
+
+        fw = self.fw
+        batch, y, w = self.batch(rng)
+        y, w = y.copy(), w.copy()  # (torch tensors share memory with the arrays they came from)
+        w[1, 3] = 1.0
+        y[1, 3] = 41
+        bad = batch.replace(target_ids=fw.array(y), loss_weights=fw.array(w))
+        z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        teacher = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        dbatch = fw.api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=teacher)
+        dbad = dbatch.replace(student_batch=bad)
+        calls = {
+            "per_token_logps": lambda: fw.api.per_token_logps(z, bad, backend=self.BACKEND),
+            "weighted_cross_entropy": lambda: fw.api.weighted_cross_entropy(z, bad, backend=self.BACKEND).unreduced_sum,
+            "opd_loss": lambda: fw.api.opd_loss(z, dbad, hard_loss_weight=0.5, backend=self.BACKEND)[0].unreduced_sum,
+        }
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=r"target_ids at active positions must be in \[0, 41\); "
+                                                 r"got 41 at index \(1, 3\)$"):
+                call()
+        monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
+        logps = fw.numpy(calls["per_token_logps"]())
+        assert np.isnan(logps[1, 3]) and np.isfinite(np.delete(logps.reshape(-1), 9)).all(), logps
+        for name in ("weighted_cross_entropy", "opd_loss"):
+            assert np.isnan(fw.numpy(calls[name]())), name
+
     # -- Tunix batch contract ------------------------------------------------------------
 
     def batch(self, rng, b=2, l=6, k=41, zero_weights=False):
@@ -233,21 +357,27 @@ class ObjectivesSuite:
 
     def test_opd_disabled_terms_do_not_read_their_inputs(self, rng):
         fw = self.fw
-        student, y, w = self.batch(rng)
+        student, y, w = self.batch(rng, k=5)  # targets < 5, the bad teacher's K
         bad_teacher = fw.array(np.full((2, 6, 5), np.nan), "float32")  # wrong K and NaN
         batch = fw.api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=bad_teacher)
         z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
         total, aux = fw.api.opd_loss(z, batch, soft_loss_weight=0.0, hard_loss_weight=1.0,
                                      backend=self.BACKEND)
-        assert np.isfinite(fw.numpy(total.compute())) and fw.numpy(aux["distill/soft_loss"].unreduced_sum) == 0
-        # a disabled hard term does not check targets against K
+        z64, active, wf = fw.numpy(z).reshape(12, 41), (w != 0).reshape(-1), w.reshape(-1)
+        _, lp, _, _ = oracle.token_stats(z64, y.reshape(-1), active)
+        assert_close(fw.numpy(total.unreduced_sum), -(wf * lp).sum(), "float32", "hard-only total")
+        assert fw.numpy(aux["distill/soft_loss"].unreduced_sum) == 0
+        # a disabled hard term does not check targets against K (replace() skips the batch's
+        # own check, as a batch traced under jit would)
         y_bad = np.where(w != 0, 1000, -1)
-        student2 = student.replace(target_ids=fw.array(y_bad))
         teacher = fw.array(rng.normal(size=(2, 6, 41)), "float32")
-        batch2 = fw.api.DiffusionDistillationBatch.create(student_batch=student2, teacher_logits=teacher)
-        total2, aux2 = fw.api.opd_loss(z, batch2, soft_loss_weight=1.0, hard_loss_weight=0.0,
-                                       backend=self.BACKEND)
-        assert np.isfinite(fw.numpy(total2.compute()))
+        batch2 = batch.replace(student_batch=student.replace(target_ids=fw.array(y_bad)),
+                               teacher_logits=teacher)
+        total2, aux2 = fw.api.opd_loss(z, batch2, temperature=1.5, soft_loss_weight=1.0,
+                                       hard_loss_weight=0.0, backend=self.BACKEND)
+        _, _, _, kl = oracle.token_stats(z64, y_bad.reshape(-1), active,
+                                         u=fw.numpy(teacher).reshape(12, 41), T=1.5)
+        assert_close(fw.numpy(total2.unreduced_sum), 2.25 * (wf * kl).sum(), "float32", "soft-only total")
         assert fw.numpy(aux2["distill/hard_loss"].unreduced_sum) == 0
 
 

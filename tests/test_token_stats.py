@@ -202,6 +202,108 @@ class TokenStatsSuite:
         logp = fw.numpy(st.logp)
         assert np.isfinite(logp[[0, 3]]).all() and np.isnan(logp[[1, 2]]).all(), logp
 
+    def test_per_position_shift_matches_the_materialised_shift(self, rng):
+        """A [B, L] shift (per-position alpha, as with per-token diffusion times) in the fused
+        primitive equals loo_to_denoiser_logits with alpha [B, L] plus an unshifted call, and
+        the float64 oracle; gradients too."""
+        fw = self.fw
+        b, l, k = 3, 4, 67
+        z64 = rng.normal(size=(b, l, k)) * 3
+        y, xt = rng.integers(0, k, (b, l)), rng.integers(0, k, (b, l))
+        alpha = rng.uniform(0.05, 0.95, (b, l)).astype(np.float32)
+        w = (rng.uniform(size=(b, l)) < 0.8).astype(np.float32)
+        w[0, 0] = 1.0
+        z = fw.array(z64, "float32")
+        delta = fw.numpy(fw.api.loo_to_denoiser_logits(fw.array(np.zeros((b, l, k), np.float32)),
+                                                       fw.array(xt), fw.array(alpha), k))
+        delta = delta[np.arange(b)[:, None], np.arange(l)[None, :], xt].astype(np.float32)  # [B, L]
+        fused = lambda z_: fw.api.token_stats(z_, fw.array(y), fw.array(w), shift_ids=fw.array(xt),
+                                              shift=fw.array(delta), backend=self.BACKEND)
+        shifted = lambda z_: fw.api.token_stats(
+            fw.api.loo_to_denoiser_logits(z_, fw.array(xt), fw.array(alpha), k), fw.array(y),
+            fw.array(w), backend=self.BACKEND)
+        cots = [rng.normal(size=(b, l)).astype(np.float32) for _ in range(4)]
+        got, (g_got,) = fw.vjp(fused, [z], cots)
+        ref, (g_ref,) = fw.vjp(shifted, [z], cots)
+        active = w.reshape(-1) != 0
+        exp = oracle.token_stats(z64.reshape(-1, k), y.reshape(-1), active, x=xt.reshape(-1),
+                                 d=delta.reshape(-1).astype(np.float64))
+        for name, a, r, e in zip(("lse", "logp", "entropy", "kl"), got, ref, exp):
+            assert_close(a.reshape(-1), e, "float32", f"{name} with a [B, L] shift vs oracle")
+            assert_close(a.reshape(-1), r.reshape(-1), "float32", f"{name}: fused vs materialised")
+        g = [c.reshape(-1) for c in cots]
+        dz, _ = oracle.token_stats_vjp(z64.reshape(-1, k), y.reshape(-1), active, g,
+                                       x=xt.reshape(-1), d=delta.reshape(-1).astype(np.float64))
+        slack = oracle.saved_lse_slack(z64.reshape(-1, k), y.reshape(-1), active, g,
+                                       x=xt.reshape(-1), d=delta.reshape(-1).astype(np.float64))
+        assert_close(g_got.reshape(-1, k), dz, "float32", "d logits with a [B, L] shift", slack=slack)
+        assert_close(g_got, g_ref, "float32", "d logits: fused vs materialised", slack=2 * slack.reshape(g_got.shape))
+
+    def test_shift_ids_out_of_range_give_nan_not_an_unshifted_row(self, rng):
+        fw = self.fw
+        k = 29
+        z = fw.array(rng.normal(size=(6, k)), "float32")
+        y = rng.integers(0, k, 6)
+        x = np.array([3, -1, k, k + 7, 0, -4])
+        w = np.array([1, 1, 1, 1, 1, 0], np.float32)  # the last row is inactive
+        st = fw.api.token_stats(z, fw.array(y), fw.array(w), shift_ids=fw.array(x), shift=2.0,
+                                backend=self.BACKEND)
+        for name, v in zip(("lse", "logp", "entropy", "kl"), st):
+            v = fw.numpy(v)
+            assert np.isfinite(v[[0, 4]]).all(), f"{name}: rows with valid shift ids: {v}"
+            assert np.isnan(v[1:4]).all(), f"{name}: rows with out-of-range shift ids: {v}"
+            assert v[5] == 0.0, f"{name}: an inactive row stays 0 whatever its shift id: {v}"
+
+    @pytest.mark.parametrize("case", ["+inf", "+inf target", "nan", "all -inf", "-inf target"])
+    def test_non_finite_logits_in_active_rows(self, rng, case):
+        """The documented result of every backend alike: a NaN or +inf logit, or an all -inf
+        row, leaves no distribution (every statistic NaN, lse -inf for the all -inf row, the
+        row's gradient NaN); a target at -inf has logp -inf with the oracle's finite gradient.
+        The other rows are untouched."""
+        fw = self.fw
+        n, k, bad = 5, 37, 2
+        z64 = rng.normal(size=(n, k)) * 2
+        u64 = rng.normal(size=(n, k))
+        y = rng.integers(0, k, n)
+        other = (y[bad] + 5) % k
+        if case == "+inf":
+            z64[bad, other] = np.inf
+        elif case == "+inf target":
+            z64[bad, y[bad]] = np.inf
+        elif case == "nan":
+            z64[bad, other] = np.nan
+        elif case == "all -inf":
+            z64[bad] = -np.inf
+        else:
+            z64[bad, y[bad]] = -np.inf
+        fn = lambda z_: fw.api.token_stats(z_, fw.array(y), teacher_logits=fw.array(u64, "float32"),
+                                           temperature=0.9, backend=self.BACKEND)
+        cots = [rng.uniform(0.5, 1.5, n).astype(np.float32) for _ in range(4)]
+        outs, (grad,) = fw.vjp(fn, [fw.array(z64, "float32")], cots)
+        active = np.ones(n, bool)
+        keep = np.arange(n) != bad if case != "-inf target" else active
+        exp = oracle.token_stats(z64, y, active, u=u64, T=0.9)
+        for name, got, e in zip(("lse", "logp", "entropy", "kl"), outs, exp):
+            assert_close(got[keep], e[keep], "float32", f"{name} of the other rows")
+        if case == "-inf target":
+            assert outs[1][bad] == -np.inf, f"logp of a target at -inf: {outs[1][bad]}"
+            dz, _ = oracle.token_stats_vjp(z64, y, active, cots, u=u64, T=0.9)
+            assert_close(grad, dz, "float32", "d logits with a target at -inf",
+                         slack=oracle.saved_lse_slack(z64, y, active, cots, u=u64, T=0.9))
+            return
+        lse = outs[0][bad]
+        assert (lse == -np.inf) if case == "all -inf" else np.isnan(lse), f"lse: {lse}"
+        for name, got in zip(("logp", "entropy", "kl"), outs[1:]):
+            assert np.isnan(got[bad]), f"{name} of the row with {case}: {got[bad]}"
+        assert np.isnan(grad[bad]).all(), (
+            f"d logits of the row with {case}: {np.count_nonzero(~np.isnan(grad[bad]))} of {k} "
+            f"not NaN")
+        dz, _ = oracle.token_stats_vjp(z64[keep], y[keep], active[keep], [c[keep] for c in cots],
+                                       u=u64[keep], T=0.9)
+        slack = oracle.saved_lse_slack(z64[keep], y[keep], active[keep], [c[keep] for c in cots],
+                                       u=u64[keep], T=0.9)
+        assert_close(grad[keep], dz, "float32", "d logits of the other rows", slack=slack)
+
     def test_scalar_shift_equals_broadcast_shift(self, rng):
         fw = self.fw
         z = fw.array(rng.normal(size=(3, 4, 29)) * 3, "float32")
@@ -299,6 +401,27 @@ class TorchCompileChecks:
             total, _ = fw.api.opd_loss(z, batch, temperature=1.7, hard_loss_weight=0.4,
                                        backend=self.BACKEND)
             return total.compute()
+
+        self.check_compiled(loss, fw.array(z64, "float32"))
+
+
+    def test_torch_compile_fullgraph_contract_checks(self, rng):
+        """The contract's checks trace too: an SFT LOO loss with vocab_size < K (ids remapped
+        on the device) and a policy score of a dict-of-tensors batch with bool weights."""
+        fw = self.fw
+        z64 = rng.normal(size=(2, 3, 97)) * 3
+        x0, xt = fw.array(rng.integers(0, 90, (2, 3))), fw.array(rng.integers(0, 90, (2, 3)))
+        t = fw.array(np.array([0.2, 0.7], np.float32))
+        mask = fw.array(np.array([[1, 0, 1], [1, 1, 1]], np.float32))
+        batch = fw.api.DiffusionTokenBatch.create(
+            model_inputs={"input_tokens": xt, "time": t}, target_ids=x0,
+            loss_weights=fw.array(np.array([[True, True, False], [True, False, True]])))
+
+        def loss(z):
+            sft = fw.api.diffusion_sft_loss(z, x0, xt, t, mask, variant="reweighted-loo-ce",
+                                            vocab_size=90, backend=self.BACKEND)
+            logps = fw.api.per_token_logps(z, batch, stop_gradient=False, backend=self.BACKEND)
+            return sft.sum() + logps.sum()
 
         self.check_compiled(loss, fw.array(z64, "float32"))
 

@@ -2,17 +2,54 @@
 
 Static checks (rank, shape, dtype) read only ``.shape`` and ``.dtype`` and are safe under
 tracing. Value checks run only on concrete arrays (``xp.concrete(x)`` returns None for a
-tracer) and look at active positions only. Every error names the argument and what was seen.
+tracer) and look at active positions only; scoring calls never pull an accelerator array to
+the host unless the caller asked for it with :func:`sync_checks`. Every error names the
+argument (for a pytree leaf, its path) and what was seen, as plain numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-from ._common import shape_str
+from ._common import plain, shape_str
 
 
-def _dtype(x) -> str:
+class _SyncChecks:
+    """Whether value checks may synchronise with an accelerator (a plain attribute:
+    torch.compile guards attribute reads; process-wide, like a logging level)."""
+
+    enabled = False
+
+
+@contextlib.contextmanager
+def sync_checks(enabled: bool = True):
+    """Within this block, the value checks of every objective also run on accelerator arrays
+    (CUDA tensors, JAX arrays on a GPU or TPU) by copying the checked ``[B, L]`` arrays to the
+    host: one device synchronisation per checked array. Outside it, a bad id or weight on an
+    accelerator is not checked and shows as a NaN loss (see the README). Arrays traced under
+    ``jit`` or ``torch.compile`` have no values to check either way."""
+    previous = _SyncChecks.enabled
+    _SyncChecks.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _SyncChecks.enabled = previous
+
+
+def host_values(xp, x, allow_sync=False):
+    """x as a NumPy array (float64 for floats) when its values can be read here, else None:
+    never for a tracer; for an accelerator array only when ``allow_sync`` or inside
+    ``sync_checks()``."""
+    return xp.concrete(x, allow_sync or _SyncChecks.enabled)
+
+
+def _index(idx) -> str:
+    return "(" + ", ".join(str(int(i)) for i in idx) + ("," if len(idx) == 1 else "") + ")"
+
+
+def dtype_str(x) -> str:
     return str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
 
 
@@ -29,12 +66,17 @@ def require_rank(xp, name, x, rank, layout):
 
 def require_int(xp, name, x):
     if not xp.is_int(x):
-        raise TypeError(f"{name} must have an integer dtype; got {_dtype(x)}")
+        raise TypeError(f"{name} must have an integer dtype; got {dtype_str(x)}")
 
 
 def require_float(xp, name, x):
     if not xp.is_float(x):
-        raise TypeError(f"{name} must have a floating dtype; got {_dtype(x)}")
+        raise TypeError(f"{name} must have a floating dtype; got {dtype_str(x)}")
+
+
+def require_real(xp, name, x, what="a bool, integer or floating dtype"):
+    if not xp.is_real(x):
+        raise TypeError(f"{name} must have {what}; got {dtype_str(x)}")
 
 
 def require_shape(name, x, shape, layout):
@@ -42,6 +84,51 @@ def require_shape(name, x, shape, layout):
         raise ValueError(
             f"{name} must have shape {layout} = {shape_str(shape)}; got {shape_str(x.shape)}"
         )
+
+
+# -- value checks (concrete arrays only) ----------------------------------------------------
+
+def _raise_first(bad, values, message):
+    idx = tuple(np.argwhere(bad)[0])
+    raise ValueError(f"{message}; got {plain(values[idx])} at index {_index(idx)}")
+
+
+def check_nonnegative(xp, name, x, allow_sync=False):
+    """Every value finite and >= 0 (weights, masks)."""
+    v = host_values(xp, x, allow_sync)
+    if v is None:
+        return
+    bad = ~np.isfinite(v) | (v < 0)
+    if bad.any():
+        _raise_first(bad, v, f"{name} must be finite and non-negative")
+
+
+def check_unit_interval(xp, name, x, allow_sync=False):
+    """Every value in [0, 1] (diffusion times); NaN is out of range."""
+    v = host_values(xp, x, allow_sync)
+    if v is None:
+        return
+    bad = ~((v >= 0) & (v <= 1))
+    if bad.any():
+        _raise_first(bad, v, f"{name} must lie in [0, 1]")
+
+
+def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False):
+    """ids in [0, high) (>= 0 when high is None) at the positions where ``where`` (an array
+    whose non-zero entries select) is set, or everywhere when ``where`` is None; ``at`` says
+    which positions in the message (" at active positions")."""
+    y = host_values(xp, ids, allow_sync)
+    if y is None:
+        return
+    bad = (y < 0) if high is None else ((y < 0) | (y >= high))
+    if where is not None:
+        w = host_values(xp, where, allow_sync)
+        if w is None:
+            return
+        bad = bad & (w != 0)
+    if bad.any():
+        bound = ">= 0" if high is None else f"in [0, {high})"
+        _raise_first(bad, y, f"{name}{at} must be {bound}")
 
 
 # -- the token-statistics primitive ------------------------------------------------
@@ -80,15 +167,34 @@ def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_l
 
 # -- the Tunix batch contract --------------------------------------------------------
 
+def check_model_inputs(xp, model_inputs, batch_size):
+    """A batch-major pytree of arrays: at least one leaf; every leaf an array (not a scalar)
+    of a bool or real numeric dtype whose leading dimension is ``batch_size``."""
+    leaves = xp.leaves_with_paths(model_inputs)
+    if not leaves:
+        raise ValueError(
+            f"model_inputs must be a pytree with at least one array leaf; got "
+            f"{type(model_inputs).__name__} with none")
+    for path, leaf in leaves:
+        name = "model_inputs" + path
+        require_array(xp, name, leaf)
+        if len(leaf.shape) == 0:
+            raise ValueError(f"{name} must be batch-major [B, ...] with B = {batch_size}; "
+                             f"got a scalar (shape [])")
+        if leaf.shape[0] != batch_size:
+            raise ValueError(
+                f"{name} must be batch-major [B, ...] with B = {batch_size} (target_ids.shape[0]); "
+                f"got {shape_str(leaf.shape)}")
+        require_real(xp, name, leaf, "a bool, integer or floating dtype")
+
+
 def check_token_batch_static(xp, model_inputs, target_ids, loss_weights):
-    require_rank(xp, "model_inputs", model_inputs, 2, "[B, L]")
-    require_int(xp, "model_inputs", model_inputs)
-    require_array(xp, "target_ids", target_ids)
-    require_shape("target_ids", target_ids, model_inputs.shape, "model_inputs.shape [B, L]")
+    require_rank(xp, "target_ids", target_ids, 2, "[B, L]")
     require_int(xp, "target_ids", target_ids)
     require_array(xp, "loss_weights", loss_weights)
-    require_shape("loss_weights", loss_weights, model_inputs.shape, "model_inputs.shape [B, L]")
-    require_float(xp, "loss_weights", loss_weights)
+    require_shape("loss_weights", loss_weights, target_ids.shape, "target_ids.shape [B, L]")
+    require_real(xp, "loss_weights", loss_weights)
+    check_model_inputs(xp, model_inputs, target_ids.shape[0])
 
 
 def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allow_sync=True):
@@ -97,26 +203,9 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allo
     Scoring calls pass ``allow_sync=False``: accelerator arrays are then not pulled to the
     host (an out-of-range active target still shows as a NaN log-prob, never silently).
     """
-    w = xp.concrete(loss_weights, allow_sync)
-    if w is None:
-        return
-    bad = ~np.isfinite(w) | (w < 0)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"loss_weights must be finite and non-negative; got {w[idx]!r} at index {idx}"
-        )
-    y = xp.concrete(target_ids, allow_sync)
-    if y is None:
-        return
-    active = w != 0
-    bad = active & ((y < 0) | ((y >= vocab_size) if vocab_size is not None else False))
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise ValueError(
-            f"target_ids at active positions must be in {bound}; got {int(y[idx])} at index {idx}"
-        )
+    check_nonnegative(xp, "loss_weights", loss_weights, allow_sync)
+    check_ids(xp, "target_ids", target_ids, vocab_size, where=loss_weights,
+              at=" at active positions", allow_sync=allow_sync)
 
 
 def check_logits_for_batch(xp, name, logits, batch_shape):
@@ -132,15 +221,13 @@ def check_logits_for_batch(xp, name, logits, batch_shape):
 
 
 def check_teacher_values(xp, teacher_logits, loss_weights):
-    """Teacher logits must be finite at active positions (concrete host arrays only: a scoring
-    call never syncs an accelerator; a non-finite teacher there gives a NaN loss)."""
-    u = xp.concrete(teacher_logits, allow_sync=False)
-    w = xp.concrete(loss_weights, allow_sync=False)
+    """Teacher logits must be finite at active positions (concrete host arrays only, unless
+    inside ``sync_checks()``: a scoring call never syncs an accelerator by default; a
+    non-finite teacher there gives a NaN loss)."""
+    u = host_values(xp, teacher_logits)
+    w = host_values(xp, loss_weights)
     if u is None or w is None:
         return
     bad = ~np.isfinite(u) & (w != 0)[..., None]
     if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"teacher_logits must be finite at active positions; got {u[idx]!r} at index {idx}"
-        )
+        _raise_first(bad, u, "teacher_logits must be finite at active positions")

@@ -13,6 +13,8 @@ import os
 import re
 from typing import Optional
 
+import numpy as np
+
 EPS = 1e-12
 
 #: Megatron-Bridge DiffusionGemma SFT variants.
@@ -41,28 +43,42 @@ def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optio
     """A finite, strictly positive Python scalar (bools are rejected)."""
     if value is None and allow_none:
         return None
+    _require_static(name, value)
     if isinstance(value, bool) or not _is_real_scalar(value):
-        raise ValueError(f"{name} must be a finite positive float; got {value!r}")
+        raise ValueError(f"{name} must be a finite positive float; got {plain(value)}")
     value = float(value)
     if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be a finite positive float; got {value!r}")
+        raise ValueError(f"{name} must be a finite positive float; got {plain(value)}")
     return value
 
 
 def check_loss_weight(name: str, value) -> float:
     """A finite, non-negative Python scalar (bools are rejected)."""
+    _require_static(name, value)
     if isinstance(value, bool) or not _is_real_scalar(value):
-        raise ValueError(f"{name} must be a finite non-negative float; got {value!r}")
+        raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
     value = float(value)
     if not math.isfinite(value) or value < 0.0:
-        raise ValueError(f"{name} must be a finite non-negative float; got {value!r}")
+        raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
     return value
 
 
 def check_vocab_size(vocab_size) -> int:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int; got {vocab_size!r}")
+        raise ValueError(f"vocab_size must be a positive int; got {plain(vocab_size)}")
     return vocab_size
+
+
+def _require_static(name: str, value) -> None:
+    """A traced value (a JAX tracer under jit, grad or vmap) cannot configure a kernel: say so
+    rather than calling it a bad float."""
+    if isinstance(value, (int, float)):  # the common case, and all torch.compile traces
+        return
+    if any(cls.__name__ == "Tracer" for cls in type(value).__mro__):
+        raise ValueError(
+            f"{name} must be a static Python number; got a traced value ({type(value).__name__}"
+            f"): under jax.jit pass it as a static argument (static_argnums / static_argnames) "
+            f"or close over it, rather than as a traced array")
 
 
 def _is_real_scalar(value) -> bool:
@@ -132,7 +148,7 @@ def make_config(
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
-        raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
+        raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
     if vocab_size is not None:
         vocab_size = check_vocab_size(vocab_size)
     if teacher_grad and not has_teacher:
@@ -181,6 +197,20 @@ def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = Tru
 def env_backend() -> Optional[str]:
     value = os.environ.get(BACKEND_ENV, "").strip()
     return value or None
+
+
+def plain(value) -> str:
+    """A number as a user writes it: ``-1.0``, ``nan``, ``7`` (not ``np.float64(-1.0)``);
+    anything else as its repr."""
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    if getattr(value, "shape", None) == () and _is_real_scalar(value):  # a 0-d array
+        return plain(value.item())
+    return repr(value)
 
 
 def shape_str(shape) -> str:

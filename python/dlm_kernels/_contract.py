@@ -18,8 +18,10 @@ def weighted_mean(xp, unreduced_sum, denominator):
     return xp.where(denominator > 0, unreduced_sum / safe, 0.0)
 
 
-def make_contract(xp, module: str):
-    """(WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch) for ops adapter ``xp``."""
+def make_contract(xp, module: str, vocab_extent=lambda logits: logits.shape[-1]):
+    """(WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch) for ops adapter ``xp``;
+    ``vocab_extent(logits)`` is the full vocabulary of a logits array (K, or K x shards inside
+    a vocabulary-parallel context)."""
 
     @dataclasses.dataclass(frozen=True)
     class WeightedSum:
@@ -40,7 +42,11 @@ def make_contract(xp, module: str):
         """Target-aligned diffusion batch: position (b, l) predicts ``target_ids[b, l]``
         from ``model_inputs`` (the noisy canvas); it is active when its weight is non-zero.
 
-        model_inputs: [B, L] int;  target_ids: [B, L] int;  loss_weights: [B, L] float.
+        model_inputs: a batch-major pytree of arrays (a dict such as {"input_tokens": [B, L]
+          int, "positions": [B, L] int, "time": [B] float}, any nesting, or one bare array):
+          every leaf non-scalar with leading dimension B and a bool or real numeric dtype.
+        target_ids: [B, L] int.
+        loss_weights: [B, L] bool, int or float, kept as given (objectives convert to float32).
         """
 
         model_inputs: object
@@ -53,8 +59,9 @@ def make_contract(xp, module: str):
             return batch.validate()
 
         def validate(self):
-            """Static checks always; value checks (finite, non-negative weights; active
-            targets >= 0) on concrete arrays. Returns self."""
+            """Static checks always (TypeError for a wrong kind or dtype, ValueError for a
+            shape); value checks (finite, non-negative weights; active targets >= 0) on
+            concrete arrays. Returns self."""
             C.check_token_batch_static(xp, self.model_inputs, self.target_ids, self.loss_weights)
             C.check_token_batch_values(xp, self.target_ids, self.loss_weights)
             return self
@@ -67,8 +74,9 @@ def make_contract(xp, module: str):
         """A student batch plus the teacher's logits at the same positions.
 
         student_batch: DiffusionTokenBatch;  teacher_logits: [B, L, K] float.
-        Teacher values (finite at active positions) are checked by ``opd_loss`` when its
-        soft term is enabled, so a batch for a hard-only loss may carry any teacher array.
+        On concrete arrays, active targets must lie in [0, K) of the teacher logits. Teacher
+        values (finite at active positions) are checked by ``opd_loss`` when its soft term
+        is enabled, so a batch for a hard-only loss may carry any finite-shaped teacher.
         """
 
         student_batch: object
@@ -87,6 +95,9 @@ def make_contract(xp, module: str):
             self.student_batch.validate()
             C.check_logits_for_batch(xp, "teacher_logits", self.teacher_logits,
                                      self.student_batch.target_ids.shape)
+            C.check_ids(xp, "target_ids", self.student_batch.target_ids,
+                        vocab_extent(self.teacher_logits), where=self.student_batch.loss_weights,
+                        at=" at active positions", allow_sync=True)
             return self
 
         def replace(self, **fields):

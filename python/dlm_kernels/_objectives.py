@@ -49,10 +49,31 @@ class Frontend:
 
     # -- schedule -------------------------------------------------------------------------
 
-    def _loo_delta(self, alpha, vocab_size):
-        """delta = log1p(K·alpha / max(1 - alpha, EPS)), [B] float32."""
-        alpha = self.xp.as_f32(alpha)
-        return self.xp.log1p(vocab_size * alpha / self.xp.clamp_min(1.0 - alpha, EPS))
+    def _loo_delta(self, alpha, vocab_size, bl):
+        """delta = log1p(K·alpha / max(1 - alpha, EPS)) as [B, L] float32, from alpha of shape
+        [B], [B, 1] or [B, L] (per-position signal retention: per-token diffusion times)."""
+        xp = self.xp
+        C.require_array(xp, "alpha", alpha)
+        alpha = xp.as_f32(alpha)
+        b, l = bl
+        if tuple(alpha.shape) == (b,):
+            alpha = alpha[:, None]
+        elif tuple(alpha.shape) not in ((b, 1), (b, l)):
+            raise ValueError(f"alpha must have shape [B], [B, 1] or [B, L] with [B, L] = "
+                             f"{shape_str(bl)}; got {shape_str(alpha.shape)}")
+        delta = xp.log1p(vocab_size * alpha / xp.clamp_min(1.0 - alpha, EPS))
+        return xp.broadcast_to(delta, bl)
+
+    def _check_vocab_size(self, vocab_size, logits):
+        """vocab_size: a positive int no larger than the logits' vocabulary (K, or K x shards
+        inside ``vocab_parallel``). A smaller one marks the ids in [0, vocab_size) as valid and
+        is the K of the LOO shift; every column still takes part in the softmax."""
+        vocab_size = check_vocab_size(vocab_size)
+        extent = self.vocab_extent(logits)
+        if vocab_size > extent:
+            raise ValueError(f"vocab_size must be <= the logits' vocabulary K = {extent} "
+                             f"(logits.shape[-1]); got {vocab_size}")
+        return vocab_size, extent
 
     def reweight(self, variant, t, alpha, alpha_dot):
         """Time weight [B]: -alpha_dot / max(alpha, EPS) for reweighted variants, else 1."""
@@ -62,23 +83,26 @@ class Frontend:
         return xp.as_f32(t) * 0.0 + 1.0
 
     def loo_to_denoiser_logits(self, logits, xt, alpha, vocab_size):
-        """LOO -> denoiser logits: logits [B, L, K] + delta[b] at column xt [B, L]; float32.
+        """LOO -> denoiser logits: logits [B, L, K] + delta at column xt [B, L]; float32.
 
-        delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B]. Materialises a
+        delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B], [B, 1] or
+        [B, L]. An xt outside [0, vocab_size) raises ValueError where its values can be read
+        without a device sync, else makes that position's logits NaN. Materialises a
         [B, L, K] array; the losses apply the same shift inside the fused primitive instead.
         """
         xp = self.xp
-        vocab_size = check_vocab_size(vocab_size)
         C.require_rank(xp, "logits", logits, 3, "[B, L, K]")
         C.require_float(xp, "logits", logits)
         C.require_array(xp, "xt", xt)
         C.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
         C.require_int(xp, "xt", xt)
-        delta = self._loo_delta(alpha, vocab_size)
-        C.require_shape("alpha", delta, logits.shape[:1], "[B]")
+        vocab_size, _ = self._check_vocab_size(vocab_size, logits)
+        delta = self._loo_delta(alpha, vocab_size, tuple(logits.shape[:2]))
+        C.check_ids(xp, "xt", xt, vocab_size)
         cols = xp.arange(logits.shape[-1], logits)
-        bump = xp.where(cols[None, None, :] == xt[:, :, None], delta[:, None, None], 0.0)
-        return xp.f32(logits) + bump
+        bump = xp.where(cols[None, None, :] == xt[:, :, None], delta[:, :, None], 0.0)
+        bad = (xt < 0) | (xt >= vocab_size)  # [B, L]: never a silently unshifted row
+        return xp.where(bad[:, :, None], float("nan"), xp.f32(logits) + bump)
 
     # -- Megatron-Bridge DiffusionGemma SFT ----------------------------------------------------
 
@@ -87,11 +111,11 @@ class Frontend:
         """(w [B], Σ_l M·CE [B], Σ_l M [B]) for one SFT batch."""
         xp = self.xp
         variant = normalize_variant(variant)
-        vocab_size = check_vocab_size(vocab_size)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
                                     allow_none=True)
         C.require_rank(xp, "logits", logits, 3, "[B, L, K]")
         C.require_float(xp, "logits", logits)
+        vocab_size, extent = self._check_vocab_size(vocab_size, logits)
         bl = tuple(logits.shape[:2])
         for name, arr in (("x0", x0), ("xt", xt)):
             C.require_array(xp, name, arr)
@@ -99,17 +123,29 @@ class Frontend:
             C.require_int(xp, name, arr)
         C.require_array(xp, "loss_mask", loss_mask)
         C.require_shape("loss_mask", loss_mask, bl, "logits.shape[:2] [B, L]")
+        C.require_real(xp, "loss_mask", loss_mask)
         C.require_array(xp, "t", t)
         C.require_shape("t", t, bl[:1], "[B]")
+        C.require_real(xp, "t", t)
+        loo = variant in LOO_VARIANTS
+        # values, where they can be read without a device sync (see ``sync_checks``)
+        C.check_nonnegative(xp, "loss_mask", loss_mask)
+        C.check_unit_interval(xp, "t", t)
+        C.check_ids(xp, "x0", x0, vocab_size, where=loss_mask, at=" where loss_mask is set")
+        if loo:
+            C.check_ids(xp, "xt", xt, vocab_size)
         alpha = alpha_fn(t)
         w = self.reweight(variant, t, alpha, alpha_dot_fn(t))
+        C.require_shape("the time weight from alpha_fn(t) and alpha_dot_fn(t)", w, bl[:1], "[B]")
         if clip is not None:
             w = xp.clamp_max(w, clip)
         mask = xp.f32(loss_mask)
+        if vocab_size < extent:  # ids in [vocab_size, K) are out of range too: NaN, not silent
+            x0 = xp.where(x0 < vocab_size, x0, -1)
+            xt = xp.where(xt < vocab_size, xt, -1) if loo else xt
         shift_ids = shift = None
-        if variant in LOO_VARIANTS:
-            shift_ids = xt
-            shift = xp.broadcast_to(self._loo_delta(alpha, vocab_size)[:, None], bl)
+        if loo:
+            shift_ids, shift = xt, self._loo_delta(alpha, vocab_size, bl)
         stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
                                  entropy=False, backend=backend)
         ce_sum = -xp.rowsum(mask * stats.logp)
@@ -121,9 +157,15 @@ class Frontend:
         """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
 
         loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
-        tokens x0 [B, L], noisy tokens xt [B, L], times t [B] and loss_mask M [B, L].
-        ``variant`` picks the time weight w and the LOO shift (``VARIANTS``);
-        ``diffusion_weight_clip`` bounds w from above.
+        tokens x0 [B, L], noisy tokens xt [B, L], times t [B] in [0, 1] and loss_mask M
+        [B, L] (finite, non-negative). ``variant`` picks the time weight w and the LOO shift
+        (``VARIANTS``); ``diffusion_weight_clip`` bounds w from above. ``vocab_size`` <= K.
+
+        Bad values raise ValueError where they can be read without a device sync (CPU
+        tensors, concrete host arrays; accelerator arrays inside ``sync_checks()``): an x0
+        outside [0, vocab_size) where the mask is set, an xt outside it in a LOO variant, a
+        negative or non-finite mask, a t outside [0, 1]. Elsewhere (accelerators, ``jit``,
+        ``torch.compile``) such an id makes that sequence's loss NaN, never a plausible number.
         """
         w, ce_sum, count = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
                                            diffusion_weight_clip, alpha_fn, alpha_dot_fn,
@@ -141,14 +183,16 @@ class Frontend:
     # -- Tunix batch contract --------------------------------------------------------------
 
     def validate_diffusion_logits(self, batch, logits, name="logits"):
-        """Check logits [B, L, K] against a DiffusionTokenBatch: shapes and dtype always,
-        active targets in [0, K) when the arrays are concrete host arrays (never a device
-        sync: on an accelerator an out-of-range active target shows as a NaN log-prob)."""
+        """Check logits [B, L, K] against a DiffusionTokenBatch and return ``logits``: rank,
+        [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) when
+        the arrays are concrete host arrays (no device sync, except inside ``sync_checks()``:
+        elsewhere an out-of-range active target shows as a NaN log-prob)."""
         if not isinstance(batch, self.DiffusionTokenBatch):
             raise TypeError(f"batch must be a DiffusionTokenBatch; got {type(batch).__name__}")
         C.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
         C.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
                                    self.vocab_extent(logits), allow_sync=False)
+        return logits
 
     def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
                         return_entropy=False, backend=None):
@@ -229,8 +273,10 @@ class Frontend:
         return self.WeightedSum(total, denominator), aux
 
     def merge_diffusion_batches(self, batches):
-        """Concatenate batches on the batch axis. All must have one type and the same
-        trailing shapes and dtypes; everything is checked before anything is built."""
+        """Concatenate batches on the batch axis, every leaf of every field (model_inputs is a
+        pytree). All must have one type, the same tree structure and the same trailing shapes
+        and dtypes; everything is checked before anything is built. Host NumPy leaves stay
+        NumPy, device arrays stay on their devices."""
         batches = list(batches)
         if not batches:
             raise ValueError("batches must be a non-empty sequence of batches; got an empty one")
@@ -244,16 +290,40 @@ class Frontend:
                 raise TypeError(
                     f"batches[{i}] is a {type(b).__name__}, but batches[0] is a "
                     f"{kind.__name__}: all batches must have the same structure")
-        concat = self.xp.concat
         if kind is self.DiffusionDistillationBatch:
-            _same_trailing("teacher_logits", [b.teacher_logits for b in batches])
-            students = self.merge_diffusion_batches([b.student_batch for b in batches])
-            return kind.create(student_batch=students,
-                               teacher_logits=concat([b.teacher_logits for b in batches]))
-        fields = ("model_inputs", "target_ids", "loss_weights")
-        for f in fields:
-            _same_trailing(f, [getattr(b, f) for b in batches])
-        return kind.create(**{f: concat([getattr(b, f) for b in batches]) for f in fields})
+            students = [b.student_batch for b in batches]
+            fields = {"teacher_logits": [b.teacher_logits for b in batches]}
+            plan = {f: self._merge_plan(f, trees) for f, trees in fields.items()}
+            student = self.merge_diffusion_batches(students)  # checks its fields first
+            return kind.create(student_batch=student, **self._merge_apply(plan))
+        fields = {f: [getattr(b, f) for b in batches]
+                  for f in ("model_inputs", "target_ids", "loss_weights")}
+        plan = {f: self._merge_plan(f, trees) for f, trees in fields.items()}
+        return kind.create(**self._merge_apply(plan))
+
+    def _merge_plan(self, field, trees):
+        """(treedef, [leaves of batch i]) after checking that every batch's ``field`` has the
+        structure, trailing shapes and dtypes of batches[0]'s."""
+        xp = self.xp
+        flat = [xp.tree_flatten(tree) for tree in trees]
+        treedef = flat[0][1]
+        for i, (_, other) in enumerate(flat):
+            if other != treedef:
+                raise ValueError(f"batches[{i}].{field} has tree structure {other}; "
+                                 f"batches[0].{field} has {treedef}: they must match")
+        paths = [path for path, _ in xp.leaves_with_paths(trees[0])]
+        leaves = [[leaf for leaf in leaves if leaf is not None] for leaves, _ in flat]
+        for j, path in enumerate(paths):
+            _same_trailing(field + path, [batch_leaves[j] for batch_leaves in leaves])
+        return treedef, [leaves for leaves, _ in flat]
+
+    def _merge_apply(self, plan):
+        xp = self.xp
+        merged = {}
+        for field, (treedef, per_batch) in plan.items():
+            columns = zip(*per_batch)  # leaf j of every batch
+            merged[field] = xp.tree_unflatten(treedef, [xp.concat_leaves(c) for c in columns])
+        return merged
 
 
 def _same_trailing(name, arrays):
@@ -261,6 +331,7 @@ def _same_trailing(name, arrays):
     for i, a in enumerate(arrays):
         if tuple(a.shape[1:]) != tuple(first.shape[1:]) or a.dtype != first.dtype:
             raise ValueError(
-                f"batches[{i}].{name} has shape {shape_str(a.shape)} and dtype {a.dtype}; "
-                f"batches[0].{name} has {shape_str(first.shape)} and {first.dtype}: "
+                f"batches[{i}].{name} has shape {shape_str(a.shape)} and dtype "
+                f"{C.dtype_str(a)}; batches[0].{name} has {shape_str(first.shape)} and "
+                f"{C.dtype_str(first)}: "
                 f"only the batch axis may differ")

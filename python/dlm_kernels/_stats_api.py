@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import _checks
-from ._common import make_config
+from ._common import check_vocab_size, make_config
 from ._dispatch import logger
 
 
@@ -53,7 +53,8 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
     Args:
       logits: [..., K] student logits (float32, bfloat16 or float16).
       targets: [...] integer target ids; active targets must lie in [0, K) (a target outside
-        gives logp = NaN rather than a silent wrong value).
+        gives logp = NaN rather than a silent wrong value; the primitive reads no values on
+        the host, the objectives check them where that costs no device sync).
       weights: [...] optional; a row is active when its weight is non-zero (the weight's
         value is not applied here). Inactive rows read nothing that can leak: their outputs
         and gradients are exact zeros. None = every row active.
@@ -61,8 +62,10 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
       ce_temperature: temperature of the ``logp`` term (default: ``temperature``); a
         different value costs one more running sum in the same pass.
       softcap: c > 0 for cap(z) = c·tanh(z / c), or None.
-      shift_ids, shift: LOO shift; ``shift`` ([...] or scalar, float) is added to the logit
-        at column ``shift_ids`` ([...] int) before the temperature.
+      shift_ids, shift: LOO shift; ``shift`` ([...] per row, e.g. [B, L] for per-position
+        diffusion times, or a scalar; float) is added to the logit at column ``shift_ids``
+        ([...] int) before the temperature. An active row whose shift id lies outside
+        [0, K) gets NaN in every statistic (never a silently unshifted row).
       teacher_logits: [..., K] optional teacher logits u for ``kl``.
       teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
       teacher_grad: also differentiate with respect to ``teacher_logits``.
@@ -87,15 +90,28 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
         same to every objective inside a ``with`` block.
       backend: None (auto), "reference", "chunked", "triton" or "pallas".
 
+    Non-finite student logits in an active row (every backend alike): an entry at -inf has
+    probability 0 (its terms in the entropy and the KL are 0; a target at -inf has
+    logp = -inf with a finite gradient). A NaN or +inf entry (after the softcap, which maps
+    +-inf to +-c), or a row that is -inf everywhere, leaves no distribution: lse, logp,
+    entropy and kl are NaN (lse is -inf for the all -inf row) and so is the row's gradient.
+
     Returns:
       TokenStats(lse, logp, entropy, kl), each float32 of shape [...] (entropy None when
       ``entropy=False``).
     """
 
 
-def public_stats(outs, rows, cfg):
+def public_stats(xp, outs, rows, cfg, active, shift_ids, vocab_extent):
     """TokenStats of the flat [N] outputs reshaped to the rows' shape; entropy None when the
-    call did not ask for it (what the backends hold there is not an entropy)."""
+    call did not ask for it (what the backends hold there is not an entropy).
+
+    An active row whose shift id lies outside [0, vocab_extent) (the full vocabulary: K, or
+    K x shards when vocabulary-parallel) would silently go unshifted in every backend; its
+    statistics are NaN instead (a [N] select; the where's gradient there is 0)."""
+    if shift_ids is not None:
+        bad = active & ((shift_ids < 0) | (shift_ids >= vocab_extent))  # [N]
+        outs = [xp.where(bad, float("nan"), o) for o in outs]
     lse, logp, entropy, kl = (o.reshape(rows) for o in outs)
     return TokenStats(lse, logp, entropy if cfg.entropy else None, kl)
 
@@ -123,8 +139,7 @@ class ReferenceBackend:
 
 def trim_vocab(logits, teacher_logits, vocab_size):
     """Drop padding columns >= vocab_size (a view in torch; autodiff pads the gradient)."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int; got {vocab_size!r}")
+    vocab_size = check_vocab_size(vocab_size)
     k = logits.shape[-1]
     if vocab_size > k:
         raise ValueError(f"vocab_size must be <= logits.shape[-1] = {k}; got {vocab_size}")

@@ -306,10 +306,14 @@ def reference_stats(xp, z, u, targets, active, shift_ids, shift, cfg: StatsConfi
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
     s = r * (1.0 / cfg.temperature)
     lse = xp.logsumexp(s)
+    # a +inf logit leaves no distribution: NaN, as the streaming backends give (inf - inf)
+    lse = xp.where(lse == float("inf"), float("nan"), lse)
     logp_all = s - lse[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
     entropy = -xp.rowsum(xp.where(pos, p * xp.where(pos, logp_all, 0.0), 0.0))
+    # no distribution (NaN, +inf or an all -inf row): no entropy either, not the empty sum 0
+    entropy = xp.where(xp.isfinite(lse), entropy, float("nan"))
     s_ce = r * (1.0 / cfg.ce_temperature)
     lse_ce = xp.logsumexp(s_ce) if cfg.separate_ce else lse
     in_range = (targets >= 0) & (targets < k)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax as _jax
 
+from .._checks import sync_checks
 from .._common import EPS, VARIANTS, normalize_variant
 from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
@@ -18,7 +19,8 @@ from .._stats_api import TokenStats
 from ._ops import JaxOps
 from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 
-WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(JaxOps, __name__)
+WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(JaxOps, __name__,
+                                                                               vocab_extent)
 for _cls in (WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch):
     _jax.tree_util.register_dataclass(
         _cls, data_fields=list(_cls.__dataclass_fields__), meta_fields=[])
@@ -43,5 +45,5 @@ __all__ = [
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY", "vocab_parallel",
+    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks",
 ]

@@ -14,6 +14,7 @@ class JaxOps:
     log = staticmethod(jnp.log)
     log1p = staticmethod(jnp.log1p)
     tanh = staticmethod(jnp.tanh)
+    isfinite = staticmethod(jnp.isfinite)
     where = staticmethod(jnp.where)
     maximum = staticmethod(jnp.maximum)
 
@@ -85,10 +86,34 @@ class JaxOps:
     def concat(xs):
         return jnp.concatenate(list(xs), axis=0)
 
+    # -- pytrees (the batch contract's model_inputs) ----------------------------
+    @staticmethod
+    def leaves_with_paths(tree):  # -> [(path such as "['input_tokens']", leaf)]
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+        return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+    tree_flatten = staticmethod(jax.tree_util.tree_flatten)  # -> (leaves, treedef)
+    tree_unflatten = staticmethod(jax.tree_util.tree_unflatten)
+
+    @staticmethod
+    def concat_leaves(xs):
+        """Concatenate on axis 0; host NumPy arrays stay NumPy (nothing moves to a device)."""
+        xs = list(xs)
+        if all(isinstance(x, np.ndarray) for x in xs):
+            return np.concatenate(xs, axis=0)
+        return jnp.concatenate(xs, axis=0)
+
     # -- validation -----------------------------------------------------------
     @staticmethod
     def is_array(x):
-        return isinstance(x, (jax.Array, np.ndarray))
+        # a ShapeDtypeStruct stands for an array (jax.eval_shape over batch construction)
+        return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+    @staticmethod
+    def is_real(x):  # bool, integer or floating (not complex, string or object)
+        dt = x.dtype
+        return (dt == np.bool_ or jnp.issubdtype(dt, jnp.integer)
+                or jnp.issubdtype(dt, jnp.floating))
 
     @staticmethod
     def is_int(x):
@@ -102,7 +127,7 @@ class JaxOps:
     def concrete(x, allow_sync=True):
         """x as a float64/int64 NumPy array; None for a tracer, and None for arrays on an
         accelerator when ``allow_sync`` is False (no device sync in scoring calls)."""
-        if isinstance(x, jax.core.Tracer):
+        if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
             return None
         if not allow_sync and isinstance(x, jax.Array) and any(
                 dev.platform != "cpu" for dev in x.devices()):

@@ -128,7 +128,11 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         outs = _token_stats_vjp(impl, cfg, z, u, y, active, x, d)
     else:
         outs = impl.compute(z, u, y, active, x, d, cfg)
-    return public_stats(outs, rows, cfg)
+    extent = None
+    if x is not None:  # the full vocabulary the shift ids index
+        shards = 1 if vocab_axis is None else jax.lax.axis_size(vocab_axis)
+        extent = cfg.vocab_size or z.shape[1] * shards
+    return public_stats(JaxOps, outs, rows, cfg, active, x, extent)
 
 
 token_stats.__doc__ = TOKEN_STATS_DOC

@@ -7,6 +7,7 @@ tensors out; the batch contract holds tensors. Importing this module never impor
 
 from __future__ import annotations
 
+from .._checks import sync_checks
 from .._common import EPS, VARIANTS, normalize_variant
 from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
@@ -15,7 +16,8 @@ from .._stats_api import TokenStats
 from ._ops import TorchOps
 from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 
-WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(TorchOps, __name__)
+WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(TorchOps, __name__,
+                                                                               vocab_extent)
 
 _api = Frontend(TorchOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
                vocab_extent)
@@ -37,5 +39,5 @@ __all__ = [
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY", "vocab_parallel",
+    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks",
 ]

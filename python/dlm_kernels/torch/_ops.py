@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 
 class TorchOps:
@@ -12,6 +13,7 @@ class TorchOps:
     log = staticmethod(torch.log)
     log1p = staticmethod(torch.log1p)
     tanh = staticmethod(torch.tanh)
+    isfinite = staticmethod(torch.isfinite)
     where = staticmethod(torch.where)
     maximum = staticmethod(torch.maximum)
 
@@ -80,10 +82,29 @@ class TorchOps:
     def concat(xs):
         return torch.cat(list(xs), dim=0)
 
+    # -- pytrees (the batch contract's model_inputs) ----------------------------
+    @staticmethod
+    def leaves_with_paths(tree):  # -> [(path such as "['input_tokens']", leaf)]
+        # None is an empty subtree, as in JAX (torch's pytree counts it as a leaf)
+        flat, _ = pytree.tree_flatten_with_path(tree)
+        return [(pytree.keystr(path), leaf) for path, leaf in flat if leaf is not None]
+
+    tree_flatten = staticmethod(pytree.tree_flatten)  # -> (leaves, TreeSpec)
+    tree_unflatten = staticmethod(lambda spec, leaves: pytree.tree_unflatten(leaves, spec))
+
+    @staticmethod
+    def concat_leaves(xs):
+        xs = list(xs)
+        return None if all(x is None for x in xs) else torch.cat(xs, dim=0)
+
     # -- validation -----------------------------------------------------------
     @staticmethod
     def is_array(x):
         return torch.is_tensor(x)
+
+    @staticmethod
+    def is_real(x):  # bool, integer or floating (not complex)
+        return not x.dtype.is_complex
 
     @staticmethod
     def is_int(x):

@@ -91,15 +91,22 @@ def vocab_parallel(process_group, vocab_size=None):
         _VocabParallelState.current = previous
 
 
+def _shards(process_group) -> int:
+    """How many vocabulary shards a process group splits the logits into (1 for None)."""
+    if process_group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group)
+
+
 def vocab_extent(logits) -> int:
     """The full vocabulary the logits' last axis belongs to (K·world inside vocab_parallel)."""
     ctx = _VocabParallelState.current
     if ctx is None:
         return logits.shape[-1]
-    import torch.distributed as dist
-
     group, vocab_size = ctx
-    return vocab_size or logits.shape[-1] * dist.get_world_size(group)
+    return vocab_size or logits.shape[-1] * _shards(group)
 
 
 def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
@@ -128,7 +135,10 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
                                          process_group)
     else:
         outs = impl.compute(z, u, y, active, x, d, cfg)
-    return public_stats(outs, rows, cfg)
+    extent = None
+    if x is not None:  # the full vocabulary the shift ids index
+        extent = cfg.vocab_size or z.shape[1] * _shards(process_group)
+    return public_stats(TorchOps, outs, rows, cfg, active, x, extent)
 
 
 token_stats.__doc__ = TOKEN_STATS_DOC
