@@ -12,6 +12,7 @@ from dlm_kernels._common import shape_str
 
 import oracle
 from harness import assert_close, framework, new_seed
+from test_objectives import sft_inputs
 
 FWS = ("torch", "jax")
 
@@ -646,3 +647,44 @@ def test_jax_checks_are_trace_safe_under_vmap_and_jit(rng):
     for i in range(3):
         assert_close(np.asarray(got[i]), np.asarray(loss(z[i], x0[i], xt[i], t[i], mask[i])),
                      "float32", f"vmapped SFT loss, slice {i}")
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("fn_name", ["diffusion_sft_loss", "diffusion_sft_logps"])
+def test_sft_ids_out_of_range_raise_naming_value_and_position(fw_name, fn_name, rng):
+    """Scored ids outside [0, vocab_size) are errors where their values can be read (CPU
+    tensors, host arrays); ids that no scored position uses are not checked."""
+    fw = framework(fw_name)
+
+    def call(fn_name, arrays, variant, vocab_size=37):
+        logits, x0, xt, t, mask = arrays
+        return getattr(fw.api, fn_name)(fw.array(logits, "float32"), fw.array(x0), fw.array(xt),
+                                        fw.array(t), fw.array(mask), variant=variant,
+                                        vocab_size=vocab_size)
+
+    logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+    mask[1, 2], mask[2, 3] = 1.0, 0.0
+    for bad in (37, -1):
+        x0_bad = x0.copy()
+        x0_bad[1, 2] = bad
+        with pytest.raises(ValueError, match=rf"x0 where loss_mask is set must be in \[0, 37\); "
+                                             rf"got {bad} at index \(1, 2\)$"):
+            call(fn_name, (logits, x0_bad, xt, t, mask), "base-sft")
+        xt_bad = xt.copy()
+        xt_bad[0, 4] = bad
+        with pytest.raises(ValueError, match=rf"xt must be in \[0, 37\); got {bad} at index \(0, 4\)$"):
+            call(fn_name, (logits, x0, xt_bad, t, mask), "reweighted-loo-ce")
+        # where the id is not used, it is not checked: unmasked x0, xt outside a LOO variant
+        x0_free = x0.copy()
+        x0_free[2, 3] = bad
+        np.testing.assert_array_equal(
+            fw.numpy(call(fn_name, (logits, x0_free, xt, t, mask), "loo-ce")),
+            fw.numpy(call(fn_name, (logits, x0, xt, t, mask), "loo-ce")))
+        got = fw.numpy(call(fn_name, (logits, x0, xt_bad, t, mask), "base-sft"))
+        assert np.isfinite(got).all(), got
+    # with vocab_size < K, ids in [vocab_size, K) are out of range too
+    x0_pad = x0 % 35
+    x0_pad[1, 2] = 35
+    with pytest.raises(ValueError, match=r"x0 where loss_mask is set must be in \[0, 35\); got 35"):
+        call(fn_name, (logits, x0_pad, xt, t, mask), "base-sft", vocab_size=35)
+

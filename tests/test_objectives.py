@@ -121,37 +121,7 @@ class ObjectivesSuite:
                                         fw.array(t), fw.array(mask), variant=variant,
                                         vocab_size=vocab_size, backend=self.BACKEND)
 
-    @pytest.mark.parametrize("fn_name", ["diffusion_sft_loss", "diffusion_sft_logps"])
-    def test_sft_ids_out_of_range_raise_naming_value_and_position(self, rng, fn_name):
-        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
-        mask[1, 2], mask[2, 3] = 1.0, 0.0
-        for bad in (37, -1):
-            x0_bad = x0.copy()
-            x0_bad[1, 2] = bad
-            with pytest.raises(ValueError, match=rf"x0 where loss_mask is set must be in \[0, 37\); "
-                                                 rf"got {bad} at index \(1, 2\)$"):
-                self.sft_call(fn_name, (logits, x0_bad, xt, t, mask), "base-sft")
-            xt_bad = xt.copy()
-            xt_bad[0, 4] = bad
-            with pytest.raises(ValueError, match=rf"xt must be in \[0, 37\); got {bad} at index \(0, 4\)$"):
-                self.sft_call(fn_name, (logits, x0, xt_bad, t, mask), "reweighted-loo-ce")
-            # where the id is not used, it is not checked: unmasked x0, xt outside a LOO variant
-            x0_free = x0.copy()
-            x0_free[2, 3] = bad
-            np.testing.assert_array_equal(
-                self.fw.numpy(self.sft_call(fn_name, (logits, x0_free, xt, t, mask), "loo-ce")),
-                self.fw.numpy(self.sft_call(fn_name, (logits, x0, xt, t, mask), "loo-ce")))
-            got = self.fw.numpy(self.sft_call(fn_name, (logits, x0, xt_bad, t, mask), "base-sft"))
-            assert np.isfinite(got).all(), got
-        # with vocab_size < K, ids in [vocab_size, K) are out of range too
-        x0_pad = x0 % 35
-        x0_pad[1, 2] = 35
-        with pytest.raises(ValueError, match=r"x0 where loss_mask is set must be in \[0, 35\); got 35"):
-            self.sft_call(fn_name, (logits, x0_pad, xt, t, mask), "base-sft", vocab_size=35)
-
-    @pytest.mark.parametrize("fn_name", ["diffusion_sft_loss", "diffusion_sft_logps"])
-    def test_sft_ids_out_of_range_give_nan_where_values_cannot_be_read(self, rng, fn_name,
-                                                                        monkeypatch):
+    def test_sft_ids_out_of_range_give_nan_where_values_cannot_be_read(self, rng, monkeypatch):
         """On an accelerator (no sync) or under tracing the checks cannot run: the sequence
         with a bad id at a scored position gets a NaN loss, the others their exact values. Simulated here by
         giving the checks no host values; inside sync_checks() an accelerator array is read."""
@@ -175,10 +145,9 @@ class ObjectivesSuite:
                     for v in ("base-sft", "loo-ce", "reweighted-loo-ce")}
         monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
         for variant, arrays in cases:
-            got = fw.numpy(self.sft_call(fn_name, arrays, variant, vocab_size=35))
+            got = fw.numpy(self.sft_call("diffusion_sft_loss", arrays, variant, vocab_size=35))
             assert np.isnan(got[1]), f"{variant}: the bad sequence must be NaN, got {got}"
-            scale = 1.0 if fn_name == "diffusion_sft_loss" else -np.maximum(mask.sum(1), 1)
-            assert_close(got[[0, 2]], (expected[variant] * scale)[[0, 2]], "float32",
+            assert_close(got[[0, 2]], expected[variant][[0, 2]], "float32",
                          f"{variant}: the other sequences")
 
     def test_sync_checks_read_accelerator_arrays(self, rng, monkeypatch):
