@@ -53,9 +53,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+
 NEG_INF = float("-inf")
 VMEM_BUDGET = 12 * 1024 * 1024
-NO_VOCAB_LIMIT = 2**31 - 1
 BLOCK_K = 2048
 MAX_BLOCK_N = 256
 
@@ -65,7 +66,9 @@ MAX_BLOCK_N = 256
 N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
-N_STATS = 8  # lse, logp (0: the caller's), entropy, kl, lse_ce, lse_u, kl_shift, 0
+# Output columns: ROW_STATS (logp 0: the caller's) and a zero pad, or, for a vocabulary
+# shard, PARTIAL_STATE (kernels/layout.py): one width serves both.
+N_STATS = max(len(PARTIAL_STATE), len(ROW_STATS))
 
 
 def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
@@ -184,8 +187,9 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     if partial:
         @pl.when(last)
         def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
-            for j, ref in enumerate((m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc)):
-                out_ref[:, j:j + 1] = ref[...]
+            state = dict(m=m_sc, a=a_sc, b=b_sc, m2=m2_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc)
+            for j, field in enumerate(PARTIAL_STATE):
+                out_ref[:, j:j + 1] = state[field][...]
         return
 
     @pl.when(last)
@@ -202,7 +206,10 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
             kl = kl_shift - lse_u + lse
         # logp (column 1) is left to the caller: r_y·/T_ce - lse_ce from one gathered logit
         # per row, instead of a compare, select and sum over every element here
-        for j, v in enumerate((lse, zero, ent, kl, lse_ce, lse_u, kl_shift, zero)):
+        stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, lse_ce=lse_ce, lse_u=lse_u,
+                     kl_shift=kl_shift)
+        values = [stats[field] for field in ROW_STATS] + [zero] * (N_STATS - len(ROW_STATS))
+        for j, v in enumerate(values):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
 

@@ -38,12 +38,20 @@ row of ``out`` is then 0; the caller asked for no entropy).
 import triton
 import triton.language as tl
 
+from ..layout import PARTIAL_STATE, ROW_STATS
+
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# Buffer layouts (rows): part[8, S, N] = (m, a, b, m2, a2, mu, au, cu) per split;
-# out[7, N] = (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift).
+# Buffer rows (kernels/layout.py, which the host reads too): part[8, S, N] =
+# (m, a, b, m2, a2, mu, au, cu) per split; out[7, N] = (lse, logp, entropy, kl, lse_ce, lse_u,
+# kl_shift).
+P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU = (
+    tl.constexpr(PARTIAL_STATE.index(f)) for f in ("m", "a", "b", "m2", "a2", "mu", "au", "cu"))
+S_LSE, S_LOGP, S_ENTROPY, S_KL, S_LSE_CE, S_LSE_U, S_KL_SHIFT = (
+    tl.constexpr(ROW_STATS.index(f))
+    for f in ("lse", "logp", "entropy", "kl", "lse_ce", "lse_u", "kl_shift"))
 
 
 @triton.jit
@@ -256,14 +264,14 @@ def stats_partial_kernel(
     # write 8 x 4 bytes of partial state, in natural units
     base = part_ptr + split * N + row
     stride_p = n_splits * N
-    tl.store(base + 0 * stride_p, m_row * LN2)
-    tl.store(base + 1 * stride_p, a_row)
-    tl.store(base + 2 * stride_p, b_row * LN2)
-    tl.store(base + 3 * stride_p, m2_row * LN2)
-    tl.store(base + 4 * stride_p, a2_row)
-    tl.store(base + 5 * stride_p, mu_row * LN2)
-    tl.store(base + 6 * stride_p, au_row)
-    tl.store(base + 7 * stride_p, cu_row * LN2)
+    tl.store(base + P_M * stride_p, m_row * LN2)
+    tl.store(base + P_A * stride_p, a_row)
+    tl.store(base + P_B * stride_p, b_row * LN2)
+    tl.store(base + P_M2 * stride_p, m2_row * LN2)
+    tl.store(base + P_A2 * stride_p, a2_row)
+    tl.store(base + P_MU * stride_p, mu_row * LN2)
+    tl.store(base + P_AU * stride_p, au_row)
+    tl.store(base + P_CU * stride_p, cu_row * LN2)
 
 
 @triton.jit
@@ -300,28 +308,28 @@ def stats_finalize_kernel(
     stride_p = S * N
 
     # read 8·S·4 bytes of partial state per row
-    m_s = tl.load(part_ptr + 0 * stride_p + p_off, mask=pmask, other=NEG_INF)
-    a_s = tl.load(part_ptr + 1 * stride_p + p_off, mask=pmask, other=0.0)
+    m_s = tl.load(part_ptr + P_M * stride_p + p_off, mask=pmask, other=NEG_INF)
+    a_s = tl.load(part_ptr + P_A * stride_p + p_off, mask=pmask, other=0.0)
     m, a, f = _merge_max_sum(m_s, a_s, pmask)
     lse = m + tl.log(a)
     entropy = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ENTROPY:
-        b_s = tl.load(part_ptr + 2 * stride_p + p_off, mask=pmask, other=0.0)
+        b_s = tl.load(part_ptr + P_B * stride_p + p_off, mask=pmask, other=0.0)
         b = tl.sum(tl.where(a_s > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
         entropy = tl.log(a) - b / a
     lse_ce = lse
     if SEPARATE_CE:
-        m2_s = tl.load(part_ptr + 3 * stride_p + p_off, mask=pmask, other=NEG_INF)
-        a2_s = tl.load(part_ptr + 4 * stride_p + p_off, mask=pmask, other=0.0)
+        m2_s = tl.load(part_ptr + P_M2 * stride_p + p_off, mask=pmask, other=NEG_INF)
+        a2_s = tl.load(part_ptr + P_A2 * stride_p + p_off, mask=pmask, other=0.0)
         m2, a2, f2 = _merge_max_sum(m2_s, a2_s, pmask)
         lse_ce = m2 + tl.log(a2)
     kl = tl.zeros([BLOCK_N], dtype=tl.float32)
     lse_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     kl_shift = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_TEACHER:
-        mu_s = tl.load(part_ptr + 5 * stride_p + p_off, mask=pmask, other=NEG_INF)
-        au_s = tl.load(part_ptr + 6 * stride_p + p_off, mask=pmask, other=0.0)
-        cu_s = tl.load(part_ptr + 7 * stride_p + p_off, mask=pmask, other=0.0)
+        mu_s = tl.load(part_ptr + P_MU * stride_p + p_off, mask=pmask, other=NEG_INF)
+        au_s = tl.load(part_ptr + P_AU * stride_p + p_off, mask=pmask, other=0.0)
+        cu_s = tl.load(part_ptr + P_CU * stride_p + p_off, mask=pmask, other=0.0)
         mu, au, fu = _merge_max_sum(mu_s, au_s, pmask)
         cu = tl.sum(fu * cu_s, axis=0)
         lse_u = mu + tl.log(au)
@@ -342,13 +350,13 @@ def stats_finalize_kernel(
     logp = tl.where(y_ok, r_y * inv_t_ce - lse_ce, float("nan"))
 
     # write 6 x 4 bytes per row; inactive rows are exact zeros
-    tl.store(out_ptr + 0 * N + rows, tl.where(is_active, lse, 0.0), mask=rmask)
-    tl.store(out_ptr + 1 * N + rows, tl.where(is_active, logp, 0.0), mask=rmask)
-    tl.store(out_ptr + 2 * N + rows, tl.where(is_active, entropy, 0.0), mask=rmask)
-    tl.store(out_ptr + 3 * N + rows, tl.where(is_active, kl, 0.0), mask=rmask)
-    tl.store(out_ptr + 4 * N + rows, tl.where(is_active, lse_ce, 0.0), mask=rmask)
-    tl.store(out_ptr + 5 * N + rows, tl.where(is_active, lse_u, 0.0), mask=rmask)
-    tl.store(out_ptr + 6 * N + rows, tl.where(is_active, kl_shift, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LSE * N + rows, tl.where(is_active, lse, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LOGP * N + rows, tl.where(is_active, logp, 0.0), mask=rmask)
+    tl.store(out_ptr + S_ENTROPY * N + rows, tl.where(is_active, entropy, 0.0), mask=rmask)
+    tl.store(out_ptr + S_KL * N + rows, tl.where(is_active, kl, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LSE_CE * N + rows, tl.where(is_active, lse_ce, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LSE_U * N + rows, tl.where(is_active, lse_u, 0.0), mask=rmask)
+    tl.store(out_ptr + S_KL_SHIFT * N + rows, tl.where(is_active, kl_shift, 0.0), mask=rmask)
 
 
 @triton.jit
@@ -442,18 +450,18 @@ def stats_grad_kernel(
     g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
     # saved statistics this launch uses: lse, lse_ce, lse_u in base 2 (· log2 e)
-    lse2 = tl.load(stats_ptr + 0 * N + row) * LOG2E
+    lse2 = tl.load(stats_ptr + S_LSE * N + row) * LOG2E
     entropy = 0.0
     if HAS_ENTROPY:
-        entropy = tl.load(stats_ptr + 2 * N + row)
+        entropy = tl.load(stats_ptr + S_ENTROPY * N + row)
     lse2_ce = lse2
     if SEPARATE_CE:
-        lse2_ce = tl.load(stats_ptr + 4 * N + row) * LOG2E
+        lse2_ce = tl.load(stats_ptr + S_LSE_CE * N + row) * LOG2E
     lse2_u = 0.0
     kl_shift = 0.0
     if HAS_TEACHER:
-        lse2_u = tl.load(stats_ptr + 5 * N + row) * LOG2E
-        kl_shift = tl.load(stats_ptr + 6 * N + row)
+        lse2_u = tl.load(stats_ptr + S_LSE_U * N + row) * LOG2E
+        kl_shift = tl.load(stats_ptr + S_KL_SHIFT * N + row)
     row_stats = (lse2, entropy, lse2_ce, lse2_u, kl_shift)
     y = tl.load(y_ptr + row).to(tl.int32)
     rows = (z_ptr + _row_start(row, stride_z, ROWS_ALIGNED),

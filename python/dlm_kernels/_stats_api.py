@@ -1,25 +1,24 @@
 """Framework-neutral plumbing of the public ``token_stats`` primitive.
 
 Both front ends validate the same way, fold leading dimensions into rows the same way and
-hand the same flat arguments to a backend implementation. A backend implementation is an
-object with
+hand the same row bundle (``_rows.Rows``: logits [N, K], teacher [N, K] or None, targets [N],
+active [N] bool, shift_ids [N] or None, shift [N] float32 or None) to a backend
+implementation. A backend implementation is an object with
 
   name                                    registry key ("reference", "chunked", ...)
   unsupported_reason(platform) -> str|None  why it cannot run on arrays of that platform
   custom_vjp: bool                        False: differentiate ``compute`` with autodiff
-  compute(z, u, y, active, x, d, cfg)     -> (lse, logp, entropy, kl)       [custom_vjp=False]
-  forward(z, u, y, active, x, d, cfg)     -> Stats (outputs + residuals)    [custom_vjp=True]
-  backward(z, u, y, active, x, d, stats, grads, cfg) -> (dz, du or None)    [custom_vjp=True]
+  compute(rows, cfg)                      -> (lse, logp, entropy, kl)       [custom_vjp=False]
+  forward(rows, cfg)                      -> Stats (outputs + residuals)    [custom_vjp=True]
+  backward(rows, stats, grads, cfg)       -> (dz, du or None)               [custom_vjp=True]
 
 and optionally
   supports_inplace_grad, backward(..., inplace=True)   torch: write dz into z
-  supports_vocab_shards, forward_partial(z, u, y, x, d, cfg, offset) -> (State, r_y, found)
+  supports_vocab_shards, forward_partial(rows, cfg, offset) -> (State, r_y, found)
                          and backward(..., offset=)     one vocabulary shard whose column 0
                                                         has global id ``offset``
 
-with z: [N, K] student logits, u: [N, K] teacher logits or None, y: [N] int targets,
-active: [N] bool, x: [N] int shift ids or None, d: [N] float32 shift or None,
-grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32.
+with grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from typing import NamedTuple
 from . import _checks
 from ._common import check_vocab_size, make_config
 from ._dispatch import logger
+from ._rows import Rows
 
 
 class TokenStats(NamedTuple):
@@ -102,17 +102,18 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
     """
 
 
-def public_stats(xp, outs, rows, cfg, active, shift_ids, vocab_extent):
+def public_stats(xp, outs, lead_shape, cfg, rows, vocab_extent):
     """TokenStats of the flat [N] outputs reshaped to the rows' shape; entropy None when the
     call did not ask for it (what the backends hold there is not an entropy).
 
     An active row whose shift id lies outside [0, vocab_extent) (the full vocabulary: K, or
     K x shards when vocabulary-parallel) would silently go unshifted in every backend; its
     statistics are NaN instead (a [N] select; the where's gradient there is 0)."""
-    if shift_ids is not None:
-        bad = active & ((shift_ids < 0) | (shift_ids >= vocab_extent))  # [N]
+    if rows.shift_ids is not None:
+        x = rows.shift_ids
+        bad = rows.active & ((x < 0) | (x >= vocab_extent))  # [N]
         outs = [xp.where(bad, float("nan"), o) for o in outs]
-    lse, logp, entropy, kl = (o.reshape(rows) for o in outs)
+    lse, logp, entropy, kl = (o.reshape(lead_shape) for o in outs)
     return TokenStats(lse, logp, entropy if cfg.entropy else None, kl)
 
 
@@ -130,11 +131,11 @@ class ReferenceBackend:
     def unsupported_reason(platform):
         return None
 
-    def compute(self, z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> 4 x [N] f32
+    def compute(self, rows, cfg):
+        # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32
         from ._stats_math import reference_stats
 
-        return reference_stats(self.xp, z, u, y, active, x, d, cfg)
+        return reference_stats(self.xp, rows, cfg)
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):
@@ -181,8 +182,7 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
             entropy=True, vocab_size=None):
     """Validate, build the static config and flatten leading dims into rows.
 
-    Returns (cfg, rows_shape, flat) with flat = (z [N, K], u [N, K] | None, y [N], active [N],
-    x [N] | None, d [N] f32 | None).
+    Returns (cfg, lead_shape, Rows) with the bundle's arrays flattened to [N, K] and [N].
     """
     _checks.check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_logits)
     cfg = make_config(
@@ -196,23 +196,22 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         chunk_size=chunk_size,
         vocab_size=vocab_size,
     )
-    rows = tuple(logits.shape[:-1])
+    lead = tuple(logits.shape[:-1])
     k = logits.shape[-1]
     n = 1
-    for dim in rows:
+    for dim in lead:
         n *= dim
-    z = logits.reshape(n, k)
-    u = teacher_logits.reshape(n, k) if teacher_logits is not None else None
     y = targets.reshape(n)
-    if weights is None:
-        active = y == y  # all True, same device/sharding as the targets
-    else:
-        active = weights.reshape(n) != 0
-    x = d = None
+    rows = Rows(
+        logits=logits.reshape(n, k),
+        teacher=teacher_logits.reshape(n, k) if teacher_logits is not None else None,
+        targets=y,
+        active=y == y if weights is None else weights.reshape(n) != 0,  # None: all True, on
+    )                                                                    # the targets' device
     if shift_ids is not None:
-        x = shift_ids.reshape(n)
         if xp.is_array(shift):
-            d = xp.broadcast_to(xp.f32(shift), rows).reshape(n)
+            d = xp.broadcast_to(xp.f32(shift), lead).reshape(n)
         else:  # a Python scalar: made on the logits' device
             d = xp.full((n,), float(shift), logits)
-    return cfg, rows, (z, u, y, active, x, d)
+        rows = rows._replace(shift_ids=shift_ids.reshape(n), shift=d)
+    return cfg, lead, rows

@@ -23,19 +23,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._common import StatsConfig
+from ._rows import Rows
+from .kernels.layout import PARTIAL_STATE, ROW_STATS
 
 NEG_INF = float("-inf")
 
 
-class State(NamedTuple):
-    m: object  # [N] f32
-    a: object
-    b: object
-    m2: object
-    a2: object
-    mu: object
-    au: object
-    cu: object
+# Field names and order come from the kernels' buffer layout (kernels/layout.py), so the
+# host's tuples and the kernels' buffers cannot drift apart.
+State = NamedTuple("State", [(field, object) for field in PARTIAL_STATE])
+State.__doc__ = "The streaming state of each row (module docstring), every field [N] float32."
 
 
 def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
@@ -96,13 +93,15 @@ def _row_lse_parts(xp, s, with_b=True):
     return m, a, b
 
 
-def chunk_partial(xp, z, u, cols, valid, shift_ids, shift, cfg: StatsConfig) -> State:
+def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     """Partial state of one vocabulary chunk.
 
-    z, u: [N, C] student / teacher logits (u may be None); cols: [C] global column ids;
-    valid: [C] bool or None, columns that belong to this chunk (others count as -inf).
+    rows: the bundle over the chunk's columns (logits, teacher: [N, C], the teacher may be
+    None); cols: [C] global column ids; valid: [C] bool or None, columns that belong to this
+    chunk (others count as -inf).
     """
-    r = chunk_logits(xp, z, cols[0], shift_ids, shift, cfg)
+    z, u = rows.logits, rows.teacher
+    r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
     s = _scaled(r, cfg.temperature)
@@ -173,7 +172,7 @@ def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=
 
 
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
-    """Merge S partial states given as 8 arrays [N, S] (m, a, b, m2, a2, mu, au, cu) into one
+    """Merge S partial states given as one [N, S] array per State field into one
     State of [N] arrays, with the same rescaling as ``merge_collective``."""
     keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
     state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
@@ -181,23 +180,20 @@ def merge_splits(xp, parts, cfg: StatsConfig) -> State:
     return state._replace(m=state.m[:, 0], m2=state.m2[:, 0], mu=state.mu[:, 0])
 
 
-class Stats(NamedTuple):
-    """Per-row outputs and residuals, all [N] float32."""
-
-    lse: object  # logsumexp(s)
-    logp: object  # s'_y - lse_ce
-    entropy: object  # -Σ p log p
-    kl: object  # KL(q || p); 0 without a teacher
-    lse_ce: object  # logsumexp(s') (== lse when T_ce == T)
-    lse_u: object  # logsumexp(t) (0 without a teacher)
-    kl_shift: object  # E_q[t - s] = cu / au, so d(teacher) needs no lse cancellation
+Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
+Stats.__doc__ = """Per-row outputs and residuals, all [N] float32: lse = logsumexp(s),
+logp = s'_y - lse_ce, entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher),
+lse_ce = logsumexp(s') (== lse when T_ce == T), lse_u = logsumexp(t) (0 without a teacher),
+kl_shift = E_q[t - s] = cu / au (so d(teacher) needs no lse cancellation)."""
 
 
-def target_logit(xp, z, targets, shift_ids, shift, cfg: StatsConfig, offset=0):
+def target_logit(xp, rows: Rows, cfg: StatsConfig, offset=0):
     """(r_y, found), both [N] f32: the shifted logit at the target column when this block of
-    columns [offset, offset + C) holds the target (else 0), and 1.0 / 0.0 for whether it
-    does. Summed over vocabulary shards, found == 1 exactly when the target is in range.
+    columns [offset, offset + C) of ``rows.logits`` holds the target (else 0), and 1.0 / 0.0
+    for whether it does. Summed over vocabulary shards, found == 1 exactly when the target is
+    in range.
     """
+    z, targets, shift_ids, shift = rows.logits, rows.targets, rows.shift_ids, rows.shift
     c = z.shape[-1]
     local = targets - offset
     found = (local >= 0) & (local < c)
@@ -242,9 +238,9 @@ def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     return Stats(*outs)
 
 
-def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats, grads,
-                cfg: StatsConfig):
-    """d(student logits) and d(teacher logits) of one chunk, both [N, C] float32.
+def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
+    """d(student logits) and d(teacher logits) of one chunk, both [N, C] float32 (``rows``:
+    the bundle over the chunk's columns, as in ``chunk_partial``).
 
     With p = softmax(r/T), p' = softmax(r/T_ce), q = softmax(u/T_kl):
       dr_k = [g_lse·p_k - g_H·p_k·(log p_k + H) + g_kl·(p_k - q_k)] / T
@@ -256,7 +252,8 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
     is a pass over memory in an eager framework): the per-row factors of p are gathered into
     one [N, 1] coefficient, and the target's g_lp / T_ce is added at one column per row.
     """
-    r = chunk_logits(xp, z, cols[0], shift_ids, shift, cfg)
+    z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
+    r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     s = _scaled(r, cfg.temperature)
     logp_k = s - stats.lse[:, None]
     p = xp.exp(logp_k)
@@ -294,12 +291,14 @@ def chunk_grads(xp, z, u, cols, targets, active, shift_ids, shift, stats: Stats,
     return dz, du
 
 
-def reference_stats(xp, z, u, targets, active, shift_ids, shift, cfg: StatsConfig):
+def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     """Full-materialisation float32 statistics, differentiable by the framework's autodiff.
 
-    z, u: [N, K]; returns (lse, logp, entropy, kl) [N] f32. Inactive rows are replaced by
-    zeros before any math, so NaN/inf there reach neither values nor gradients.
+    rows.logits, rows.teacher: [N, K]; returns (lse, logp, entropy, kl) [N] f32. Inactive rows
+    are replaced by zeros before any math, so NaN/inf there reach neither values nor gradients.
     """
+    z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
+    shift_ids, shift = rows.shift_ids, rows.shift
     k = z.shape[-1]
     cols = xp.arange(k, z)
     z = xp.where(active[:, None], xp.f32(z), 0.0)

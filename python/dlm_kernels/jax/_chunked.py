@@ -85,8 +85,10 @@ class ChunkedJax:
         return None
 
     @staticmethod
-    def forward_partial(z, u, y, x, d, cfg, offset=0):
-        # z, u: [N, K] (one shard); y, x, d: [N] -> (State, r_y, found) of [N] f32
+    def forward_partial(rows, cfg, offset=0):
+        # rows.logits, rows.teacher: [N, K] (one shard) -> (State, r_y, found) of [N] f32
+        z, u = rows.logits, rows.teacher
+
         def run(on_cpu):
             n, k, c, n_chunks = _plan(z, cfg, on_cpu)
 
@@ -96,28 +98,30 @@ class ChunkedJax:
                 local = start + jnp.arange(c, dtype=jnp.int32)  # [C]
                 cols = offset + local  # global column ids
                 valid = M.column_mask(xp, cols, cfg, local >= i * c)  # clamped last: skip seen
-                part = M.chunk_partial(xp, _slice(z_i, start, c), _slice(u_i, start, c), cols,
-                                       valid, x, d, cfg)
-                return M.merge(xp, M.State(*state), part, cfg)
+                chunk = rows.columns(_slice(z_i, start, c), _slice(u_i, start, c))
+                return M.merge(xp, M.State(*state), M.chunk_partial(xp, chunk, cols, valid, cfg),
+                               cfg)
 
             # The first chunk is peeled so the loop carry starts from values that vary over
             # the same shard_map axes as the inputs (a constant initial state would not).
             cols = offset + jnp.arange(c, dtype=jnp.int32)
-            first = M.chunk_partial(xp, _slice(z, 0, c), _slice(u, 0, c), cols,
-                                    M.column_mask(xp, cols, cfg), x, d, cfg)
+            first = M.chunk_partial(xp, rows.columns(_slice(z, 0, c), _slice(u, 0, c)), cols,
+                                    M.column_mask(xp, cols, cfg), cfg)
             return tuple(lax.fori_loop(1, n_chunks, body, first))
 
         state = _per_platform(run, z, cfg)
-        return (M.State(*state), *M.target_logit(xp, z, y, x, d, cfg, offset))
+        return (M.State(*state), *M.target_logit(xp, rows, cfg, offset))
 
     @classmethod
-    def forward(cls, z, u, y, active, x, d, cfg):
-        state, r_y, found = cls.forward_partial(z, u, y, x, d, cfg)
-        return M.finalize(xp, state, r_y, found, active, cfg)
+    def forward(cls, rows, cfg):
+        state, r_y, found = cls.forward_partial(rows, cfg)
+        return M.finalize(xp, state, r_y, found, rows.active, cfg)
 
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
+    def backward(rows, stats, grads, cfg, offset=0):
         # -> dz [N, K] in z's dtype, du [N, K] in u's dtype or None
+        z, u = rows.logits, rows.teacher
+
         def gradient(on_cpu):
             n, k, c, n_chunks = _plan(z, cfg, on_cpu)
             carry_z = _carry_dtype(z.dtype, on_cpu)
@@ -128,8 +132,8 @@ class ChunkedJax:
                 z_i, u_i = _in_loop(i, z, u)
                 start = jnp.minimum(i * c, k - c)
                 cols = offset + start + jnp.arange(c, dtype=jnp.int32)
-                gz, gu = M.chunk_grads(xp, _slice(z_i, start, c), _slice(u_i, start, c), cols,
-                                       y, active, x, d, stats, grads, cfg)
+                chunk = rows.columns(_slice(z_i, start, c), _slice(u_i, start, c))
+                gz, gu = M.chunk_grads(xp, chunk, cols, stats, grads, cfg)
                 update = lambda buf, g, dtype, carry: lax.dynamic_update_slice_in_dim(
                     buf, _to_carry(g, dtype, carry), start, axis=1)
                 dz = update(dz, gz, z.dtype, carry_z)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from .. import _stats_math as M
 from .._common import PALLAS_INTERPRET_ENV
+from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.pallas import token_stats as K
 from ._batching import fold_vmap_into_rows
 from ._ops import JaxOps
@@ -48,7 +49,7 @@ def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of c
 
 
 def _limit(cfg):
-    return cfg.vocab_size if cfg.vocab_size is not None else 2**31 - 1
+    return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
 
 
 class PallasJax:
@@ -65,7 +66,8 @@ class PallasJax:
                 f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
 
     @staticmethod
-    def _run_forward(z, u, y, active, x, d, cfg, offset, partial):
+    def _run_forward(rows, active, cfg, offset, partial):
+        z, u, y, x, d = rows.logits, rows.teacher, rows.targets, rows.shift_ids, rows.shift
         n = z.shape[0]
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
         floats = jnp.stack([shift, active.astype(jnp.float32)], axis=1)  # [N, 2]
@@ -73,31 +75,32 @@ class PallasJax:
         call = fold_vmap_into_rows(
             lambda z, *rest: K.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
                                              **statics))
-        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, 8]
+        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, F]
 
     @classmethod
-    def forward(cls, z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
-        out = cls._run_forward(z, u, y, active, x, d, cfg, 0, False)
-        stats = M.Stats(*(out[:, j] for j in range(7)))
+    def forward(cls, rows, cfg):
+        # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32
+        out = cls._run_forward(rows, rows.active, cfg, 0, False)
+        stats = M.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         # the kernel leaves logp to us: one gathered logit per row
-        r_y, found = M.target_logit(JaxOps, z, y, x, d, cfg)
+        r_y, found = M.target_logit(JaxOps, rows, cfg)
         logp = M.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
-        return stats._replace(logp=jnp.where(active, logp, 0.0))
+        return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
 
     @classmethod
-    def forward_partial(cls, z, u, y, x, d, cfg, offset=0):
+    def forward_partial(cls, rows, cfg, offset=0):
         # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
-        active = jnp.ones(y.shape, jnp.bool_)
-        out = cls._run_forward(z, u, y, active, x, d, cfg, offset, True)
-        state = M.State(*(out[:, j] for j in range(8)))
-        return (state, *M.target_logit(JaxOps, z, y, x, d, cfg, offset))
+        active = jnp.ones(rows.targets.shape, jnp.bool_)
+        out = cls._run_forward(rows, active, cfg, offset, True)
+        state = M.State(*(out[:, j] for j in range(len(PARTIAL_STATE))))
+        return (state, *M.target_logit(JaxOps, rows, cfg, offset))
 
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
+    def backward(rows, stats, grads, cfg, offset=0):
+        z, u, y, x, d = rows.logits, rows.teacher, rows.targets, rows.shift_ids, rows.shift
         n = z.shape[0]
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
-        cols = [shift, active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
+        cols = [shift, rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
                 stats.lse_ce, stats.lse_u, *grads]
         cols += [jnp.zeros((n,), jnp.float32)] * (K.BWD_FLOATS - len(cols))
         floats = jnp.stack(cols, axis=1)  # [N, 16]

@@ -28,52 +28,52 @@ _BACKEND_MODULES = {
 REGISTRY.load(_BACKEND_MODULES)
 
 
+def _cotangent(rows, dz, du):
+    if rows.teacher is not None and du is None:
+        du = jnp.zeros_like(rows.teacher)  # the teacher is stop-gradient unless teacher_grad
+    return rows.gradients(dz, du)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _token_stats_vjp(impl, cfg, z, u, y, active, x, d):
-    return tuple(impl.forward(z, u, y, active, x, d, cfg)[:4])
+def _token_stats_vjp(impl, cfg, rows):
+    return tuple(impl.forward(rows, cfg)[:4])
 
 
-def _token_stats_fwd(impl, cfg, z, u, y, active, x, d):
-    stats = impl.forward(z, u, y, active, x, d, cfg)
-    # Residuals: the inputs plus six [N] float32 row statistics, never [N, K].
-    return tuple(stats[:4]), (z, u, y, active, x, d, stats)
+def _token_stats_fwd(impl, cfg, rows):
+    stats = impl.forward(rows, cfg)
+    # Residuals: the row bundle plus seven [N] float32 row statistics, never [N, K].
+    return tuple(stats[:4]), (rows, stats)
 
 
 def _token_stats_bwd(impl, cfg, residuals, cotangents):
-    z, u, y, active, x, d, stats = residuals
+    rows, stats = residuals
     grads = tuple(g.astype(jnp.float32) for g in cotangents)
-    dz, du = impl.backward(z, u, y, active, x, d, stats, grads, cfg)
-    if u is not None and du is None:
-        du = jnp.zeros_like(u)  # the teacher is stop-gradient unless teacher_grad=True
-    return dz, du, None, None, None, None
+    return (_cotangent(rows, *impl.backward(rows, stats, grads, cfg)),)
 
 
 _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _vocab_parallel_vjp(impl, cfg, axis, z, u, y, active, x, d):
-    return _vocab_parallel_fwd(impl, cfg, axis, z, u, y, active, x, d)[0]
+def _vocab_parallel_vjp(impl, cfg, axis, rows):
+    return _vocab_parallel_fwd(impl, cfg, axis, rows)[0]
 
 
-def _vocab_parallel_fwd(impl, cfg, axis, z, u, y, active, x, d):
-    # z: this device's vocabulary shard [N, K_local] of the mesh axis ``axis``
-    offset = jax.lax.axis_index(axis) * z.shape[1]
-    state, r_y, found = impl.forward_partial(z, u, y, x, d, cfg, offset)
+def _vocab_parallel_fwd(impl, cfg, axis, rows):
+    # rows.logits: this device's vocabulary shard [N, K_local] of the mesh axis ``axis``
+    offset = jax.lax.axis_index(axis) * rows.logits.shape[1]
+    state, r_y, found = impl.forward_partial(rows, cfg, offset)
     state, (r_y, found) = M.merge_collective(
         JaxOps, state, lambda v: jax.lax.pmax(v, axis), lambda v: jax.lax.psum(v, axis), cfg,
         [r_y, found])
-    stats = M.finalize(JaxOps, state, r_y, found, active, cfg)
-    return tuple(stats[:4]), (z, u, y, active, x, d, stats, offset)
+    stats = M.finalize(JaxOps, state, r_y, found, rows.active, cfg)
+    return tuple(stats[:4]), (rows, stats, offset)
 
 
 def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):
-    z, u, y, active, x, d, stats, offset = residuals
+    rows, stats, offset = residuals
     grads = tuple(g.astype(jnp.float32) for g in cotangents)
-    dz, du = impl.backward(z, u, y, active, x, d, stats, grads, cfg, offset=offset)
-    if u is not None and du is None:
-        du = jnp.zeros_like(u)
-    return dz, du, None, None, None, None
+    return (_cotangent(rows, *impl.backward(rows, stats, grads, cfg, offset=offset)),)
 
 
 _vocab_parallel_vjp.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
@@ -112,27 +112,27 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
                          "logits buffer to jit to let XLA reuse it instead)")
     vocab_axis, vocab_size, logits, teacher_logits = apply_vocab_parallel(
         vocab_axis, _VOCAB_PARALLEL.get(), vocab_size, logits, teacher_logits)
-    cfg, rows, (z, u, y, active, x, d) = prepare(
+    cfg, lead, rows = prepare(
         JaxOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
         teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
         teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
         vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, JaxOps.platform(logits))
-    if u is not None and not cfg.teacher_grad:
-        u = jax.lax.stop_gradient(u)
+    if rows.teacher is not None and not cfg.teacher_grad:
+        rows = rows._replace(teacher=jax.lax.stop_gradient(rows.teacher))
     if vocab_axis is not None:
         impl = shard_capable(REGISTRY, impl, backend)
-        outs = _vocab_parallel_vjp(impl, cfg, vocab_axis, z, u, y, active, x, d)
+        outs = _vocab_parallel_vjp(impl, cfg, vocab_axis, rows)
     elif impl.custom_vjp:
-        outs = _token_stats_vjp(impl, cfg, z, u, y, active, x, d)
+        outs = _token_stats_vjp(impl, cfg, rows)
     else:
-        outs = impl.compute(z, u, y, active, x, d, cfg)
+        outs = impl.compute(rows, cfg)
     extent = None
-    if x is not None:  # the full vocabulary the shift ids index
+    if rows.shift_ids is not None:  # the full vocabulary the shift ids index
         shards = 1 if vocab_axis is None else jax.lax.axis_size(vocab_axis)
-        extent = cfg.vocab_size or z.shape[1] * shards
-    return public_stats(JaxOps, outs, rows, cfg, active, x, extent)
+        extent = cfg.vocab_size or rows.logits.shape[1] * shards
+    return public_stats(JaxOps, outs, lead, cfg, rows, extent)
 
 
 token_stats.__doc__ = TOKEN_STATS_DOC

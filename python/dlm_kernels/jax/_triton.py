@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import triton
 
 from .. import _stats_math as M
+from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as K
 from ._batching import fold_vmap_into_rows
 from ._ops import JaxOps
@@ -66,7 +67,6 @@ from ._ops import JaxOps
 # jax-triton renamed out_shape= to out_type= (the old name still works, with a warning)
 _OUT_KW = ("out_type" if "out_type" in inspect.signature(jt.triton_call).parameters
            else "out_shape")
-_NO_VOCAB_LIMIT = 2**31 - 1
 
 
 def _num_sms():
@@ -141,15 +141,16 @@ def _rows_vmappable(fn, *arrays):
 
 
 def _partial(z, u, active, x, d, offsets, cfg):
-    # z, u: [N, K] row-major (row stride K); active, x, d, offsets: [N] -> part [8, S, N] f32
+    # z, u: [N, K] row-major (row stride K); active, x, d, offsets: [N]
+    # -> part [PARTIAL_STATE, S, N] f32
     n, k, lc = _plan(z, cfg)
     if n == 0:  # a zero-size grid is not a launch
-        return jnp.zeros((8, lc["splits"], 0), jnp.float32)
+        return jnp.zeros((len(PARTIAL_STATE), lc["splits"], 0), jnp.float32)
     return _launch(
         K.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
-        (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT, *_scalars(cfg)),
-        jax.ShapeDtypeStruct((8, lc["splits"], n), jnp.float32),  # 32·S bytes per row
+        (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT, *_scalars(cfg)),
+        jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 32·S B/row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=K.rows_aligned(k),
         **_flags(cfg, x is not None))
@@ -159,14 +160,14 @@ def _forward(z, u, y, active, x, d, cfg):
     # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
     n, k = z.shape
     if n == 0:
-        return M.Stats(*jnp.zeros((7, 0), jnp.float32))
+        return M.Stats(*jnp.zeros((len(ROW_STATS), 0), jnp.float32))
     part = _partial(z, u, active, x, d, _offsets(0, n), cfg)
     s = part.shape[1]
     block_n, block_s = K.finalize_blocks(s)
     out = _launch(
         K.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
         (n, k, s, k, 1.0 / cfg.ce_temperature, float(cfg.softcap or 0.0)),
-        jax.ShapeDtypeStruct((7, n), jnp.float32),  # 28 bytes per row
+        jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 28 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
         **_flags(cfg, x is not None))
     return M.Stats(*out)
@@ -182,7 +183,7 @@ def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
         K.stats_grad_kernel,
         (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
          jnp.stack(stats), *grads, offsets),
-        (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or _NO_VOCAB_LIMIT,
+        (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT,
          *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
@@ -203,25 +204,26 @@ class TritonJax:
         return f"the Triton kernels run on NVIDIA GPUs only (arrays are on {platform!r})"
 
     @staticmethod
-    def forward(z, u, y, active, x, d, cfg):
-        return M.Stats(*_rows_vmappable(lambda *a: tuple(_forward(*a, cfg)),
-                                        z, u, y, active, x, d))
+    def forward(rows, cfg):
+        return M.Stats(*_rows_vmappable(lambda *a: tuple(_forward(*a, cfg)), *rows))
 
     @staticmethod
-    def forward_partial(z, u, y, x, d, cfg, offset=0):
+    def forward_partial(rows, cfg, offset=0):
         # one vocabulary shard whose column 0 has global id ``offset`` -> (State, r_y, found)
-        rows = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, 8, S]
-        part = _rows_vmappable(rows, z, u, jnp.ones(z.shape[:1], jnp.int8), x, d,
-                               _offsets(offset, z.shape[0]))
-        state = M.merge_splits(JaxOps, [part[:, i] for i in range(8)], cfg)  # 8 x [N, S]
-        return (state, *M.target_logit(JaxOps, z, y, x, d, cfg, offset))
+        z = rows.logits
+        rows_first = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, PARTIAL_STATE, S]
+        part = _rows_vmappable(rows_first, z, rows.teacher, jnp.ones(z.shape[:1], jnp.int8),
+                               rows.shift_ids, rows.shift, _offsets(offset, z.shape[0]))
+        state = M.merge_splits(JaxOps, [part[:, i] for i in range(len(PARTIAL_STATE))], cfg)
+        return (state, *M.target_logit(JaxOps, rows, cfg, offset))
 
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg, offset=0):
-        rows = lambda z, u, y, active, x, d, offsets, *per_row: _backward(
-            z, u, y, active, x, d, offsets, per_row[:7], per_row[7:], cfg)
-        return _rows_vmappable(rows, z, u, y, active, x, d, _offsets(offset, z.shape[0]),
-                               *stats, *grads)
+    def backward(rows, stats, grads, cfg, offset=0):
+        call = lambda z, u, y, active, x, d, offsets, *per_row: _backward(
+            z, u, y, active, x, d, offsets, per_row[:len(ROW_STATS)], per_row[len(ROW_STATS):],
+            cfg)
+        return _rows_vmappable(call, *rows, _offsets(offset, rows.logits.shape[0]), *stats,
+                               *grads)
 
 
 IMPLEMENTATION = TritonJax()

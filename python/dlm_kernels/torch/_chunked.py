@@ -33,33 +33,35 @@ class ChunkedTorch:
 
     @staticmethod
     @torch.no_grad()
-    def forward_partial(z, u, y, x, d, cfg, offset=0):
-        # z, u: [N, K] (one shard); y, x, d: [N] -> (State, r_y, found) of [N] f32
+    def forward_partial(rows, cfg, offset=0):
+        # rows.logits, rows.teacher: [N, K] (one shard) -> (State, r_y, found) of [N] f32
+        z, u = rows.logits, rows.teacher
         n, k = z.shape
         state = None
         for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
-            part = M.chunk_partial(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols,
-                                   M.column_mask(xp, cols, cfg), x, d, cfg)
+            chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
+            part = M.chunk_partial(xp, chunk, cols, M.column_mask(xp, cols, cfg), cfg)
             state = part if state is None else M.merge(xp, state, part, cfg)
-        return (state, *M.target_logit(xp, z, y, x, d, cfg, offset))
+        return (state, *M.target_logit(xp, rows, cfg, offset))
 
     @classmethod
-    def forward(cls, z, u, y, active, x, d, cfg):
-        state, r_y, found = cls.forward_partial(z, u, y, x, d, cfg)
-        return M.finalize(xp, state, r_y, found, active, cfg)
+    def forward(cls, rows, cfg):
+        state, r_y, found = cls.forward_partial(rows, cfg)
+        return M.finalize(xp, state, r_y, found, rows.active, cfg)
 
     @staticmethod
     @torch.no_grad()
-    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False, offset=0):
+    def backward(rows, stats, grads, cfg, inplace=False, offset=0):
         # -> dz [N, K] in z's dtype (z itself when ``inplace``), du [N, K] or None
+        z, u = rows.logits, rows.teacher
         n, k = z.shape
         dz = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         du = torch.empty(u.shape, dtype=u.dtype, device=u.device) if cfg.teacher_grad else None
         for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)
-            gz, gu = M.chunk_grads(xp, z[:, c0:c1], None if u is None else u[:, c0:c1], cols, y,
-                                   active, x, d, stats, grads, cfg)
+            chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
+            gz, gu = M.chunk_grads(xp, chunk, cols, stats, grads, cfg)
             dz[:, c0:c1] = gz
             if du is not None:
                 du[:, c0:c1] = gu

@@ -10,6 +10,7 @@ from .._dispatch import Registry
 from .. import _stats_math as M
 from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
                           shard_capable)
+from .._rows import Rows
 from .._stats_math import Stats
 from ._ops import TorchOps
 
@@ -26,13 +27,13 @@ _BACKEND_MODULES = {
 REGISTRY.load(_BACKEND_MODULES)
 
 
-def _vocab_parallel_stats(z, u, y, active, x, d, impl, cfg, group):
-    """Megatron-style vocabulary parallelism: z is rank r's shard of columns
+def _vocab_parallel_stats(rows, impl, cfg, group):
+    """Megatron-style vocabulary parallelism: rows.logits is rank r's shard of columns
     [r·K_local, (r+1)·K_local). Local partial state, then two all-reduces of per-row
     floats (MAX of 3, SUM of 7: 40 bytes per row). Returns (Stats, column offset)."""
     import torch.distributed as dist
 
-    offset = dist.get_rank(group) * z.shape[1]
+    offset = dist.get_rank(group) * rows.logits.shape[1]
 
     def reduce(op):
         def run(values):
@@ -41,35 +42,40 @@ def _vocab_parallel_stats(z, u, y, active, x, d, impl, cfg, group):
             return list(packed.unbind(0))
         return run
 
-    state, r_y, found = impl.forward_partial(z, u, y, x, d, cfg, offset)
+    state, r_y, found = impl.forward_partial(rows, cfg, offset)
     state, (r_y, found) = M.merge_collective(TorchOps, state, reduce(dist.ReduceOp.MAX),
                                              reduce(dist.ReduceOp.SUM), cfg, [r_y, found])
-    return M.finalize(TorchOps, state, r_y, found, active, cfg), offset
+    return M.finalize(TorchOps, state, r_y, found, rows.active, cfg), offset
+
+
+_N_FIELDS = len(Rows._fields)
 
 
 class _TokenStatsFunction(torch.autograd.Function):
-    """Custom VJP: saves the inputs plus O(N) float32 row statistics, never [N, K]. With a
-    process group the logits are a vocabulary shard; the backward stays local either way."""
+    """Custom VJP: saves the row bundle plus O(N) float32 row statistics, never [N, K]. With
+    a process group the logits are a vocabulary shard; the backward stays local either way.
+    autograd wants tensors as direct arguments, so the bundle arrives as its fields."""
 
     @staticmethod
-    def forward(ctx, z, u, y, active, x, d, impl, cfg, inplace, group):
+    def forward(ctx, impl, cfg, inplace, group, *fields):
+        rows = Rows(*fields)
         ctx.backward_kw = {"inplace": True} if inplace else {}
         if group is None:
-            stats = impl.forward(z, u, y, active, x, d, cfg)
+            stats = impl.forward(rows, cfg)
         else:
-            stats, offset = _vocab_parallel_stats(z, u, y, active, x, d, impl, cfg, group)
+            stats, offset = _vocab_parallel_stats(rows, impl, cfg, group)
             ctx.backward_kw["offset"] = offset
-        ctx.save_for_backward(z, u, y, active, x, d, *stats)
+        ctx.save_for_backward(*rows, *stats)
         ctx.impl, ctx.cfg = impl, cfg
         return stats.lse, stats.logp, stats.entropy, stats.kl
 
     @staticmethod
     def backward(ctx, g_lse, g_lp, g_h, g_kl):
-        z, u, y, active, x, d, *saved = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        rows, stats = Rows(*saved[:_N_FIELDS]), Stats(*saved[_N_FIELDS:])
         grads = tuple(g.float() for g in (g_lse, g_lp, g_h, g_kl))
-        dz, du = ctx.impl.backward(z, u, y, active, x, d, Stats(*saved), grads, ctx.cfg,
-                                   **ctx.backward_kw)
-        return dz, du, None, None, None, None, None, None, None, None
+        dz, du = ctx.impl.backward(rows, stats, grads, ctx.cfg, **ctx.backward_kw)
+        return (None, None, None, None, *rows.gradients(dz, du))
 
 
 class _VocabParallelState:
@@ -116,29 +122,28 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
                 vocab_size=None, process_group=None, backend=None):
     process_group, vocab_size, logits, teacher_logits = apply_vocab_parallel(
         process_group, _VocabParallelState.current, vocab_size, logits, teacher_logits)
-    cfg, rows, (z, u, y, active, x, d) = prepare(
+    cfg, lead, rows = prepare(
         TorchOps, logits, targets, weights, temperature=temperature,
         ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
         teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
         teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
         vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, logits.device.type)
-    if u is not None and not cfg.teacher_grad:
-        u = u.detach()
+    if rows.teacher is not None and not cfg.teacher_grad:
+        rows = rows._replace(teacher=rows.teacher.detach())
     if process_group is not None:
         impl = shard_capable(REGISTRY, impl, backend)
     if inplace_grad and not getattr(impl, "supports_inplace_grad", False):
         raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
                          "use 'chunked' or 'triton'")
     if impl.custom_vjp:
-        outs = _TokenStatsFunction.apply(z, u, y, active, x, d, impl, cfg, bool(inplace_grad),
-                                         process_group)
+        outs = _TokenStatsFunction.apply(impl, cfg, bool(inplace_grad), process_group, *rows)
     else:
-        outs = impl.compute(z, u, y, active, x, d, cfg)
+        outs = impl.compute(rows, cfg)
     extent = None
-    if x is not None:  # the full vocabulary the shift ids index
-        extent = cfg.vocab_size or z.shape[1] * _shards(process_group)
-    return public_stats(TorchOps, outs, rows, cfg, active, x, extent)
+    if rows.shift_ids is not None:  # the full vocabulary the shift ids index
+        extent = cfg.vocab_size or rows.logits.shape[1] * _shards(process_group)
+    return public_stats(TorchOps, outs, lead, cfg, rows, extent)
 
 
 token_stats.__doc__ = TOKEN_STATS_DOC

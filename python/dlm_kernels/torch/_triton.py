@@ -15,6 +15,7 @@ import torch
 import triton
 
 from .. import _stats_math as M
+from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as K
 from .._stats_math import Stats
 from ._ops import TorchOps
@@ -57,7 +58,6 @@ def _flags(u, x, softcap, inv_t, inv_t_ce, entropy):
                 SEPARATE_CE=inv_t != inv_t_ce, HAS_ENTROPY=entropy)
 
 
-_INT32_MAX = 2**31 - 1
 
 
 _ZERO_OFFSET = {}
@@ -86,12 +86,12 @@ def plan(z, u, block_k=0):
 
 
 def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
-                    col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
-    """Partial row states [8, S, N] f32 of z: [N, K] (S vocabulary splits); ``cfg`` overrides
+                    col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None):
+    """Partial row states [PARTIAL_STATE, S, N] f32 of z: [N, K] (S vocabulary splits); ``cfg`` overrides
     the heuristic's plan (bench/launch_sweep.py)."""
     n, k = z.shape
     cfg = cfg or plan(z, u, block_k)
-    part = _empty((8, cfg["splits"], n), torch.float32, z.device)  # 32·S bytes per row
+    part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
     if n > 0:
         dummy = z
         K.stats_partial_kernel[(n, cfg["splits"])](
@@ -110,13 +110,14 @@ def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entr
 def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
                     inv_t_kl: float, softcap: float, entropy: bool, block_k: int) -> Tensor:
-    """Row statistics [7, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift) of z: [N, K]."""
+    """Row statistics [ROW_STATS, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift) of
+    z: [N, K]."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
     part = _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
                            block_k)
     s = part.shape[1]
-    out = _empty((7, n), torch.float32, z.device)  # 28 bytes per row
+    out = _empty((len(ROW_STATS), n), torch.float32, z.device)  # 28 bytes per row
     if n > 0:
         dummy = z
         block_n, block_s = K.finalize_blocks(s)
@@ -130,7 +131,7 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
 
 @token_stats_fwd.register_fake
 def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k):
-    return z.new_empty((7, z.shape[0]), dtype=torch.float32)
+    return z.new_empty((len(ROW_STATS), z.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_partial", mutates_args=())
@@ -138,7 +139,8 @@ def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optio
                         d: Optional[Tensor], inv_t: float, inv_t_ce: float, inv_t_kl: float,
                         softcap: float, entropy: bool, block_k: int, col_offset: int,
                         vocab_limit: int) -> Tensor:
-    """Partial states [8, S, N] of a vocabulary shard starting at global column col_offset."""
+    """Partial states [PARTIAL_STATE, S, N] of a vocabulary shard starting at global column
+    col_offset."""
     return _launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
                            softcap, entropy, block_k, col_offset, vocab_limit)
 
@@ -147,11 +149,11 @@ def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optio
 def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k, col_offset,
       vocab_limit):
     splits = plan(z, u, block_k)["splits"]  # the same plan as the launch
-    return z.new_empty((8, splits, z.shape[0]), dtype=torch.float32)
+    return z.new_empty((len(PARTIAL_STATE), splits, z.shape[0]), dtype=torch.float32)
 
 
 def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
-                 softcap, entropy, block_k, col_offset=0, vocab_limit=_INT32_MAX, cfg=None):
+                 softcap, entropy, block_k, col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None):
     n, k = z.shape
     if n == 0:
         return
@@ -217,6 +219,13 @@ def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv
     return torch.empty_like(u) if teacher_grad else z.new_empty((0,))
 
 
+def _op_rows(rows):
+    """The bundle as the custom ops take it: (z, u, y, active, x, d), the [N] inputs dense
+    and the active mask as int8 (what the kernels load)."""
+    return (rows.logits, rows.teacher, _vec(rows.targets), _vec(rows.active.to(torch.int8)),
+            _vec(rows.shift_ids), _vec(rows.shift))
+
+
 def _scalars(cfg):
     # the custom ops' (inv_t, inv_t_ce, inv_t_kl, softcap, entropy)
     return (1.0 / cfg.temperature, 1.0 / cfg.ce_temperature, 1.0 / cfg.teacher_temperature,
@@ -224,7 +233,7 @@ def _scalars(cfg):
 
 
 def _limit(cfg):
-    return cfg.vocab_size if cfg.vocab_size is not None else _INT32_MAX
+    return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
 
 
 class TritonTorch:
@@ -243,32 +252,31 @@ class TritonTorch:
                 "TRITON_INTERPRET=1, set before triton is imported)")
 
     @staticmethod
-    def forward(z, u, y, active, x, d, cfg):
-        # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32 (views of one [7, N] buffer)
-        out = torch.ops.dlm_kernels.token_stats_fwd(
-            z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), *_scalars(cfg),
-            cfg.chunk_size or 0)
+    def forward(rows, cfg):
+        # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32 (views of one
+        # [ROW_STATS, N] buffer)
+        out = torch.ops.dlm_kernels.token_stats_fwd(*_op_rows(rows), *_scalars(cfg),
+                                                   cfg.chunk_size or 0)
         return Stats(*out.unbind(0))
 
     @staticmethod
-    def forward_partial(z, u, y, x, d, cfg, offset=0):
+    def forward_partial(rows, cfg, offset=0):
         # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
+        z, u, _, _, x, d = _op_rows(rows)
         active = torch.ones(z.shape[0], dtype=torch.int8, device=z.device)
         part = torch.ops.dlm_kernels.token_stats_partial(
-            z, u, active, _vec(x), _vec(d), *_scalars(cfg), cfg.chunk_size or 0, int(offset),
-            _limit(cfg))
+            z, u, active, x, d, *_scalars(cfg), cfg.chunk_size or 0, int(offset), _limit(cfg))
         state = M.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
-        return (state, *M.target_logit(TorchOps, z, y, x, d, cfg, offset))
+        return (state, *M.target_logit(TorchOps, rows, cfg, offset))
 
     @staticmethod
-    def backward(z, u, y, active, x, d, stats, grads, cfg, inplace=False, offset=0):
-        stacked = torch.stack(tuple(stats))  # [7, N] f32
-        args = (z, u, _vec(y), _vec(active.to(torch.int8)), _vec(x), _vec(d), stacked,
-                *(_vec(g) for g in grads), *_scalars(cfg), cfg.teacher_grad, cfg.chunk_size or 0,
-                int(offset), _limit(cfg))
+    def backward(rows, stats, grads, cfg, inplace=False, offset=0):
+        stacked = torch.stack(tuple(stats))  # [ROW_STATS, N] f32
+        args = (*_op_rows(rows), stacked, *(_vec(g) for g in grads), *_scalars(cfg),
+                cfg.teacher_grad, cfg.chunk_size or 0, int(offset), _limit(cfg))
         if inplace:
             du = torch.ops.dlm_kernels.token_stats_bwd_(*args)
-            dz = z
+            dz = rows.logits
         else:
             dz, du = torch.ops.dlm_kernels.token_stats_bwd(*args)
         return dz, (du if cfg.teacher_grad else None)

@@ -1,0 +1,32 @@
+"""The row bundle: every per-row input of one token-statistics call, as one value.
+
+``_stats_api.prepare`` builds it once at the API boundary (leading dimensions flattened into
+N rows) and it travels whole through dispatch, the custom VJPs and the backends; it is taken
+apart only where a framework wants flat arguments (the ``torch.library`` custom ops and
+``autograd.Function``, ``jax_triton.triton_call``, ``pallas_call``), in one place per backend.
+A new per-row input is a new field here, filled in ``prepare`` and read where it is used.
+In JAX a NamedTuple is a pytree, so the bundle passes through ``jax.custom_vjp`` as one
+argument (its cotangent is a bundle too, None for the fields with no gradient).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Rows(NamedTuple):
+    logits: object  # [N, K] student logits (float32, bfloat16 or float16)
+    teacher: object = None  # [N, K] teacher logits, or None
+    targets: object = None  # [N] int target ids
+    active: object = None  # [N] bool: rows whose weight is non-zero
+    shift_ids: object = None  # [N] int column of the LOO shift, or None
+    shift: object = None  # [N] float32 LOO shift, or None
+
+    def columns(self, logits, teacher) -> "Rows":
+        """The same rows over a block of columns: ``logits`` / ``teacher`` are [N, C] slices."""
+        return self._replace(logits=logits, teacher=teacher)
+
+    def gradients(self, d_logits, d_teacher) -> "Rows":
+        """The cotangent of a bundle: d(logits), d(teacher) (None: no gradient), None for
+        every other field (ids, masks and the shift get no gradient)."""
+        return Rows(d_logits, d_teacher)
