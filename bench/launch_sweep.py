@@ -54,14 +54,14 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
                   teacher=teacher, copy_gbps=copy_gbps, heuristic=chosen, rows=rows)
     for block_k in blocks:
         for num_warps in warps:
-            cfg = dict(K.launch_config(n, k, elem, teacher, T._num_sms(z.device), block_k),
+            cfg = dict(K.launch_config(n, k, elem, teacher, T.num_sms(z.device), block_k),
                        num_warps=num_warps)
             row = dict(block_k=cfg["block_k"], num_warps=num_warps, splits=cfg["splits"],
                        heuristic=cfg == chosen)
             launches = {
-                "partial": (read, lambda _: T._launch_partial(z, u, None, None, active, *scalars,
+                "partial": (read, lambda _: T.launch_partial(z, u, None, None, active, *scalars,
                                                               0, cfg=cfg)),
-                "grad": (read + n * k * elem, lambda _: T._launch_grad(
+                "grad": (read + n * k * elem, lambda _: T.launch_grad(
                     z, u, y, active, None, None, stats, grads, dz, None, *scalars, 0, cfg=cfg)),
             }
             for name, (nbytes, launch) in launches.items():

@@ -112,10 +112,9 @@ def variants(env, framework, objective):
     if framework == "torch":
         import dlm_kernels.torch as D
 
-        platform_ = "cuda" if env["cuda"] else "cpu"
-        native = [b for b in ("triton", "chunked") if b in D.REGISTRY.available()
-                  and D.REGISTRY.IMPLEMENTATIONS[b].unsupported_reason(platform_) is None
-                  and not (b == "triton" and platform_ == "cpu")]  # no interpreter timings
+        # the backends auto would use here, from the backend table (on a CPU the chunked
+        # one alone: interpreters are not timed)
+        native = list(D.REGISTRY.native("cuda" if env["cuda"] else "cpu"))
         baselines = ["reference"]
         if env["cuda"]:
             baselines.append("reference+compile")
@@ -124,12 +123,7 @@ def variants(env, framework, objective):
         return native, baselines
     import dlm_kernels.jax as D
 
-    plat = env["jax_backend"]
-    native = [b for b in ("triton", "pallas", "chunked") if b in D.REGISTRY.available()
-              and D.REGISTRY.IMPLEMENTATIONS[b].unsupported_reason(plat) is None]
-    if plat == "cpu":
-        native = [b for b in native if b == "chunked"]  # interpreters are not timed
-    return native, ["reference"]
+    return list(D.REGISTRY.native(env["jax_backend"])), ["reference"]
 
 
 # -- parity ---------------------------------------------------------------------------------------

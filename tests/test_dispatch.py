@@ -174,3 +174,54 @@ def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
         "opd soft+hard": (False, True),
         "opd soft only": (False, False),
     }, got
+
+
+def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
+    """A throwaway backend: its module (here a file of the test's) and one row of the backend
+    table; the registry, explicit and auto choice, the documentation's list and the
+    benchmark's backend list all pick it up from the table."""
+    import os
+
+    (tmp_path / "throwaway_backend.py").write_text(
+        "from dlm_kernels._stats_api import ReferenceBackend\n"
+        "from dlm_kernels.torch._ops import TorchOps\n\n\n"
+        "class Throwaway(ReferenceBackend):\n"
+        "    name = 'throwaway'\n"
+        "    calls = 0\n\n"
+        "    def compute(self, rows, cfg):\n"
+        "        Throwaway.calls += 1\n"
+        "        return super().compute(rows, cfg)\n\n\n"
+        "IMPLEMENTATION = Throwaway(TorchOps)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(__file__)))  # for bench
+    monkeypatch.delenv("DLM_KERNELS_BACKEND", raising=False)
+    from dlm_kernels import _dispatch
+
+    import dlm_kernels.torch as T
+    from bench.runner import variants
+
+    row = _dispatch.BackendSpec("throwaway", {"torch": "throwaway_backend"}, ("cpu",),
+                                "a test's backend")
+    monkeypatch.setattr(_dispatch, "BACKENDS", _dispatch.BACKENDS + (row,))
+    monkeypatch.setattr(T.REGISTRY, "IMPLEMENTATIONS", dict(T.REGISTRY.IMPLEMENTATIONS))
+    T.REGISTRY.load()
+    assert "throwaway" in _dispatch.backend_names()
+    assert T.REGISTRY.native("cpu") == ("throwaway", "chunked")
+    assert '"throwaway" (a test\'s backend)' in _dispatch.backends_doc()
+    assert variants({"cuda": False}, "torch", "ce")[0] == ["throwaway", "chunked"]
+    rng = np.random.default_rng(0)
+    z = torch_tensor(rng.normal(size=(3, 11)))
+    y = torch_tensor(rng.integers(0, 11, 3))
+    assert T.backend_for(z) == "throwaway"  # its row prefers the CPU
+    ref = T.token_stats(z, y, backend="reference")
+    impl = T.REGISTRY.IMPLEMENTATIONS["throwaway"]
+    before = type(impl).calls
+    for got, exp in zip(T.token_stats(z, y, backend="throwaway"), ref):
+        np.testing.assert_array_equal(got.numpy(), exp.numpy())
+    assert type(impl).calls == before + 1
+
+
+def torch_tensor(a):
+    import torch
+
+    return torch.as_tensor(a, dtype=torch.float32 if a.dtype.kind == "f" else torch.int64)

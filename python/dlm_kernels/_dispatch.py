@@ -1,34 +1,108 @@
-"""Backend registry and selection, shared by both front ends.
+"""Backends: the protocol, the one table of them, and the registry each front end fills.
 
-Each front end owns one :class:`Registry`. A backend module registers its implementation
-when it imports; one that cannot import records why (``mark_unavailable``), so an explicit
-request can say so. ``backend=None`` means auto: the first registered backend in the
-platform's preference list that supports the array, or the ``DLM_KERNELS_BACKEND``
-environment variable when set. Auto never changes path silently: every fallback is logged
-on the ``dlm_kernels`` logger (at DEBUG, except the first time an accelerator's own kernels
-are missing: a WARNING, since the fallback there is much slower), and
-``backend_for(...)`` tells the choice.
+A backend is one module per framework that defines ``IMPLEMENTATION`` (an object following
+:class:`Backend`, its :class:`Capabilities` declared on it) plus one row of :data:`BACKENDS`:
+its name, its module per framework and the platforms where auto prefers it. Everything else
+(the names ``backend=`` accepts, auto preference, the documentation's list, the benchmark's
+backend lists) is read from the table. A module that cannot import records why
+(``mark_unavailable``), so an explicit request can say so. ``backend=None`` means auto: the
+first registered backend in the platform's preference that supports the array, or the
+``DLM_KERNELS_BACKEND`` environment variable when set. Auto never changes path silently:
+every fallback is logged on the ``dlm_kernels`` logger (at DEBUG, except the first time an
+accelerator's own kernels are missing: a WARNING, since the fallback there is much slower),
+and ``backend_for(...)`` tells the choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Protocol, Tuple
 
 from ._common import BACKEND_ENV, env_backend
 
 logger = logging.getLogger("dlm_kernels")
 
-KNOWN_BACKENDS = ("reference", "chunked", "triton", "pallas")
+FALLBACK = "chunked"  # what auto uses where no platform prefers another backend
 
-#: Auto preference per platform (the platform of the logits array).
-AUTO_PREFERENCE: Dict[str, Sequence[str]] = {
-    "cuda": ("triton", "chunked"),
-    "gpu": ("triton", "chunked"),
-    "tpu": ("pallas", "chunked"),
-}
-DEFAULT_PREFERENCE: Sequence[str] = ("chunked",)
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an implementation offers beyond the base protocol (the registry and the front
+    ends read these; nothing is probed with getattr)."""
+
+    dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")  # logits it accepts
+    vocab_shards: bool = False  # forward_partial + backward(offset=): vocabulary parallelism
+    inplace_grad: bool = False  # backward(inplace=True) writes d(logits) into the logits
+    linear_head: bool = False  # logits from hidden states and an unembedding (a later op)
+    sampling: bool = False  # the fused denoising step (a later op)
+
+
+#: the framework-native backends also take float64 logits (their math is float32 all the same)
+NATIVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class Backend(Protocol):
+    """One framework's implementation of the token-statistics primitive (``rows``: the row
+    bundle of ``_rows.Rows``; ``cfg``: the static ``StatsConfig``).
+
+    custom_vjp False: ``compute(rows, cfg) -> (lse, logp, entropy, kl)``, differentiated by
+    the framework's autodiff. custom_vjp True: ``forward(rows, cfg) -> Stats`` and
+    ``backward(rows, stats, grads, cfg, **kw) -> (d_logits, d_teacher or None)``; with
+    ``capabilities.vocab_shards`` also ``forward_partial(rows, cfg, offset) -> (State, r_y,
+    found)`` and ``backward(..., offset=)``; with ``inplace_grad``, ``backward(...,
+    inplace=True)``.
+    """
+
+    name: str
+    capabilities: Capabilities
+    custom_vjp: bool
+
+    def unsupported_reason(self, platform: str) -> Optional[str]:
+        """None when it runs on arrays of ``platform``, else why not."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """One row of the backend table."""
+
+    name: str
+    modules: Dict[str, str]  # framework ("torch", "jax") -> module defining IMPLEMENTATION
+    preferred_on: Tuple[str, ...]  # platforms of the logits where auto tries it first
+    summary: str  # one line for the documentation
+
+
+#: The backend table: a new backend is a module per framework and a row here.
+BACKENDS: Tuple[BackendSpec, ...] = (
+    BackendSpec("reference", {"torch": "dlm_kernels.torch._reference",
+                              "jax": "dlm_kernels.jax._reference"}, (),
+                "plain framework ops, float32, full materialisation, framework autodiff"),
+    BackendSpec("chunked", {"torch": "dlm_kernels.torch._chunked",
+                            "jax": "dlm_kernels.jax._chunked"}, (),
+                "framework ops over vocabulary chunks with a custom VJP, on every device"),
+    BackendSpec("triton", {"torch": "dlm_kernels.torch._triton",
+                           "jax": "dlm_kernels.jax._triton"}, ("cuda", "gpu"),
+                "Triton kernels on NVIDIA GPUs, JAX through jax-triton"),
+    BackendSpec("pallas", {"jax": "dlm_kernels.jax._pallas"}, ("tpu",),
+                "Pallas Mosaic kernels on TPUs"),
+)
+
+
+def backend_names() -> Tuple[str, ...]:
+    return tuple(spec.name for spec in BACKENDS)
+
+
+def auto_preference(platform: str) -> Tuple[str, ...]:
+    """The backends auto tries on ``platform``, best first: those that prefer it, then the
+    fallback."""
+    return tuple(s.name for s in BACKENDS if platform in s.preferred_on) + (FALLBACK,)
+
+
+def backends_doc() -> str:
+    """The ``backend=`` line of the documentation, from the table."""
+    names = ", ".join(f'"{s.name}" ({s.summary})' for s in BACKENDS)
+    return f"None (auto), or one of {names}"
 
 
 class BackendUnavailableError(RuntimeError):
@@ -55,18 +129,28 @@ class Registry:
     def available(self) -> tuple:
         return tuple(self.IMPLEMENTATIONS)
 
-    def load(self, modules: Dict[str, str]) -> None:
-        """Import each backend module (name -> module path); each defines IMPLEMENTATION.
-        A module that cannot import is recorded with its reason instead."""
-        for name, module in modules.items():
+    def load(self) -> None:
+        """Import this framework's module of every row of the backend table; each defines
+        IMPLEMENTATION. A module that cannot import is recorded with its reason instead."""
+        for spec in BACKENDS:
+            module = spec.modules.get(self.framework)
+            if module is None or spec.name in self.IMPLEMENTATIONS:
+                continue
             try:
                 self.register(importlib.import_module(module).IMPLEMENTATION)
             except ImportError as err:
-                self.mark_unavailable(name, f"import failed ({err})")
+                self.mark_unavailable(spec.name, f"import failed ({err})")
+
+    def native(self, platform: str) -> Tuple[str, ...]:
+        """The registered backends that auto would consider on ``platform`` and that run
+        there, best first (what the benchmark times as "ours")."""
+        return tuple(name for name in auto_preference(platform)
+                     if name in self.IMPLEMENTATIONS
+                     and self.IMPLEMENTATIONS[name].unsupported_reason(platform) is None)
 
     def _explicit(self, name: str, platform: str):
-        if name not in KNOWN_BACKENDS:
-            raise ValueError(f"backend must be None or one of {KNOWN_BACKENDS}; got {name!r}")
+        if name not in backend_names():
+            raise ValueError(f"backend must be None or one of {backend_names()}; got {name!r}")
         impl = self.IMPLEMENTATIONS.get(name)
         if impl is None:
             reason = self._unavailable.get(name, "it is not implemented for this framework")
@@ -91,7 +175,7 @@ class Registry:
                 return self._explicit(forced, platform)
             except (BackendUnavailableError, ValueError) as err:
                 raise BackendUnavailableError(f"{BACKEND_ENV}={forced!r}: {err}") from err
-        preference = AUTO_PREFERENCE.get(platform, DEFAULT_PREFERENCE)
+        preference = auto_preference(platform)
         for name in preference:
             impl = self.IMPLEMENTATIONS.get(name)
             if impl is None:
@@ -110,4 +194,4 @@ class Registry:
             if why is None:
                 return impl
             logger.debug("auto backend: %s skipped on %s: %s", name, platform, why)
-        return self.IMPLEMENTATIONS["chunked"]
+        return self.IMPLEMENTATIONS[FALLBACK]

@@ -13,12 +13,13 @@ implementation. A backend implementation is an object with
   backward(rows, stats, grads, cfg)       -> (dz, du or None)               [custom_vjp=True]
 
 and optionally
-  supports_inplace_grad, backward(..., inplace=True)   torch: write dz into z
-  supports_vocab_shards, forward_partial(rows, cfg, offset) -> (State, r_y, found)
-                         and backward(..., offset=)     one vocabulary shard whose column 0
-                                                        has global id ``offset``
+  capabilities                            what else it offers (``_dispatch.Capabilities``):
+    inplace_grad   backward(..., inplace=True) writes dz into z (torch)
+    vocab_shards   forward_partial(rows, cfg, offset) -> (State, r_y, found) and
+                   backward(..., offset=): one vocabulary shard whose column 0 has global
+                   id ``offset``
 
-with grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32.
+with grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32 (``_dispatch.Backend``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 from . import _checks
 from ._common import check_vocab_size, make_config
-from ._dispatch import logger
+from ._dispatch import FALLBACK, NATIVE_DTYPES, Capabilities, BackendUnavailableError, backends_doc, logger
 from ._rows import Rows
 
 
@@ -48,7 +49,7 @@ class TokenStats(NamedTuple):
     kl: object
 
 
-TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (custom VJP).
+_TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (custom VJP).
 
     Args:
       logits: [..., K] student logits (float32, bfloat16 or float16).
@@ -88,7 +89,7 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
         shift ids are global ids. Partial states merge with two all-reduces of per-row
         floats (40 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
         same to every objective inside a ``with`` block.
-      backend: None (auto), "reference", "chunked", "triton" or "pallas".
+      backend: {backends}.
 
     Non-finite student logits in an active row (every backend alike): an entry at -inf has
     probability 0 (its terms in the entropy and the KL are 0; a target at -inf has
@@ -100,6 +101,18 @@ TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (c
       TokenStats(lse, logp, entropy, kl), each float32 of shape [...] (entropy None when
       ``entropy=False``).
     """
+
+
+TOKEN_STATS_DOC = _TOKEN_STATS_DOC.replace("{backends}", backends_doc())
+
+
+def require_dtype(impl, logits):
+    """The backend declares the logits' dtype among its capabilities, or an error says so."""
+    name = str(logits.dtype).replace("torch.", "")
+    if name not in impl.capabilities.dtypes:
+        raise BackendUnavailableError(
+            f"backend {impl.name!r} does not take {name} logits; it takes "
+            f"{', '.join(impl.capabilities.dtypes)}")
 
 
 def public_stats(xp, outs, lead_shape, cfg, rows, vocab_extent):
@@ -123,6 +136,7 @@ class ReferenceBackend:
 
     name = "reference"
     custom_vjp = False
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES)
 
     def __init__(self, xp):
         self.xp = xp
@@ -167,14 +181,14 @@ def apply_vocab_parallel(shard, context, vocab_size, logits, teacher_logits):
 def shard_capable(registry, impl, requested):
     """The implementation a vocabulary-parallel call uses: ``impl`` when it can merge partial
     states across shards, else the chunked one (auto only; an explicit request errors)."""
-    if getattr(impl, "supports_vocab_shards", False):
+    if impl.capabilities.vocab_shards:
         return impl
     if requested is not None:
         raise ValueError(
             f"backend={requested!r} does not support vocabulary-parallel logits yet; "
             f"use backend='chunked' (or None)")
     logger.debug("vocab-parallel call: %s cannot merge shard states; using chunked", impl.name)
-    return registry.IMPLEMENTATIONS["chunked"]
+    return registry.IMPLEMENTATIONS[FALLBACK]
 
 
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,

@@ -16,6 +16,7 @@ from jax import lax
 
 from .. import _stats_math as M
 from .._common import chunk_size_for
+from .._dispatch import NATIVE_DTYPES, Capabilities
 from ._ops import JaxOps as xp
 
 
@@ -78,7 +79,7 @@ def _from_carry(buf, dtype):
 class ChunkedJax:
     name = "chunked"
     custom_vjp = True
-    supports_vocab_shards = True
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True)
 
     @staticmethod
     def unsupported_reason(platform):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _stats_math as M
+from .._dispatch import Capabilities
 from .._common import PALLAS_INTERPRET_ENV
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.pallas import token_stats as K
@@ -55,7 +56,7 @@ def _limit(cfg):
 class PallasJax:
     name = "pallas"
     custom_vjp = True
-    supports_vocab_shards = True
+    capabilities = Capabilities(vocab_shards=True)
 
     @staticmethod
     def unsupported_reason(platform):

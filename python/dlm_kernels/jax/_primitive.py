@@ -12,20 +12,12 @@ import jax.numpy as jnp
 from .._dispatch import Registry
 from .. import _stats_math as M
 from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
-                          shard_capable)
+                          require_dtype, shard_capable)
 from ._ops import JaxOps
 
 REGISTRY = Registry("jax")
 
-_BACKEND_MODULES = {
-    "reference": "dlm_kernels.jax._reference",
-    "chunked": "dlm_kernels.jax._chunked",
-    "triton": "dlm_kernels.jax._triton",
-    "pallas": "dlm_kernels.jax._pallas",
-}
-
-
-REGISTRY.load(_BACKEND_MODULES)
+REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a JAX module
 
 
 def _cotangent(rows, dz, du):
@@ -119,6 +111,7 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
         vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, JaxOps.platform(logits))
+    require_dtype(impl, logits)
     if rows.teacher is not None and not cfg.teacher_grad:
         rows = rows._replace(teacher=jax.lax.stop_gradient(rows.teacher))
     if vocab_axis is not None:

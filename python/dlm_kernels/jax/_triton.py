@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import triton
 
 from .. import _stats_math as M
+from .._dispatch import Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as K
 from ._batching import fold_vmap_into_rows
@@ -195,7 +196,7 @@ def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
 class TritonJax:
     name = "triton"
     custom_vjp = True
-    supports_vocab_shards = True
+    capabilities = Capabilities(vocab_shards=True)
 
     @staticmethod
     def unsupported_reason(platform):

@@ -13,6 +13,7 @@ import torch
 
 from .. import _stats_math as M
 from .._common import chunk_size_for
+from .._dispatch import NATIVE_DTYPES, Capabilities
 from ._ops import TorchOps as xp
 
 
@@ -24,8 +25,7 @@ def _chunks(n, k, cfg, device):
 class ChunkedTorch:
     name = "chunked"
     custom_vjp = True
-    supports_inplace_grad = True
-    supports_vocab_shards = True
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, inplace_grad=True)
 
     @staticmethod
     def unsupported_reason(platform):

@@ -9,22 +9,14 @@ import torch
 from .._dispatch import Registry
 from .. import _stats_math as M
 from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
-                          shard_capable)
+                          require_dtype, shard_capable)
 from .._rows import Rows
 from .._stats_math import Stats
 from ._ops import TorchOps
 
 REGISTRY = Registry("torch")
 
-# Backends in preference-independent order; each module defines IMPLEMENTATION on import.
-_BACKEND_MODULES = {
-    "reference": "dlm_kernels.torch._reference",
-    "chunked": "dlm_kernels.torch._chunked",
-    "triton": "dlm_kernels.torch._triton",
-}
-
-
-REGISTRY.load(_BACKEND_MODULES)
+REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a torch module
 
 
 def _vocab_parallel_stats(rows, impl, cfg, group):
@@ -129,11 +121,12 @@ def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperatur
         teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
         vocab_size=vocab_size)
     impl = REGISTRY.resolve(backend, logits.device.type)
+    require_dtype(impl, logits)
     if rows.teacher is not None and not cfg.teacher_grad:
         rows = rows._replace(teacher=rows.teacher.detach())
     if process_group is not None:
         impl = shard_capable(REGISTRY, impl, backend)
-    if inplace_grad and not getattr(impl, "supports_inplace_grad", False):
+    if inplace_grad and not impl.capabilities.inplace_grad:
         raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
                          "use 'chunked' or 'triton'")
     if impl.custom_vjp:

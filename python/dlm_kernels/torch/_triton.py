@@ -15,6 +15,7 @@ import torch
 import triton
 
 from .. import _stats_math as M
+from .._dispatch import Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as K
 from .._stats_math import Stats
@@ -24,7 +25,7 @@ Tensor = torch.Tensor
 _NUM_SMS = {}
 
 
-def _num_sms(device) -> int:
+def num_sms(device) -> int:
     if device.type != "cuda":
         return 132  # interpreter: plan as for an H200
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -79,13 +80,17 @@ def _offset(col_offset, device):
     return _ZERO_OFFSET[device]
 
 
+# plan, num_sms, launch_partial and launch_grad are this module's launch surface: the custom
+# ops below use them, and so does the benchmark's launch sweep (bench/launch_sweep.py).
+
+
 def plan(z, u, block_k=0):
     """The launch plan (block size, warps, stages, splits) the heuristic picks for z: [N, K]."""
     return K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
-                           _num_sms(z.device), block_k or None)
+                           num_sms(z.device), block_k or None)
 
 
-def _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
+def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
                     col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None):
     """Partial row states [PARTIAL_STATE, S, N] f32 of z: [N, K] (S vocabulary splits); ``cfg`` overrides
     the heuristic's plan (bench/launch_sweep.py)."""
@@ -114,7 +119,7 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
     z: [N, K]."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
-    part = _launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
+    part = launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
                            block_k)
     s = part.shape[1]
     out = _empty((len(ROW_STATS), n), torch.float32, z.device)  # 28 bytes per row
@@ -141,7 +146,7 @@ def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optio
                         vocab_limit: int) -> Tensor:
     """Partial states [PARTIAL_STATE, S, N] of a vocabulary shard starting at global column
     col_offset."""
-    return _launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
+    return launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
                            softcap, entropy, block_k, col_offset, vocab_limit)
 
 
@@ -152,7 +157,7 @@ def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k, 
     return z.new_empty((len(PARTIAL_STATE), splits, z.shape[0]), dtype=torch.float32)
 
 
-def _launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
+def launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
                  softcap, entropy, block_k, col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None):
     n, k = z.shape
     if n == 0:
@@ -181,7 +186,7 @@ def token_stats_bwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
     z, u = _unit_col(z), _unit_col(u)
     dz = _empty(z.shape, z.dtype, z.device)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
-    _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), dz,
+    launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), dz,
                  du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
                  block_k, col_offset, vocab_limit)
     return dz, du
@@ -207,7 +212,7 @@ def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: T
                          f"got strides {tuple(z.stride())}")
     u = _unit_col(u)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
-    _launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), z,
+    launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), z,
                  du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
                  block_k, col_offset, vocab_limit)
     return du
@@ -239,8 +244,7 @@ def _limit(cfg):
 class TritonTorch:
     name = "triton"
     custom_vjp = True
-    supports_inplace_grad = True
-    supports_vocab_shards = True
+    capabilities = Capabilities(vocab_shards=True, inplace_grad=True)
 
     @staticmethod
     def unsupported_reason(platform):
