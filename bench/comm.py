@@ -20,7 +20,8 @@ def measure(n, k, shards=8, teacher=True):
     from jax.sharding import Mesh, PartitionSpec as P
 
     import dlm_kernels.jax as D
-    from dlm_kernels.testing import allreduce_bytes
+
+    from .hlo import allreduce_bytes
 
     mesh = Mesh(np.array(jax.devices()[:shards]).reshape(1, shards), ("data", "vocab"))
 

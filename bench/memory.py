@@ -11,7 +11,21 @@ import os
 import subprocess
 import sys
 
-from dlm_kernels.testing import proc_status_bytes, reset_peak_rss
+
+
+def proc_status_bytes(field):
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in bytes (Linux only)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def reset_peak_rss():
+    """Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def available():

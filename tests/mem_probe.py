@@ -6,12 +6,15 @@ see torch's allocations).
 """
 
 import gc
+import os
 import sys
 
 import torch
 
 import dlm_kernels.torch as D
-from dlm_kernels.testing import proc_status_bytes, reset_peak_rss
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for bench
+from bench.memory import proc_status_bytes, reset_peak_rss  # noqa: E402
 
 
 def main():

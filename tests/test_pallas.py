@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
+from dlm_kernels.testing import pallas_race_detection  # noqa: E402
 from harness import framework  # noqa: E402
 from test_objectives import ObjectivesSuite  # noqa: E402
 from test_token_stats import FEATURES, TokenStatsSuite, check_jit_grad_vmap, make_case  # noqa: E402
@@ -28,12 +29,12 @@ class TestJaxPallasObjectives(ObjectivesSuite):
     FW, BACKEND = "jax", "pallas"
 
 
-def test_race_detection_finds_no_races(rng, monkeypatch):
+def test_race_detection_finds_no_races(rng):
     interp = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
-    monkeypatch.setenv("DLM_KERNELS_PALLAS_DETECT_RACES", "1")
     suite = TestJaxPallas()
     case = make_case(framework("jax"), rng, (9, 3), 300, "float32", FEATURES["all"])
-    suite.check(case, rng, "float32", chunk_size=128)
+    with pallas_race_detection():
+        suite.check(case, rng, "float32", chunk_size=128)
     assert interp.races is not None, "race detection did not run"
     assert not interp.races.races_found
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import oracle
-from dlm_kernels.testing import allreduce_bytes
+from bench.hlo import allreduce_bytes
 from harness import assert_close, assert_exact_zero
 
 K = 37

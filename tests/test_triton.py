@@ -12,6 +12,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from dlm_kernels.testing import poisoned_outputs  # noqa: E402
 from harness import assert_close, framework  # noqa: E402
 from test_objectives import ObjectivesSuite  # noqa: E402
 from test_token_stats import (FEATURES, TokenStatsSuite, TorchCompileChecks,  # noqa: E402
@@ -31,9 +32,10 @@ needs_interpreter = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
+def _poison_outputs():
     """Every buffer the launchers allocate starts as NaN, so an unwritten element fails."""
-    monkeypatch.setenv("DLM_KERNELS_POISON", "1")
+    with poisoned_outputs():
+        yield
 
 
 @needs_interpreter

@@ -71,23 +71,23 @@ BWD_FLOATS = 16  # everything above, padded
 N_STATS = max(len(PARTIAL_STATE), len(ROW_STATS))
 
 
-def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
-    """(BN, BK) within the VMEM budget (see the module docstring)."""
-    bk = block_k or BLOCK_K
-    bk = max(128, (min(bk, -(-vocab // 128) * 128) // 128) * 128)
-    streams = 1 + int(has_teacher)
-    per_elem = 2 * itemsize * streams + (2 * itemsize * streams if backward else 0) + 4 * 8
-    per_row = 10 * 128 * 4
-    bn = VMEM_BUDGET // (per_elem * bk + per_row)
-    bn = max(8, min(MAX_BLOCK_N, (bn // 8) * 8, -(-n_rows // 8) * 8))
-    return bn, bk
-
-
 def vmem_bytes(bn, bk, itemsize, has_teacher, backward):
-    """The estimate ``block_sizes`` budgets with, for documentation and tests."""
+    """VMEM of one grid step with (BN, BK) blocks (see the module docstring): the
+    double-buffered logit blocks (and gradient blocks) plus float32 temporaries per element,
+    and the lane-padded per-row scratch."""
     streams = 1 + int(has_teacher)
     per_elem = 2 * itemsize * streams + (2 * itemsize * streams if backward else 0) + 4 * 8
     return bn * bk * per_elem + bn * 10 * 128 * 4
+
+
+def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
+    """(BN, BK): BK = ``block_k`` (default BLOCK_K) in multiples of 128, and the largest BN
+    (a multiple of 8, at most MAX_BLOCK_N) whose ``vmem_bytes`` fit VMEM_BUDGET."""
+    bk = block_k or BLOCK_K
+    bk = max(128, (min(bk, -(-vocab // 128) * 128) // 128) * 128)
+    bn = VMEM_BUDGET // vmem_bytes(1, bk, itemsize, has_teacher, backward)  # linear in BN
+    bn = max(8, min(MAX_BLOCK_N, (bn // 8) * 8, -(-n_rows // 8) * 8))
+    return bn, bk
 
 
 def _cap(z, softcap):

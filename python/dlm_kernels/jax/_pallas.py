@@ -32,15 +32,18 @@ def interpret_mode() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def detect_races() -> bool:
-    return os.environ.get("DLM_KERNELS_PALLAS_DETECT_RACES") == "1"
+class RaceDetection:
+    """Whether interpret mode also detects races between grid steps (a test aid, switched by
+    ``dlm_kernels.testing.pallas_race_detection``)."""
+
+    enabled = False
 
 
 def _statics(cfg, has_shift):
     return dict(inv_t=1.0 / cfg.temperature, inv_t_ce=1.0 / cfg.ce_temperature,
                 inv_t_kl=1.0 / cfg.teacher_temperature, softcap=cfg.softcap, has_shift=has_shift,
                 separate_ce=cfg.separate_ce, entropy=cfg.entropy, block_k=cfg.chunk_size,
-                interpret=interpret_mode(), detect_races=detect_races())
+                interpret=interpret_mode(), detect_races=RaceDetection.enabled)
 
 
 def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0

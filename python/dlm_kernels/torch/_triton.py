@@ -2,8 +2,9 @@
 ``torch.library`` custom ops, so ``torch.compile`` traces them without graph breaks.
 
 Kernels live in ``dlm_kernels.kernels.triton.token_stats``; this module only allocates and
-launches. Nothing here synchronises with the host. Set ``DLM_KERNELS_POISON=1`` to fill
-every output with NaN before the kernels write it (tests do).
+launches. Nothing here synchronises with the host. ``dlm_kernels.testing.poisoned_outputs()``
+fills every output with NaN before the kernels write it (the tests do), so an element the
+kernels leave unwritten cannot pass for a value.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .._stats_math import Stats
 from ._ops import TorchOps
 
 Tensor = torch.Tensor
+# Triton picks its interpreter when it is imported (above), from this variable: read it once.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _NUM_SMS = {}
 
 
@@ -34,9 +37,16 @@ def num_sms(device) -> int:
     return _NUM_SMS[idx]
 
 
+class Poison:
+    """Whether the launchers fill their outputs with NaN first (a test aid, switched by
+    ``dlm_kernels.testing.poisoned_outputs``; off costs one attribute read)."""
+
+    enabled = False
+
+
 def _empty(shape, dtype, device):
     out = torch.empty(shape, dtype=dtype, device=device)
-    if os.environ.get("DLM_KERNELS_POISON") == "1":
+    if Poison.enabled:
         out.fill_(float("nan"))
     return out
 
@@ -250,7 +260,7 @@ class TritonTorch:
     def unsupported_reason(platform):
         if platform == "cuda":
             return None
-        if platform == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        if platform == "cpu" and _INTERPRETED:
             return None  # the Triton interpreter runs the kernels on CPU tensors
         return ("the Triton kernels need CUDA tensors (CPU tensors only under "
                 "TRITON_INTERPRET=1, set before triton is imported)")
