@@ -4,8 +4,9 @@ the GPU work. Run on any machine (CPU tensors stand in for CUDA ones):
 
     python -m bench.host_time [--rows 16384] [--vocab 64] [--reps 300]
 
-Prints the median milliseconds per call of a forward (``weighted_cross_entropy``) and of a
-forward+backward, and of an SFT LOO loss forward+backward.
+Prints milliseconds per call (the best of five block medians) of a forward
+(``weighted_cross_entropy``) and of a forward+backward, and of an SFT LOO loss
+forward+backward.
 """
 
 from __future__ import annotations
@@ -62,13 +63,17 @@ def main(argv=None):
                       ("sft loo forward+backward", sft_fwdbwd)):
         for _ in range(20):
             fn()
-        times = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        print(f"{label:26s} {1e3 * statistics.median(times):.3f} ms host time per call "
-              f"(N {n}, K {k}, launches stubbed)")
+        # the best of five block medians: a shared 2-core machine's other work only ever adds
+        blocks = []
+        for _ in range(5):
+            times = []
+            for _ in range(max(1, args.reps // 5)):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            blocks.append(statistics.median(times))
+        print(f"{label:26s} {1e3 * min(blocks):.3f} ms host time per call "
+              f"(best of 5 block medians; N {n}, K {k}, launches stubbed)")
 
 
 if __name__ == "__main__":

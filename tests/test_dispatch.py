@@ -225,3 +225,18 @@ def torch_tensor(a):
     import torch
 
     return torch.as_tensor(a, dtype=torch.float32 if a.dtype.kind == "f" else torch.int64)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_front_ends_export_the_same_public_names_bound_in_order(fw_name):
+    """Both front ends export PUBLIC_API, and each exported objective is the one its name
+    says (the export tuple follows Objectives.NAMES)."""
+    from dlm_kernels._frontend import PUBLIC_API
+    from dlm_kernels._objectives import Objectives
+
+    api = framework(fw_name).api
+    assert list(api.__all__) == list(PUBLIC_API)
+    for name in PUBLIC_API:
+        assert hasattr(api, name), name
+    for name in Objectives.NAMES:
+        assert getattr(api, name).__name__ == name, (name, getattr(api, name))

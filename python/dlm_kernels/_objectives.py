@@ -1,8 +1,8 @@
 """Every objective of DESIGN §3, written once on top of the token-statistics primitive.
 
-:class:`Frontend` binds the objectives to one framework's ops adapter (``xp``), its
+:class:`Objectives` binds the objectives to one framework's ops adapter (``xp``), its
 ``token_stats`` and its contract classes; ``dlm_kernels.torch`` and ``dlm_kernels.jax`` each
-make one and export its methods. Each objective does only cheap ``[B, L]`` arithmetic
+make one and export its methods (``exports()``). Each objective does only cheap ``[B, L]`` arithmetic
 around one primitive call, so autodiff flows through the primitive's VJP.
 """
 
@@ -35,8 +35,17 @@ def _total(xp, x):  # [B, L] -> []
     return xp.rowsum(xp.rowsum(x))
 
 
-class Frontend:
+class Objectives:
     """The public objectives of one front end (see the module docstring)."""
+
+    #: what a front end exports from it, in this order (``exports()``)
+    NAMES = ("reweight", "loo_to_denoiser_logits", "diffusion_sft_loss", "diffusion_sft_logps",
+             "validate_diffusion_logits", "merge_diffusion_batches", "per_token_logps",
+             "compute_diffusion_per_token_logps", "weighted_cross_entropy", "opd_loss")
+
+    def exports(self):
+        """The bound objectives named in ``NAMES``, in that order."""
+        return tuple(getattr(self, name) for name in self.NAMES)
 
     def __init__(self, xp, token_stats, weighted_sum, token_batch, distillation_batch,
                  vocab_extent=lambda logits: logits.shape[-1]):

@@ -14,36 +14,22 @@ from .._checks import sync_checks
 from .._common import EPS, VARIANTS, normalize_variant
 from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
-from .._objectives import Frontend, rf_alpha, rf_alpha_dot
+from .._frontend import PUBLIC_API
+from .._objectives import Objectives, rf_alpha, rf_alpha_dot
 from .._stats_api import TokenStats
 from ._ops import JaxOps
 from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 
-WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(JaxOps, __name__,
-                                                                               vocab_extent)
+WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(
+    JaxOps, __name__, vocab_extent)
 for _cls in (WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch):
     _jax.tree_util.register_dataclass(
         _cls, data_fields=list(_cls.__dataclass_fields__), meta_fields=[])
 
-_api = Frontend(JaxOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
-               vocab_extent)
+(reweight, loo_to_denoiser_logits, diffusion_sft_loss, diffusion_sft_logps,
+ validate_diffusion_logits, merge_diffusion_batches, per_token_logps,
+ compute_diffusion_per_token_logps, weighted_cross_entropy, opd_loss) = Objectives(
+    JaxOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
+    vocab_extent).exports()
 
-reweight = _api.reweight
-loo_to_denoiser_logits = _api.loo_to_denoiser_logits
-diffusion_sft_loss = _api.diffusion_sft_loss
-diffusion_sft_logps = _api.diffusion_sft_logps
-validate_diffusion_logits = _api.validate_diffusion_logits
-merge_diffusion_batches = _api.merge_diffusion_batches
-per_token_logps = _api.per_token_logps
-compute_diffusion_per_token_logps = _api.compute_diffusion_per_token_logps
-weighted_cross_entropy = _api.weighted_cross_entropy
-opd_loss = _api.opd_loss
-
-__all__ = [
-    "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
-    "reweight", "diffusion_sft_loss", "diffusion_sft_logps", "DiffusionTokenBatch",
-    "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
-    "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
-    "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks",
-]
+__all__ = list(PUBLIC_API)

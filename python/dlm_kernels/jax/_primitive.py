@@ -1,9 +1,8 @@
-"""``token_stats`` for JAX: validation, dispatch and the ``jax.custom_vjp``."""
+"""``token_stats`` for JAX: the ``jax.custom_vjp``, the shard_map merge, and the JAX side of
+the front-end shell."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -11,8 +10,8 @@ import jax.numpy as jnp
 
 from .._dispatch import Registry
 from .. import _stats_math as M
-from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
-                          require_dtype, shard_capable)
+from .._frontend import TokenStatsFrontEnd, public_token_stats
+from .._stats_api import TOKEN_STATS_DOC
 from ._ops import JaxOps
 
 REGISTRY = Registry("jax")
@@ -70,67 +69,36 @@ def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):
 
 _vocab_parallel_vjp.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
 
-_VOCAB_PARALLEL = contextvars.ContextVar("dlm_kernels_jax_vocab_parallel", default=None)
+class JaxVJP:
+    """The JAX side of the front-end shell (``dlm_kernels._frontend``)."""
+
+    inplace_grad = False  # arrays are immutable
+
+    @staticmethod
+    def apply(impl, cfg, rows, inplace, axis):
+        if axis is not None:
+            return _vocab_parallel_vjp(impl, cfg, axis, rows)
+        return _token_stats_vjp(impl, cfg, rows)
+
+    @staticmethod
+    def shards(axis) -> int:
+        return 1 if axis is None else jax.lax.axis_size(axis)
 
 
-@contextlib.contextmanager
+_FRONT = TokenStatsFrontEnd(JaxOps, REGISTRY, JaxVJP)
+vocab_extent = _FRONT.vocab_extent
+
+
 def vocab_parallel(vocab_axis, vocab_size=None):
     """Within this block (traced inside ``jax.shard_map``), every objective treats its logits
     as this device's shard of the mesh axis ``vocab_axis`` (as ``token_stats(...,
     vocab_axis=..., vocab_size=...)`` does)."""
-    token = _VOCAB_PARALLEL.set((vocab_axis, vocab_size))
-    try:
-        yield
-    finally:
-        _VOCAB_PARALLEL.reset(token)
+    return _FRONT.vocab_parallel.within(vocab_axis, vocab_size)
 
 
-def vocab_extent(logits) -> int:
-    """The full vocabulary the logits' last axis belongs to (K·axis size inside vocab_parallel)."""
-    ctx = _VOCAB_PARALLEL.get()
-    if ctx is None:
-        return logits.shape[-1]
-    axis, vocab_size = ctx
-    return vocab_size or logits.shape[-1] * jax.lax.axis_size(axis)
-
-
-def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
-                softcap=None, shift_ids=None, shift=None, teacher_logits=None,
-                teacher_temperature=None, teacher_grad=False, entropy=True, chunk_size=None,
-                inplace_grad=False,
-                vocab_size=None, vocab_axis=None, backend=None):
-    if inplace_grad:
-        raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate the "
-                         "logits buffer to jit to let XLA reuse it instead)")
-    vocab_axis, vocab_size, logits, teacher_logits = apply_vocab_parallel(
-        vocab_axis, _VOCAB_PARALLEL.get(), vocab_size, logits, teacher_logits)
-    cfg, lead, rows = prepare(
-        JaxOps, logits, targets, weights, temperature=temperature,
-        ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
-        teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
-        teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
-        vocab_size=vocab_size)
-    impl = REGISTRY.resolve(backend, JaxOps.platform(logits))
-    require_dtype(impl, logits)
-    if rows.teacher is not None and not cfg.teacher_grad:
-        rows = rows._replace(teacher=jax.lax.stop_gradient(rows.teacher))
-    if vocab_axis is not None:
-        impl = shard_capable(REGISTRY, impl, backend)
-        outs = _vocab_parallel_vjp(impl, cfg, vocab_axis, rows)
-    elif impl.custom_vjp:
-        outs = _token_stats_vjp(impl, cfg, rows)
-    else:
-        outs = impl.compute(rows, cfg)
-    extent = None
-    if rows.shift_ids is not None:  # the full vocabulary the shift ids index
-        shards = 1 if vocab_axis is None else jax.lax.axis_size(vocab_axis)
-        extent = cfg.vocab_size or rows.logits.shape[1] * shards
-    return public_stats(JaxOps, outs, lead, cfg, rows, extent)
-
-
-token_stats.__doc__ = TOKEN_STATS_DOC
+token_stats = public_token_stats(_FRONT, "vocab_axis", TOKEN_STATS_DOC)
 
 
 def backend_for(logits, backend=None) -> str:
     """The name of the backend ``backend`` (None = auto) resolves to for this array."""
-    return REGISTRY.resolve(backend, JaxOps.platform(logits)).name
+    return _FRONT.backend_for(logits, backend)

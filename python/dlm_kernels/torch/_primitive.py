@@ -1,15 +1,14 @@
-"""``token_stats`` for torch: validation, dispatch and the autograd.Function (custom VJP)."""
+"""``token_stats`` for torch: the autograd.Function (custom VJP), the process-group merge, and
+the torch side of the front-end shell."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from .._dispatch import Registry
 from .. import _stats_math as M
-from .._stats_api import (TOKEN_STATS_DOC, apply_vocab_parallel, prepare, public_stats,
-                          require_dtype, shard_capable)
+from .._dispatch import Registry
+from .._frontend import TokenStatsFrontEnd, public_token_stats
+from .._stats_api import TOKEN_STATS_DOC
 from .._rows import Rows
 from .._stats_math import Stats
 from ._ops import TorchOps
@@ -70,78 +69,37 @@ class _TokenStatsFunction(torch.autograd.Function):
         return (None, None, None, None, *rows.gradients(dz, du))
 
 
-class _VocabParallelState:
-    """The active ``vocab_parallel`` setting: a plain attribute (torch.compile traces and
-    guards attribute reads, not ContextVar.get). Process-wide, like a process group."""
+class TorchVJP:
+    """The torch side of the front-end shell (``dlm_kernels._frontend``)."""
 
-    current = None
+    inplace_grad = True
+
+    @staticmethod
+    def apply(impl, cfg, rows, inplace, group):
+        return _TokenStatsFunction.apply(impl, cfg, inplace, group, *rows)
+
+    @staticmethod
+    def shards(process_group) -> int:
+        if process_group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(process_group)
 
 
-@contextlib.contextmanager
+_FRONT = TokenStatsFrontEnd(TorchOps, REGISTRY, TorchVJP)
+vocab_extent = _FRONT.vocab_extent
+
+
 def vocab_parallel(process_group, vocab_size=None):
     """Within this block every objective treats its logits as this rank's vocabulary shard
     of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
-    previous = _VocabParallelState.current
-    _VocabParallelState.current = (process_group, vocab_size)
-    try:
-        yield
-    finally:
-        _VocabParallelState.current = previous
+    return _FRONT.vocab_parallel.within(process_group, vocab_size)
 
 
-def _shards(process_group) -> int:
-    """How many vocabulary shards a process group splits the logits into (1 for None)."""
-    if process_group is None:
-        return 1
-    import torch.distributed as dist
-
-    return dist.get_world_size(process_group)
-
-
-def vocab_extent(logits) -> int:
-    """The full vocabulary the logits' last axis belongs to (K·world inside vocab_parallel)."""
-    ctx = _VocabParallelState.current
-    if ctx is None:
-        return logits.shape[-1]
-    group, vocab_size = ctx
-    return vocab_size or logits.shape[-1] * _shards(group)
-
-
-def token_stats(logits, targets, weights=None, *, temperature=1.0, ce_temperature=None,
-                softcap=None, shift_ids=None, shift=None, teacher_logits=None,
-                teacher_temperature=None, teacher_grad=False, entropy=True, chunk_size=None,
-                inplace_grad=False,
-                vocab_size=None, process_group=None, backend=None):
-    process_group, vocab_size, logits, teacher_logits = apply_vocab_parallel(
-        process_group, _VocabParallelState.current, vocab_size, logits, teacher_logits)
-    cfg, lead, rows = prepare(
-        TorchOps, logits, targets, weights, temperature=temperature,
-        ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
-        teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
-        teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
-        vocab_size=vocab_size)
-    impl = REGISTRY.resolve(backend, logits.device.type)
-    require_dtype(impl, logits)
-    if rows.teacher is not None and not cfg.teacher_grad:
-        rows = rows._replace(teacher=rows.teacher.detach())
-    if process_group is not None:
-        impl = shard_capable(REGISTRY, impl, backend)
-    if inplace_grad and not impl.capabilities.inplace_grad:
-        raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
-                         "use 'chunked' or 'triton'")
-    if impl.custom_vjp:
-        outs = _TokenStatsFunction.apply(impl, cfg, bool(inplace_grad), process_group, *rows)
-    else:
-        outs = impl.compute(rows, cfg)
-    extent = None
-    if rows.shift_ids is not None:  # the full vocabulary the shift ids index
-        extent = cfg.vocab_size or rows.logits.shape[1] * _shards(process_group)
-    return public_stats(TorchOps, outs, lead, cfg, rows, extent)
-
-
-token_stats.__doc__ = TOKEN_STATS_DOC
+token_stats = public_token_stats(_FRONT, "process_group", TOKEN_STATS_DOC)
 
 
 def backend_for(logits, backend=None) -> str:
     """The name of the backend ``backend`` (None = auto) resolves to for these logits."""
-    return REGISTRY.resolve(backend, logits.device.type).name
+    return _FRONT.backend_for(logits, backend)

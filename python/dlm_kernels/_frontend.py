@@ -1,0 +1,135 @@
+"""The framework-neutral shell of a front end: ``token_stats``, the vocabulary-parallel
+context, ``backend_for`` and the public names, written once.
+
+Each framework supplies only what differs: its ops adapter (``xp``), its registry, and a
+*VJP adapter*, an object with
+
+  apply(impl, cfg, rows, inplace, shard) -> (lse, logp, entropy, kl)
+      the framework's custom-VJP mechanics around ``impl.forward`` / ``impl.backward``
+      (with a vocabulary ``shard``, the partial states merged by its collectives)
+  shards(shard) -> int
+      how many vocabulary shards a process group / mesh axis splits the logits into
+  inplace_grad: bool
+      whether the framework can write a gradient into its logits (torch: yes; JAX: no)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from ._stats_api import (apply_vocab_parallel, prepare, public_stats, require_dtype,
+                         shard_capable)
+
+#: The public names of both front ends (``dlm_kernels.torch`` and ``dlm_kernels.jax``).
+PUBLIC_API = (
+    "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
+    "reweight", "diffusion_sft_loss", "diffusion_sft_logps", "DiffusionTokenBatch",
+    "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
+    "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
+    "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
+    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks",
+)
+
+
+class VocabParallel:
+    """The active ``vocab_parallel`` setting of one front end: (shard, vocab_size) or None.
+    A plain attribute (torch.compile traces and guards attribute reads, not ContextVar.get);
+    process-wide, like a process group."""
+
+    def __init__(self):
+        self.current = None
+
+    @contextlib.contextmanager
+    def within(self, shard, vocab_size=None):
+        previous, self.current = self.current, (shard, vocab_size)
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+#: token_stats' keyword arguments and defaults, both front ends (the shard keyword differs:
+#: ``process_group`` in torch, ``vocab_axis`` in JAX, and comes before ``backend``)
+TOKEN_STATS_OPTIONS = dict(
+    temperature=1.0, ce_temperature=None, softcap=None, shift_ids=None, shift=None,
+    teacher_logits=None, teacher_temperature=None, teacher_grad=False, entropy=True,
+    chunk_size=None, inplace_grad=False, vocab_size=None)
+
+
+def public_token_stats(front, shard_keyword, doc):
+    """The public ``token_stats(logits, targets, weights=None, *, ..., <shard_keyword>=None,
+    backend=None)`` of one front end, with that signature and ``doc``."""
+
+    def token_stats(logits, targets, weights=None, **options):
+        shard = options.pop(shard_keyword, None)
+        backend = options.pop("backend", None)
+        unknown = set(options) - set(TOKEN_STATS_OPTIONS)
+        if unknown:
+            raise TypeError(f"token_stats() got unexpected keyword arguments {sorted(unknown)}")
+        return front.token_stats(logits, targets, weights, shard=shard, backend=backend,
+                                 **{**TOKEN_STATS_OPTIONS, **options})
+
+    keyword = lambda name, default: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                                      default=default)
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    token_stats.__signature__ = inspect.Signature(
+        [inspect.Parameter("logits", positional), inspect.Parameter("targets", positional),
+         inspect.Parameter("weights", positional, default=None)]
+        + [keyword(name, default) for name, default in TOKEN_STATS_OPTIONS.items()]
+        + [keyword(shard_keyword, None), keyword("backend", None)])
+    token_stats.__doc__ = doc
+    return token_stats
+
+
+class TokenStatsFrontEnd:
+    """``token_stats``, ``vocab_extent`` and ``backend_for`` of one framework."""
+
+    def __init__(self, xp, registry, vjp):
+        self.xp, self.registry, self.vjp = xp, registry, vjp
+        self.vocab_parallel = VocabParallel()
+
+    def vocab_extent(self, logits) -> int:
+        """The full vocabulary the logits' last axis belongs to (K x shards inside
+        ``vocab_parallel``)."""
+        ctx = self.vocab_parallel.current
+        if ctx is None:
+            return logits.shape[-1]
+        shard, vocab_size = ctx
+        return vocab_size or logits.shape[-1] * self.vjp.shards(shard)
+
+    def backend_for(self, logits, backend=None) -> str:
+        return self.registry.resolve(backend, self.xp.platform(logits)).name
+
+    def token_stats(self, logits, targets, weights, *, temperature, ce_temperature, softcap,
+                    shift_ids, shift, teacher_logits, teacher_temperature, teacher_grad,
+                    entropy, chunk_size, inplace_grad, vocab_size, shard, backend):
+        xp = self.xp
+        if inplace_grad and not self.vjp.inplace_grad:
+            raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate "
+                             "the logits buffer to jit to let XLA reuse it instead)")
+        shard, vocab_size, logits, teacher_logits = apply_vocab_parallel(
+            shard, self.vocab_parallel.current, vocab_size, logits, teacher_logits)
+        cfg, lead, rows = prepare(
+            xp, logits, targets, weights, temperature=temperature,
+            ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
+            teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
+            teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
+            vocab_size=vocab_size)
+        impl = self.registry.resolve(backend, xp.platform(logits))
+        require_dtype(impl, logits)
+        if rows.teacher is not None and not cfg.teacher_grad:
+            rows = rows._replace(teacher=xp.stop_gradient(rows.teacher))
+        if shard is not None:
+            impl = shard_capable(self.registry, impl, backend)
+        if inplace_grad and not impl.capabilities.inplace_grad:
+            raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
+                             "use 'chunked' or 'triton'")
+        if impl.custom_vjp:
+            outs = self.vjp.apply(impl, cfg, rows, bool(inplace_grad), shard)
+        else:
+            outs = impl.compute(rows, cfg)
+        extent = None
+        if rows.shift_ids is not None:  # the full vocabulary the shift ids index
+            extent = cfg.vocab_size or rows.logits.shape[1] * self.vjp.shards(shard)
+        return public_stats(xp, outs, lead, cfg, rows, extent)
