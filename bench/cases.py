@@ -10,17 +10,17 @@ from __future__ import annotations
 ROTATE = 2
 
 
-def objective_loss(D, objective, z, batch, backend):
-    """The scalar loss of one benchmarked objective through front end D (torch or JAX):
+def objective_loss(dk, objective, z, batch, backend):
+    """The scalar loss of one benchmarked objective through front end dk (torch or JAX):
     ce = weighted CE; policy = log-probs + entropy (RL scoring with gradients);
     opd = on-policy distillation, T = 2 soft KL plus a 0.5-weighted hard CE."""
     if objective == "ce":
-        return D.weighted_cross_entropy(z, batch, backend=backend).compute()
+        return dk.weighted_cross_entropy(z, batch, backend=backend).compute()
     if objective == "policy":
-        lp, ent = D.per_token_logps(z, batch, stop_gradient=False, return_entropy=True,
+        lp, ent = dk.per_token_logps(z, batch, stop_gradient=False, return_entropy=True,
                                     backend=backend)
         return lp.sum() + 0.01 * ent.sum()
-    total, _ = D.opd_loss(z, batch, temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.5,
+    total, _ = dk.opd_loss(z, batch, temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.5,
                           backend=backend)
     return total.compute()
 
@@ -40,9 +40,9 @@ class TorchCase:
     def __init__(self, objective, variant, n, k, dtype, device, seed=0):
         import torch
 
-        import dlm_kernels.torch as D
+        import dlm_kernels.torch as dk
 
-        self.torch, self.D = torch, D
+        self.torch, self.dk = torch, dk
         self.objective, self.variant = objective, variant
         self.device = torch.device(device)
         tdtype = getattr(torch, dtype)
@@ -57,9 +57,9 @@ class TorchCase:
             u = normal() if objective == "opd" else None
             y = torch.randint(0, k, (1, n), generator=gen, device=self.device)
             w = torch.ones(y.shape, dtype=torch.float32, device=self.device)
-            batch = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
+            batch = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
             if u is not None:
-                batch = D.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=u)
+                batch = dk.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=u)
             self.sets.append((z, batch))
         self._loss = self._make_loss()
         self._graphs = {}
@@ -67,7 +67,7 @@ class TorchCase:
         self.separate_bwd = variant != "reference+compile"
 
     def _make_loss(self):
-        D, torch, obj = self.D, self.torch, self.objective
+        dk, torch, obj = self.dk, self.torch, self.objective
         backend = "reference" if self.variant == "reference+compile" else self.variant
         if self.variant == "liger":
             from liger_kernel.transformers import LigerCrossEntropyLoss
@@ -76,7 +76,7 @@ class TorchCase:
             return lambda z, b: ce(z.view(-1, z.shape[-1]), b.target_ids.view(-1))
 
         def loss(z, b):
-            return objective_loss(D, obj, z, b, backend)
+            return objective_loss(dk, obj, z, b, backend)
 
         if self.variant == "reference+compile":
             # Each case compiles afresh at its static shape. Dynamo keys its cache on the code
@@ -129,7 +129,7 @@ class JaxCase:
         import jax
         import jax.numpy as jnp
 
-        import dlm_kernels.jax as D
+        import dlm_kernels.jax as dk
 
         self.jax, self.objective, self.variant = jax, objective, variant
         jdtype = getattr(jnp, dtype)
@@ -139,14 +139,14 @@ class JaxCase:
         for _ in range(ROTATE):
             z = normal()
             y = jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)
-            b = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+            b = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
                                              loss_weights=jnp.ones(y.shape, jnp.float32))
             if objective == "opd":
-                b = D.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=normal())
+                b = dk.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=normal())
             self.sets.append((z, b))
 
         def loss(z, b):
-            return objective_loss(D, objective, z, b, variant)
+            return objective_loss(dk, objective, z, b, variant)
 
         self._fwd = jax.jit(loss)
         self._fb = jax.jit(jax.value_and_grad(loss))

@@ -19,14 +19,14 @@ def measure(n, k, shards=8, teacher=True):
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
 
-    import dlm_kernels.jax as D
+    import dlm_kernels.jax as dk
 
     from .hlo import allreduce_bytes
 
     mesh = Mesh(np.array(jax.devices()[:shards]).reshape(1, shards), ("data", "vocab"))
 
     def local(z, u, y, w):
-        s = D.token_stats(z, y, w, teacher_logits=u if teacher else None, vocab_axis="vocab",
+        s = dk.token_stats(z, y, w, teacher_logits=u if teacher else None, vocab_axis="vocab",
                           ce_temperature=1.0, temperature=2.0)
         return s.logp + s.entropy + s.kl  # [N_local]
 

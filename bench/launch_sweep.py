@@ -29,8 +29,8 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     """Time every plan; ``save(report)`` after each one (a timeout keeps what was measured)."""
     import torch
 
-    from dlm_kernels.kernels.triton import token_stats as K
-    from dlm_kernels.torch import _triton as T
+    from dlm_kernels.kernels.triton import token_stats as kernels
+    from dlm_kernels.torch import _triton as triton_launch
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -47,21 +47,22 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     elem, streams = z.element_size(), 2 if teacher else 1
     read = streams * n * k * elem  # bytes of logits each kernel reads
     copy_gbps, _ = copy_bandwidth(device, min(read, 1 << 30))
-    chosen = T.plan(z, u)
+    chosen = triton_launch.plan(z, u)
     rows = []
     device_name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
     report = dict(device=device_name, date=_dt.date.today().isoformat(), n=n, k=k, dtype=dtype,
                   teacher=teacher, copy_gbps=copy_gbps, heuristic=chosen, rows=rows)
     for block_k in blocks:
         for num_warps in warps:
-            cfg = dict(K.launch_config(n, k, elem, teacher, T.num_sms(z.device), block_k),
+            cfg = dict(kernels.launch_config(n, k, elem, teacher, triton_launch.num_sms(z.device),
+                                             block_k),
                        num_warps=num_warps)
             row = dict(block_k=cfg["block_k"], num_warps=num_warps, splits=cfg["splits"],
                        heuristic=cfg == chosen)
             launches = {
-                "partial": (read, lambda _: T.launch_partial(z, u, None, None, active, *scalars,
-                                                              0, cfg=cfg)),
-                "grad": (read + n * k * elem, lambda _: T.launch_grad(
+                "partial": (read, lambda _: triton_launch.launch_partial(
+                    z, u, None, None, active, *scalars, 0, cfg=cfg)),
+                "grad": (read + n * k * elem, lambda _: triton_launch.launch_grad(
                     z, u, y, active, None, None, stats, grads, dz, None, *scalars, 0, cfg=cfg)),
             }
             for name, (nbytes, launch) in launches.items():

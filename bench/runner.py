@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from . import shapes as S
+from . import shapes
 from .cases import JaxCase, TorchCase
 from .memory import cpu_peak_bytes
 from .timing import copy_bandwidth, copy_bandwidth_jax, measure
@@ -110,20 +110,20 @@ def skip_reason(env, variant, shape_index, elapsed_s, budget_s):
 def variants(env, framework, objective):
     """(ours, [baselines]) for one framework on this device."""
     if framework == "torch":
-        import dlm_kernels.torch as D
+        import dlm_kernels.torch as dk
 
         # the backends auto would use here, from the backend table (on a CPU the chunked
         # one alone: interpreters are not timed)
-        native = list(D.REGISTRY.native("cuda" if env["cuda"] else "cpu"))
+        native = list(dk.REGISTRY.native("cuda" if env["cuda"] else "cpu"))
         baselines = ["reference"]
         if env["cuda"]:
             baselines.append("reference+compile")
             if objective == "ce" and _try_import("liger_kernel") is not None:
                 baselines.append("liger")
         return native, baselines
-    import dlm_kernels.jax as D
+    import dlm_kernels.jax as dk
 
-    return list(D.REGISTRY.native(env["jax_backend"])), ["reference"]
+    return list(dk.REGISTRY.native(env["jax_backend"])), ["reference"]
 
 
 # -- parity ---------------------------------------------------------------------------------------
@@ -168,26 +168,26 @@ def _stats_and_grad(fw, env, backend, dtype, z64, u64, y, x, dsh, w, kw):
     if fw == "torch":
         import torch
 
-        import dlm_kernels.torch as D
+        import dlm_kernels.torch as dk
 
         dev = "cuda" if env["cuda"] else "cpu"
         z = torch.tensor(z64, device=dev).to(getattr(torch, dtype)).requires_grad_(True)
         u = torch.tensor(u64, device=dev).to(getattr(torch, dtype))
         t = lambda a: torch.tensor(a, device=dev)
-        s = D.token_stats(z, t(y), t(w), teacher_logits=u, shift_ids=t(x), shift=t(dsh),
+        s = dk.token_stats(z, t(y), t(w), teacher_logits=u, shift_ids=t(x), shift=t(dsh),
                           backend=backend, **kw)
         (g,) = torch.autograd.grad(s.logp.sum() + s.entropy.sum() + s.kl.sum(), z)
         return [v.detach().double().cpu().numpy() for v in (*s, g)]
     import jax
     import jax.numpy as jnp
 
-    import dlm_kernels.jax as D
+    import dlm_kernels.jax as dk
 
     z = jnp.asarray(z64, getattr(jnp, dtype))
     u = jnp.asarray(u64, getattr(jnp, dtype))
 
     def f(z):
-        s = D.token_stats(z, jnp.asarray(y), jnp.asarray(w), teacher_logits=u,
+        s = dk.token_stats(z, jnp.asarray(y), jnp.asarray(w), teacher_logits=u,
                           shift_ids=jnp.asarray(x), shift=jnp.asarray(dsh), backend=backend, **kw)
         return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl), s
 
@@ -200,7 +200,7 @@ def _stats_and_grad(fw, env, backend, dtype, z64, u64, y, x, dsh, w, kw):
 def untimed_rows(fw, objective, variant, label, n, k, dtype, error):
     """A case's result rows, one per mode, when it has no timings: why (skipped, or the error)."""
     return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
-                 dtype=dtype, mode=m, error=error) for m in S.MODES]
+                 dtype=dtype, mode=m, error=error) for m in shapes.MODES]
 
 
 def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
@@ -241,9 +241,9 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
             import torch
 
             torch.cuda.empty_cache()  # (JAX shares the card: torch must not sit on freed blocks)
-    for mode in S.MODES:
+    for mode in shapes.MODES:
         t = timings[mode]
-        nbytes = S.bytes_moved(objective, mode, n, k, elem)
+        nbytes = shapes.bytes_moved(objective, mode, n, k, elem)
         gbps = nbytes / (t["ms"] * 1e-3) / 1e9 if t["ms"] > 0 else None
         out.append(dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
                         dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
@@ -291,7 +291,7 @@ def markdown(env, copy_gbps, results, parity_rows):
     header = ["framework", "backend", "shape", "mode", "ms (p20-p80)"] + (["ms back to back"] if b2b else []) \
         + ["GB/s", "% copy", "peak MiB beyond inputs", "vs reference", "vs reference+compile"]
     row_of = lambda cells: "| " + " | ".join(cells) + " |"
-    for obj in S.OBJECTIVES:
+    for obj in shapes.OBJECTIVES:
         rows = [r for r in results if r["objective"] == obj]
         if not rows:
             continue
@@ -348,7 +348,7 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="real model shapes (GPU)")
     p.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--objectives", default=",".join(S.OBJECTIVES))
+    p.add_argument("--objectives", default=",".join(shapes.OBJECTIVES))
     p.add_argument("--frameworks", default="torch,jax")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--budget-s", type=float, default=None,
@@ -359,10 +359,11 @@ def main(argv=None):
     env = detect()
     print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
     if env["cuda"]:
-        shapes = S.FULL_SHAPES if args.full else S.MODEL_SHAPES[:1] + S.MODEL_SHAPES[-1:]
+        grid = (shapes.FULL_SHAPES if args.full
+                else shapes.MODEL_SHAPES[:1] + shapes.MODEL_SHAPES[-1:])
         copy_gbps, copy_t = copy_bandwidth("cuda", 2**30)
     else:
-        shapes = S.SMOKE_SHAPES if args.smoke else S.CPU_SHAPES
+        grid = shapes.SMOKE_SHAPES if args.smoke else shapes.CPU_SHAPES
         if env["torch"]:
             copy_gbps, copy_t = copy_bandwidth("cpu", 2**26 if args.smoke else 2**28)
         else:
@@ -380,7 +381,7 @@ def main(argv=None):
 
     def save(**extra):  # after every case too: a run cut short by a timeout keeps what it measured
         report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
-                      shapes=shapes, results=results, **extra)
+                      shapes=grid, results=results, **extra)
         with open(stem + ".json", "w") as f:
             json.dump(report, f, indent=1)
         return report
@@ -391,7 +392,7 @@ def main(argv=None):
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
     # baselines the Triton issue asks for) before any JAX case.
     for fw in frameworks:
-        for index, (label, n, k, dtype) in enumerate(shapes):
+        for index, (label, n, k, dtype) in enumerate(grid):
             for obj in args.objectives.split(","):
                 ours, baselines = variants(env, fw, obj)
                 for variant in ours + baselines:

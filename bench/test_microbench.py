@@ -10,21 +10,21 @@ import os
 
 import pytest
 
-from bench import shapes as S
+from bench import shapes
 from bench.cases import JaxCase, TorchCase
 from bench.runner import detect, variants
 
 ENV = detect()
 if ENV["cuda"]:
-    SHAPES = S.FULL_SHAPES if os.environ.get("DLM_BENCH_FULL") else S.MODEL_SHAPES
+    SHAPES = shapes.FULL_SHAPES if os.environ.get("DLM_BENCH_FULL") else shapes.MODEL_SHAPES
 else:
-    SHAPES = S.SMOKE_SHAPES + S.CPU_SHAPES[:1]
+    SHAPES = shapes.SMOKE_SHAPES + shapes.CPU_SHAPES[:1]
 
 PARAMS = []
 for fw in ("torch", "jax"):
     if not ENV[fw]:
         continue
-    for obj in S.OBJECTIVES:
+    for obj in shapes.OBJECTIVES:
         ours, baselines = variants(ENV, fw, obj)
         for variant in ours + baselines:
             for shape in SHAPES:
@@ -49,5 +49,5 @@ def test_microbench(benchmark, fw, objective, variant, shape, mode):
             torch.cuda.synchronize()
         return out
 
-    benchmark.extra_info.update(bytes=S.bytes_moved(objective, mode, n, k, 2 if dtype != "float32" else 4))
+    benchmark.extra_info.update(bytes=shapes.bytes_moved(objective, mode, n, k, 2 if dtype != "float32" else 4))
     benchmark.pedantic(run, warmup_rounds=1, rounds=5)

@@ -19,7 +19,7 @@ def interpreter_incompatibility(triton_version, numpy_version):
     interpreter turns one-element arrays into Python ints with int(), which NumPy 2.4 made an
     error ("only 0-dimensional arrays can be converted to Python scalars" from every kernel;
     the H200 image's pair, Triton 3.6 with NumPy 2.5, is one such)."""
-    from dlm_kernels._common import _release
+    from dlm_kernels._env import _release
 
     if _release(triton_version) < (3, 7) and _release(numpy_version)[:2] >= (2, 4):
         return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1, which the CPU tests "

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from dlm_kernels._common import shape_str
+from dlm_kernels._checks import shape_str
 
 import oracle
 from harness import assert_close, framework, new_seed

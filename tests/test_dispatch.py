@@ -183,7 +183,7 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     import os
 
     (tmp_path / "throwaway_backend.py").write_text(
-        "from dlm_kernels._stats_api import ReferenceBackend\n"
+        "from dlm_kernels._token_stats import ReferenceBackend\n"
         "from dlm_kernels.torch._ops import TorchOps\n\n\n"
         "class Throwaway(ReferenceBackend):\n"
         "    name = 'throwaway'\n"

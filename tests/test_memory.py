@@ -42,7 +42,7 @@ def test_jax_chunked_temp_bytes_are_a_fraction_of_reference(dtype, features):
     [N, C] chunks, never a [N, K] float32 buffer. (On CPU a 16-bit gradient is carried as
     its bits, one buffer of the gradient's own size: see jax/_chunked.py. Before that, and
     before the loop-index barrier, XLA converted whole bfloat16 logits to float32.)"""
-    from dlm_kernels._common import CHUNK_BYTES_CPU
+    from dlm_kernels._config import CHUNK_BYTES_CPU
 
     n, k = 2048, 32768
     full = n * k * 4  # one [N, K] float32 buffer
@@ -74,7 +74,7 @@ def test_jax_chunk_follows_the_platform_it_is_lowered_for(platform):
     import jax.numpy as jnp
 
     import dlm_kernels.jax as D
-    from dlm_kernels._common import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU
+    from dlm_kernels._config import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU
 
     n, k = 4096, 262144
 
@@ -92,7 +92,7 @@ def test_jax_chunk_follows_the_platform_it_is_lowered_for(platform):
 def test_torch_chunk_follows_the_device():
     import torch
 
-    from dlm_kernels._common import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU, make_config
+    from dlm_kernels._config import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU, make_config
     from dlm_kernels.torch._chunked import _chunks
 
     n, k = 4096, 262144

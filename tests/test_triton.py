@@ -127,7 +127,7 @@ def fake_metadata(monkeypatch):
 
 
 def test_unmet_requirement(fake_metadata):
-    from dlm_kernels._common import unmet_requirement
+    from dlm_kernels._env import unmet_requirement
 
     fake_metadata["jax-triton"] = ("0.4.1", ["absl-py>=1.4.0", "jax>=0.11.0", "triton>=3.7",
                                              'pytest; extra == "tests"'])

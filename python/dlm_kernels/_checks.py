@@ -13,7 +13,37 @@ import contextlib
 
 import numpy as np
 
-from ._common import plain, shape_str
+
+def is_real_scalar(value) -> bool:
+    if isinstance(value, (int, float)):
+        return True
+    # numpy / framework 0-d scalars that convert exactly.
+    if getattr(value, "shape", None) == ():
+        try:
+            float(value)
+        except Exception:  # a tracer, or not a number
+            return False
+        return True
+    return False
+
+
+def plain(value) -> str:
+    """A number as a user writes it: ``-1.0``, ``nan``, ``7`` (not ``np.float64(-1.0)``);
+    anything else as its repr."""
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    if getattr(value, "shape", None) == () and is_real_scalar(value):  # a 0-d array
+        return plain(value.item())
+    return repr(value)
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
 
 
 class _SyncChecks:

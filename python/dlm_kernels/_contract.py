@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import _checks as C
+from . import _checks as checks
 
 
 def weighted_mean(xp, unreduced_sum, denominator):
@@ -62,8 +62,8 @@ def make_contract(xp, module: str, vocab_extent=lambda logits: logits.shape[-1])
             """Static checks always (TypeError for a wrong kind or dtype, ValueError for a
             shape); value checks (finite, non-negative weights; active targets >= 0) on
             concrete arrays. Returns self."""
-            C.check_token_batch_static(xp, self.model_inputs, self.target_ids, self.loss_weights)
-            C.check_token_batch_values(xp, self.target_ids, self.loss_weights)
+            checks.check_token_batch_static(xp, self.model_inputs, self.target_ids, self.loss_weights)
+            checks.check_token_batch_values(xp, self.target_ids, self.loss_weights)
             return self
 
         def replace(self, **fields):
@@ -93,9 +93,9 @@ def make_contract(xp, module: str, vocab_extent=lambda logits: logits.shape[-1])
                     f"got {type(self.student_batch).__name__}"
                 )
             self.student_batch.validate()
-            C.check_logits_for_batch(xp, "teacher_logits", self.teacher_logits,
+            checks.check_logits_for_batch(xp, "teacher_logits", self.teacher_logits,
                                      self.student_batch.target_ids.shape)
-            C.check_ids(xp, "target_ids", self.student_batch.target_ids,
+            checks.check_ids(xp, "target_ids", self.student_batch.target_ids,
                         vocab_extent(self.teacher_logits), where=self.student_batch.loss_weights,
                         at=" at active positions", allow_sync=True)
             return self

@@ -20,7 +20,7 @@ import importlib
 import logging
 from typing import Dict, Optional, Protocol, Tuple
 
-from ._common import BACKEND_ENV, env_backend
+from ._env import BACKEND_ENV, env_backend
 
 logger = logging.getLogger("dlm_kernels")
 

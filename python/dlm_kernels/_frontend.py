@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-from ._stats_api import (apply_vocab_parallel, prepare, public_stats, require_dtype,
+from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
 
 #: The public names of both front ends (``dlm_kernels.torch`` and ``dlm_kernels.jax``).

@@ -8,17 +8,10 @@ around one primitive call, so autodiff flows through the primitive's VJP.
 
 from __future__ import annotations
 
-from . import _checks as C
-from ._common import (
-    EPS,
-    LOO_VARIANTS,
-    REWEIGHTED_VARIANTS,
-    check_loss_weight,
-    check_positive_float,
-    check_vocab_size,
-    normalize_variant,
-    shape_str,
-)
+from . import _checks as checks
+from ._checks import shape_str
+from ._config import check_loss_weight, check_positive_float, check_vocab_size
+from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 
 
 def rf_alpha(t):
@@ -62,7 +55,7 @@ class Objectives:
         """delta = log1p(K·alpha / max(1 - alpha, EPS)) as [B, L] float32, from alpha of shape
         [B], [B, 1] or [B, L] (per-position signal retention: per-token diffusion times)."""
         xp = self.xp
-        C.require_array(xp, "alpha", alpha)
+        checks.require_array(xp, "alpha", alpha)
         alpha = xp.as_f32(alpha)
         b, l = bl
         if tuple(alpha.shape) == (b,):
@@ -100,14 +93,14 @@ class Objectives:
         [B, L, K] array; the losses apply the same shift inside the fused primitive instead.
         """
         xp = self.xp
-        C.require_rank(xp, "logits", logits, 3, "[B, L, K]")
-        C.require_float(xp, "logits", logits)
-        C.require_array(xp, "xt", xt)
-        C.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
-        C.require_int(xp, "xt", xt)
+        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]")
+        checks.require_float(xp, "logits", logits)
+        checks.require_array(xp, "xt", xt)
+        checks.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
+        checks.require_int(xp, "xt", xt)
         vocab_size, _ = self._check_vocab_size(vocab_size, logits)
         delta = self._loo_delta(alpha, vocab_size, tuple(logits.shape[:2]))
-        C.check_ids(xp, "xt", xt, vocab_size)
+        checks.check_ids(xp, "xt", xt, vocab_size)
         cols = xp.arange(logits.shape[-1], logits)
         bump = xp.where(cols[None, None, :] == xt[:, :, None], delta[:, :, None], 0.0)
         bad = (xt < 0) | (xt >= vocab_size)  # [B, L]: never a silently unshifted row
@@ -122,30 +115,30 @@ class Objectives:
         variant = normalize_variant(variant)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
                                     allow_none=True)
-        C.require_rank(xp, "logits", logits, 3, "[B, L, K]")
-        C.require_float(xp, "logits", logits)
+        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]")
+        checks.require_float(xp, "logits", logits)
         vocab_size, extent = self._check_vocab_size(vocab_size, logits)
         bl = tuple(logits.shape[:2])
         for name, arr in (("x0", x0), ("xt", xt)):
-            C.require_array(xp, name, arr)
-            C.require_shape(name, arr, bl, "logits.shape[:2] [B, L]")
-            C.require_int(xp, name, arr)
-        C.require_array(xp, "loss_mask", loss_mask)
-        C.require_shape("loss_mask", loss_mask, bl, "logits.shape[:2] [B, L]")
-        C.require_real(xp, "loss_mask", loss_mask)
-        C.require_array(xp, "t", t)
-        C.require_shape("t", t, bl[:1], "[B]")
-        C.require_real(xp, "t", t)
+            checks.require_array(xp, name, arr)
+            checks.require_shape(name, arr, bl, "logits.shape[:2] [B, L]")
+            checks.require_int(xp, name, arr)
+        checks.require_array(xp, "loss_mask", loss_mask)
+        checks.require_shape("loss_mask", loss_mask, bl, "logits.shape[:2] [B, L]")
+        checks.require_real(xp, "loss_mask", loss_mask)
+        checks.require_array(xp, "t", t)
+        checks.require_shape("t", t, bl[:1], "[B]")
+        checks.require_real(xp, "t", t)
         loo = variant in LOO_VARIANTS
         # values, where they can be read without a device sync (see ``sync_checks``)
-        C.check_nonnegative(xp, "loss_mask", loss_mask)
-        C.check_unit_interval(xp, "t", t)
-        C.check_ids(xp, "x0", x0, vocab_size, where=loss_mask, at=" where loss_mask is set")
+        checks.check_nonnegative(xp, "loss_mask", loss_mask)
+        checks.check_unit_interval(xp, "t", t)
+        checks.check_ids(xp, "x0", x0, vocab_size, where=loss_mask, at=" where loss_mask is set")
         if loo:
-            C.check_ids(xp, "xt", xt, vocab_size)
+            checks.check_ids(xp, "xt", xt, vocab_size)
         alpha = alpha_fn(t)
         w = self.reweight(variant, t, alpha, alpha_dot_fn(t))
-        C.require_shape("the time weight from alpha_fn(t) and alpha_dot_fn(t)", w, bl[:1], "[B]")
+        checks.require_shape("the time weight from alpha_fn(t) and alpha_dot_fn(t)", w, bl[:1], "[B]")
         if clip is not None:
             w = xp.clamp_max(w, clip)
         mask = xp.f32(loss_mask)
@@ -198,8 +191,8 @@ class Objectives:
         elsewhere an out-of-range active target shows as a NaN log-prob)."""
         if not isinstance(batch, self.DiffusionTokenBatch):
             raise TypeError(f"batch must be a DiffusionTokenBatch; got {type(batch).__name__}")
-        C.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
-        C.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
+        checks.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
+        checks.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
                                    self.vocab_extent(logits), allow_sync=False)
         return logits
 
@@ -254,14 +247,14 @@ class Objectives:
             raise TypeError(
                 f"batch must be a DiffusionDistillationBatch; got {type(batch).__name__}")
         student = batch.student_batch
-        C.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
+        checks.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
         teacher = None
         if soft_w > 0.0:
             teacher = batch.teacher_logits
-            C.require_shape("teacher_logits", teacher, student_logits.shape,
+            checks.require_shape("teacher_logits", teacher, student_logits.shape,
                             "student_logits.shape")
-            C.check_teacher_values(xp, teacher, student.loss_weights)
-        C.check_token_batch_values(xp, student.target_ids, student.loss_weights,
+            checks.check_teacher_values(xp, teacher, student.loss_weights)
+        checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
                                    self.vocab_extent(student_logits) if hard_w > 0.0 else None,
                                    allow_sync=False)
         # the hard term's T = 1 sums ride along in the same pass only when that term is on
@@ -341,6 +334,6 @@ def _same_trailing(name, arrays):
         if tuple(a.shape[1:]) != tuple(first.shape[1:]) or a.dtype != first.dtype:
             raise ValueError(
                 f"batches[{i}].{name} has shape {shape_str(a.shape)} and dtype "
-                f"{C.dtype_str(a)}; batches[0].{name} has {shape_str(first.shape)} and "
-                f"{C.dtype_str(first)}: "
+                f"{checks.dtype_str(a)}; batches[0].{name} has {shape_str(first.shape)} and "
+                f"{checks.dtype_str(first)}: "
                 f"only the batch axis may differ")

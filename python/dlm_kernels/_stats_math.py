@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._common import StatsConfig
+from ._config import StatsConfig
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import jax as _jax
 
 from .._checks import sync_checks
-from .._common import EPS, VARIANTS, normalize_variant
+from .._schedule import EPS, VARIANTS, normalize_variant
 from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
 from .._frontend import PUBLIC_API
 from .._objectives import Objectives, rf_alpha, rf_alpha_dot
-from .._stats_api import TokenStats
+from .._token_stats import TokenStats
 from ._ops import JaxOps
 from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 

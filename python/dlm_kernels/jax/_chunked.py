@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _stats_math as M
-from .._common import chunk_size_for
+from .. import _stats_math as stats_math
+from .._config import chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
 from ._ops import JaxOps as xp
 
@@ -29,7 +29,7 @@ def _plan(z, cfg, on_cpu):
 def _per_platform(run, z, cfg, cpu_differs=False):
     """run(on_cpu) for the platform the call is lowered for (``lax.platform_dependent``: a
     jitted function does not know its device while it is traced). The chunk differs (a
-    CPU's is smaller, _common.chunk_size_for) and so may the CPU's gradient carry; when
+    CPU's is smaller, _config.chunk_size_for) and so may the CPU's gradient carry; when
     neither does, the one program is traced once."""
     if not cpu_differs and _plan(z, cfg, True)[2] == _plan(z, cfg, False)[2]:
         return run(True)
@@ -98,25 +98,25 @@ class ChunkedJax:
                 start = jnp.minimum(i * c, k - c)
                 local = start + jnp.arange(c, dtype=jnp.int32)  # [C]
                 cols = offset + local  # global column ids
-                valid = M.column_mask(xp, cols, cfg, local >= i * c)  # clamped last: skip seen
+                valid = stats_math.column_mask(xp, cols, cfg, local >= i * c)  # clamped last: skip seen
                 chunk = rows.columns(_slice(z_i, start, c), _slice(u_i, start, c))
-                return M.merge(xp, M.State(*state), M.chunk_partial(xp, chunk, cols, valid, cfg),
+                return stats_math.merge(xp, stats_math.State(*state), stats_math.chunk_partial(xp, chunk, cols, valid, cfg),
                                cfg)
 
             # The first chunk is peeled so the loop carry starts from values that vary over
             # the same shard_map axes as the inputs (a constant initial state would not).
             cols = offset + jnp.arange(c, dtype=jnp.int32)
-            first = M.chunk_partial(xp, rows.columns(_slice(z, 0, c), _slice(u, 0, c)), cols,
-                                    M.column_mask(xp, cols, cfg), cfg)
+            first = stats_math.chunk_partial(xp, rows.columns(_slice(z, 0, c), _slice(u, 0, c)), cols,
+                                    stats_math.column_mask(xp, cols, cfg), cfg)
             return tuple(lax.fori_loop(1, n_chunks, body, first))
 
         state = _per_platform(run, z, cfg)
-        return (M.State(*state), *M.target_logit(xp, rows, cfg, offset))
+        return (stats_math.State(*state), *stats_math.target_logit(xp, rows, cfg, offset))
 
     @classmethod
     def forward(cls, rows, cfg):
         state, r_y, found = cls.forward_partial(rows, cfg)
-        return M.finalize(xp, state, r_y, found, rows.active, cfg)
+        return stats_math.finalize(xp, state, r_y, found, rows.active, cfg)
 
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
@@ -134,7 +134,7 @@ class ChunkedJax:
                 start = jnp.minimum(i * c, k - c)
                 cols = offset + start + jnp.arange(c, dtype=jnp.int32)
                 chunk = rows.columns(_slice(z_i, start, c), _slice(u_i, start, c))
-                gz, gu = M.chunk_grads(xp, chunk, cols, stats, grads, cfg)
+                gz, gu = stats_math.chunk_grads(xp, chunk, cols, stats, grads, cfg)
                 update = lambda buf, g, dtype, carry: lax.dynamic_update_slice_in_dim(
                     buf, _to_carry(g, dtype, carry), start, axis=1)
                 dz = update(dz, gz, z.dtype, carry_z)

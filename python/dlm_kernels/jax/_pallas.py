@@ -14,11 +14,11 @@ import os
 import jax
 import jax.numpy as jnp
 
-from .. import _stats_math as M
+from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
-from .._common import PALLAS_INTERPRET_ENV
+from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
-from ..kernels.pallas import token_stats as K
+from ..kernels.pallas import token_stats as kernels
 from ._batching import fold_vmap_into_rows
 from ._ops import JaxOps
 
@@ -77,7 +77,7 @@ class PallasJax:
         floats = jnp.stack([shift, active.astype(jnp.float32)], axis=1)  # [N, 2]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
         call = fold_vmap_into_rows(
-            lambda z, *rest: K.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
+            lambda z, *rest: kernels.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
                                              **statics))
         return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, F]
 
@@ -85,10 +85,10 @@ class PallasJax:
     def forward(cls, rows, cfg):
         # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32
         out = cls._run_forward(rows, rows.active, cfg, 0, False)
-        stats = M.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
+        stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         # the kernel leaves logp to us: one gathered logit per row
-        r_y, found = M.target_logit(JaxOps, rows, cfg)
-        logp = M.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
+        r_y, found = stats_math.target_logit(JaxOps, rows, cfg)
+        logp = stats_math.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
         return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
 
     @classmethod
@@ -96,8 +96,8 @@ class PallasJax:
         # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
         active = jnp.ones(rows.targets.shape, jnp.bool_)
         out = cls._run_forward(rows, active, cfg, offset, True)
-        state = M.State(*(out[:, j] for j in range(len(PARTIAL_STATE))))
-        return (state, *M.target_logit(JaxOps, rows, cfg, offset))
+        state = stats_math.State(*(out[:, j] for j in range(len(PARTIAL_STATE))))
+        return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
@@ -106,11 +106,11 @@ class PallasJax:
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
         cols = [shift, rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
                 stats.lse_ce, stats.lse_u, *grads]
-        cols += [jnp.zeros((n,), jnp.float32)] * (K.BWD_FLOATS - len(cols))
+        cols += [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols))
         floats = jnp.stack(cols, axis=1)  # [N, 16]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
         call = fold_vmap_into_rows(
-            lambda z, *rest: K.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
+            lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
                                               teacher_grad=cfg.teacher_grad, **statics))
         return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from .._dispatch import Registry
-from .. import _stats_math as M
+from .. import _stats_math as stats_math
 from .._frontend import TokenStatsFrontEnd, public_token_stats
-from .._stats_api import TOKEN_STATS_DOC
+from .._token_stats import TOKEN_STATS_DOC
 from ._ops import JaxOps
 
 REGISTRY = Registry("jax")
@@ -54,10 +54,10 @@ def _vocab_parallel_fwd(impl, cfg, axis, rows):
     # rows.logits: this device's vocabulary shard [N, K_local] of the mesh axis ``axis``
     offset = jax.lax.axis_index(axis) * rows.logits.shape[1]
     state, r_y, found = impl.forward_partial(rows, cfg, offset)
-    state, (r_y, found) = M.merge_collective(
+    state, (r_y, found) = stats_math.merge_collective(
         JaxOps, state, lambda v: jax.lax.pmax(v, axis), lambda v: jax.lax.psum(v, axis), cfg,
         [r_y, found])
-    stats = M.finalize(JaxOps, state, r_y, found, rows.active, cfg)
+    stats = stats_math.finalize(JaxOps, state, r_y, found, rows.active, cfg)
     return tuple(stats[:4]), (rows, stats, offset)
 
 

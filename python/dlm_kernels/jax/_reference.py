@@ -1,6 +1,6 @@
-"""The reference backend for JAX (see ``dlm_kernels._stats_api.ReferenceBackend``)."""
+"""The reference backend for JAX (see ``dlm_kernels._token_stats.ReferenceBackend``)."""
 
-from .._stats_api import ReferenceBackend
+from .._token_stats import ReferenceBackend
 from ._ops import JaxOps
 
 IMPLEMENTATION = ReferenceBackend(JaxOps)

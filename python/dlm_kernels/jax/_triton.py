@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 
-from .._common import unmet_requirement
+from .._env import unmet_requirement
 
 _CACHE_DIR = "TRITON_CACHE_DIR"
 
@@ -58,10 +58,10 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from .. import _stats_math as M
+from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
-from ..kernels.triton import token_stats as K
+from ..kernels.triton import token_stats as kernels
 from ._batching import fold_vmap_into_rows
 from ._ops import JaxOps
 
@@ -114,7 +114,7 @@ def _flags(cfg, has_shift):
 
 def _plan(z, cfg):
     n, k = z.shape
-    return n, k, K.launch_config(n, k, jnp.dtype(z.dtype).itemsize, cfg.has_teacher, _num_sms(),
+    return n, k, kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, cfg.has_teacher, _num_sms(),
                                  cfg.chunk_size)
 
 
@@ -148,12 +148,12 @@ def _partial(z, u, active, x, d, offsets, cfg):
     if n == 0:  # a zero-size grid is not a launch
         return jnp.zeros((len(PARTIAL_STATE), lc["splits"], 0), jnp.float32)
     return _launch(
-        K.stats_partial_kernel,
+        kernels.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT, *_scalars(cfg)),
         jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 32·S B/row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-        BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=K.rows_aligned(k),
+        BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=kernels.rows_aligned(k),
         **_flags(cfg, x is not None))
 
 
@@ -161,17 +161,17 @@ def _forward(z, u, y, active, x, d, cfg):
     # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
     n, k = z.shape
     if n == 0:
-        return M.Stats(*jnp.zeros((len(ROW_STATS), 0), jnp.float32))
+        return stats_math.Stats(*jnp.zeros((len(ROW_STATS), 0), jnp.float32))
     part = _partial(z, u, active, x, d, _offsets(0, n), cfg)
     s = part.shape[1]
-    block_n, block_s = K.finalize_blocks(s)
+    block_n, block_s = kernels.finalize_blocks(s)
     out = _launch(
-        K.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
+        kernels.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
         (n, k, s, k, 1.0 / cfg.ce_temperature, float(cfg.softcap or 0.0)),
         jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 28 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
         **_flags(cfg, x is not None))
-    return M.Stats(*out)
+    return stats_math.Stats(*out)
 
 
 def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
@@ -181,14 +181,14 @@ def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
     du_type = (jax.ShapeDtypeStruct(u.shape, u.dtype) if cfg.teacher_grad
                else jax.ShapeDtypeStruct((1,), z.dtype))
     dz, du = _launch(
-        K.stats_grad_kernel,
+        kernels.stats_grad_kernel,
         (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
          jnp.stack(stats), *grads, offsets),
         (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT,
          *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-        TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], ROWS_ALIGNED=K.rows_aligned(k),
+        TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], ROWS_ALIGNED=kernels.rows_aligned(k),
         **_flags(cfg, x is not None))
     return dz, (du if cfg.teacher_grad else None)
 
@@ -206,7 +206,7 @@ class TritonJax:
 
     @staticmethod
     def forward(rows, cfg):
-        return M.Stats(*_rows_vmappable(lambda *a: tuple(_forward(*a, cfg)), *rows))
+        return stats_math.Stats(*_rows_vmappable(lambda *a: tuple(_forward(*a, cfg)), *rows))
 
     @staticmethod
     def forward_partial(rows, cfg, offset=0):
@@ -215,8 +215,8 @@ class TritonJax:
         rows_first = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, PARTIAL_STATE, S]
         part = _rows_vmappable(rows_first, z, rows.teacher, jnp.ones(z.shape[:1], jnp.int8),
                                rows.shift_ids, rows.shift, _offsets(offset, z.shape[0]))
-        state = M.merge_splits(JaxOps, [part[:, i] for i in range(len(PARTIAL_STATE))], cfg)
-        return (state, *M.target_logit(JaxOps, rows, cfg, offset))
+        state = stats_math.merge_splits(JaxOps, [part[:, i] for i in range(len(PARTIAL_STATE))], cfg)
+        return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):

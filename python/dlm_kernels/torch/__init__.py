@@ -8,12 +8,12 @@ tensors out; the batch contract holds tensors. Importing this module never impor
 from __future__ import annotations
 
 from .._checks import sync_checks
-from .._common import EPS, VARIANTS, normalize_variant
+from .._schedule import EPS, VARIANTS, normalize_variant
 from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
 from .._frontend import PUBLIC_API
 from .._objectives import Objectives, rf_alpha, rf_alpha_dot
-from .._stats_api import TokenStats
+from .._token_stats import TokenStats
 from ._ops import TorchOps
 from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
 

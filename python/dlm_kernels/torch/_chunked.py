@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _stats_math as M
-from .._common import chunk_size_for
+from .. import _stats_math as stats_math
+from .._config import chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
 from ._ops import TorchOps as xp
 
@@ -41,14 +41,14 @@ class ChunkedTorch:
         for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
             chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
-            part = M.chunk_partial(xp, chunk, cols, M.column_mask(xp, cols, cfg), cfg)
-            state = part if state is None else M.merge(xp, state, part, cfg)
-        return (state, *M.target_logit(xp, rows, cfg, offset))
+            part = stats_math.chunk_partial(xp, chunk, cols, stats_math.column_mask(xp, cols, cfg), cfg)
+            state = part if state is None else stats_math.merge(xp, state, part, cfg)
+        return (state, *stats_math.target_logit(xp, rows, cfg, offset))
 
     @classmethod
     def forward(cls, rows, cfg):
         state, r_y, found = cls.forward_partial(rows, cfg)
-        return M.finalize(xp, state, r_y, found, rows.active, cfg)
+        return stats_math.finalize(xp, state, r_y, found, rows.active, cfg)
 
     @staticmethod
     @torch.no_grad()
@@ -61,7 +61,7 @@ class ChunkedTorch:
         for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)
             chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
-            gz, gu = M.chunk_grads(xp, chunk, cols, stats, grads, cfg)
+            gz, gu = stats_math.chunk_grads(xp, chunk, cols, stats, grads, cfg)
             dz[:, c0:c1] = gz
             if du is not None:
                 du[:, c0:c1] = gu

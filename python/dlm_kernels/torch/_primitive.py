@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import _stats_math as M
+from .. import _stats_math as stats_math
 from .._dispatch import Registry
 from .._frontend import TokenStatsFrontEnd, public_token_stats
-from .._stats_api import TOKEN_STATS_DOC
+from .._token_stats import TOKEN_STATS_DOC
 from .._rows import Rows
 from .._stats_math import Stats
 from ._ops import TorchOps
@@ -34,9 +34,9 @@ def _vocab_parallel_stats(rows, impl, cfg, group):
         return run
 
     state, r_y, found = impl.forward_partial(rows, cfg, offset)
-    state, (r_y, found) = M.merge_collective(TorchOps, state, reduce(dist.ReduceOp.MAX),
+    state, (r_y, found) = stats_math.merge_collective(TorchOps, state, reduce(dist.ReduceOp.MAX),
                                              reduce(dist.ReduceOp.SUM), cfg, [r_y, found])
-    return M.finalize(TorchOps, state, r_y, found, rows.active, cfg), offset
+    return stats_math.finalize(TorchOps, state, r_y, found, rows.active, cfg), offset
 
 
 _N_FIELDS = len(Rows._fields)

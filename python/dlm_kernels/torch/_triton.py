@@ -15,10 +15,10 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from .. import _stats_math as M
+from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
-from ..kernels.triton import token_stats as K
+from ..kernels.triton import token_stats as kernels
 from .._stats_math import Stats
 from ._ops import TorchOps
 
@@ -96,7 +96,7 @@ def _offset(col_offset, device):
 
 def plan(z, u, block_k=0):
     """The launch plan (block size, warps, stages, splits) the heuristic picks for z: [N, K]."""
-    return K.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
+    return kernels.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
                            num_sms(z.device), block_k or None)
 
 
@@ -109,13 +109,13 @@ def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entro
     part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
     if n > 0:
         dummy = z
-        K.stats_partial_kernel[(n, cfg["splits"])](
+        kernels.stats_partial_kernel[(n, cfg["splits"])](
             z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
             active, _offset(col_offset, z.device), n, k, z.stride(0),
             0 if u is None else u.stride(0), cfg["cols_per_split"], vocab_limit, inv_t,
             inv_t_ce, inv_t_kl, softcap,
             part, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
-            ROWS_ALIGNED=K.rows_aligned(z.stride(0), 0 if u is None else u.stride(0)),
+            ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if u is None else u.stride(0)),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
     return part
@@ -135,8 +135,8 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
     out = _empty((len(ROW_STATS), n), torch.float32, z.device)  # 28 bytes per row
     if n > 0:
         dummy = z
-        block_n, block_s = K.finalize_blocks(s)
-        K.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
+        block_n, block_s = kernels.finalize_blocks(s)
+        kernels.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
             part, z, y, dummy if x is None else x, dummy if d is None else d, active,
             n, k, s, z.stride(0), inv_t_ce, softcap, out,
             BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
@@ -174,14 +174,14 @@ def launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, in
         return
     cfg = cfg or plan(z, u, block_k)
     dummy = z
-    K.stats_grad_kernel[(n, cfg["splits"])](
+    kernels.stats_grad_kernel[(n, cfg["splits"])](
         z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
         active, stats, grads[0], grads[1], grads[2], grads[3], _offset(col_offset, z.device),
         n, k, z.stride(0), 0 if u is None else u.stride(0), dz.stride(0),
         0 if du is None else du.stride(0), cfg["cols_per_split"], vocab_limit,
         inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du,
         TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
-        ROWS_ALIGNED=K.rows_aligned(*(t.stride(0) for t in (z, u, dz, du) if t is not None)),
+        ROWS_ALIGNED=kernels.rows_aligned(*(t.stride(0) for t in (z, u, dz, du) if t is not None)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
 
@@ -280,8 +280,8 @@ class TritonTorch:
         active = torch.ones(z.shape[0], dtype=torch.int8, device=z.device)
         part = torch.ops.dlm_kernels.token_stats_partial(
             z, u, active, x, d, *_scalars(cfg), cfg.chunk_size or 0, int(offset), _limit(cfg))
-        state = M.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
-        return (state, *M.target_logit(TorchOps, rows, cfg, offset))
+        state = stats_math.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
+        return (state, *stats_math.target_logit(TorchOps, rows, cfg, offset))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, inplace=False, offset=0):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import _checks
-from ._common import check_vocab_size, make_config
+from ._config import check_vocab_size, make_config
 from ._dispatch import FALLBACK, NATIVE_DTYPES, Capabilities, BackendUnavailableError, backends_doc, logger
 from ._rows import Rows
 

@@ -1,50 +1,21 @@
-"""Framework-neutral pieces shared by the torch and JAX front ends.
-
-Nothing here imports torch or jax: constants of the schedule, the variant table,
-the static configuration of the token-statistics primitive, scalar validation and
-the chunk-size heuristic of the chunked backends.
-"""
+"""The static configuration of one token-statistics call: scalar arguments checked into a
+hashable ``StatsConfig``, and the chunk-size heuristic of the framework-native chunked
+backends. Nothing here imports torch or jax."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 from typing import Optional
 
-import numpy as np
-
-EPS = 1e-12
-
-#: Megatron-Bridge DiffusionGemma SFT variants.
-VARIANTS = ("base-sft", "reweighted-ce", "loo-ce", "reweighted-loo-ce")
-_VARIANT_ALIASES = {"loo-reweighted-ce": "reweighted-loo-ce"}
-REWEIGHTED_VARIANTS = frozenset({"reweighted-ce", "reweighted-loo-ce"})
-LOO_VARIANTS = frozenset({"loo-ce", "reweighted-loo-ce"})
-
-BACKEND_ENV = "DLM_KERNELS_BACKEND"
-PALLAS_INTERPRET_ENV = "DLM_KERNELS_PALLAS_INTERPRET"
-
-
-def normalize_variant(variant: str) -> str:
-    """Canonical variant name; ``loo-reweighted-ce`` is an alias of ``reweighted-loo-ce``."""
-    if not isinstance(variant, str):
-        raise ValueError(f"variant must be a string, one of {VARIANTS}; got {variant!r}")
-    name = _VARIANT_ALIASES.get(variant, variant)
-    if name not in VARIANTS:
-        raise ValueError(
-            f"variant must be one of {VARIANTS} (or alias 'loo-reweighted-ce'); got {variant!r}"
-        )
-    return name
-
+from ._checks import is_real_scalar, plain
 
 def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optional[float]:
     """A finite, strictly positive Python scalar (bools are rejected)."""
     if value is None and allow_none:
         return None
     _require_static(name, value)
-    if isinstance(value, bool) or not _is_real_scalar(value):
+    if isinstance(value, bool) or not is_real_scalar(value):
         raise ValueError(f"{name} must be a finite positive float; got {plain(value)}")
     value = float(value)
     if not math.isfinite(value) or value <= 0.0:
@@ -55,7 +26,7 @@ def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optio
 def check_loss_weight(name: str, value) -> float:
     """A finite, non-negative Python scalar (bools are rejected)."""
     _require_static(name, value)
-    if isinstance(value, bool) or not _is_real_scalar(value):
+    if isinstance(value, bool) or not is_real_scalar(value):
         raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
     value = float(value)
     if not math.isfinite(value) or value < 0.0:
@@ -81,7 +52,7 @@ def _require_static(name: str, value) -> None:
             f"or close over it, rather than as a traced array")
 
 
-def _is_real_scalar(value) -> bool:
+def is_real_scalar(value) -> bool:
     if isinstance(value, (int, float)):
         return True
     # numpy / framework 0-d scalars that convert exactly.
@@ -192,53 +163,3 @@ def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = Tru
     c = budget // (4 * max(n_rows, 1))
     c = max(128, (c // 128) * 128)
     return max(1, min(c, vocab))
-
-
-def env_backend() -> Optional[str]:
-    value = os.environ.get(BACKEND_ENV, "").strip()
-    return value or None
-
-
-def plain(value) -> str:
-    """A number as a user writes it: ``-1.0``, ``nan``, ``7`` (not ``np.float64(-1.0)``);
-    anything else as its repr."""
-    if isinstance(value, (bool, np.bool_)):
-        return str(bool(value))
-    if isinstance(value, (int, np.integer)):
-        return str(int(value))
-    if isinstance(value, (float, np.floating)):
-        return repr(float(value))
-    if getattr(value, "shape", None) == () and _is_real_scalar(value):  # a 0-d array
-        return plain(value.item())
-    return repr(value)
-
-
-def shape_str(shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def unmet_requirement(dist: str, dependency: str) -> Optional[str]:
-    """Why the installed ``dependency`` does not meet the lower bound that the installed
-    ``dist`` declares for it (``dependency>=X.Y``), or None when it does or either is not
-    installed as a distribution. jax-triton 0.4 declares triton>=3.7 yet imports with Triton
-    3.6 and fails only at its first lowering, with an unrelated TypeError."""
-    from importlib import metadata
-
-    try:
-        declared, have = metadata.requires(dist) or [], metadata.version(dependency)
-    except metadata.PackageNotFoundError:
-        return None
-    for req in declared:
-        if ";" in req:  # conditional (an extra, a platform): never a reason to refuse
-            continue
-        spec = req.replace(" ", "")
-        if spec.startswith(dependency + ">=") and _release(have) < _release(spec.split(">=")[1]):
-            return (f"{dist} {metadata.version(dist)} needs {spec}; {dependency} {have} is "
-                    "installed")
-    return None
-
-
-def _release(version: str) -> tuple:
-    """The leading numeric release of a version string: '3.6.0+git1' -> (3, 6, 0)."""
-    match = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
