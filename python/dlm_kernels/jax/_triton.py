@@ -62,6 +62,7 @@ from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels
+from .._rows import Rows
 from ._batching import fold_vmap_into_rows
 from ._ops import JaxOps
 
@@ -157,8 +158,11 @@ def _partial(z, u, active, x, d, offsets, cfg):
         **_flags(cfg, x is not None))
 
 
-def _forward(z, u, y, active, x, d, cfg):
-    # z, u: [N, K]; y, active, x, d: [N] -> Stats of [N] f32
+def _forward(rows, cfg):
+    # rows: the bundle (logits, teacher [N, K]; targets, active, shift ids, shift [N])
+    # -> Stats of [N] f32
+    z, u, y, active, x, d = (rows.logits, rows.teacher, rows.targets, rows.active,
+                             rows.shift_ids, rows.shift)
     n, k = z.shape
     if n == 0:
         return stats_math.Stats(*jnp.zeros((len(ROW_STATS), 0), jnp.float32))
@@ -174,7 +178,9 @@ def _forward(z, u, y, active, x, d, cfg):
     return stats_math.Stats(*out)
 
 
-def _backward(z, u, y, active, x, d, offsets, stats, grads, cfg):
+def _backward(rows, offsets, stats, grads, cfg):
+    z, u, y, active, x, d = (rows.logits, rows.teacher, rows.targets, rows.active,
+                             rows.shift_ids, rows.shift)
     n, k, lc = _plan(z, cfg)
     if n == 0:
         return jnp.zeros_like(z), (jnp.zeros_like(u) if cfg.teacher_grad else None)
@@ -206,7 +212,9 @@ class TritonJax:
 
     @staticmethod
     def forward(rows, cfg):
-        return stats_math.Stats(*_rows_vmappable(lambda *a: tuple(_forward(*a, cfg)), *rows))
+        # the bundle's fields travel flat through the vmap rule and are rebuilt inside
+        return stats_math.Stats(*_rows_vmappable(lambda *a: tuple(_forward(Rows(*a), cfg)),
+                                                 *rows))
 
     @staticmethod
     def forward_partial(rows, cfg, offset=0):
@@ -215,14 +223,19 @@ class TritonJax:
         rows_first = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, PARTIAL_STATE, S]
         part = _rows_vmappable(rows_first, z, rows.teacher, jnp.ones(z.shape[:1], jnp.int8),
                                rows.shift_ids, rows.shift, _offsets(offset, z.shape[0]))
-        state = stats_math.merge_splits(JaxOps, [part[:, i] for i in range(len(PARTIAL_STATE))], cfg)
+        splits = [part[:, i] for i in range(len(PARTIAL_STATE))]  # one [N, S] per field
+        state = stats_math.merge_splits(JaxOps, splits, cfg)
         return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
-        call = lambda z, u, y, active, x, d, offsets, *per_row: _backward(
-            z, u, y, active, x, d, offsets, per_row[:len(ROW_STATS)], per_row[len(ROW_STATS):],
-            cfg)
+        fields, n_stats = len(Rows._fields), len(ROW_STATS)
+
+        def call(*flat):  # the bundle's fields, the offsets, the statistics, the cotangents
+            per_row = flat[fields + 1:]
+            return _backward(Rows(*flat[:fields]), flat[fields], per_row[:n_stats],
+                             per_row[n_stats:], cfg)
+
         return _rows_vmappable(call, *rows, _offsets(offset, rows.logits.shape[0]), *stats,
                                *grads)
 
