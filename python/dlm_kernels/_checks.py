@@ -15,6 +15,7 @@ import numpy as np
 
 
 def is_real_scalar(value) -> bool:
+    """A Python int/float, or a 0-d array that converts to a float (not a tracer)."""
     if isinstance(value, (int, float)):
         return True
     # numpy / framework 0-d scalars that convert exactly.

@@ -52,19 +52,6 @@ def _require_static(name: str, value) -> None:
             f"or close over it, rather than as a traced array")
 
 
-def is_real_scalar(value) -> bool:
-    if isinstance(value, (int, float)):
-        return True
-    # numpy / framework 0-d scalars that convert exactly.
-    if getattr(value, "shape", None) == ():
-        try:
-            float(value)
-        except Exception:  # a tracer, or not a number
-            return False
-        return True
-    return False
-
-
 @dataclasses.dataclass(frozen=True)
 class StatsConfig:
     """Static (hashable) configuration of one token-statistics call.
