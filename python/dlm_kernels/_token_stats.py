@@ -1,25 +1,7 @@
-"""Framework-neutral plumbing of the public ``token_stats`` primitive.
-
-Both front ends validate the same way, fold leading dimensions into rows the same way and
-hand the same row bundle (``_rows.Rows``: logits [N, K], teacher [N, K] or None, targets [N],
-active [N] bool, shift_ids [N] or None, shift [N] float32 or None) to a backend
-implementation. A backend implementation is an object with
-
-  name                                    registry key ("reference", "chunked", ...)
-  unsupported_reason(platform) -> str|None  why it cannot run on arrays of that platform
-  custom_vjp: bool                        False: differentiate ``compute`` with autodiff
-  compute(rows, cfg)                      -> (lse, logp, entropy, kl)       [custom_vjp=False]
-  forward(rows, cfg)                      -> Stats (outputs + residuals)    [custom_vjp=True]
-  backward(rows, stats, grads, cfg)       -> (dz, du or None)               [custom_vjp=True]
-
-and optionally
-  capabilities                            what else it offers (``_dispatch.Capabilities``):
-    inplace_grad   backward(..., inplace=True) writes dz into z (torch)
-    vocab_shards   forward_partial(rows, cfg, offset) -> (State, r_y, found) and
-                   backward(..., offset=): one vocabulary shard whose column 0 has global
-                   id ``offset``
-
-with grads = (g_lse, g_logp, g_entropy, g_kl) each [N] float32 (``_dispatch.Backend``).
+"""Framework-neutral pieces of the public ``token_stats`` primitive: its documentation and
+result type, ``prepare`` (the checks, the static config and the row bundle ``_rows.Rows``
+every backend receives), the reference backend, vocabulary trimming and the shard policy.
+The protocol a backend follows is ``_dispatch.Backend``.
 """
 
 from __future__ import annotations
@@ -28,7 +10,8 @@ from typing import NamedTuple
 
 from . import _checks
 from ._config import check_vocab_size, make_config
-from ._dispatch import FALLBACK, NATIVE_DTYPES, Capabilities, BackendUnavailableError, backends_doc, logger
+from ._dispatch import (FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
+                        backends_doc, logger)
 from ._rows import Rows
 
 
