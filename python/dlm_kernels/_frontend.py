@@ -96,7 +96,11 @@ class TokenStatsFrontEnd:
         if ctx is None:
             return logits.shape[-1]
         shard, vocab_size = ctx
-        return vocab_size or logits.shape[-1] * self.vjp.shards(shard)
+        return self._extent(shard, vocab_size, logits.shape[-1])
+
+    def _extent(self, shard, vocab_size, k_local) -> int:
+        """The global vocabulary: the true ``vocab_size`` when given, else K_local x shards."""
+        return vocab_size or k_local * self.vjp.shards(shard)
 
     def backend_for(self, logits, backend=None) -> str:
         return self.registry.resolve(backend, self.xp.platform(logits)).name
@@ -131,5 +135,5 @@ class TokenStatsFrontEnd:
             outs = impl.compute(rows, cfg)
         extent = None
         if rows.shift_ids is not None:  # the full vocabulary the shift ids index
-            extent = cfg.vocab_size or rows.logits.shape[1] * self.vjp.shards(shard)
+            extent = self._extent(shard, cfg.vocab_size, rows.logits.shape[1])
         return public_stats(xp, outs, lead, cfg, rows, extent)
