@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 
 def backend_for(logits, backend=None) -> str:
     """The backend name ``backend`` (None = auto) resolves to for this array or tensor."""
-    kind = type(logits).__module__.split(".")[0]
+    array = getattr(logits, "hidden", logits)  # a LinearHead runs where its hidden states are
+    kind = type(array).__module__.split(".")[0]
     if kind == "torch":
         from .torch import backend_for as impl
     elif kind in ("jax", "jaxlib", "numpy"):

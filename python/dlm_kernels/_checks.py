@@ -89,8 +89,19 @@ def require_array(xp, name, x):
         raise TypeError(f"{name} must be an array/tensor; got {type(x).__name__}")
 
 
-def require_rank(xp, name, x, rank, layout):
-    require_array(xp, name, x)
+def require_logits(xp, name, x):
+    """A logits array, or a ``LinearHead`` standing for one (its parts checked)."""
+    from ._linear_head import is_head
+
+    if is_head(x):
+        x.check(xp, name)
+    else:
+        require_array(xp, name, x)
+
+
+def require_rank(xp, name, x, rank, layout, logits=False):
+    """x an array of rank ``rank`` (``logits``: an array or a LinearHead)."""
+    (require_logits if logits else require_array)(xp, name, x)
     if len(x.shape) != rank:
         raise ValueError(f"{name} must have shape {layout}; got {shape_str(x.shape)}")
 
@@ -166,7 +177,7 @@ def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False):
 
 def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_logits):
     """Static checks of ``token_stats`` arguments (leading dims ``...`` = rows)."""
-    require_array(xp, "logits", logits)
+    require_logits(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got {shape_str(logits.shape)}")
     require_float(xp, "logits", logits)
@@ -191,7 +202,7 @@ def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_l
                     f"got {shape_str(shift.shape)}"
                 )
     if teacher_logits is not None:
-        require_array(xp, "teacher_logits", teacher_logits)
+        require_logits(xp, "teacher_logits", teacher_logits)
         require_float(xp, "teacher_logits", teacher_logits)
         require_shape("teacher_logits", teacher_logits, logits.shape, "logits.shape")
 
@@ -240,7 +251,7 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allo
 
 
 def check_logits_for_batch(xp, name, logits, batch_shape):
-    require_rank(xp, name, logits, 3, "[B, L, K]")
+    require_rank(xp, name, logits, 3, "[B, L, K]", logits=True)
     require_float(xp, name, logits)
     if tuple(logits.shape[:2]) != tuple(batch_shape):
         raise ValueError(
@@ -255,6 +266,10 @@ def check_teacher_values(xp, teacher_logits, loss_weights):
     """Teacher logits must be finite at active positions (concrete host arrays only, unless
     inside ``sync_checks()``: a scoring call never syncs an accelerator by default; a
     non-finite teacher there gives a NaN loss)."""
+    from ._linear_head import is_head
+
+    if is_head(teacher_logits):  # its logits are never built; a non-finite one gives NaN
+        return
     u = host_values(xp, teacher_logits)
     w = host_values(xp, loss_weights)
     if u is None or w is None:

@@ -9,6 +9,10 @@ Each framework supplies only what differs: its ops adapter (``xp``), its registr
       (with a vocabulary ``shard``, the partial states merged by its collectives)
   shards(shard) -> int
       how many vocabulary shards a process group / mesh axis splits the logits into
+  apply_head(impl, cfg, rows, shard, coefficients) -> (lse, logp, entropy, kl, total)
+      the same for rows whose logits (and/or teacher) are a ``LinearHead``: token chunks of
+      matmuls feeding ``impl``; ``total`` is None without ``coefficients``, else the planned
+      scalar with its gradient formed in the forward (``_linear_head``)
   inplace_grad: bool
       whether the framework can write a gradient into its logits (torch: yes; JAX: no)
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+from ._linear_head import is_head, planned_total
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
 
@@ -28,7 +33,7 @@ PUBLIC_API = (
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks",
+    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks", "LinearHead",
 )
 
 
@@ -57,18 +62,36 @@ TOKEN_STATS_OPTIONS = dict(
     chunk_size=None, inplace_grad=False, vocab_size=None)
 
 
+def _options(options, shard_keyword, caller):
+    """token_stats' keyword arguments completed with their defaults, the shard keyword of
+    the front end renamed ``shard``."""
+    options = dict(options)
+    shard = options.pop(shard_keyword, None)
+    backend = options.pop("backend", None)
+    unknown = set(options) - set(TOKEN_STATS_OPTIONS)
+    if unknown:
+        raise TypeError(f"{caller}() got unexpected keyword arguments {sorted(unknown)}")
+    return {**TOKEN_STATS_OPTIONS, **options, "shard": shard, "backend": backend}
+
+
+def token_stats_total(front, shard_keyword):
+    """The objectives' ``token_stats_total(logits, targets, weights, coefficients,
+    **token_stats options) -> (TokenStats, total)`` of one front end."""
+
+    def call(logits, targets, weights, coefficients, **options):
+        return front.token_stats_total(logits, targets, weights, coefficients,
+                                       **_options(options, shard_keyword, "token_stats"))
+
+    return call
+
+
 def public_token_stats(front, shard_keyword, doc):
     """The public ``token_stats(logits, targets, weights=None, *, ..., <shard_keyword>=None,
     backend=None)`` of one front end, with that signature and ``doc``."""
 
     def token_stats(logits, targets, weights=None, **options):
-        shard = options.pop(shard_keyword, None)
-        backend = options.pop("backend", None)
-        unknown = set(options) - set(TOKEN_STATS_OPTIONS)
-        if unknown:
-            raise TypeError(f"token_stats() got unexpected keyword arguments {sorted(unknown)}")
-        return front.token_stats(logits, targets, weights, shard=shard, backend=backend,
-                                 **{**TOKEN_STATS_OPTIONS, **options})
+        return front.token_stats(logits, targets, weights,
+                                 **_options(options, shard_keyword, "token_stats"))
 
     keyword = lambda name, default: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
                                                       default=default)
@@ -80,6 +103,11 @@ def public_token_stats(front, shard_keyword, doc):
         + [keyword(shard_keyword, None), keyword("backend", None)])
     token_stats.__doc__ = doc
     return token_stats
+
+
+def _array_of(logits):
+    """The array whose device a call runs on: the logits, or a linear head's hidden states."""
+    return logits.hidden if is_head(logits) else logits
 
 
 class TokenStatsFrontEnd:
@@ -103,15 +131,28 @@ class TokenStatsFrontEnd:
         return vocab_size or k_local * self.vjp.shards(shard)
 
     def backend_for(self, logits, backend=None) -> str:
-        return self.registry.resolve(backend, self.xp.platform(logits)).name
+        return self.registry.resolve(backend, self.xp.platform(_array_of(logits))).name
 
-    def token_stats(self, logits, targets, weights, *, temperature, ce_temperature, softcap,
-                    shift_ids, shift, teacher_logits, teacher_temperature, teacher_grad,
-                    entropy, chunk_size, inplace_grad, vocab_size, shard, backend):
+    def token_stats(self, logits, targets, weights, **options):
+        stats, _ = self.token_stats_total(logits, targets, weights, None, **options)
+        return stats
+
+    def token_stats_total(self, logits, targets, weights, coefficients, *, temperature,
+                          ce_temperature, softcap, shift_ids, shift, teacher_logits,
+                          teacher_temperature, teacher_grad, entropy, chunk_size, inplace_grad,
+                          vocab_size, shard, backend):
+        """(TokenStats, total): the statistics, and with ``coefficients`` (a TokenStats of
+        [...] float32 arrays or None per field) also total = Σ_rows Σ_fields c·stat, the one
+        scalar an objective reduces to (``_linear_head.planned_total``). A linear head then
+        forms its gradient in the forward (the module docstring of ``_linear_head``)."""
         xp = self.xp
         if inplace_grad and not self.vjp.inplace_grad:
             raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate "
                              "the logits buffer to jit to let XLA reuse it instead)")
+        heads = is_head(logits) or is_head(teacher_logits)
+        if inplace_grad and heads:
+            raise ValueError("inplace_grad=True applies to a logits tensor; a LinearHead never "
+                             "builds one (its chunks are always overwritten by their gradient)")
         shard, vocab_size, logits, teacher_logits = apply_vocab_parallel(
             shard, self.vocab_parallel.current, vocab_size, logits, teacher_logits)
         cfg, lead, rows = prepare(
@@ -120,20 +161,31 @@ class TokenStatsFrontEnd:
             teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
             teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
             vocab_size=vocab_size)
-        impl = self.registry.resolve(backend, xp.platform(logits))
+        n = rows.targets.shape[0]
+        if coefficients is not None:
+            coefficients = tuple(None if c is None else xp.stop_gradient(xp.f32(c)).reshape(n)
+                                 for c in coefficients)
+        impl = self.registry.resolve(backend, xp.platform(_array_of(logits)))
         require_dtype(impl, logits)
         if rows.teacher is not None and not cfg.teacher_grad:
-            rows = rows._replace(teacher=xp.stop_gradient(rows.teacher))
+            detach = xp.stop_gradient
+            rows = rows._replace(teacher=rows.teacher.map_arrays(detach)
+                                 if is_head(rows.teacher) else detach(rows.teacher))
         if shard is not None:
             impl = shard_capable(self.registry, impl, backend)
         if inplace_grad and not impl.capabilities.inplace_grad:
             raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
                              "use 'chunked' or 'triton'")
-        if impl.custom_vjp:
+        total = None
+        if heads and impl.custom_vjp:
+            *outs, total = self.vjp.apply_head(impl, cfg, rows, shard, coefficients)
+        elif impl.custom_vjp:
             outs = self.vjp.apply(impl, cfg, rows, bool(inplace_grad), shard)
         else:
             outs = impl.compute(rows, cfg)
+        if coefficients is not None and total is None:
+            total = planned_total(xp, outs, coefficients)
         extent = None
         if rows.shift_ids is not None:  # the full vocabulary the shift ids index
             extent = self._extent(shard, cfg.vocab_size, rows.logits.shape[1])
-        return public_stats(xp, outs, lead, cfg, rows, extent)
+        return public_stats(xp, outs, lead, cfg, rows, extent), total

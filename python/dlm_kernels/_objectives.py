@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import _checks as checks
 from ._checks import shape_str
+from ._linear_head import is_head
 from ._config import check_loss_weight, check_positive_float, check_vocab_size
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 
@@ -40,10 +41,11 @@ class Objectives:
         """The bound objectives named in ``NAMES``, in that order."""
         return tuple(getattr(self, name) for name in self.NAMES)
 
-    def __init__(self, xp, token_stats, weighted_sum, token_batch, distillation_batch,
-                 vocab_extent=lambda logits: logits.shape[-1]):
+    def __init__(self, xp, token_stats, token_stats_total, weighted_sum, token_batch,
+                 distillation_batch, vocab_extent=lambda logits: logits.shape[-1]):
         self.xp = xp
         self.token_stats = token_stats
+        self.token_stats_total = token_stats_total  # (stats, Σ c·stats): a scalar objective
         self.vocab_extent = vocab_extent  # full K (K_local x shards when vocab-parallel)
         self.WeightedSum = weighted_sum
         self.DiffusionTokenBatch = token_batch
@@ -93,8 +95,10 @@ class Objectives:
         [B, L, K] array; the losses apply the same shift inside the fused primitive instead.
         """
         xp = self.xp
-        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]")
+        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
         checks.require_float(xp, "logits", logits)
+        if is_head(logits):  # this function's output is the [B, L, K] array itself
+            logits = xp.head_logits(logits)
         checks.require_array(xp, "xt", xt)
         checks.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
         checks.require_int(xp, "xt", xt)
@@ -115,7 +119,7 @@ class Objectives:
         variant = normalize_variant(variant)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
                                     allow_none=True)
-        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]")
+        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
         checks.require_float(xp, "logits", logits)
         vocab_size, extent = self._check_vocab_size(vocab_size, logits)
         bl = tuple(logits.shape[:2])
@@ -223,10 +227,12 @@ class Objectives:
     def weighted_cross_entropy(self, logits, batch, *, backend=None):
         """WeightedSum(Σ w·CE, Σ w) at T = 1."""
         self.validate_diffusion_logits(batch, logits)
-        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights, entropy=False,
-                                 backend=backend)
         w = self.xp.f32(batch.loss_weights)
-        return self.WeightedSum(-_total(self.xp, w * stats.logp), _total(self.xp, w))
+        # one scalar: Σ (-w)·logp, so a linear head forms its gradient in the forward
+        _, total = self.token_stats_total(logits, batch.target_ids, batch.loss_weights,
+                                          (None, -w, None, None), entropy=False,
+                                          backend=backend)
+        return self.WeightedSum(total, _total(self.xp, w))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
                  hard_loss_weight=0.0, backend=None):
@@ -258,16 +264,20 @@ class Objectives:
                                    self.vocab_extent(student_logits) if hard_w > 0.0 else None,
                                    allow_sync=False)
         # the hard term's T = 1 sums ride along in the same pass only when that term is on
-        stats = self.token_stats(student_logits, student.target_ids, student.loss_weights,
-                                 temperature=temperature,
-                                 ce_temperature=1.0 if hard_w > 0.0 else None,
-                                 teacher_logits=teacher, entropy=False, backend=backend)
         w = xp.f32(student.loss_weights)
+        t2 = temperature * temperature
+        # the total is one scalar Σ c·stats (c: the weights times each term's factor), so a
+        # linear head forms its gradient in the forward; the aux terms stay differentiable
+        coefficients = (None, -hard_w * w if hard_w > 0.0 else None, None,
+                        soft_w * t2 * w if soft_w > 0.0 else None)
+        stats, total = self.token_stats_total(
+            student_logits, student.target_ids, student.loss_weights, coefficients,
+            temperature=temperature, ce_temperature=1.0 if hard_w > 0.0 else None,
+            teacher_logits=teacher, entropy=False, backend=backend)
         denominator = _total(xp, w)
         zero = denominator * 0.0
-        soft = _total(xp, w * stats.kl) * (temperature * temperature) if soft_w > 0.0 else zero
+        soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
         hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
-        total = soft_w * soft + hard_w * hard
         aux = {
             "distill/soft_loss": self.WeightedSum(soft, denominator),
             "distill/hard_loss": self.WeightedSum(hard, denominator),
@@ -293,6 +303,11 @@ class Objectives:
                     f"batches[{i}] is a {type(b).__name__}, but batches[0] is a "
                     f"{kind.__name__}: all batches must have the same structure")
         if kind is self.DiffusionDistillationBatch:
+            for i, b in enumerate(batches):
+                if is_head(b.teacher_logits):
+                    raise TypeError(
+                        f"batches[{i}].teacher_logits is a LinearHead: merge the teacher's "
+                        f"hidden states (and the student batches), then build one head")
             students = [b.student_batch for b in batches]
             fields = {"teacher_logits": [b.teacher_logits for b in batches]}
             plan = {f: self._merge_plan(f, trees) for f, trees in fields.items()}

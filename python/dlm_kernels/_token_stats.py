@@ -12,6 +12,7 @@ from . import _checks
 from ._config import check_vocab_size, make_config
 from ._dispatch import (FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
                         backends_doc, logger)
+from ._linear_head import is_head
 from ._rows import Rows
 
 
@@ -129,9 +130,13 @@ class ReferenceBackend:
         return None
 
     def compute(self, rows, cfg):
-        # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32
+        # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32; a linear head is
+        # materialised here (the reference is the oracle's twin, not a memory-lean path)
         from ._stats_math import reference_stats
 
+        built = lambda x: self.xp.head_logits(x) if is_head(x) else x
+        rows = rows._replace(logits=built(rows.logits),
+                             teacher=None if rows.teacher is None else built(rows.teacher))
         return reference_stats(self.xp, rows, cfg)
 
 
@@ -143,7 +148,8 @@ def trim_vocab(logits, teacher_logits, vocab_size):
         raise ValueError(f"vocab_size must be <= logits.shape[-1] = {k}; got {vocab_size}")
     if vocab_size == k:
         return logits, teacher_logits
-    trim = lambda a: None if a is None else a[..., :vocab_size]
+    trim = lambda a: None if a is None else (
+        a.vocab_slice(vocab_size) if is_head(a) else a[..., :vocab_size])
     return trim(logits), trim(teacher_logits)
 
 
@@ -174,6 +180,11 @@ def shard_capable(registry, impl, requested):
     return registry.IMPLEMENTATIONS[FALLBACK]
 
 
+def _flat(x, n, k):
+    """[..., K] logits (or a LinearHead standing for them) as [N, K] rows."""
+    return x.flat(n) if is_head(x) else x.reshape(n, k)
+
+
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
             shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
             entropy=True, vocab_size=None):
@@ -200,15 +211,15 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         n *= dim
     y = targets.reshape(n)
     rows = Rows(
-        logits=logits.reshape(n, k),
-        teacher=teacher_logits.reshape(n, k) if teacher_logits is not None else None,
+        logits=_flat(logits, n, k),
+        teacher=None if teacher_logits is None else _flat(teacher_logits, n, k),
         targets=y,
         active=y == y if weights is None else weights.reshape(n) != 0,  # None: all True, on
     )                                                                    # the targets' device
     if shift_ids is not None:
         if xp.is_array(shift):
             d = xp.broadcast_to(xp.f32(shift), lead).reshape(n)
-        else:  # a Python scalar: made on the logits' device
-            d = xp.full((n,), float(shift), logits)
+        else:  # a Python scalar: made on the rows' device
+            d = xp.full((n,), float(shift), y)
         rows = rows._replace(shift_ids=shift_ids.reshape(n), shift=d)
     return cfg, lead, rows

@@ -18,7 +18,8 @@ from .._frontend import PUBLIC_API
 from .._objectives import Objectives, rf_alpha, rf_alpha_dot
 from .._token_stats import TokenStats
 from ._ops import JaxOps
-from ._primitive import REGISTRY, backend_for, token_stats, vocab_extent, vocab_parallel
+from ._primitive import (REGISTRY, backend_for, token_stats, token_stats_total, vocab_extent,
+                         vocab_parallel)
 
 WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(
     JaxOps, __name__, vocab_extent)
@@ -29,7 +30,7 @@ for _cls in (WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch):
 (reweight, loo_to_denoiser_logits, diffusion_sft_loss, diffusion_sft_logps,
  validate_diffusion_logits, merge_diffusion_batches, per_token_logps,
  compute_diffusion_per_token_logps, weighted_cross_entropy, opd_loss) = Objectives(
-    JaxOps, token_stats, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
+    JaxOps, token_stats, token_stats_total, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
     vocab_extent).exports()
 
 __all__ = list(PUBLIC_API)

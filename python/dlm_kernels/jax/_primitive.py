@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from .._dispatch import Registry
 from .. import _stats_math as stats_math
 from .._frontend import TokenStatsFrontEnd, public_token_stats
+from .._frontend import token_stats_total as make_token_stats_total
 from .._token_stats import TOKEN_STATS_DOC
 from ._ops import JaxOps
 
@@ -97,6 +98,7 @@ def vocab_parallel(vocab_axis, vocab_size=None):
 
 
 token_stats = public_token_stats(_FRONT, "vocab_axis", TOKEN_STATS_DOC)
+token_stats_total = make_token_stats_total(_FRONT, "vocab_axis")  # the objectives' scalar path
 
 
 def backend_for(logits, backend=None) -> str:

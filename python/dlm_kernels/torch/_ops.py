@@ -61,6 +61,12 @@ class TorchOps:
     def stop_gradient(x):
         return x.detach()
 
+    @staticmethod
+    def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
+        from ._linear_head import head_logits
+
+        return head_logits(head)
+
     # -- objectives -----------------------------------------------------------
     @staticmethod
     def clamp_min(x, v):

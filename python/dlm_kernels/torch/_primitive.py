@@ -8,9 +8,11 @@ import torch
 from .. import _stats_math as stats_math
 from .._dispatch import Registry
 from .._frontend import TokenStatsFrontEnd, public_token_stats
+from .._frontend import token_stats_total as make_token_stats_total
 from .._token_stats import TOKEN_STATS_DOC
 from .._rows import Rows
 from .._stats_math import Stats
+from ._linear_head import apply_head
 from ._ops import TorchOps
 
 REGISTRY = Registry("torch")
@@ -78,6 +80,8 @@ class TorchVJP:
     def apply(impl, cfg, rows, inplace, group):
         return _TokenStatsFunction.apply(impl, cfg, inplace, group, *rows)
 
+    apply_head = staticmethod(apply_head)
+
     @staticmethod
     def shards(process_group) -> int:
         if process_group is None:
@@ -98,6 +102,7 @@ def vocab_parallel(process_group, vocab_size=None):
 
 
 token_stats = public_token_stats(_FRONT, "process_group", TOKEN_STATS_DOC)
+token_stats_total = make_token_stats_total(_FRONT, "process_group")  # the objectives' scalar path
 
 
 def backend_for(logits, backend=None) -> str:

@@ -1,0 +1,187 @@
+"""The fused linear head: ``logits = hidden @ weight (+ bias)`` as a value that every
+objective and ``token_stats`` accept in place of a logits array, without the [N, K] logits
+(or their gradient) ever existing in full.
+
+How it runs (each framework's ``_linear_head`` module; docs/design.md, "Linear head"):
+the N rows are cut into token chunks of R rows. For each chunk the logits ``Z_c = H_c W``
+([R, K], a matmul in the inputs' dtype with float32 accumulation) feed the chosen backend's
+streaming kernels exactly as a logits array would (softcap, temperatures, LOO shift and
+teacher KL unchanged); the backward recomputes ``Z_c``, lets the backend write ``dZ_c`` over
+it, then ``dH_c = dZ_c Wᵀ`` and ``dW += H_cᵀ dZ_c``. ``dW`` (and ``db``) are accumulated in
+float32 across chunks and rounded once at the end. Memory beyond the inputs: one [R, K]
+chunk (plus the backend's own vocabulary-chunk temporaries), the float32 ``dW``
+accumulator [K, D] and O(N) row statistics; never [N, K].
+
+Two gradient schedules (chosen by the objective, never by guessing from the cotangent):
+
+* **recompute** (4 matmuls: Z in the forward; Z again, dH and dW in the backward): for
+  outputs that are per row or per sequence (``token_stats``, ``per_token_logps``,
+  ``diffusion_sft_loss``'s [B]): the cotangent of each row is unknown until the backward.
+* **gradient in the forward** (3 matmuls: Z, dH, dW, all in the forward): for a call that
+  reduces to one scalar inside itself (``weighted_cross_entropy``'s sum, ``opd_loss``'s
+  total). The scalar is Σ_rows c·stats with row coefficients c known in the forward (the
+  loss weights), so dZ = c·∂stats/∂Z is formed while Z_c is in hand; the backward only
+  scales the saved float32 dH, dW, db by the scalar's cotangent and rounds once. The
+  per-row statistics stay differentiable: a cotangent reaching them (e.g. differentiating
+  an aux metric) takes the recompute path for that part, so no gradient is ever dropped.
+"""
+
+from __future__ import annotations
+
+from ._checks import require_array, require_float, shape_str
+
+#: weight layouts: [K, D] (torch nn.Linear.weight, a tied nn.Embedding / nnx.Embed table)
+#: and [D, K] (a Flax linen/nnx Dense kernel)
+VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
+LAYOUTS = (VOCAB_MAJOR, HIDDEN_MAJOR)
+_LAYOUT_NAMES = {VOCAB_MAJOR: "[K, D]", HIDDEN_MAJOR: "[D, K]"}
+
+# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU a chunk of
+# a few MiB keeps the matmuls efficient and the temporaries small; on an accelerator the
+# matmuls want R of several hundred rows (R = 1024 at K = 262144 in bfloat16).
+HEAD_CHUNK_BYTES_CPU = 16 * 1024 * 1024
+HEAD_CHUNK_BYTES_ACCELERATOR = 512 * 1024 * 1024
+
+
+def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None) -> int:
+    """Rows R of one token chunk: ``requested`` when given, else the most rows whose [R, K]
+    logits fit the platform's budget, a multiple of 16, at least 16 and at most N."""
+    if requested is not None:
+        return max(1, min(requested, n_rows))
+    budget = HEAD_CHUNK_BYTES_CPU if on_cpu else HEAD_CHUNK_BYTES_ACCELERATOR
+    r = budget // (itemsize * max(vocab, 1))
+    r = max(16, (r // 16) * 16)
+    return max(1, min(r, n_rows))
+
+
+def row_chunks(n_rows: int, r: int):
+    """[(r0, r1)] token chunks of at most r rows covering [0, n_rows)."""
+    return [(r0, min(r0 + r, n_rows)) for r0 in range(0, n_rows, r)]
+
+
+class LinearHead:
+    """``logits = hidden @ weight (+ bias)``, given in place of a logits array.
+
+    hidden: [..., D] (``[B, L, D]`` for the objectives, ``[..., D]`` for ``token_stats``).
+    weight: the unembedding in ``weight_layout``: "KD" = [K, D] (torch ``nn.Linear.weight``,
+      a tied ``nn.Embedding`` / ``nnx.Embed`` table) or "DK" = [D, K] (a Flax ``Dense``
+      kernel). Each front end's default is its own framework's usual layout (torch "KD",
+      JAX "DK"); the other is always named explicitly, never inferred from the shape.
+    bias: [K] or None.  hidden, weight and bias share one floating dtype.
+    row_chunk: rows per token chunk (default: a heuristic per platform, ``row_chunk_for``).
+
+    It behaves like the logits it stands for where shapes are concerned (``shape``,
+    ``dtype``, ``ndim``), so every shape check of the API applies to it unchanged.
+    Gradients flow to hidden, weight and bias.
+    """
+
+    DEFAULT_LAYOUT = VOCAB_MAJOR  # each front end's subclass sets its own
+
+    def __init__(self, hidden, weight, bias=None, *, weight_layout=None, row_chunk=None):
+        layout = type(self).DEFAULT_LAYOUT if weight_layout is None else weight_layout
+        if layout not in LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {LAYOUTS} ('KD': weight [K, D], "
+                             f"'DK': weight [D, K]); got {weight_layout!r}")
+        if row_chunk is not None and (isinstance(row_chunk, bool) or not isinstance(
+                row_chunk, int) or row_chunk < 1):
+            raise ValueError(f"row_chunk must be a positive int or None; got {row_chunk!r}")
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.weight_layout, self.row_chunk = layout, row_chunk
+
+    # -- what it stands for ---------------------------------------------------------------
+    @property
+    def vocab(self) -> int:  # K
+        return self.weight.shape[0 if self.weight_layout == VOCAB_MAJOR else 1]
+
+    @property
+    def width(self) -> int:  # D
+        return self.hidden.shape[-1]
+
+    @property
+    def shape(self):
+        return tuple(self.hidden.shape[:-1]) + (self.vocab,)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.hidden.shape)
+
+    @property
+    def dtype(self):
+        return self.hidden.dtype
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(hidden {shape_str(self.hidden.shape)}, weight "
+                f"{shape_str(self.weight.shape)} ({self.weight_layout}), bias "
+                f"{'None' if self.bias is None else shape_str(self.bias.shape)})")
+
+    # -- rebuilt views ----------------------------------------------------------------------
+    def replace(self, hidden=None, weight=None, bias=None):
+        """The same head with some arrays replaced (None: kept)."""
+        return type(self)(self.hidden if hidden is None else hidden,
+                          self.weight if weight is None else weight,
+                          self.bias if bias is None else bias,
+                          weight_layout=self.weight_layout, row_chunk=self.row_chunk)
+
+    def map_arrays(self, fn):
+        """fn applied to hidden, weight and bias (e.g. a stop-gradient)."""
+        return self.replace(fn(self.hidden), fn(self.weight),
+                            None if self.bias is None else fn(self.bias))
+
+    def flat(self, n_rows: int):
+        """The head over [N, D] rows (leading dimensions flattened, as logits become [N, K])."""
+        return self.replace(hidden=self.hidden.reshape(n_rows, self.width))
+
+    def vocab_slice(self, stop: int):
+        """The head of the first ``stop`` columns (the vocabulary without its padding)."""
+        w = self.weight[:stop] if self.weight_layout == VOCAB_MAJOR else self.weight[:, :stop]
+        return self.replace(weight=w, bias=None if self.bias is None else self.bias[:stop])
+
+    # -- checks ---------------------------------------------------------------------------
+    def check(self, xp, name: str):
+        """Kinds, ranks, dtypes and the shared width D; the error names ``name``'s part."""
+        h, w, b = self.hidden, self.weight, self.bias
+        require_array(xp, f"{name}.hidden", h)
+        require_float(xp, f"{name}.hidden", h)
+        if len(h.shape) < 1 or h.shape[-1] < 1:
+            raise ValueError(f"{name}.hidden must have shape [..., D] with D >= 1; got "
+                             f"{shape_str(h.shape)}")
+        require_array(xp, f"{name}.weight", w)
+        d = h.shape[-1]
+        want = _LAYOUT_NAMES[self.weight_layout]
+        d_axis = 1 if self.weight_layout == VOCAB_MAJOR else 0
+        if len(w.shape) != 2 or w.shape[d_axis] != d:
+            other = HIDDEN_MAJOR if self.weight_layout == VOCAB_MAJOR else VOCAB_MAJOR
+            raise ValueError(
+                f"{name}.weight must have shape {want} with D = {name}.hidden.shape[-1] = {d} "
+                f"(weight_layout={self.weight_layout!r}); got {shape_str(w.shape)}. A weight "
+                f"laid out as {_LAYOUT_NAMES[other]} needs weight_layout={other!r}")
+        if self.vocab < 1:
+            raise ValueError(f"{name}.weight must have a vocabulary axis K >= 1; got "
+                             f"{shape_str(w.shape)}")
+        parts = [("weight", w)]
+        if b is not None:
+            require_array(xp, f"{name}.bias", b)
+            if tuple(b.shape) != (self.vocab,):
+                raise ValueError(f"{name}.bias must have shape [K] = [{self.vocab}]; got "
+                                 f"{shape_str(b.shape)}")
+            parts.append(("bias", b))
+        for part, arr in parts:
+            if arr.dtype != h.dtype:
+                raise TypeError(f"{name}.{part} must have {name}.hidden's dtype "
+                                f"{str(h.dtype).replace('torch.', '')}; got "
+                                f"{str(arr.dtype).replace('torch.', '')}")
+
+
+def is_head(x) -> bool:
+    return isinstance(x, LinearHead)
+
+
+def planned_total(xp, stats, coefficients):
+    """Σ_rows Σ_fields c·stat over [N] rows, for the fields whose coefficient is given: the
+    one scalar a gradient-in-forward call reduces to (the same expression on every path)."""
+    total = None
+    for c, s in zip(coefficients, stats):
+        if c is not None:
+            term = xp.rowsum(c * s)
+            total = term if total is None else total + term
+    return total

@@ -1,0 +1,285 @@
+"""The linear head for torch: ``LinearHead`` (weight [K, D] by default, as ``nn.Linear`` and
+a tied ``nn.Embedding`` hold it) and the autograd.Function that runs a backend's kernels
+over token chunks of ``hidden @ weight`` (the math and the two gradient schedules:
+``dlm_kernels._linear_head``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _linear_head as base
+from .._linear_head import VOCAB_MAJOR, is_head, row_chunk_for, row_chunks
+from .._rows import Rows
+from .._stats_math import Stats
+from ._ops import TorchOps
+
+
+class LinearHead(base.LinearHead):
+    __doc__ = base.LinearHead.__doc__
+    DEFAULT_LAYOUT = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
+
+
+def head_logits(head, r0=None, r1=None):
+    """The logits of rows [r0, r1) of ``head`` (all rows, any leading shape, when None), in
+    the head's dtype (the matmul accumulates in float32)."""
+    h = head.hidden if r0 is None else head.hidden[r0:r1]
+    if head.weight_layout == VOCAB_MAJOR:
+        return F.linear(h, head.weight, head.bias)  # [.., D] x [K, D]ᵀ
+    z = h @ head.weight  # [.., D] x [D, K]
+    return z if head.bias is None else z + head.bias
+
+
+def _mm_f32(a, b):
+    """a @ b with a float32 (or wider) result accumulated in float32: 16-bit products are
+    never rounded to 16 bits before they are summed across chunks."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # CPU: no mixed-precision mm; the chunk's upcast copies
+
+
+class _HeadGrads:
+    """The gradients of one head being formed chunk by chunk: dH [N, D], dW and db
+    accumulated in float32 (float64 for a float64 head), rounded once in ``result``."""
+
+    def __init__(self, head, need):  # need: (hidden, weight, bias) booleans
+        self.head, self.need = head, need
+        acc = torch.promote_types(head.dtype, torch.float32)
+        self.dh = torch.zeros(head.hidden.shape, dtype=acc, device=head.hidden.device) \
+            if need[0] else None
+        self.dw = torch.zeros(head.weight.shape, dtype=acc, device=head.weight.device) \
+            if need[1] else None
+        self.db = torch.zeros(head.bias.shape, dtype=acc, device=head.bias.device) \
+            if need[2] and head.bias is not None else None
+
+    def add(self, dz, r0, r1):
+        # dz: [R, K] gradient of rows [r0, r1)'s logits, in the head's dtype
+        head = self.head
+        w, h = head.weight, head.hidden[r0:r1]
+        major = head.weight_layout == VOCAB_MAJOR
+        if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds
+            self.dh[r0:r1] = _mm_f32(dz, w if major else w.t())
+        if self.dw is not None:  # [K, R] x [R, D] (or [D, R] x [R, K]): K·R·D
+            self.dw += _mm_f32(dz.t(), h) if major else _mm_f32(h.t(), dz)
+        if self.db is not None:
+            self.db += dz.sum(0, dtype=self.db.dtype)
+
+    def reduce(self, group):
+        """Vocabulary-parallel: each rank saw its own columns, so dH is a sum over ranks
+        (the hidden states are replicated, as a column-parallel head's input is)."""
+        if self.dh is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(self.dh, group=group)
+
+    def result(self, scale=None):
+        """(dH, dW, db) in the head's dtypes (None where not needed), times ``scale``."""
+        head = self.head
+        out = []
+        for g, like in ((self.dh, head.hidden), (self.dw, head.weight), (self.db, head.bias)):
+            if g is not None and scale is not None:
+                g = g * scale
+            out.append(None if g is None else g.to(like.dtype))
+        return tuple(out)
+
+
+class _Sweep:
+    """One pass over the token chunks of a head's rows: the statistics (when not given) and,
+    given per-row cotangents, the gradients of every input that needs one."""
+
+    def __init__(self, impl, cfg, rows, group):
+        self.impl, self.cfg, self.rows, self.group = impl, cfg, rows, group
+        z = rows.logits
+        n, k = rows.targets.shape[0], z.shape[-1]
+        like = z.hidden if is_head(z) else z
+        chunk = z.row_chunk if is_head(z) else None
+        self.r = row_chunk_for(n, k, like.element_size(), like.device.type == "cpu", chunk)
+
+    def _chunk(self, r0, r1):
+        rows = self.rows
+        part = lambda x: None if x is None else (
+            head_logits(x, r0, r1) if is_head(x) else x[r0:r1])
+        return Rows(*(part(x) for x in rows))
+
+    def _stats(self, rc):
+        if self.group is None:
+            return self.impl.forward(rc, self.cfg), 0
+        from ._primitive import _vocab_parallel_stats
+
+        return _vocab_parallel_stats(rc, self.impl, self.cfg, self.group)
+
+    def run(self, stats=None, grads=None, need=None):
+        """-> (Stats, gradients or None). ``grads``: 4 [N] float32 cotangents of (lse, logp,
+        entropy, kl); ``need``: per Rows field, what of it needs a gradient (a head: three
+        booleans; an array: one)."""
+        rows, cfg = self.rows, self.cfg
+        n = rows.targets.shape[0]
+        acc = None if grads is None else _Accumulators(rows, need, cfg)
+        parts = []
+        for r0, r1 in row_chunks(n, self.r):
+            rc = self._chunk(r0, r1)
+            if stats is None:
+                sc, offset = self._stats(rc)
+                parts.append(sc)
+            else:
+                sc = Stats(*(s[r0:r1] for s in stats))
+                offset = self._offset(rc)
+            if acc is not None:
+                kw = {"offset": offset} if self.group is not None else {}
+                if is_head(rows.logits) and self.impl.capabilities.inplace_grad:
+                    kw["inplace"] = True  # the chunk's logits are ours: overwrite them
+                dz, du = self.impl.backward(rc, sc, tuple(g[r0:r1] for g in grads), cfg, **kw)
+                acc.add(dz, du, r0, r1)
+        if stats is None:
+            stats = Stats(*(torch.cat(f) for f in zip(*parts)))
+        if acc is not None and self.group is not None:
+            acc.reduce(self.group)
+        return stats, acc
+
+    def _offset(self, rc):
+        if self.group is None:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group) * rc.logits.shape[1]
+
+
+class _Accumulators:
+    """The gradients of the student (head or array) and of the teacher (when teacher_grad)."""
+
+    def __init__(self, rows, need, cfg):
+        def make(x, needed):
+            if x is None or not any(needed):
+                return None
+            if is_head(x):
+                return _HeadGrads(x, needed)
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+        self.student = make(rows.logits, need[0])
+        self.teacher = make(rows.teacher, need[1]) if cfg.teacher_grad else None
+
+    def add(self, dz, du, r0, r1):
+        for acc, g in ((self.student, dz), (self.teacher, du)):
+            if isinstance(acc, _HeadGrads):
+                acc.add(g, r0, r1)
+            elif acc is not None:
+                acc[r0:r1] = g
+
+    def reduce(self, group):
+        for acc in (self.student, self.teacher):
+            if isinstance(acc, _HeadGrads):
+                acc.reduce(group)
+
+
+# The flat layout of the Function's tensor arguments: each of the student and the teacher
+# takes three slots (a head's hidden, weight, bias; an array in the first), then the row
+# fields after them, then the four coefficient rows of a gradient-in-forward call.
+_PART = 3
+_ROW_FIELDS = Rows._fields[2:]  # targets, active, shift_ids, shift
+_N_ROW = len(_ROW_FIELDS)
+
+
+def _pack(rows, coefficients):
+    spec, tensors = [], []
+    for x in (rows.logits, rows.teacher):
+        if is_head(x):
+            spec.append((x.weight_layout, x.row_chunk))
+            tensors += [x.hidden, x.weight, x.bias]
+        else:
+            spec.append(None)
+            tensors += [x, None, None]
+    tensors += list(rows[2:])
+    tensors += list(coefficients) if coefficients is not None else [None] * 4
+    return (tuple(spec), coefficients is not None), tensors
+
+
+def _unpack(spec, tensors):
+    (parts, planned) = spec
+    out = []
+    for i, kind in enumerate(parts):
+        a, w, b = tensors[i * _PART:(i + 1) * _PART]
+        out.append(a if kind is None else LinearHead(a, w, b, weight_layout=kind[0],
+                                                   row_chunk=kind[1]))
+    fields = tensors[2 * _PART:2 * _PART + _N_ROW]
+    coefficients = tuple(tensors[2 * _PART + _N_ROW:]) if planned else None
+    return Rows(out[0], out[1], *fields), coefficients
+
+
+def _needs(parts, needs_input_grad):
+    """Per part (student, teacher): what needs a gradient, from the flat input flags."""
+    out = []
+    for i, kind in enumerate(parts):
+        flags = needs_input_grad[i * _PART:(i + 1) * _PART]
+        out.append(tuple(flags) if kind is not None else (flags[0],))
+    return out
+
+
+def _cotangents(grads, like):
+    """4 [N] float32 row cotangents, zeros for the missing ones."""
+    return tuple(torch.zeros_like(like, dtype=torch.float32) if g is None else g.float()
+                 for g in grads)
+
+
+def _flat_grads(parts, acc, scale=None):
+    """The gradients in the flat argument layout (None where there is none)."""
+    out = []
+    for kind, part in zip(parts, (acc.student, acc.teacher)):
+        if part is None:
+            out += [None] * _PART
+        elif kind is None:
+            out += [part if scale is None else (part.float() * scale).to(part.dtype),
+                    None, None]
+        else:
+            out += list(part.result(scale))
+    return out
+
+
+class _LinearHeadFunction(torch.autograd.Function):
+    """Custom VJP of token statistics from linear heads. Saves the inputs plus O(N) row
+    statistics; with coefficients (gradient in the forward) also the float32 gradients."""
+
+    @staticmethod
+    def forward(ctx, impl, cfg, group, spec, *tensors):
+        rows, coefficients = _unpack(spec, tensors)
+        ctx.set_materialize_grads(False)
+        sweep = _Sweep(impl, cfg, rows, group)
+        needs = _needs(spec[0], ctx.needs_input_grad[4:])
+        plan = coefficients is not None and any(any(n) for n in needs)
+        grads = _cotangents(coefficients, rows.targets) if plan else None
+        stats, acc = sweep.run(grads=grads, need=needs)
+        total = None
+        if coefficients is not None:
+            total = base.planned_total(TorchOps, stats, coefficients)
+        ctx.impl, ctx.cfg, ctx.group, ctx.spec, ctx.needs = impl, cfg, group, spec, needs
+        ctx.planned = acc  # float32 gradients of ``total`` (None: nothing needs one)
+        ctx.save_for_backward(*tensors, *stats)
+        return stats.lse, stats.logp, stats.entropy, stats.kl, total
+
+    @staticmethod
+    def backward(ctx, g_lse, g_lp, g_h, g_kl, g_total):
+        saved = ctx.saved_tensors
+        n_in = len(saved) - len(Stats._fields)
+        tensors, stats = saved[:n_in], Stats(*saved[n_in:])
+        parts = ctx.spec[0]
+        out = None
+        if g_total is not None and ctx.planned is not None:
+            out = _flat_grads(parts, ctx.planned, g_total.float())
+        if any(g is not None for g in (g_lse, g_lp, g_h, g_kl)):  # the recompute schedule
+            rows, _ = _unpack(ctx.spec, tensors)
+            sweep = _Sweep(ctx.impl, ctx.cfg, rows, ctx.group)
+            grads = _cotangents((g_lse, g_lp, g_h, g_kl), rows.targets)
+            _, acc = sweep.run(stats=stats, grads=grads, need=ctx.needs)
+            more = _flat_grads(parts, acc)
+            out = more if out is None else [a if b is None else (b if a is None else a + b)
+                                            for a, b in zip(out, more)]
+        if out is None:
+            out = [None] * (2 * _PART)
+        return (None, None, None, None, *out, *([None] * (len(tensors) - 2 * _PART)))
+
+
+def apply_head(impl, cfg, rows, group, coefficients):
+    """(lse, logp, entropy, kl, total) of rows whose logits and/or teacher are heads."""
+    spec, tensors = _pack(rows, coefficients)
+    return _LinearHeadFunction.apply(impl, cfg, group, spec, *tensors)
