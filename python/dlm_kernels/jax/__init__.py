@@ -17,6 +17,7 @@ from .._dispatch import BackendUnavailableError
 from .._frontend import PUBLIC_API
 from .._objectives import Objectives, rf_alpha, rf_alpha_dot
 from .._token_stats import TokenStats
+from ._linear_head import LinearHead
 from ._ops import JaxOps
 from ._primitive import (REGISTRY, backend_for, token_stats, token_stats_total, vocab_extent,
                          vocab_parallel)

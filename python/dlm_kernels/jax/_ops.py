@@ -65,6 +65,12 @@ class JaxOps:
     def stop_gradient(x):
         return jax.lax.stop_gradient(x)
 
+    @staticmethod
+    def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
+        from ._linear_head import head_logits
+
+        return head_logits(head)
+
     # -- objectives -----------------------------------------------------------
     @staticmethod
     def clamp_min(x, v):

@@ -13,6 +13,7 @@ from .. import _stats_math as stats_math
 from .._frontend import TokenStatsFrontEnd, public_token_stats
 from .._frontend import token_stats_total as make_token_stats_total
 from .._token_stats import TOKEN_STATS_DOC
+from ._linear_head import apply_head
 from ._ops import JaxOps
 
 REGISTRY = Registry("jax")
@@ -74,6 +75,7 @@ class JaxVJP:
     """The JAX side of the front-end shell (``dlm_kernels._frontend``)."""
 
     inplace_grad = False  # arrays are immutable
+    apply_head = staticmethod(apply_head)
 
     @staticmethod
     def apply(impl, cfg, rows, inplace, axis):

@@ -1,0 +1,275 @@
+"""The linear head for JAX: ``LinearHead`` (a pytree; weight [D, K] by default, as a Flax
+``Dense`` kernel holds it; "KD" for a tied ``nnx.Embed`` table) and the custom VJPs that run
+a backend's kernels over token chunks of ``hidden @ weight`` inside ``lax.fori_loop`` (the
+math and the two gradient schedules: ``dlm_kernels._linear_head``).
+
+Token chunks are taken with ``lax.dynamic_slice`` (no padded copy of the hidden states):
+N need not divide by the chunk R, the last chunk starts at N - R and its rows that an
+earlier chunk already covered are treated as inactive (zero gradient) and keep the values
+written before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from .. import _linear_head as base
+from .. import _stats_math as stats_math
+from .._linear_head import HIDDEN_MAJOR, VOCAB_MAJOR, is_head, row_chunk_for
+from .._rows import Rows
+from .._stats_math import Stats
+from ._ops import JaxOps
+
+
+@jax.tree_util.register_pytree_node_class
+class LinearHead(base.LinearHead):
+    __doc__ = base.LinearHead.__doc__
+    DEFAULT_LAYOUT = HIDDEN_MAJOR  # a Flax Dense kernel: [D, K]
+
+    def tree_flatten(self):
+        return (self.hidden, self.weight, self.bias), (self.weight_layout, self.row_chunk)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        head = object.__new__(cls)  # leaves may be tracers, sentinels or None: no checks
+        head.hidden, head.weight, head.bias = children
+        head.weight_layout, head.row_chunk = aux
+        return head
+
+
+def head_logits(head):
+    """The logits [..., K] of a head over [..., D] hidden states, in the head's dtype."""
+    if head.weight_layout == VOCAB_MAJOR:
+        z = jnp.einsum("...d,kd->...k", head.hidden, head.weight)
+    else:
+        z = jnp.einsum("...d,dk->...k", head.hidden, head.weight)
+    return z if head.bias is None else z + head.bias
+
+
+def _dot_f32(a, b):  # a @ b accumulated and returned in float32 (float64 stays float64)
+    out = jnp.promote_types(a.dtype, jnp.float32)
+    return jnp.matmul(a, b, preferred_element_type=out)
+
+
+def _acc_dtype(x):
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _slice(a, start, r):
+    return lax.dynamic_slice_in_dim(a, start, r, axis=0)
+
+
+def _put(buf, start, new, fresh):
+    """buf with rows [start, start + R) set to ``new`` where ``fresh`` ([R] bool)."""
+    old = _slice(buf, start, new.shape[0])
+    mask = fresh.reshape((-1,) + (1,) * (new.ndim - 1))
+    return lax.dynamic_update_slice_in_dim(buf, jnp.where(mask, new, old), start, axis=0)
+
+
+class _Sweep:
+    """One pass over the token chunks of a head's rows (see the torch twin in
+    ``dlm_kernels.torch._linear_head``): statistics when not given, and given per-row
+    cotangents the float32 gradients of the heads (and of a teacher array)."""
+
+    def __init__(self, impl, cfg, rows, axis):
+        self.impl, self.cfg, self.rows, self.axis = impl, cfg, rows, axis
+        z = rows.logits
+        self.n, k = rows.targets.shape[0], z.shape[-1]
+        like = z.hidden if is_head(z) else z
+        on_cpu = jax.default_backend() == "cpu"
+        self.r = row_chunk_for(self.n, k, jnp.dtype(like.dtype).itemsize, on_cpu,
+                               z.row_chunk if is_head(z) else None)
+        self.n_chunks = -(-self.n // self.r)
+
+    def _chunk(self, start, fresh):
+        r, rows = self.r, self.rows
+
+        def part(x):
+            if x is None:
+                return None
+            if is_head(x):
+                return head_logits(x.replace(hidden=_slice(x.hidden, start, r)))
+            return _slice(x, start, r)
+
+        sl = lambda a: None if a is None else _slice(a, start, r)
+        return Rows(part(rows.logits), part(rows.teacher), sl(rows.targets),
+                    sl(rows.active) & fresh, sl(rows.shift_ids), sl(rows.shift))
+
+    def _offset(self, k_local):
+        return 0 if self.axis is None else lax.axis_index(self.axis) * k_local
+
+    def _stats(self, rc):
+        if self.axis is None:
+            return self.impl.forward(rc, self.cfg)
+        axis = self.axis
+        state, r_y, found = self.impl.forward_partial(rc, self.cfg, self._offset(rc.logits.shape[1]))
+        state, (r_y, found) = stats_math.merge_collective(
+            JaxOps, state, lambda v: lax.pmax(v, axis), lambda v: lax.psum(v, axis), self.cfg,
+            [r_y, found])
+        return stats_math.finalize(JaxOps, state, r_y, found, rc.active, self.cfg)
+
+    def _zero_grads(self):
+        """The float32 accumulators: per part (student, teacher) a head's (dH, dW, db), an
+        array's gradient [N, K] in its dtype, or None."""
+        def zeros(x, wanted):
+            if x is None or not wanted:
+                return None
+            if is_head(x):
+                z = lambda a: None if a is None else jnp.zeros(a.shape, _acc_dtype(a))
+                return (z(x.hidden), z(x.weight), z(x.bias))
+            return jnp.zeros(x.shape, x.dtype)
+
+        return (zeros(self.rows.logits, True),
+                zeros(self.rows.teacher, self.cfg.teacher_grad))
+
+    def _add(self, acc, x, g, start, fresh):
+        if acc is None:
+            return None
+        if not is_head(x):
+            return _put(acc, start, g, fresh)
+        dh, dw, db = acc
+        w, h = x.weight, _slice(x.hidden, start, self.r)
+        major = x.weight_layout == VOCAB_MAJOR
+        # [R, K] x [K, D] -> dH rows; [K, R] x [R, D] (or [D, R] x [R, K]) -> dW: R·K·D each
+        dh = _put(dh, start, _dot_f32(g, w if major else w.T), fresh)
+        dw = dw + (_dot_f32(g.T, h) if major else _dot_f32(h.T, g))
+        db = None if db is None else db + jnp.sum(g, axis=0, dtype=db.dtype)
+        return (dh, dw, db)
+
+    def run(self, stats=None, grads=None):
+        """-> (Stats [N] f32 fields, accumulators or None)."""
+        r, n, cfg, rows = self.r, self.n, self.cfg, self.rows
+        given = stats is not None
+        stats0 = stats if given else Stats(*(jnp.zeros((n,), jnp.float32)
+                                             for _ in Stats._fields))
+        acc0 = None if grads is None else self._zero_grads()
+
+        def body(i, carry):
+            stats, acc = carry
+            start = jnp.minimum(i * r, n - r)
+            fresh = start + jnp.arange(r) >= i * r  # rows no earlier chunk covered
+            rc = self._chunk(start, fresh)
+            if given:
+                sc = Stats(*(_slice(s, start, r) for s in stats))
+            else:
+                sc = self._stats(rc)
+                stats = Stats(*(_put(s, start, c, fresh) for s, c in zip(stats, sc)))
+            if acc is not None:
+                kw = {} if self.axis is None else {"offset": self._offset(rc.logits.shape[1])}
+                gc = tuple(_slice(g, start, r) for g in grads)
+                dz, du = self.impl.backward(rc, sc, gc, cfg, **kw)
+                acc = (self._add(acc[0], rows.logits, dz, start, fresh),
+                       self._add(acc[1], rows.teacher, du, start, fresh))
+            return stats, acc
+
+        # the first chunk is peeled so the loop carry varies over the same shard_map axes
+        # as the chunk outputs (zeros would not)
+        carry = body(0, (stats0, acc0))
+        if self.n_chunks > 1:
+            carry = lax.fori_loop(1, self.n_chunks, body, carry)
+        stats, acc = carry
+        if acc is not None and self.axis is not None:  # dH: a sum over the vocabulary shards
+            acc = tuple(a if a is None or not is_head(x) else (lax.psum(a[0], self.axis),) + a[1:]
+                        for a, x in zip(acc, (rows.logits, rows.teacher)))
+        return stats, acc
+
+
+def _cotangent(rows, acc, scale=None):
+    """The Rows cotangent of the accumulators: gradients in the inputs' dtypes (zeros for a
+    part without one), None for the ids, masks and shift."""
+    def one(x, a):
+        if x is None:
+            return None
+        if a is None:
+            return jax.tree_util.tree_map(jnp.zeros_like, x)
+        if not is_head(x):
+            return a if scale is None else (a.astype(jnp.float32) * scale).astype(a.dtype)
+        parts = []
+        for g, like in zip(a, (x.hidden, x.weight, x.bias)):
+            if g is not None and scale is not None:
+                g = g * scale
+            parts.append(None if g is None else g.astype(like.dtype))
+        return x.replace(*parts)
+
+    return rows.gradients(one(rows.logits, acc[0]), one(rows.teacher, acc[1]))
+
+
+def _add_trees(a, b):
+    return jax.tree_util.tree_map(lambda x, y: x + y, a, b)
+
+
+def _row_grads(cotangents, n):
+    """4 [N] float32 cotangents, zeros for the symbolic (or absent) ones."""
+    return tuple(jnp.zeros((n,), jnp.float32) if g is None or isinstance(g, SymbolicZero)
+                 else g.astype(jnp.float32) for g in cotangents)
+
+
+# -- recompute schedule: statistics out, 4 matmuls ------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _head_stats(impl, cfg, axis, rows):
+    return tuple(_Sweep(impl, cfg, rows, axis).run()[0][:4])
+
+
+def _head_stats_fwd(impl, cfg, axis, rows):
+    stats, _ = _Sweep(impl, cfg, rows, axis).run()
+    return tuple(stats[:4]), (rows, stats)
+
+
+def _head_stats_bwd(impl, cfg, axis, residuals, cotangents):
+    rows, stats = residuals
+    grads = _row_grads(cotangents, rows.targets.shape[0])
+    _, acc = _Sweep(impl, cfg, rows, axis).run(stats=stats, grads=grads)
+    return (_cotangent(rows, acc),)
+
+
+_head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
+
+
+# -- gradient in the forward: statistics and Σ c·stats out, 3 matmuls ---------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _head_total(impl, cfg, axis, rows, coefficients):
+    stats, _ = _Sweep(impl, cfg, rows, axis).run()
+    return (*stats[:4], base.planned_total(JaxOps, stats, coefficients))
+
+
+def _head_total_fwd(impl, cfg, axis, rows, coefficients):
+    value = lambda p: p.value
+    rows = jax.tree_util.tree_map(value, rows)
+    coefficients = jax.tree_util.tree_map(value, coefficients)
+    n = rows.targets.shape[0]
+    stats, acc = _Sweep(impl, cfg, rows, axis).run(grads=_row_grads(coefficients, n))
+    total = base.planned_total(JaxOps, stats, coefficients)
+    return (*stats[:4], total), (rows, stats, acc)
+
+
+def _head_total_bwd(impl, cfg, axis, residuals, cotangents):
+    rows, stats, acc = residuals
+    *row_cts, g_total = cotangents
+    out = None
+    if not isinstance(g_total, SymbolicZero):
+        out = _cotangent(rows, acc, g_total.astype(jnp.float32))
+    if any(not isinstance(g, SymbolicZero) for g in row_cts):  # the recompute schedule
+        grads = _row_grads(row_cts, rows.targets.shape[0])
+        _, more = _Sweep(impl, cfg, rows, axis).run(stats=stats, grads=grads)
+        more = _cotangent(rows, more)
+        out = more if out is None else _add_trees(out, more)
+    if out is None:
+        out = _cotangent(rows, (None, None))
+    return out, None
+
+
+_head_total.defvjp(_head_total_fwd, _head_total_bwd, symbolic_zeros=True)
+
+
+def apply_head(impl, cfg, rows, axis, coefficients):
+    """(lse, logp, entropy, kl, total) of rows whose logits and/or teacher are heads."""
+    if coefficients is None:
+        return (*_head_stats(impl, cfg, axis, rows), None)
+    return _head_total(impl, cfg, axis, rows, tuple(coefficients))
