@@ -131,10 +131,12 @@ class ReferenceBackend:
 
     def compute(self, rows, cfg):
         # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32; a linear head is
-        # materialised here (the reference is the oracle's twin, not a memory-lean path)
+        # materialised here in float32 (the reference is the oracle's twin, not a lean path:
+        # its gradients are the float32 autodiff of hidden @ weight, rounded once)
         from ._stats_math import reference_stats
 
-        built = lambda x: self.xp.head_logits(x) if is_head(x) else x
+        xp = self.xp
+        built = lambda x: xp.head_logits(x.map_arrays(xp.f32)) if is_head(x) else x
         rows = rows._replace(logits=built(rows.logits),
                              teacher=None if rows.teacher is None else built(rows.teacher))
         return reference_stats(self.xp, rows, cfg)
