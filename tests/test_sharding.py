@@ -262,6 +262,25 @@ def _torch_worker(rank, world, port, backend):
         lo, hi = rank * k_local, min((rank + 1) * k_local, K)
         if hi > lo:
             assert_close(g2[0, :, : hi - lo].numpy(), g_ref[0, :, lo:hi].numpy(), "float32", "CE grad")
+
+        # a linear head with the unembedding sharded on K: d hidden summed over the ranks
+        h, wk, y2, xt, t, m = _head_problem(2, 5, 11, k_pad, seed=3)
+        to = lambda a: torch.tensor(a)
+        hl = to(h).requires_grad_(True)
+        wl = to(wk[cols]).requires_grad_(True)
+        with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
+            head = D.LinearHead(hl, wl, row_chunk=4)
+            value = sum(_head_objectives(D, head, to(y2), to(xt), to(t), to(m), backend=backend))
+        gh, gw = torch.autograd.grad(value, [hl, wl])
+        hr, wr = to(h).requires_grad_(True), to(wk[:K]).requires_grad_(True)
+        ref = sum(_head_objectives(D, D.LinearHead(hr, wr), to(y2), to(xt), to(t), to(m),
+                                   backend="reference"))
+        r_gh, r_gw = torch.autograd.grad(ref, [hr, wr])
+        assert_close(value.item(), ref.item(), "float32", "head objectives", scale=abs(ref.item()))
+        assert_close(gh.numpy(), r_gh.numpy(), "float32", "d hidden")
+        if hi > lo:
+            assert_close(gw[: hi - lo].numpy(), r_gw[lo:hi].numpy(), "float32", "d weight")
+        assert_exact_zero(gw[max(hi - lo, 0):].numpy(), "d weight of the padding rows")
         dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
@@ -289,3 +308,67 @@ def test_torch_example_runs_under_torchrun(tmp_path):
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("loss") == 2
+
+
+# -- linear heads under vocabulary parallelism -------------------------------------------
+
+def _head_problem(b, l, d, k_pad, seed):
+    rng = np.random.default_rng(seed)
+    h = (rng.integers(-2, 3, (b, l, d)) / 4).astype(np.float32)
+    w = (rng.integers(-2, 3, (k_pad, d)) / 4).astype(np.float32)  # [K_pad, D]
+    w[K:] = 0.0  # padding rows of the unembedding
+    y = rng.integers(0, K, (b, l))
+    xt = np.where(rng.uniform(size=(b, l)) < 0.5, K - 1, y)
+    t = rng.uniform(0.1, 0.9, b).astype(np.float32)
+    m = (rng.uniform(size=(b, l)) < 0.8).astype(np.float32)
+    m[0, 0] = 1.0
+    return h, w, y, xt, t, m
+
+
+def _head_objectives(D, head, y, xt, t, m, backend=None):
+    """The scalar sum of three objectives from one head: weighted CE (gradient in the
+    forward), per-token log-probs and the LOO SFT loss (recompute)."""
+    batch = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=m)
+    ce = D.weighted_cross_entropy(head, batch, backend=backend)
+    lp = D.per_token_logps(head, batch, stop_gradient=False, temperature=0.8, backend=backend)
+    sft = D.diffusion_sft_loss(head, y, xt, t, m, variant="reweighted-loo-ce", vocab_size=K,
+                               backend=backend)
+    return ce.unreduced_sum, (lp * m).sum(), (sft * (1.0 + t)).sum()
+
+
+def test_jax_linear_head_under_vocab_parallel():
+    """The unembedding sharded on K over "vocab" (hidden replicated, rows over "data"): the
+    three objectives' values, d hidden (summed over the shards) and d weight (each shard its
+    own columns, exact zeros at the padding) equal the unsharded reference's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import dlm_kernels.jax as D
+
+    seed = np.random.SeedSequence().entropy % 2**31
+    print(f"seed={seed}")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
+    h, w, y, xt, t, m = _head_problem(4, 5, 11, 40, seed)
+
+    def local(h, w, y, xt, t, m):
+        with D.vocab_parallel("vocab", vocab_size=K):
+            head = D.LinearHead(h, w, weight_layout="KD", row_chunk=4)
+            parts = _head_objectives(D, head, y, xt, t, m)
+        return tuple(jax.lax.psum(v, "data") for v in parts)
+
+    f = jax.shard_map(local, mesh=mesh,
+                      in_specs=(P("data"), P("vocab", None), P("data"), P("data"), P("data"),
+                                P("data")), out_specs=(P(), P(), P()))
+    total = lambda h, w: sum(f(h, w, y, xt, t, m))
+    val, (gh, gw) = jax.jit(jax.value_and_grad(total, argnums=(0, 1)))(h, w)
+
+    ref = lambda h, w: sum(_head_objectives(
+        D, D.LinearHead(h, w, weight_layout="KD"), jnp.asarray(y), jnp.asarray(xt),
+        jnp.asarray(t), jnp.asarray(m), backend="reference"))
+    r_val, (r_gh, r_gw) = jax.value_and_grad(ref, argnums=(0, 1))(jnp.asarray(h),
+                                                                  jnp.asarray(w[:K]))
+    assert_close(float(val), float(r_val), "float32", "objectives", scale=abs(float(r_val)))
+    assert_close(np.asarray(gh), np.asarray(r_gh), "float32", "d hidden")
+    assert_close(np.asarray(gw)[:K], np.asarray(r_gw), "float32", "d weight")
+    assert_exact_zero(np.asarray(gw)[K:], "d weight of the padding rows")

@@ -172,11 +172,16 @@ class _Sweep:
         carry = body(0, (stats0, acc0))
         if self.n_chunks > 1:
             carry = lax.fori_loop(1, self.n_chunks, body, carry)
-        stats, acc = carry
-        if acc is not None and self.axis is not None:  # dH: a sum over the vocabulary shards
-            acc = tuple(a if a is None or not is_head(x) else (lax.psum(a[0], self.axis),) + a[1:]
-                        for a, x in zip(acc, (rows.logits, rows.teacher)))
-        return stats, acc
+        return carry
+
+
+def _summed_like(g, primal):
+    """Inside shard_map: ``g`` summed over the mesh axes it varies over and ``primal`` does
+    not. A replicated input's gradient is the sum of every device's part: the hidden states
+    (replicated over the vocabulary axis) get dH summed over the shards, each shard having
+    seen only its columns; a weight replicated over a data axis gets dW summed over it."""
+    extra = JaxOps.varying_axes(g) - JaxOps.varying_axes(primal)
+    return lax.psum(g, tuple(sorted(extra))) if extra else g
 
 
 def _cotangent(rows, acc, scale=None):
@@ -188,12 +193,13 @@ def _cotangent(rows, acc, scale=None):
         if a is None:
             return jax.tree_util.tree_map(jnp.zeros_like, x)
         if not is_head(x):
-            return a if scale is None else (a.astype(jnp.float32) * scale).astype(a.dtype)
+            g = a if scale is None else (a.astype(jnp.float32) * scale).astype(a.dtype)
+            return _summed_like(g, x)
         parts = []
         for g, like in zip(a, (x.hidden, x.weight, x.bias)):
             if g is not None and scale is not None:
                 g = g * scale
-            parts.append(None if g is None else g.astype(like.dtype))
+            parts.append(None if g is None else _summed_like(g, like).astype(like.dtype))
         return x.replace(*parts)
 
     return rows.gradients(one(rows.logits, acc[0]), one(rows.teacher, acc[1]))

@@ -65,6 +65,21 @@ class JaxOps:
     def stop_gradient(x):
         return jax.lax.stop_gradient(x)
 
+    # -- shard_map varying types -------------------------------------------------
+    @staticmethod
+    def varying_axes(a):
+        """The shard_map mesh axes ``a`` varies over (jax >= 0.10: manual_axis_type.varying;
+        earlier releases with check_vma: aval.vma)."""
+        aval = jax.typeof(a)
+        mat = getattr(aval, "manual_axis_type", None)
+        return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+    @staticmethod
+    def to_varying(x, axes):
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, axes, to="varying")
+        return jax.lax.pvary(x, axes)  # jax < 0.10
+
     @staticmethod
     def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
         from ._linear_head import head_logits

@@ -76,18 +76,8 @@ def _num_sms():
     return int(getattr(dev, "core_count", 0) or 132)
 
 
-def _varying(a):
-    """The shard_map mesh axes ``a`` varies over (jax >= 0.10: manual_axis_type.varying;
-    earlier releases with check_vma: aval.vma)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def _to_varying(x, axes):
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)  # jax < 0.10
+_varying = JaxOps.varying_axes
+_to_varying = JaxOps.to_varying
 
 
 def _launch(kernel, arrays, scalars, out, grid, **options):
