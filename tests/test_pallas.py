@@ -71,6 +71,37 @@ def test_tpu_lowering(monkeypatch, n, k, dtype, teacher, entropy):
     assert text.count("tpu_custom_call") >= 2, "forward and backward Mosaic kernels expected"
 
 
+@pytest.mark.parametrize("objective", ["ce", "policy"])
+def test_tpu_lowering_linear_head(monkeypatch, objective):
+    """A linear head at N = 8192, D = 2560, K = 262144, bf16 lowers for TPU: token chunks of
+    XLA matmuls (the MXU) feeding the Mosaic kernels, both gradient schedules (weighted CE:
+    gradient in the forward; per-token log-probs: recompute in the backward)."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as D
+
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "0")
+    n, d, k = 8192, 2560, 262144
+
+    def loss(h, w, y, m):
+        batch = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=m)
+        head = D.LinearHead(h, w, row_chunk=1024)  # a TPU host's default at this shape
+        if objective == "ce":
+            return D.weighted_cross_entropy(head, batch, backend="pallas").unreduced_sum
+        lp, ent = D.per_token_logps(head, batch, stop_gradient=False, return_entropy=True,
+                                    backend="pallas")
+        return jnp.sum(lp) + jnp.sum(ent)
+
+    args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((d, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, n), jnp.int32), jax.ShapeDtypeStruct((1, n), jnp.float32))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") >= 2, "forward and backward Mosaic kernels expected"
+    assert "dot_general" in text, "the head's matmuls are expected in the program"
+
+
 def test_vmem_budget_and_blocks():
     from dlm_kernels.kernels.pallas import token_stats as K
 

@@ -28,7 +28,7 @@ def problems(draw):
     return n, k, feat, chunk, fw, seed
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_chunked_matches_oracle(problem):
     n, k, feat, chunk, fw_name, seed = problem

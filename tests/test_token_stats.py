@@ -18,6 +18,10 @@ from harness import DTYPES, assert_close, assert_exact_zero, framework, new_seed
 
 SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130),
           ((2, 3), 256)]  # the last: whole blocks only (no ragged tail)
+LARGE_K = 50257  # a real vocabulary: seconds a case in an interpreter, so one dtype (the
+#                  16-bit one models train in); every smaller shape runs in every dtype
+SHAPE_DTYPES = [(rows, k, dtype) for rows, k in SHAPES for dtype in DTYPES
+                if k != LARGE_K or dtype == "bfloat16"]
 
 FEATURES = {
     "plain": dict(),
@@ -126,8 +130,7 @@ class TokenStatsSuite:
         inactive = ~case["active"]
         assert_exact_zero(grads[0].reshape(n, k)[inactive], "d logits of inactive rows")
 
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("rows,k", SHAPES, ids=lambda v: str(v))
+    @pytest.mark.parametrize("rows,k,dtype", SHAPE_DTYPES, ids=lambda v: str(v))
     def test_parity_shapes_dtypes(self, rng, rows, k, dtype):
         case = make_case(self.fw, rng, rows, k, dtype, FEATURES["all"])
         for chunk_size in self.CHUNK_SIZES:

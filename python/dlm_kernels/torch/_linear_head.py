@@ -30,14 +30,19 @@ def head_logits(head, r0=None, r1=None):
     return z if head.bias is None else z + head.bias
 
 
-def _mm_f32(a, b):
-    """a @ b with a float32 (or wider) result accumulated in float32: 16-bit products are
-    never rounded to 16 bits before they are summed across chunks."""
-    if a.dtype in (torch.float32, torch.float64):
-        return a @ b
+def _mm_f32(a, b, out, accumulate):
+    """out (+)= a @ b, ``out`` float32 (float64 for float64 inputs), the product accumulated
+    in float32: 16-bit products are never rounded to 16 bits before they are summed across
+    chunks. Same-dtype operands run as one GEMM writing (or adding into) ``out`` itself, so
+    the accumulation costs no extra pass over it."""
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()  # CPU: no mixed-precision mm; the chunk's upcast copies
+        product = torch.mm(a, b, out_dtype=out.dtype)  # 16-bit operands, float32 result
+    else:
+        a, b = a.to(out.dtype), b.to(out.dtype)  # CPU: no mixed-precision mm; upcast the chunk
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    return out.add_(product) if accumulate else out.copy_(product)
 
 
 class _HeadGrads:
@@ -59,10 +64,10 @@ class _HeadGrads:
         head = self.head
         w, h = head.weight, head.hidden[r0:r1]
         major = head.weight_layout == VOCAB_MAJOR
-        if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds
-            self.dh[r0:r1] = _mm_f32(dz, w if major else w.t())
-        if self.dw is not None:  # [K, R] x [R, D] (or [D, R] x [R, K]): K·R·D
-            self.dw += _mm_f32(dz.t(), h) if major else _mm_f32(h.t(), dz)
+        if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds, into dH's rows
+            _mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=False)
+        if self.dw is not None:  # [K, R] x [R, D] (or [D, R] x [R, K]): K·R·D, added to dW
+            _mm_f32(dz.t(), h, self.dw, True) if major else _mm_f32(h.t(), dz, self.dw, True)
         if self.db is not None:
             self.db += dz.sum(0, dtype=self.db.dtype)
 

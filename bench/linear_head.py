@@ -1,0 +1,483 @@
+"""The linear-head benchmark: losses straight from hidden states and the unembedding.
+
+    python -m bench.linear_head                       # this device's default shape
+    python -m bench.linear_head --n 4096 --d 256 --k 32768 --dtype float32
+
+Every case computes the summed cross entropy of ``hidden [N, D] @ weight`` (K columns)
+and its gradients with respect to hidden and weight, side by side in one run:
+
+  ours (ce)         LinearHead + weighted_cross_entropy: gradient in the forward (3 matmuls)
+  ours (policy)     LinearHead + per_token_logps with entropy: recompute (4 matmuls)
+  unfused           logits = hidden @ weight.T, then our fused loss (3 matmuls, [N, K] logits
+                    and their gradient in memory)
+  torch.linear_ce   torch.nn.functional.linear_cross_entropy with its chunked options
+  reference+compile torch.compile of F.cross_entropy(hidden @ weight.T)
+  liger, cce        Liger-Kernel's fused linear cross entropy, Cut Cross-Entropy (CUDA only;
+                    skipped where they do not install or run)
+  JAX: ours, unfused, tokamax (``linear_softmax_cross_entropy_loss``, XLA implementation)
+
+It reports milliseconds (median, p20-p80) of the forward, the backward and both; the
+TFLOP/s of the matmuls the pass must do (forward: the logits, 2·N·D·K; forward+backward:
+logits, dH and dW, 3 x 2·N·D·K) next to the matmul rate measured in the same run (one
+[N, D] x [D, K] product of the inputs' dtype); and the peak memory beyond the inputs and
+their gradients (CPU torch: resident-set growth of a fresh process; CUDA: allocator peak;
+JAX: XLA temporary bytes). A memory-scaling row repeats ``ours (ce)`` at 2N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from .timing import measure
+
+VARIANTS_TORCH = ("ours-ce", "ours-policy", "unfused", "torch.linear_ce", "reference+compile",
+                  "liger", "cce")
+VARIANTS_JAX = ("ours-ce", "ours-policy", "unfused", "tokamax")
+CPU_SHAPE = dict(n=4096, d=256, k=32768, dtype="float32")
+GPU_SHAPE = dict(n=16384, d=2560, k=262144, dtype="bfloat16")
+
+
+def matmul_flops(mode, n, d, k):
+    """The matmuls forward+backward must do: the logits, dH and dW, 2·N·D·K each."""
+    if mode != "fwd+bwd":
+        raise ValueError("only the whole pass has a schedule-independent matmul count")
+    return 3 * 2.0 * n * d * k
+
+
+class Skipped(Exception):
+    """A peer that cannot run here (recorded as ``skipped: why``)."""
+
+
+# -- torch ------------------------------------------------------------------------------------
+
+class TorchHeadCase:
+    """One variant at one shape; ``fwdbwd(i)`` returns (dH, dW) of input set i."""
+
+    def __init__(self, variant, n, d, k, dtype, device, seed=0):
+        import torch
+
+        self.torch, self.variant = torch, variant
+        self.device = torch.device(device)
+        tdtype = getattr(torch, dtype)
+        gen = torch.Generator(self.device).manual_seed(seed)
+        self.sets = []
+        for _ in range(2):  # two input sets, alternated: no call re-reads a cached copy
+            h = torch.randn((1, n, d), generator=gen, device=self.device).to(tdtype)
+            w = (torch.randn((k, d), generator=gen, device=self.device) * (3 / d ** 0.5)).to(tdtype)
+            y = torch.randint(0, k, (1, n), generator=gen, device=self.device)
+            self.sets.append((h.requires_grad_(True), w.requires_grad_(True), y))
+        self._loss = self._make_loss()
+        self._graphs = {}
+
+    def _make_loss(self):
+        torch, variant = self.torch, self.variant
+        import torch.nn.functional as F
+
+        import dlm_kernels.torch as dk
+
+        def batch(y):
+            return dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+                                                 loss_weights=torch.ones(y.shape, device=y.device))
+
+        if variant == "ours-ce":
+            return lambda h, w, y: dk.weighted_cross_entropy(dk.LinearHead(h, w), batch(y)).unreduced_sum
+        if variant == "ours-policy":
+            def policy(h, w, y):
+                lp, ent = dk.per_token_logps(dk.LinearHead(h, w), batch(y), stop_gradient=False,
+                                             return_entropy=True)
+                return lp.sum() + 0.01 * ent.sum()
+            return policy
+        if variant == "unfused":
+            return lambda h, w, y: dk.weighted_cross_entropy(h @ w.T, batch(y)).unreduced_sum
+        if variant == "torch.linear_ce":
+            options = torch.nn.LinearCrossEntropyOptions(allow_retain_graph=True)
+            return lambda h, w, y: F.linear_cross_entropy(h[0], w, y[0], reduction="sum",
+                                                          options=options)
+        if variant == "reference+compile":
+            torch._dynamo.reset()
+            return torch.compile(lambda h, w, y: F.cross_entropy(
+                (h[0] @ w.T).float(), y[0], reduction="sum"), dynamic=False)
+        if variant == "liger":
+            if self.device.type != "cuda":
+                raise Skipped("Liger's Triton kernels need a CUDA device")
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+            return lambda h, w, y: loss(w, h[0], y[0])
+        if variant == "cce":
+            if self.device.type != "cuda":
+                raise Skipped("Cut Cross-Entropy's kernels need a CUDA device")
+            from cut_cross_entropy import linear_cross_entropy
+
+            return lambda h, w, y: linear_cross_entropy(h[0], w, y[0], reduction="sum")
+        raise ValueError(f"unknown variant {variant!r}")
+
+    def fwd(self, i):
+        h, w, y = self.sets[i % 2]
+        return self._loss(h, w, y)
+
+    def fwdbwd(self, i):
+        h, w, y = self.sets[i % 2]
+        return self.torch.autograd.grad(self._loss(h, w, y), (h, w))
+
+    def prepare_bwd(self):
+        self._graphs = {i: self.fwd(i) for i in range(2)}
+
+    def bwd(self, i):
+        h, w, _ = self.sets[i % 2]
+        return self.torch.autograd.grad(self._graphs[i % 2], (h, w), retain_graph=True)
+
+    def release(self):
+        self._graphs = {}
+
+    def grad_bytes(self):
+        h, w, _ = self.sets[0]
+        return h.numel() * h.element_size() + w.numel() * w.element_size()
+
+    def cuda_peak_bytes(self):
+        torch = self.torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = self.fwdbwd(0)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del grads
+        return peak - self.grad_bytes()
+
+
+def cpu_peak_bytes(variant, n, d, k, dtype):
+    """Resident-set growth of one forward+backward in a fresh process, minus the gradients."""
+    from .memory import available
+
+    if not available():
+        return None
+    out = subprocess.run([sys.executable, "-m", "bench.linear_head", "--probe", variant,
+                          "--n", str(n), "--d", str(d), "--k", str(k), "--dtype", dtype],
+                         capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _probe(variant, n, d, k, dtype):
+    from .memory import proc_status_bytes, reset_peak_rss
+
+    case = TorchHeadCase(variant, n, d, k, dtype, "cpu")
+    small = TorchHeadCase(variant, 16, d, min(k, 1024), dtype, "cpu")
+    small.fwdbwd(0)  # warm the code paths outside the measured window
+    del small
+    gc.collect()
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
+    grads = case.fwdbwd(0)
+    print(proc_status_bytes("VmHWM") - base - case.grad_bytes())
+    del grads
+
+
+# -- JAX --------------------------------------------------------------------------------------
+
+class JaxHeadCase:
+    def __init__(self, variant, n, d, k, dtype, seed=0):
+        import jax
+        import jax.numpy as jnp
+
+        import dlm_kernels.jax as dk
+
+        self.jax, self.variant = jax, variant
+        jdtype = getattr(jnp, dtype)
+        keys = iter(jax.random.split(jax.random.key(seed), 6))
+        self.sets = []
+        for _ in range(2):
+            h = jax.random.normal(next(keys), (1, n, d), jnp.float32).astype(jdtype)
+            w = (jax.random.normal(next(keys), (d, k), jnp.float32) * (3 / d ** 0.5)).astype(jdtype)
+            y = jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)
+            self.sets.append((h, w, y))
+
+        def batch(y):
+            return dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+                                                 loss_weights=jnp.ones(y.shape, jnp.float32))
+
+        if variant == "ours-ce":
+            loss = lambda h, w, y: dk.weighted_cross_entropy(dk.LinearHead(h, w), batch(y)).unreduced_sum
+        elif variant == "ours-policy":
+            def loss(h, w, y):
+                lp, ent = dk.per_token_logps(dk.LinearHead(h, w), batch(y), stop_gradient=False,
+                                             return_entropy=True)
+                return lp.sum() + 0.01 * ent.sum()
+        elif variant == "unfused":
+            loss = lambda h, w, y: dk.weighted_cross_entropy(h @ w, batch(y)).unreduced_sum
+        elif variant == "tokamax":
+            import tokamax
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # absl would parse this program's own argv
+                flags.FLAGS.mark_as_parsed()
+
+            loss = lambda h, w, y: tokamax.linear_softmax_cross_entropy_loss(
+                h[0], y[0], w, reduction="sum", implementation="xla")
+        else:
+            raise ValueError(f"unknown variant {variant!r}")
+        self._fwd = jax.jit(loss)
+        self._fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    def fwd(self, i):
+        return self._fwd(*self.sets[i % 2]).block_until_ready()
+
+    def fwdbwd(self, i):
+        return self.jax.block_until_ready(self._fb(*self.sets[i % 2]))
+
+    def temp_bytes(self):
+        return int(self._fb.lower(*self.sets[0]).compile().memory_analysis().temp_size_in_bytes)
+
+
+# -- parity ---------------------------------------------------------------------------------------
+
+def parity(frameworks=("torch", "jax"), cuda=False):
+    """Loss and (dH, dW) of both schedules (weighted CE; per-token log-probs with entropy)
+    from a head vs the same objective on materialised float64 logits (the reference
+    backend), at an awkward shape (N = 37, D = 19, K = 301, several token chunks), float32.
+    Returns rows of dict(framework, objective, ok, max_abs_err)."""
+    from dlm_kernels.testing import TOLERANCES
+
+    atol, rtol = TOLERANCES["float32"]
+    rng = np.random.default_rng(0)
+    n, d, k = 37, 19, 301
+    h64, w64 = rng.standard_normal((1, n, d)), rng.standard_normal((k, d)) / d ** 0.5 * 3
+    y = rng.integers(0, k, (1, n))
+    rows = []
+    for fw in frameworks:
+        for objective in ("ce", "policy"):
+            got = _head_grads(fw, objective, h64, w64, y, head=True, cuda=cuda)
+            want = _head_grads(fw, objective, h64, w64, y, head=False, cuda=cuda)
+            errs = [float(np.max(np.abs(g - e))) for g, e in zip(got, want)]
+            ok = all(np.allclose(g, e, rtol=rtol, atol=atol * max(1.0, float(np.abs(e).max())))
+                     for g, e in zip(got, want))
+            rows.append(dict(framework=fw, objective=objective, ok=bool(ok),
+                             max_abs_err=dict(zip(("loss", "d_hidden", "d_weight"), errs))))
+    return rows
+
+
+def _head_grads(fw, objective, h64, w64, y, head, cuda):
+    """(loss, dH, dW) as float64 NumPy: from a LinearHead (float32, the native backend) or
+    from float64 logits on the reference backend."""
+    if fw == "torch":
+        import torch
+
+        import dlm_kernels.torch as dk
+
+        dev = "cuda" if cuda else "cpu"
+        dt = torch.float32 if head else torch.float64
+        h = torch.tensor(h64, device=dev, dtype=dt, requires_grad=True)
+        w = torch.tensor(w64, device=dev, dtype=dt, requires_grad=True)
+        yy = torch.tensor(y, device=dev)
+        batch = dk.DiffusionTokenBatch.create(model_inputs=yy, target_ids=yy,
+                                              loss_weights=torch.ones(yy.shape, device=dev))
+        z = dk.LinearHead(h, w, row_chunk=8) if head else h @ w.T
+        value = _objective(dk, objective, z, batch, None if head else "reference")
+        gh, gw = torch.autograd.grad(value, (h, w))
+        return [np.asarray(v.detach().double().cpu()) for v in (value, gh, gw)]
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as dk
+
+    with jax.enable_x64(not head):
+        dt = jnp.float32 if head else jnp.float64
+        yy = jnp.asarray(y)
+        batch = dk.DiffusionTokenBatch.create(model_inputs=yy, target_ids=yy,
+                                              loss_weights=jnp.ones(y.shape, jnp.float32))
+
+        def loss(h, w):
+            z = dk.LinearHead(h, w, weight_layout="KD", row_chunk=8) if head else h @ w.T
+            return _objective(dk, objective, z, batch, None if head else "reference")
+
+        value, (gh, gw) = jax.value_and_grad(loss, argnums=(0, 1))(
+            jnp.asarray(h64, dt), jnp.asarray(w64, dt))
+        return [np.asarray(v, np.float64) for v in (value, gh, gw)]
+
+
+def _objective(dk, objective, z, batch, backend):
+    if objective == "ce":
+        return dk.weighted_cross_entropy(z, batch, backend=backend).unreduced_sum
+    lp, ent = dk.per_token_logps(z, batch, stop_gradient=False, return_entropy=True,
+                                 backend=backend)
+    return lp.sum() + 0.01 * ent.sum()
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def matmul_rate(framework, n, d, k, dtype, cuda):
+    """TFLOP/s of one [N, D] x [D, K] product in ``dtype``, measured now."""
+    if framework == "torch":
+        import torch
+
+        dev = "cuda" if cuda else "cpu"
+        a = torch.randn(n, d, device=dev).to(getattr(torch, dtype))
+        b = torch.randn(d, k, device=dev).to(getattr(torch, dtype))
+        t = measure(lambda _: a @ b, cuda=cuda, warmup=2, reps=10, budget_s=10.0)
+    else:
+        import jax
+        import jax.numpy as jnp
+
+        a = jnp.ones((n, d), getattr(jnp, dtype))
+        b = jnp.ones((d, k), getattr(jnp, dtype))
+        f = jax.jit(lambda a, b: a @ b)
+        t = measure(lambda _: f(a, b).block_until_ready(), warmup=2, reps=10, budget_s=10.0)
+    return 2.0 * n * d * k / (t["ms"] * 1e-3) / 1e12
+
+
+def run_case(framework, variant, n, d, k, dtype, cuda, reps, rate):
+    base = dict(framework=framework, backend=variant, n=n, d=d, k=k, dtype=dtype)
+    try:
+        if framework == "torch":
+            case = TorchHeadCase(variant, n, d, k, dtype, "cuda" if cuda else "cpu")
+        else:
+            case = JaxHeadCase(variant, n, d, k, dtype)
+        timings = {"fwd": measure(case.fwd, cuda=cuda, reps=reps),
+                   "fwd+bwd": measure(case.fwdbwd, cuda=cuda, reps=reps)}
+        if framework == "torch" and variant != "reference+compile":
+            case.prepare_bwd()
+            timings["bwd"] = measure(case.bwd, cuda=cuda, reps=reps)
+            case.release()
+        else:  # compiled backwards donate their buffers: derived from the other two
+            timings["bwd"] = dict(ms=max(timings["fwd+bwd"]["ms"] - timings["fwd"]["ms"], 0.0),
+                                  p20=None, p80=None, derived="fwd+bwd minus fwd")
+        if framework == "jax":
+            peak, kind = case.temp_bytes(), "XLA temp bytes"
+        elif cuda:
+            peak, kind = case.cuda_peak_bytes(), "cuda allocator peak minus gradients"
+        else:
+            case = None
+            gc.collect()
+            peak, kind = cpu_peak_bytes(variant, n, d, k, dtype), "VmHWM growth minus gradients"
+    except Exception as err:  # noqa: BLE001 - a peer missing, or out of memory
+        first = str(err).splitlines()[0][:160] if str(err) else ""
+        why = f"skipped: {first}" if isinstance(err, (Skipped, ImportError)) else \
+            f"{type(err).__name__}: {first}"
+        return [dict(base, mode=m, error=why) for m in ("fwd", "bwd", "fwd+bwd")]
+    finally:
+        case = None
+        gc.collect()
+    rows = []
+    for mode in ("fwd", "bwd", "fwd+bwd"):
+        t = timings[mode]
+        # TFLOP/s of the whole pass only: how the three matmuls split between the forward
+        # and the backward is the schedule's choice (a scalar loss forms its gradient in the
+        # forward), while forward+backward must do all three whatever the schedule
+        tflops = None
+        if mode == "fwd+bwd" and t["ms"] > 0:
+            tflops = matmul_flops(mode, n, d, k) / (t["ms"] * 1e-3) / 1e12
+        rows.append(dict(base, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
+                         derived=t.get("derived"), tflops=tflops,
+                         pct_matmul=100 * tflops / rate if tflops else None,
+                         peak_bytes=peak, peak_kind=kind))
+    return rows
+
+
+def run(n, d, k, dtype, frameworks=("torch", "jax"), reps=5, cuda=False, progress=print,
+        variants=None):
+    """Every variant of every framework at (n, d, k, dtype), then the memory-scaling row.
+    Returns dict(shape, matmul_tflops per framework, results)."""
+    results, rates = [], {}
+    checks = parity(frameworks, cuda)
+    for row in checks:
+        progress(f"linear head parity {row['framework']}/{row['objective']}: "
+                 f"{'ok' if row['ok'] else 'FAIL'} {row['max_abs_err']}")
+    for fw in frameworks:
+        rates[fw] = matmul_rate(fw, n, d, k, dtype, cuda and fw == "torch")
+        for variant in variants or (VARIANTS_TORCH if fw == "torch" else VARIANTS_JAX):
+            rows = run_case(fw, variant, n, d, k, dtype, cuda and fw == "torch", reps, rates[fw])
+            results += rows
+            progress(_line(rows))
+        rows = run_case(fw, "ours-ce", 2 * n, d, k, dtype, cuda and fw == "torch", reps, rates[fw])
+        for r in rows:
+            r["scaling"] = "2N"
+        results += rows
+        progress(_line(rows))
+    return dict(shape=dict(n=n, d=d, k=k, dtype=dtype), matmul_tflops=rates, parity=checks,
+                results=results)
+
+
+def _line(rows):
+    fb = next(r for r in rows if r["mode"] == "fwd+bwd")
+    what = f"{fb['framework']:5s} {fb['backend']:18s} N={fb['n']}"
+    if "error" in fb:
+        return f"linear head: {what} {fb['error']}"
+    return (f"linear head: {what} fwd+bwd {fb['ms']:9.2f} ms {fb['tflops']:6.2f} TFLOP/s "
+            f"peak {fb['peak_bytes'] / 2**20 if fb['peak_bytes'] is not None else float('nan'):8.1f} MiB")
+
+
+def markdown(report):
+    s = report["shape"]
+    rates = ", ".join(f"{fw} {r:.2f} TFLOP/s" for fw, r in report["matmul_tflops"].items())
+    checks = report["parity"]
+    bad = [(c["framework"], c["objective"]) for c in checks if not c["ok"]]
+    lines = [f"### linear head: N={s['n']} D={s['d']} K={s['k']} {s['dtype']} "
+             f"(matmul rate measured in the same run: {rates})", "",
+             f"Parity of the head vs float64 logits: {len(checks) - len(bad)}/{len(checks)} pass"
+             + (f" (FAIL: {bad})" if bad else ""), "",
+             "| framework | variant | mode | ms (p20-p80) | TFLOP/s | % matmul rate | "
+             "peak MiB beyond inputs and gradients | vs unfused |", "|---|---|---|---|---|---|---|---|"]
+    index = {(r["framework"], r["backend"], r["mode"], r.get("scaling")): r
+             for r in report["results"] if "ms" in r}
+    for r in report["results"]:
+        name = r["backend"] + (" (2N)" if r.get("scaling") else "")
+        if "error" in r:
+            lines.append(f"| {r['framework']} | {name} | {r['mode']} | {r['error'][:100]} | | | | |")
+            continue
+        spread = f" ({r['p20']:.1f}-{r['p80']:.1f})" if r["p20"] is not None else " (derived)"
+        unfused = index.get((r["framework"], "unfused", r["mode"], None))
+        ratio = f"{unfused['ms'] / r['ms']:.2f}x" if unfused and r["ms"] > 0 and not r.get("scaling") else "-"
+        peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] is not None else "n/a"
+        tflops = f"{r['tflops']:.2f}" if r["tflops"] else "-"
+        pct = f"{r['pct_matmul']:.0f}%" if r["pct_matmul"] else "-"
+        lines.append(f"| {r['framework']} | {name} | {r['mode']} | {r['ms']:.1f}{spread} | "
+                     f"{tflops} | {pct} | {peak} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.linear_head", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=None, help="rows N (default: the device's shape)")
+    p.add_argument("--d", type=int, default=None, help="hidden width D")
+    p.add_argument("--k", type=int, default=None, help="vocabulary K")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per case (default 5)")
+    p.add_argument("--frameworks", default="torch,jax", help="default torch,jax")
+    p.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    p.add_argument("--json", default=None, help="also write the report to this file")
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # memory probe process
+    args = p.parse_args(argv)
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    shape = dict(GPU_SHAPE if cuda else CPU_SHAPE)
+    for key in shape:
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    if args.probe:
+        return _probe(args.probe, **shape)
+    report = run(**shape, frameworks=tuple(args.frameworks.split(",")), reps=args.reps, cuda=cuda,
+                 variants=args.variants.split(",") if args.variants else None)
+    print(markdown(report))
+    if not all(c["ok"] for c in report["parity"]):
+        print("linear head parity FAILED", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
