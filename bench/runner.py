@@ -351,6 +351,8 @@ def main(argv=None):
     p.add_argument("--objectives", default=",".join(shapes.OBJECTIVES))
     p.add_argument("--frameworks", default="torch,jax")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--no-linear-head", dest="linear_head", action="store_false",
+                   help="leave out the linear-head cases (bench/linear_head.py)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
@@ -409,8 +411,20 @@ def main(argv=None):
                           + (f"{fb['ms']:9.2f} ms {fb['gbps']:7.1f} GB/s" if "ms" in fb else fb["error"]),
                           flush=True)
     comm = vocab_parallel_comm(env)
-    report = save(vocab_parallel_comm=comm)
+    head = None
+    if args.linear_head:
+        from . import linear_head
+
+        head_shape, head_variants = linear_head_plan(env, args.smoke)
+        head = linear_head.run(**head_shape, frameworks=tuple(frameworks), reps=args.reps,
+                               cuda=env["cuda"], variants=head_variants,
+                               progress=lambda line: print(line, flush=True))
+    report = save(vocab_parallel_comm=comm, linear_head=head)
     table = markdown(env, copy_gbps, results, parity_rows)
+    if head is not None:
+        from .linear_head import markdown as head_markdown
+
+        table += "\n" + head_markdown(head)
     if comm:
         table += ("\nVocabulary-parallel communication (JAX, 1 x 8 mesh, compiled HLO all-reduces, "
                   "forward + backward): " + ", ".join(
@@ -421,6 +435,18 @@ def main(argv=None):
     png = plot(results, stem + ".png")
     print(table)
     print(f"wrote {stem}.json, {stem}.md" + (f", {png}" if png else ""))
-    if not all(r["ok"] for r in parity_rows):
+    if not all(r["ok"] for r in parity_rows) or (
+            head is not None and not all(c["ok"] for c in head["parity"])):
         sys.exit(1)
     return report
+
+
+def linear_head_plan(env, smoke):
+    """(shape, variants) of the main job's linear-head cases: the GPU target shape on a GPU;
+    on a CPU a shape of a few seconds a case (``python -m bench.linear_head`` runs the
+    larger CPU shape); at smoke size two variants at a tiny awkward shape."""
+    from .linear_head import CPU_MAIN_SHAPE, GPU_SHAPE
+
+    if smoke:
+        return dict(n=64, d=16, k=257, dtype="float32"), ["ours-ce", "unfused"]
+    return dict(GPU_SHAPE if env["cuda"] else CPU_MAIN_SHAPE), None

@@ -26,6 +26,15 @@ def test_bench_smoke(tmp_path):
     assert comm and all(c["bytes_per_row"] <= c["analytic_bytes_per_row"] for c in comm)
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))
+    head = report["linear_head"]  # the fused head beside the unfused pipeline, parity first
+    assert head["parity"] and all(p["ok"] for p in head["parity"])
+    timed = [r for r in head["results"] if "ms" in r]
+    assert {(r["framework"], r["backend"]) for r in timed} == {
+        (fw, v) for fw in ("torch", "jax") for v in ("ours-ce", "unfused")}
+    for r in timed:  # TFLOP/s only where the matmul count does not depend on the schedule
+        assert r["ms"] > 0 and (r["tflops"] is not None) == (r["mode"] == "fwd+bwd")
+        assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
+    assert any(r.get("scaling") == "2N" for r in timed)
 
 
 
@@ -47,7 +56,7 @@ def test_bench_keeps_partial_report(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "run_case", run_case_then_die)
     with pytest.raises(KeyboardInterrupt):
         R.main(["--smoke", "--reps", "2", "--objectives", "ce", "--frameworks", "torch",
-                "--out", str(tmp_path)])
+                "--no-linear-head", "--out", str(tmp_path)])
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert report["partial"] is True
     assert {(r["backend"], r["mode"]) for r in report["results"]} == {
@@ -289,7 +298,8 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
     monkeypatch.setattr(R, "parity", lambda env: [])
     monkeypatch.setattr(R, "vocab_parallel_comm", lambda env: None)
     monkeypatch.setattr(S, "SMOKE_SHAPES", [("a", 8, 130, "float32"), ("b", 4, 70, "float32")])
-    R.main(["--smoke", "--reps", "1", "--objectives", "ce", "--out", str(tmp_path)])
+    R.main(["--smoke", "--reps", "1", "--objectives", "ce", "--no-linear-head",
+            "--out", str(tmp_path)])
     frameworks = [fw for fw, _ in order]
     assert frameworks == sorted(frameworks, key=["torch", "jax"].index), order
     assert {label for fw, label in order if fw == "torch"} == {"a", "b"}

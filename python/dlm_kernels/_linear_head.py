@@ -36,10 +36,12 @@ VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
 LAYOUTS = (VOCAB_MAJOR, HIDDEN_MAJOR)
 _LAYOUT_NAMES = {VOCAB_MAJOR: "[K, D]", HIDDEN_MAJOR: "[D, K]"}
 
-# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU a chunk of
-# a few MiB keeps the matmuls efficient and the temporaries small; on an accelerator the
-# matmuls want R of several hundred rows (R = 1024 at K = 262144 in bfloat16).
-HEAD_CHUNK_BYTES_CPU = 16 * 1024 * 1024
+# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU, 32 MiB
+# (R = 256 rows at K = 32768 in float32) keeps the products near the BLAS rate of the whole
+# matrix while the chunk and the backend's temporaries stay about a tenth of the unfused
+# pipeline's [N, K] logits and gradient at N = 4096 (bench/linear_head.py); on an
+# accelerator the matmuls want R of several hundred rows (R = 1024 at K = 262144, bf16).
+HEAD_CHUNK_BYTES_CPU = 32 * 1024 * 1024
 HEAD_CHUNK_BYTES_ACCELERATOR = 512 * 1024 * 1024
 
 
