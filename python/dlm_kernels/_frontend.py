@@ -34,6 +34,7 @@ PUBLIC_API = (
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
     "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks", "LinearHead",
+    "Sample", "sample_tokens", "commit_tokens",
 )
 
 

@@ -120,7 +120,7 @@ class ReferenceBackend:
 
     name = "reference"
     custom_vjp = False
-    capabilities = Capabilities(dtypes=NATIVE_DTYPES)
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, sampling=True)
 
     def __init__(self, xp):
         self.xp = xp
@@ -140,6 +140,13 @@ class ReferenceBackend:
         rows = rows._replace(logits=built(rows.logits),
                              teacher=None if rows.teacher is None else built(rows.teacher))
         return reference_stats(self.xp, rows, cfg)
+
+
+    def sample(self, z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields (the row materialised in float32)
+        from ._sampling import reference_sample
+
+        return reference_sample(self.xp, z, zu, keys, suppress, cfg)
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):

@@ -11,9 +11,11 @@ is carried as its bits: one more buffer of the gradient's size). With a column `
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._config import chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
@@ -79,7 +81,7 @@ def _from_carry(buf, dtype):
 class ChunkedJax:
     name = "chunked"
     custom_vjp = True
-    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True)
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, sampling=True)
 
     @staticmethod
     def unsupported_reason(platform):
@@ -150,6 +152,28 @@ class ChunkedJax:
 
         half = _is_half(z.dtype) or (cfg.teacher_grad and _is_half(u.dtype))
         return _per_platform(gradient, z, cfg, cpu_differs=half)
+
+    @staticmethod
+    def sample(z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields, a lax.fori_loop over vocabulary chunks (the
+        # clamped last chunk masks the columns an earlier one saw to -inf)
+        n, k = z.shape
+        c = chunk_size_for(n, k, cfg, jax.default_backend() == "cpu")
+        n_chunks = -(-k // c)
+
+        def part(i):
+            start = jnp.minimum(i * c, k - c)
+            cols = start + jnp.arange(c, dtype=jnp.int32)
+            s = sampling.scaled_logits(xp, _slice(z, start, c), _slice(zu, start, c), cols,
+                                       suppress, cfg)
+            s = jnp.where((cols >= i * c)[None, :], s, -jnp.inf)  # seen by an earlier chunk
+            return sampling.chunk_state(xp, s, cols, keys, cfg)
+
+        state = part(0)
+        if n_chunks > 1:
+            state = lax.fori_loop(1, n_chunks,
+                                  lambda i, st: sampling.merge_state(xp, st, part(i), cfg), state)
+        return sampling.finalize(xp, state, keys, cfg)
 
 
 IMPLEMENTATION = ChunkedJax()

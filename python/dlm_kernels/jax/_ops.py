@@ -86,6 +86,59 @@ class JaxOps:
 
         return head_logits(head)
 
+    # -- the denoising step (32-bit hashes as uint32; rows of ids) --------------
+    @staticmethod
+    def u32(x):
+        if isinstance(x, int):
+            return jnp.uint32(x & 0xFFFFFFFF)
+        return jnp.asarray(x).astype(jnp.uint32)
+
+    @staticmethod
+    def u32_mul(x, c):  # uint32 products wrap: the low 32 bits
+        return x * jnp.uint32(c)
+
+    @staticmethod
+    def i32(x):
+        return x.astype(jnp.int32)
+
+    @staticmethod
+    def rowmin(x):  # [N, C] -> [N]
+        return jnp.min(x, axis=-1)
+
+    @staticmethod
+    def top_k(x, k):  # [N, C] -> ([N, k] values, [N, k] positions), ties: lowest position
+        return jax.lax.top_k(x, k)
+
+    @staticmethod
+    def take_cols(cols, idx):  # cols [C], idx [N, k] -> [N, k]
+        return cols[idx]
+
+    @staticmethod
+    def merge_top_k(v1, i1, v2, i2, k):  # ids of (v1, i1) all below those of (v2, i2)
+        v, i = jnp.concatenate([v1, v2], axis=1), jnp.concatenate([i1, i2], axis=1)
+        values, order = jax.lax.top_k(v, k)
+        return values, jnp.take_along_axis(i, order, axis=1)
+
+    @staticmethod
+    def argsort_desc(x):  # stable along the last axis: ties keep the lower position first
+        return jnp.argsort(-x, axis=-1, stable=True)
+
+    @staticmethod
+    def scatter_rank(order):  # the inverse permutation of each row of order [B, L]
+        return jnp.argsort(order, axis=-1)
+
+    @staticmethod
+    def take_rows(x, idx):  # x [B, L], idx [B, L] -> x[b, idx[b, j]]
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    @staticmethod
+    def cast_like(x, like):
+        return x.astype(like.dtype)
+
+    @staticmethod
+    def cumsum(x):
+        return jnp.cumsum(x, axis=-1)
+
     # -- objectives -----------------------------------------------------------
     @staticmethod
     def clamp_min(x, v):

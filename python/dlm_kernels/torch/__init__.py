@@ -13,6 +13,7 @@ from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
 from .._frontend import PUBLIC_API
 from .._objectives import Objectives, rf_alpha, rf_alpha_dot
+from .._sampling import Sample, make_sampling_api
 from .._token_stats import TokenStats
 from ._linear_head import LinearHead
 from ._ops import TorchOps
@@ -27,5 +28,7 @@ WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(
  compute_diffusion_per_token_logps, weighted_cross_entropy, opd_loss) = Objectives(
     TorchOps, token_stats, token_stats_total, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
     vocab_extent).exports()
+
+sample_tokens, commit_tokens = make_sampling_api(TorchOps, REGISTRY)
 
 __all__ = list(PUBLIC_API)

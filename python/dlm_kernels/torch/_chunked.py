@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._config import chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
@@ -25,7 +26,8 @@ def _chunks(n, k, cfg, device):
 class ChunkedTorch:
     name = "chunked"
     custom_vjp = True
-    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, inplace_grad=True)
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, inplace_grad=True,
+                                sampling=True)
 
     @staticmethod
     def unsupported_reason(platform):
@@ -66,6 +68,20 @@ class ChunkedTorch:
             if du is not None:
                 du[:, c0:c1] = gu
         return dz, du
+
+    @staticmethod
+    @torch.no_grad()
+    def sample(z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields; live temporaries: a few [N, C] chunks
+        n, k = z.shape
+        state = None
+        for c0, c1 in _chunks(n, k, cfg, z.device):
+            cols = torch.arange(c0, c1, device=z.device)
+            s = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
+                                       cols, suppress, cfg)
+            part = sampling.chunk_state(xp, s, cols, keys, cfg)
+            state = part if state is None else sampling.merge_state(xp, state, part, cfg)
+        return sampling.finalize(xp, state, keys, cfg)
 
 
 IMPLEMENTATION = ChunkedTorch()

@@ -67,6 +67,60 @@ class TorchOps:
 
         return head_logits(head)
 
+    # -- the denoising step (32-bit hashes held in int64; rows of ids) ----------
+    @staticmethod
+    def u32(x):
+        if torch.is_tensor(x):
+            return x.to(torch.int64) & 0xFFFFFFFF
+        return torch.tensor(int(x) & 0xFFFFFFFF, dtype=torch.int64)
+
+    @staticmethod
+    def u32_mul(x, c):  # the low 32 bits of the product (int64 wraps; the low bits hold)
+        return (x * c) & 0xFFFFFFFF
+
+    @staticmethod
+    def i32(x):
+        return x.to(torch.int32)
+
+    @staticmethod
+    def rowmin(x):  # [N, C] -> [N]
+        return x.amin(dim=-1)
+
+    @staticmethod
+    def top_k(x, k):  # [N, C] -> ([N, k] values, [N, k] positions), ties: lowest position
+        values, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[:, :k], idx[:, :k]
+
+    @staticmethod
+    def take_cols(cols, idx):  # cols [C], idx [N, k] -> [N, k]
+        return cols[idx]
+
+    @staticmethod
+    def merge_top_k(v1, i1, v2, i2, k):  # ids of (v1, i1) all below those of (v2, i2)
+        v, i = torch.cat([v1, v2], dim=1), torch.cat([i1, i2], dim=1)
+        order = torch.sort(v, dim=-1, descending=True, stable=True).indices[:, :k]
+        return v.gather(1, order), i.gather(1, order)
+
+    @staticmethod
+    def argsort_desc(x):  # stable along the last axis: ties keep the lower position first
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices
+
+    @staticmethod
+    def scatter_rank(order):  # the inverse permutation of each row of order [B, L]
+        return torch.argsort(order, dim=-1)
+
+    @staticmethod
+    def take_rows(x, idx):  # x [B, L], idx [B, L] -> x[b, idx[b, j]]
+        return x.gather(1, idx)
+
+    @staticmethod
+    def cast_like(x, like):
+        return x.to(like.dtype)
+
+    @staticmethod
+    def cumsum(x):
+        return torch.cumsum(x, dim=-1)
+
     # -- objectives -----------------------------------------------------------
     @staticmethod
     def clamp_min(x, v):

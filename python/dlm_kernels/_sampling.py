@@ -1,0 +1,431 @@
+"""The fused denoising step, written once for both front ends: per row of logits, one pass
+over the vocabulary draws a token and measures how sure the model is; cheap [B, L] rules
+then choose which masked positions to commit.
+
+Per row, with z the logits (after classifier-free guidance ``z_u + (s + 1)(z_c - z_u)``,
+suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps (docs/design.md,
+"Denoising step"):
+
+  (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
+  (v1, i1, v2, i2)  the two largest s with their ids (ties: the lowest id first)
+  (gv, gi, gs)   the largest s + g with its id and its s, g the Gumbel noise of the column
+  or, with top_k, the k largest (s, id), merged chunk by chunk (ties: lowest ids first)
+
+and finalises: token = gi (i1 at T = 0: greedy), logp = log-probability of the token under
+the sampling distribution, argmax = i1, top1_logp / top2_logp, entropy. With ``top_k`` the
+sampling distribution is the softmax over the k largest (renormalised) and every statistic is
+taken under it. At T = 0 the statistics are those of softmax(z) (T = 1).
+
+Noise: g = -log(-log(u)), u = ((h >> 8) + 1/2)·2^-24 in (0, 1), h a 32-bit hash of
+(seed, step, row, column): ``row_key(seed, step, row)`` once per row, then
+h = mix(row_key ^ mix(column)) per element, ``mix`` the lowbias32 integer finaliser (two
+multiplies, three xor-shifts). Every backend computes the same integers, so the same seed
+draws the same tokens everywhere; no noise tensor is ever an input or an output.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._checks import plain, require_array, require_float, require_int, require_shape, shape_str
+from ._config import check_positive_float
+
+MASK32 = 0xFFFFFFFF
+_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers
+_STEP_SALT, _ROW_SALT = 0x9E3779B9, 0x85EBCA6B
+MAX_TOP_K = 64
+
+
+class Sample(NamedTuple):
+    """Per-row outputs of :func:`sample_tokens`, each with the logits' leading shape.
+
+    token:     int32, the drawn token (greedy at temperature 0); -1 where the row has no
+               finite logit left.
+    logp:      float32, its log-probability under the sampling distribution.
+    argmax:    int32, the most likely token (ties: the lowest id).
+    top1_logp, top2_logp: float32, the two largest log-probabilities (-inf when K = 1).
+    entropy:   float32, the entropy of the sampling distribution.
+    """
+
+    token: object
+    logp: object
+    argmax: object
+    top1_logp: object
+    top2_logp: object
+    entropy: object
+
+
+class SampleConfig(NamedTuple):
+    temperature: float
+    top_k: object  # None or an int in [1, MAX_TOP_K]
+    cfg_scale: float
+    has_uncond: bool
+    chunk_size: object
+
+
+# -- the counter-based noise ----------------------------------------------------------------
+
+def mix(xp, x):
+    """lowbias32 of 32-bit integers held as xp.u32 arrays."""
+    x = x ^ (x >> 16)
+    x = xp.u32_mul(x, _M1)
+    x = x ^ (x >> 15)
+    x = xp.u32_mul(x, _M2)
+    return x ^ (x >> 16)
+
+
+def row_keys(xp, seed, step, n, like):
+    """[N] 32-bit keys of rows 0..N-1 for (seed, step)."""
+    rows = xp.u32(xp.arange(n, like))
+    base = mix(xp, xp.u32(seed) ^ mix(xp, xp.u32(step) ^ xp.u32(_STEP_SALT)))
+    return mix(xp, rows ^ xp.u32(_ROW_SALT) ^ base)
+
+
+def gumbel(xp, keys, cols):
+    """[N, C] float32 Gumbel noise for row keys [N] and global column ids: [C] shared by
+    every row, or [N, C] per row (the top-k ids)."""
+    col_keys = mix(xp, xp.u32(cols))
+    h = mix(xp, keys[:, None] ^ (col_keys[None, :] if len(cols.shape) == 1 else col_keys))
+    u = (xp.f32(h >> 8) + 0.5) * (2.0 ** -24)
+    return -xp.log(-xp.log(u))
+
+
+# -- the stream -----------------------------------------------------------------------------
+
+def scaled_logits(xp, z, zu, cols, suppress, cfg):
+    """s [N, C] float32 of one chunk: guidance, suppressed ids at -inf, the temperature."""
+    z = xp.f32(z)
+    if zu is not None:
+        zu = xp.f32(zu)
+        z = zu + (cfg.cfg_scale + 1.0) * (z - zu)
+    if suppress is not None:
+        hit = xp.rowsum(xp.f32(cols[None, :] == suppress[:, None]).T) > 0  # [C]
+        z = xp.where(hit[None, :], float("-inf"), z)
+    return z if cfg.temperature == 0.0 else z / cfg.temperature
+
+
+class StreamState(NamedTuple):
+    m: object  # [N] running max of s
+    a: object  # [N] Σ exp(s - m)
+    b: object  # [N] Σ exp(s - m)·(s - m)
+    v1: object
+    i1: object
+    v2: object
+    i2: object
+    gv: object  # [N] best s + g
+    gi: object
+    gs: object  # s at gi
+    topv: object  # [N, k] or None
+    topi: object
+
+
+def _first_max(xp, x, cols):
+    """(max, lowest column id reaching it) along rows of x [N, C]; cols [C] int."""
+    v = xp.rowmax(x)
+    big = 2 ** 31 - 1
+    i = xp.rowmin(xp.where(x == v[:, None], cols[None, :], big))
+    return v, i
+
+
+def chunk_state(xp, s, cols, keys, cfg):
+    """The state of one chunk s [N, C] with global column ids cols [C]."""
+    m = xp.rowmax(s)
+    m_safe = xp.where(m == float("-inf"), 0.0, m)
+    e = xp.exp(s - m_safe[:, None])
+    a = xp.rowsum(e)
+    b = xp.rowsum(xp.where(e > 0, e * (s - m_safe[:, None]), 0.0))
+    v1, i1 = _first_max(xp, s, cols)
+    v2, i2 = _first_max(xp, xp.where(cols[None, :] == i1[:, None], float("-inf"), s), cols)
+    gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
+    if cfg.temperature > 0.0 and cfg.top_k is None:
+        key = s + gumbel(xp, keys, cols)
+        gv, gi = _first_max(xp, key, cols)
+        gs = xp.gather_cols(s, gi - cols[0])
+    topv = topi = None
+    if cfg.top_k is not None:
+        topv, idx = xp.top_k(s, min(cfg.top_k, s.shape[1]))
+        topi = xp.take_cols(cols, idx)
+    return StreamState(m_safe, a, b, v1, i1, v2, i2, gv, gi, gs, topv, topi)
+
+
+def _pick(xp, take_b, a, b):
+    return xp.where(take_b, b, a)
+
+
+def merge_state(xp, x, y, cfg):
+    """Merge the state of columns seen (x) with a later chunk (y): every id in y is larger."""
+    m = xp.maximum(x.m, y.m)
+    fx, fy = xp.exp(x.m - m), xp.exp(y.m - m)
+    a = fx * x.a + fy * y.a
+    b = (xp.where(x.a > 0, fx * (x.b + (x.m - m) * x.a), 0.0)
+         + xp.where(y.a > 0, fy * (y.b + (y.m - m) * y.a), 0.0))
+    take = y.v1 > x.v1  # a tie keeps x's (lower) id
+    v1, i1 = _pick(xp, take, x.v1, y.v1), _pick(xp, take, x.i1, y.i1)
+    # the runner-up: x's second and y's first when x leads, else x's first and y's second
+    c1v, c1i = _pick(xp, take, x.v2, x.v1), _pick(xp, take, x.i2, x.i1)
+    c2v, c2i = _pick(xp, take, y.v1, y.v2), _pick(xp, take, y.i1, y.i2)
+    take2 = c2v > c1v
+    v2, i2 = _pick(xp, take2, c1v, c2v), _pick(xp, take2, c1i, c2i)
+    tg = y.gv > x.gv
+    gv, gi, gs = (_pick(xp, tg, x.gv, y.gv), _pick(xp, tg, x.gi, y.gi),
+                  _pick(xp, tg, x.gs, y.gs))
+    topv = topi = None
+    if cfg.top_k is not None:
+        topv, topi = xp.merge_top_k(x.topv, x.topi, y.topv, y.topi, cfg.top_k)
+    return StreamState(m, a, b, v1, i1, v2, i2, gv, gi, gs, topv, topi)
+
+
+def finalize(xp, st, keys, cfg):
+    """Sample of [N] fields from the merged state."""
+    neg_inf = float("-inf")
+    if cfg.top_k is None:
+        lse = st.m + xp.log(st.a)
+        entropy = xp.log(st.a) - st.b / st.a
+        token = st.i1 if cfg.temperature == 0.0 else st.gi
+        s_token = st.v1 if cfg.temperature == 0.0 else st.gs
+        top1, top2 = st.v1 - lse, st.v2 - lse
+    else:
+        v, ids = st.topv, st.topi  # [N, k'] largest first
+        m = v[:, 0]
+        m_safe = xp.where(m == neg_inf, 0.0, m)
+        e = xp.exp(v - m_safe[:, None])
+        a = xp.rowsum(e)
+        lse = m_safe + xp.log(a)
+        logq = v - lse[:, None]
+        entropy = -xp.rowsum(xp.where(e > 0, e / a[:, None] * logq, 0.0))
+        top1 = logq[:, 0]
+        top2 = logq[:, 1] if v.shape[1] > 1 else top1 * 0.0 + neg_inf
+        if cfg.temperature == 0.0:
+            token, s_token = ids[:, 0], v[:, 0]
+        else:
+            g = gumbel(xp, keys, ids)  # [N, k'] noise of the k columns
+            key = v + g
+            best = xp.rowmax(key)
+            pos = xp.rowmin(xp.where(key == best[:, None], xp.arange(v.shape[1], v)[None, :],
+                                     2 ** 31 - 1))
+            token, s_token = xp.gather_cols(ids, pos), xp.gather_cols(v, pos)
+        st = st._replace(i1=ids[:, 0])
+    empty = ~(lse > neg_inf)  # no finite logit left (or NaN)
+    nan = float("nan")
+    token = xp.where(empty, -1, token)
+    argmax = xp.where(empty, -1, st.i1)
+    fix = lambda x: xp.where(empty, nan, x)
+    return Sample(xp.i32(token), fix(s_token - lse), xp.i32(argmax), fix(top1), fix(top2),
+                  fix(entropy))
+
+
+def reference_sample(xp, z, zu, keys, suppress, cfg):
+    """The whole row as one chunk (the reference backend: [N, K] float32 materialised)."""
+    cols = xp.arange(z.shape[1], z)
+    s = scaled_logits(xp, z, zu, cols, suppress, cfg)
+    return finalize(xp, chunk_state(xp, s, cols, keys, cfg), keys, cfg)
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+def make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logits, cfg_scale,
+                       chunk_size):
+    require_array(xp, "logits", logits)
+    require_float(xp, "logits", logits)
+    if len(logits.shape) < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
+                         f"{shape_str(logits.shape)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature >= 0.0) or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy); got "
+                         f"{plain(temperature)}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or not 1 <= top_k <= MAX_TOP_K):
+        raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}] (a running top-k "
+                         f"per row is merged in the one pass); got {plain(top_k)}")
+    if suppress_ids is not None:
+        require_array(xp, "suppress_ids", suppress_ids)
+        require_int(xp, "suppress_ids", suppress_ids)
+        if len(suppress_ids.shape) != 1:
+            raise ValueError(f"suppress_ids must have shape [S]; got "
+                             f"{shape_str(suppress_ids.shape)}")
+    if uncond_logits is not None:
+        require_array(xp, "uncond_logits", uncond_logits)
+        require_float(xp, "uncond_logits", uncond_logits)
+        require_shape("uncond_logits", uncond_logits, logits.shape, "logits.shape")
+    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or not (
+            abs(cfg_scale) < float("inf")):
+        raise ValueError(f"cfg_scale must be a finite number; got {plain(cfg_scale)}")
+    if cfg_scale != 0.0 and uncond_logits is None:
+        raise ValueError("cfg_scale needs uncond_logits (the unconditional logits)")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+            chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
+    return SampleConfig(float(temperature), top_k, float(cfg_scale), uncond_logits is not None,
+                        chunk_size)
+
+
+# -- choosing what to commit ([B, L] math) -------------------------------------------------------
+
+CONFIDENCES = ("probability", "margin", "neg_entropy")
+RULES = ("topk", "threshold", "entropy_budget")
+
+
+def confidence(xp, sample, kind):
+    """[B, L] float32 confidence of each drawn token: its probability, the margin p1 - p2, or
+    the negative entropy."""
+    if kind == "probability":
+        return xp.exp(sample.logp)
+    if kind == "margin":
+        return xp.exp(sample.top1_logp) - xp.exp(sample.top2_logp)
+    if kind == "neg_entropy":
+        return -sample.entropy
+    raise ValueError(f"confidence must be one of {CONFIDENCES}; got {kind!r}")
+
+
+def _commit_topk(xp, conf, masked, k):
+    """The k most confident masked positions per sequence (ties: the lower position)."""
+    neg = xp.where(masked, conf, float("-inf"))
+    rank = xp.scatter_rank(xp.argsort_desc(neg))  # [B, L]: 0 = most confident
+    k = k if not xp.is_array(k) else k[:, None]
+    return masked & (rank < k)
+
+
+def _at_least_one(xp, commit, conf, masked):
+    """commit, plus each sequence's most confident masked position where it commits none."""
+    neg = xp.where(masked, conf, float("-inf"))
+    first = xp.scatter_rank(xp.argsort_desc(neg)) == 0
+    none = xp.rowsum(xp.f32(commit)) == 0
+    return commit | (first & masked & none[:, None])
+
+
+def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind):
+    """[B, L] bool: the masked positions the rule commits (see ``commit_tokens``)."""
+    if rule == "topk":
+        if k is None:
+            raise ValueError("rule='topk' needs k (an int, or [B] ints from a schedule)")
+        return _commit_topk(xp, confidence(xp, sample, kind), masked, k)
+    if rule == "threshold":
+        if threshold is None:
+            raise ValueError("rule='threshold' needs threshold")
+        conf = confidence(xp, sample, kind)
+        return _at_least_one(xp, masked & (conf > threshold), conf, masked)
+    if rule == "entropy_budget":
+        if budget is None:
+            raise ValueError("rule='entropy_budget' needs budget (nats per sequence)")
+        ent = xp.where(masked, sample.entropy, float("inf"))
+        order = xp.argsort_desc(-ent)  # ascending entropy, ties: the lower position
+        rank = xp.scatter_rank(order)
+        sorted_ent = xp.take_rows(ent, order)
+        within = xp.cumsum(xp.where(sorted_ent < float("inf"), sorted_ent, 0.0)) <= budget
+        keep = xp.take_rows(within, rank)  # back in position order
+        return _at_least_one(xp, masked & keep, -sample.entropy, masked)
+    raise ValueError(f"rule must be one of {RULES}; got {rule!r}")
+
+
+# -- the public functions of one front end ---------------------------------------------------
+
+SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabulary (see
+    ``Sample``; the stream and the noise: ``dlm_kernels._sampling``).
+
+    Args:
+      logits: [..., K] float logits (e.g. [B, L, K]); the conditional ones with guidance.
+      temperature: T >= 0 of softmax(z / T); 0 is greedy (the argmax, ties to the lowest id;
+        the statistics are then those of softmax(z)).
+      seed, step: ints (or integer scalars, traced is fine) keying the counter-based noise
+        with the row index and the column: the same (seed, step) draws the same tokens on
+        every backend; change ``step`` every denoising step.
+      top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
+        statistic is taken under that distribution).
+      suppress_ids: [S] int ids never drawn (e.g. the mask token): their logits count as
+        -inf.
+      uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
+        arrays read in the same pass.
+      chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
+      backend: {backends}. Backends without a sampler yet (triton, pallas) leave auto
+        on the chunked one (logged at DEBUG); naming one explicitly raises.
+
+    Top-p / min-p are not offered: their threshold depends on the sorted cumulative mass,
+    which one streaming pass does not know; top-k (a running top-k merged like the other
+    state) is the streaming restriction. Not differentiable (inputs are read as constants).
+
+    Returns:
+      Sample(token, logp, argmax, top1_logp, top2_logp, entropy) with the logits' leading
+      shape (margin = exp(top1_logp) - exp(top2_logp)).
+    """
+
+COMMIT_DOC = """Commit the surest masked positions of a canvas: ([B, L] new canvas, [B, L]
+    bool committed).
+
+    Args:
+      canvas: [B, L] int tokens; sample: the ``Sample`` of this step's logits.
+      masked: [B, L] bool, the positions still masked (and, for block-wise semi-autoregressive
+        decoding, inside the current block: the caller passes the intersection).
+      rule: "topk" (LLaDA's low-confidence remasking: the ``k`` most confident masked positions
+        per sequence, ``k`` an int or [B] ints from a schedule), "threshold" (Fast-dLLM: every
+        masked position with confidence > ``threshold``, at least the most confident one), or
+        "entropy_budget" (the most certain masked positions, lowest entropy first, while their
+        entropies sum to at most ``budget`` nats; at least one).
+      confidence: "probability" (of the drawn token), "margin" (p1 - p2) or "neg_entropy";
+        the entropy-budget rule always ranks by entropy. Ties go to the lower position.
+    A sequence with no masked position commits nothing.
+    """
+
+
+def make_sampling_api(xp, registry):
+    """(sample_tokens, commit_tokens) of one front end."""
+    from ._dispatch import FALLBACK, BackendUnavailableError, backends_doc, logger
+
+    def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
+                      suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
+                      backend=None):
+        cfg = make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logits,
+                                 cfg_scale, chunk_size)
+        for name, value in (("seed", seed), ("step", step)):
+            if xp.is_array(value):
+                require_int(xp, name, value)
+                if len(value.shape) != 0:
+                    raise ValueError(f"{name} must be an int or an integer scalar; got shape "
+                                     f"{shape_str(value.shape)}")
+            elif isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int or an integer scalar; got "
+                                f"{type(value).__name__}")
+        impl = registry.resolve(backend, xp.platform(logits))
+        if not impl.capabilities.sampling:
+            if backend is not None:
+                raise BackendUnavailableError(
+                    f"backend={backend!r} has no sampler yet; use 'chunked' or 'reference'")
+            logger.debug("sample_tokens: %s has no sampler; using chunked", impl.name)
+            impl = registry.IMPLEMENTATIONS[FALLBACK]
+        lead, k = tuple(logits.shape[:-1]), logits.shape[-1]
+        n = 1
+        for dim in lead:
+            n *= dim
+        z = xp.stop_gradient(logits).reshape(n, k)
+        zu = None if uncond_logits is None else xp.stop_gradient(uncond_logits).reshape(n, k)
+        keys = row_keys(xp, seed, step, n, z)
+        out = impl.sample(z, zu, keys, suppress_ids, cfg)
+        return Sample(*(f.reshape(lead) for f in out))
+
+    sample_tokens.__doc__ = SAMPLE_DOC.replace("{backends}", backends_doc())
+
+    def commit_tokens(canvas, sample, masked, *, rule="topk", k=None, threshold=None,
+                      budget=None, confidence="probability"):
+        require_array(xp, "canvas", canvas)
+        require_int(xp, "canvas", canvas)
+        if len(canvas.shape) != 2:
+            raise ValueError(f"canvas must have shape [B, L]; got {shape_str(canvas.shape)}")
+        if not isinstance(sample, Sample):
+            raise TypeError(f"sample must be the Sample of sample_tokens; got "
+                            f"{type(sample).__name__}")
+        require_shape("sample.token", sample.token, canvas.shape, "canvas.shape [B, L]")
+        require_array(xp, "masked", masked)
+        require_shape("masked", masked, canvas.shape, "canvas.shape [B, L]")
+        if confidence not in CONFIDENCES:
+            raise ValueError(f"confidence must be one of {CONFIDENCES}; got {confidence!r}")
+        if xp.is_array(k):
+            require_int(xp, "k", k)
+            require_shape("k", k, canvas.shape[:1], "[B]")
+        elif k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"k must be a non-negative int or [B] ints; got {plain(k)}")
+        masked = masked != 0
+        commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence)
+        return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit
+
+    commit_tokens.__doc__ = COMMIT_DOC
+    return sample_tokens, commit_tokens
