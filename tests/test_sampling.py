@@ -1,0 +1,283 @@
+"""The denoising step: sample_tokens and commit_tokens on every backend with a sampler,
+against a float64 NumPy oracle that recomputes the documented noise (lowbias32 of
+(seed, step, row, column)) on its own, so drawn tokens are compared exactly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from harness import assert_close, framework
+
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def _mix(x):  # lowbias32 on uint64 holding 32-bit values
+    x = x & M32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & M32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & M32
+    return x ^ (x >> np.uint64(16))
+
+
+def oracle_noise(seed, step, n, cols):
+    """[N, C] (or [N, k] for per-row cols) Gumbel noise, float64 from the float32 uniform."""
+    u64 = lambda v: np.asarray(v, np.int64).astype(np.uint64) & M32
+    base = _mix(u64(seed) ^ _mix(u64(step) ^ np.uint64(0x9E3779B9)))
+    keys = _mix(u64(np.arange(n)) ^ np.uint64(0x85EBCA6B) ^ base)
+    cols = np.asarray(cols)
+    ck = _mix(u64(cols))
+    h = _mix(keys[:, None] ^ (ck[None, :] if cols.ndim == 1 else ck))
+    u = ((h >> np.uint64(8)).astype(np.float64) + 0.5) * 2.0 ** -24
+    u32 = u.astype(np.float32).astype(np.float64)
+    return -np.log(-np.log(u32))
+
+
+def oracle(z, *, temperature, seed=0, step=0, top_k=None, suppress=None, zu=None, cfg_scale=0.0):
+    """(token, logp, argmax, top1, top2, entropy) float64 / int, rows flattened."""
+    z = np.asarray(z, np.float64)
+    if zu is not None:
+        z = zu + (cfg_scale + 1.0) * (z - zu)
+    n, k = z.shape
+    if suppress is not None:
+        z = z.copy()
+        z[:, np.asarray(suppress)] = -np.inf
+    s = z if temperature == 0 else z / temperature
+    order = np.argsort(-s, axis=1, kind="stable")  # descending, ties: lowest id first
+    if top_k is not None:
+        keep = np.zeros_like(s, bool)
+        np.put_along_axis(keep, order[:, :top_k], True, axis=1)
+        s = np.where(keep, s, -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = s.max(1)
+        lse = m + np.log(np.exp(s - m[:, None]).sum(1))
+        logq = s - lse[:, None]
+        q = np.exp(logq)
+        entropy = -np.where(q > 0, q * logq, 0.0).sum(1)
+    argmax = order[:, 0]
+    top1 = logq[np.arange(n), argmax]
+    top2 = logq[np.arange(n), order[:, 1]] if k > 1 else np.full(n, -np.inf)
+    if temperature == 0:
+        token = argmax
+    else:
+        key = s + oracle_noise(seed, step, n, np.arange(k))
+        token = np.argmax(key, axis=1)  # first maximum
+    return token, logq[np.arange(n), token], argmax, top1, top2, entropy
+
+
+class SamplingSuite:
+    FW = None
+    BACKEND = None
+
+    @property
+    def fw(self):
+        return framework(self.FW)
+
+    def sample(self, z, dtype="float32", **kw):
+        fw = self.fw
+        out = fw.api.sample_tokens(fw.array(z, dtype), backend=self.BACKEND, **kw)
+        return [np.asarray(fw.numpy(x)) for x in out]
+
+    def check(self, got, want, dtype="float32"):
+        for name, g, w in zip(("token", "logp", "argmax", "top1", "top2", "entropy"), got, want):
+            g = g.reshape(-1)
+            if name in ("token", "argmax"):
+                bad = np.flatnonzero(g != w)
+                assert bad.size == 0, f"{name}: {bad.size} rows differ, first {bad[0]}: {g[bad[0]]} vs {w[bad[0]]}"
+            else:
+                assert_close(g, w, "float32", name)
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (0.7, None), (1.3, 5), (0.0, 3)])
+    def test_matches_oracle(self, rng, dtype, temperature, top_k):
+        """Tokens exactly, statistics to float32 accuracy; K = 301 in chunks of 64 (a ragged
+        last chunk), every option of the sampling distribution."""
+        z = rng.normal(size=(4, 6, 301)) * 3
+        zr = np.asarray(self.fw.numpy(self.fw.array(z, dtype)))  # the values the kernels see
+        seed, step = int(rng.integers(0, 2**31)), int(rng.integers(0, 1000))
+        got = self.sample(z, dtype, temperature=temperature, top_k=top_k, seed=seed, step=step,
+                          chunk_size=64)
+        self.check(got, oracle(zr.reshape(24, -1), temperature=temperature, seed=seed,
+                               step=step, top_k=top_k))
+
+    def test_greedy_ties_go_to_the_lowest_id(self, rng):
+        z = np.round(rng.normal(size=(50, 40)))  # integers: many exact ties
+        z[:, [7, 23, 31]] = z.max() + 1.0  # three tied maxima in every row
+        got = self.sample(z, temperature=0.0, chunk_size=16)
+        assert np.all(got[0] == 7) and np.all(got[2] == 7)
+        self.check(got, oracle(z, temperature=0.0))
+
+    def test_frequencies_follow_softmax(self, rng):
+        """One row of logits repeated over 40000 rows: the rows' noise is independent, so the
+        token counts follow softmax(z / T) (chi-square at p = 1e-6, Wilson-Hilferty)."""
+        k, n, temperature = 8, 40000, 0.9
+        z = rng.normal(size=k) * 1.5
+        seed = int(rng.integers(0, 2**31))
+        tokens = self.sample(np.tile(z, (n, 1)), temperature=temperature, seed=seed)[0]
+        p = np.exp(z / temperature - np.log(np.exp(z / temperature).sum()))
+        counts = np.bincount(tokens.reshape(-1), minlength=k)
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        df, zq = k - 1, 4.753  # the normal quantile at 1 - 1e-6
+        limit = df * (1 - 2 / (9 * df) + zq * math.sqrt(2 / (9 * df))) ** 3
+        assert chi2 < limit, f"chi2 {chi2:.1f} >= {limit:.1f} (seed {seed}): counts {counts}"
+
+    def test_top_k_and_suppressed_ids_are_never_drawn(self, rng):
+        z = rng.normal(size=(500, 97)) * 0.3  # flat rows: every id is likely
+        suppress = np.array([0, 5, 96])
+        fw = self.fw
+        got = self.sample(z, temperature=2.0, top_k=4, seed=1, suppress_ids=fw.array(suppress),
+                          chunk_size=32)
+        zs = z.copy()
+        zs[:, suppress] = -np.inf
+        top4 = np.argsort(-zs, axis=1, kind="stable")[:, :4]
+        assert np.all((got[0][:, None] == top4).any(1)), "drew outside the top k"
+        assert not np.isin(got[0], suppress).any(), "drew a suppressed id"
+        self.check(got, oracle(z, temperature=2.0, seed=1, top_k=4, suppress=suppress))
+
+    def test_guidance_reads_both_arrays(self, rng):
+        z, zu = rng.normal(size=(20, 50)), rng.normal(size=(20, 50))
+        fw = self.fw
+        got = self.sample(z, temperature=0.5, seed=9, uncond_logits=fw.array(zu, "float32"),
+                          cfg_scale=1.5, chunk_size=16)
+        self.check(got, oracle(z.astype(np.float32), temperature=0.5, seed=9,
+                               zu=zu.astype(np.float32), cfg_scale=1.5))
+
+    def test_one_finite_logit_and_extremes(self, rng):
+        z = np.full((4, 30), -np.inf)
+        z[0, 11] = 2.0  # all -inf but one: that token, logp 0, entropy 0
+        z[1] = rng.normal(size=30) * 1e4  # very large logits: a point mass in float32
+        z[2, :] = rng.normal(size=30)
+        z[2, 3] = 50.0  # one dominant logit
+        got = self.sample(z[:3], temperature=1.0, seed=2, chunk_size=8)
+        assert got[0][0] == 11 and got[1][0] == 0.0 and got[5][0] == 0.0
+        assert got[4][0] == -np.inf
+        self.check(got, oracle(z[:3], temperature=1.0, seed=2))
+        empty = self.sample(z[3:], temperature=1.0)  # nothing finite: token -1, NaN statistics
+        assert empty[0][0] == -1 and np.isnan(empty[1][0]) and np.isnan(empty[5][0])
+
+    def test_bad_arguments_name_themselves(self):
+        fw = self.fw
+        z = fw.array(np.zeros((2, 5)), "float32")
+        api = fw.api
+        with pytest.raises(ValueError, match="top_k must be None or an int in"):
+            api.sample_tokens(z, top_k=65, backend=self.BACKEND)
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            api.sample_tokens(z, temperature=-1.0, backend=self.BACKEND)
+        with pytest.raises(ValueError, match="cfg_scale needs uncond_logits"):
+            api.sample_tokens(z, cfg_scale=1.0, backend=self.BACKEND)
+        with pytest.raises(ValueError, match=r"uncond_logits must have shape logits.shape"):
+            api.sample_tokens(z, uncond_logits=fw.array(np.zeros((2, 4)), "float32"),
+                              cfg_scale=1.0, backend=self.BACKEND)
+        with pytest.raises(TypeError, match="seed must be an int"):
+            api.sample_tokens(z, seed=1.5, backend=self.BACKEND)
+
+
+class TestTorchReference(SamplingSuite):
+    FW, BACKEND = "torch", "reference"
+
+
+class TestTorchChunked(SamplingSuite):
+    FW, BACKEND = "torch", "chunked"
+
+
+class TestJaxReference(SamplingSuite):
+    FW, BACKEND = "jax", "reference"
+
+
+class TestJaxChunked(SamplingSuite):
+    FW, BACKEND = "jax", "chunked"
+
+
+def test_same_seed_same_tokens_in_both_frameworks(rng):
+    z = rng.normal(size=(64, 257)) * 2
+    tokens = []
+    for name in ("torch", "jax"):
+        fw = framework(name)
+        for backend in ("reference", "chunked"):
+            s = fw.api.sample_tokens(fw.array(z, "float32"), temperature=1.0, seed=42, step=7,
+                                     backend=backend, chunk_size=100)
+            tokens.append(np.asarray(fw.numpy(s.token)))
+    for t in tokens[1:]:
+        assert np.array_equal(t, tokens[0])
+    other = framework("torch").api.sample_tokens(framework("torch").array(z, "float32"),
+                                                 seed=42, step=8)
+    assert not np.array_equal(np.asarray(other.token), tokens[0]), "step must change the draw"
+
+
+def test_jax_sampler_under_jit_and_vmap(rng):
+    import jax
+    import jax.numpy as jnp
+
+    api = framework("jax").api
+    z = jnp.asarray(rng.normal(size=(3, 4, 50)), jnp.float32)
+    eager = api.sample_tokens(z, seed=5, step=2)
+    jitted = jax.jit(lambda z, step: api.sample_tokens(z, seed=5, step=step))(z, jnp.int32(2))
+    assert np.array_equal(np.asarray(eager.token), np.asarray(jitted.token))
+    mapped = jax.vmap(lambda zz: api.sample_tokens(zz, temperature=0.0).token)(z)
+    assert np.array_equal(np.asarray(mapped), np.argmax(np.asarray(z), axis=-1))
+
+
+# -- commit_tokens ----------------------------------------------------------------------------
+
+def _commit_oracle(conf, entropy, masked, rule, k=None, threshold=None, budget=None):
+    b, l = conf.shape
+    out = np.zeros((b, l), bool)
+    for i in range(b):
+        idx = np.flatnonzero(masked[i])
+        if idx.size == 0:
+            continue
+        if rule == "topk":
+            kk = k[i] if np.ndim(k) else k
+            order = idx[np.argsort(-conf[i, idx], kind="stable")]
+            out[i, order[:kk]] = True
+        elif rule == "threshold":
+            hit = idx[conf[i, idx] > threshold]
+            out[i, hit if hit.size else idx[np.argmax(conf[i, idx])]] = True
+        else:
+            order = idx[np.argsort(entropy[i, idx], kind="stable")]
+            cum = np.cumsum(entropy[i, order])
+            chosen = order[cum <= budget]
+            out[i, chosen if chosen.size else order[:1]] = True
+    return out
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+@pytest.mark.parametrize("rule,kind", [("topk", "probability"), ("topk", "margin"),
+                                       ("threshold", "neg_entropy"), ("threshold", "probability"),
+                                       ("entropy_budget", "probability")])
+def test_commit_rules(rng, name, rule, kind):
+    fw = framework(name)
+    api = fw.api
+    b, l, k = 4, 12, 30
+    z = rng.normal(size=(b, l, k)) * 2
+    s = api.sample_tokens(fw.array(z, "float32"), temperature=0.8, seed=3)
+    masked = rng.uniform(size=(b, l)) < 0.6
+    masked[-1] = False  # a finished sequence commits nothing
+    canvas = np.full((b, l), k - 1)
+    sample = [np.asarray(fw.numpy(x)) for x in s]
+    conf = {"probability": np.exp(sample[1]), "margin": np.exp(sample[3]) - np.exp(sample[4]),
+            "neg_entropy": -sample[5]}[kind]
+    kk = np.array([1, 3, 0, 2])
+    threshold = float(np.median(conf))
+    new, committed = api.commit_tokens(fw.array(canvas), s, fw.array(masked), rule=rule,
+                                       k=fw.array(kk) if rule == "topk" else None,
+                                       threshold=threshold, budget=1.5, confidence=kind)
+    want = _commit_oracle(conf, sample[5], masked, rule, k=kk, threshold=threshold, budget=1.5)
+    assert np.array_equal(np.asarray(fw.numpy(committed)), want)
+    assert np.array_equal(np.asarray(fw.numpy(new)), np.where(want, sample[0], canvas))
+
+
+def test_examples_generate(tmp_path):
+    """examples/generate_*.py: a full denoising loop with a tiny random model, both frameworks."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for script in ("generate_torch.py", "generate_jax.py"):
+        out = subprocess.run([sys.executable, os.path.join(root, "examples", script)],
+                             capture_output=True, text=True, check=True, cwd=tmp_path)
+        assert "masked left: 0" in out.stdout, out.stdout
