@@ -7,7 +7,7 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps (do
 "Denoising step"):
 
   (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
-  (v1, i1, v2, i2)  the two largest s with their ids (ties: the lowest id first)
+  (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
   (gv, gi, gs)   the largest s + g with its id and its s, g the Gumbel noise of the column
   or, with top_k, the k largest (s, id), merged chunk by chunk (ties: lowest ids first)
 
@@ -66,12 +66,13 @@ class SampleConfig(NamedTuple):
 # -- the counter-based noise ----------------------------------------------------------------
 
 def mix(xp, x):
-    """lowbias32 of 32-bit integers held as xp.u32 arrays."""
-    x = x ^ (x >> 16)
+    """lowbias32 of 32-bit integers held as xp.u32 arrays (logical shifts, wrapping
+    multiplies)."""
+    x = x ^ xp.shr(x, 16)
     x = xp.u32_mul(x, _M1)
-    x = x ^ (x >> 15)
+    x = x ^ xp.shr(x, 15)
     x = xp.u32_mul(x, _M2)
-    return x ^ (x >> 16)
+    return x ^ xp.shr(x, 16)
 
 
 def row_keys(xp, seed, step, n, like):
@@ -86,7 +87,7 @@ def gumbel(xp, keys, cols):
     every row, or [N, C] per row (the top-k ids)."""
     col_keys = mix(xp, xp.u32(cols))
     h = mix(xp, keys[:, None] ^ (col_keys[None, :] if len(cols.shape) == 1 else col_keys))
-    u = (xp.f32(h >> 8) + 0.5) * (2.0 ** -24)
+    u = (xp.f32(xp.shr(h, 8)) + 0.5) * (2.0 ** -24)
     return -xp.log(-xp.log(u))
 
 
@@ -110,8 +111,7 @@ class StreamState(NamedTuple):
     b: object  # [N] Σ exp(s - m)·(s - m)
     v1: object
     i1: object
-    v2: object
-    i2: object
+    v2: object  # the second largest s (a tie with v1 counts: v2 == v1)
     gv: object  # [N] best s + g
     gi: object
     gs: object  # s at gi
@@ -120,22 +120,20 @@ class StreamState(NamedTuple):
 
 
 def _first_max(xp, x, cols):
-    """(max, lowest column id reaching it) along rows of x [N, C]; cols [C] int."""
-    v = xp.rowmax(x)
-    big = 2 ** 31 - 1
-    i = xp.rowmin(xp.where(x == v[:, None], cols[None, :], big))
-    return v, i
+    """(max, lowest column id reaching it) along rows of x [N, C]; cols [C] contiguous ids."""
+    v, i = xp.first_max(x)  # one pass; the first position of the maximum
+    return v, i + cols[0]
 
 
 def chunk_state(xp, s, cols, keys, cfg):
     """The state of one chunk s [N, C] with global column ids cols [C]."""
-    m = xp.rowmax(s)
-    m_safe = xp.where(m == float("-inf"), 0.0, m)
-    e = xp.exp(s - m_safe[:, None])
-    a = xp.rowsum(e)
-    b = xp.rowsum(xp.where(e > 0, e * (s - m_safe[:, None]), 0.0))
     v1, i1 = _first_max(xp, s, cols)
-    v2, i2 = _first_max(xp, xp.where(cols[None, :] == i1[:, None], float("-inf"), s), cols)
+    m_safe = xp.where(v1 == float("-inf"), 0.0, v1)
+    d = s - m_safe[:, None]
+    e = xp.exp(d)
+    a = xp.rowsum(e)
+    b = xp.rowsum(xp.where(e > 0, e * d, 0.0))
+    v2 = xp.second_max(s) if s.shape[1] > 1 else v1 * 0.0 + float("-inf")
     gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
     if cfg.temperature > 0.0 and cfg.top_k is None:
         key = s + gumbel(xp, keys, cols)
@@ -145,7 +143,7 @@ def chunk_state(xp, s, cols, keys, cfg):
     if cfg.top_k is not None:
         topv, idx = xp.top_k(s, min(cfg.top_k, s.shape[1]))
         topi = xp.take_cols(cols, idx)
-    return StreamState(m_safe, a, b, v1, i1, v2, i2, gv, gi, gs, topv, topi)
+    return StreamState(m_safe, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
 
 
 def _pick(xp, take_b, a, b):
@@ -161,18 +159,16 @@ def merge_state(xp, x, y, cfg):
          + xp.where(y.a > 0, fy * (y.b + (y.m - m) * y.a), 0.0))
     take = y.v1 > x.v1  # a tie keeps x's (lower) id
     v1, i1 = _pick(xp, take, x.v1, y.v1), _pick(xp, take, x.i1, y.i1)
-    # the runner-up: x's second and y's first when x leads, else x's first and y's second
-    c1v, c1i = _pick(xp, take, x.v2, x.v1), _pick(xp, take, x.i2, x.i1)
-    c2v, c2i = _pick(xp, take, y.v1, y.v2), _pick(xp, take, y.i1, y.i2)
-    take2 = c2v > c1v
-    v2, i2 = _pick(xp, take2, c1v, c2v), _pick(xp, take2, c1i, c2i)
+    # the runner-up: the larger of x's second and y's first when x leads, else of x's
+    # first and y's second
+    v2 = xp.maximum(_pick(xp, take, x.v2, x.v1), _pick(xp, take, y.v1, y.v2))
     tg = y.gv > x.gv
     gv, gi, gs = (_pick(xp, tg, x.gv, y.gv), _pick(xp, tg, x.gi, y.gi),
                   _pick(xp, tg, x.gs, y.gs))
     topv = topi = None
     if cfg.top_k is not None:
         topv, topi = xp.merge_top_k(x.topv, x.topi, y.topv, y.topi, cfg.top_k)
-    return StreamState(m, a, b, v1, i1, v2, i2, gv, gi, gs, topv, topi)
+    return StreamState(m, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
 
 
 def finalize(xp, st, keys, cfg):

@@ -106,8 +106,21 @@ class JaxOps:
         return jnp.min(x, axis=-1)
 
     @staticmethod
+    def first_max(x):  # [N, C] -> (max, its first position)
+        i = jnp.argmax(x, axis=-1)
+        return jnp.take_along_axis(x, i[:, None], axis=-1)[:, 0], i.astype(jnp.int32)
+
+    @staticmethod
+    def shr(x, s):  # uint32: a logical shift
+        return x >> s
+
+    @staticmethod
     def top_k(x, k):  # [N, C] -> ([N, k] values, [N, k] positions), ties: lowest position
         return jax.lax.top_k(x, k)
+
+    @staticmethod
+    def second_max(x):  # [N, C>=2] -> [N]: the second largest value (a tie counts)
+        return jax.lax.top_k(x, 2)[0][:, 1]
 
     @staticmethod
     def take_cols(cols, idx):  # cols [C], idx [N, k] -> [N, k]

@@ -67,16 +67,22 @@ class TorchOps:
 
         return head_logits(head)
 
-    # -- the denoising step (32-bit hashes held in int64; rows of ids) ----------
+    # -- the denoising step (32-bit hashes held in int32 bit patterns) ----------
     @staticmethod
-    def u32(x):
+    def u32(x):  # the 32-bit pattern of x as int32 (torch has no uint32 shifts)
         if torch.is_tensor(x):
-            return x.to(torch.int64) & 0xFFFFFFFF
-        return torch.tensor(int(x) & 0xFFFFFFFF, dtype=torch.int64)
+            return x.to(torch.int32)
+        v = int(x) & 0xFFFFFFFF
+        return torch.tensor(v - (1 << 32) if v >= 1 << 31 else v, dtype=torch.int32)
 
     @staticmethod
-    def u32_mul(x, c):  # the low 32 bits of the product (int64 wraps; the low bits hold)
-        return (x * c) & 0xFFFFFFFF
+    def u32_mul(x, c):  # int32 products wrap: the low 32 bits of the unsigned product
+        c &= 0xFFFFFFFF
+        return x * (c - (1 << 32) if c >= 1 << 31 else c)
+
+    @staticmethod
+    def shr(x, s):  # the logical right shift of the 32-bit pattern
+        return (x >> s) & ((1 << (32 - s)) - 1)
 
     @staticmethod
     def i32(x):
@@ -87,9 +93,18 @@ class TorchOps:
         return x.amin(dim=-1)
 
     @staticmethod
+    def first_max(x):  # [N, C] -> (max, its first position), one pass
+        v, i = torch.max(x, dim=-1)
+        return v, i
+
+    @staticmethod
     def top_k(x, k):  # [N, C] -> ([N, k] values, [N, k] positions), ties: lowest position
         values, idx = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[:, :k], idx[:, :k]
+
+    @staticmethod
+    def second_max(x):  # [N, C>=2] -> [N]: the second largest value (a tie counts)
+        return torch.topk(x, 2, dim=-1).values[:, 1]
 
     @staticmethod
     def take_cols(cols, idx):  # cols [C], idx [N, k] -> [N, k]

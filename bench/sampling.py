@@ -1,0 +1,216 @@
+"""The denoising-step benchmark: one step's draw over [N, K] logits.
+
+    python -m bench.sampling                      # this device's default shapes
+    python -m bench.sampling --n 1024 --k 32768 --dtype float32
+
+Side by side in one run (torch):
+
+  ours              sample_tokens (token, its log-prob, argmax, top-2, entropy in one pass)
+  llada-float64     the step as LLaDA's generate.py writes it: logits cast to float64,
+                    float64 Gumbel noise over all of [N, K], argmax, a float64 softmax and
+                    a gather of the drawn token's probability
+  llada+compile     the same under torch.compile
+  float32           a plain float32 step: log-softmax, Gumbel noise, argmax, gather, the
+                    entropy and the top-2 (what ours returns, materialised)
+
+It reports milliseconds (median, p20-p80), GB/s of the one read of the logits the step must
+make (N·K·bytes), the percent of the copy bandwidth measured in the same run, and the peak
+memory beyond the logits (CPU: resident-set growth of a fresh process; CUDA: allocator peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import subprocess
+import sys
+
+from .timing import copy_bandwidth, measure
+
+VARIANTS = ("ours", "llada-float64", "llada+compile", "float32")
+CPU_SHAPES = [dict(n=1024, k=32768, dtype="float32")]
+GPU_SHAPES = [dict(n=n, k=k, dtype="bfloat16") for n in (16384, 256) for k in (262144, 151936)]
+
+
+def _llada_step(z, temperature):
+    import torch
+
+    z64 = z.to(torch.float64)
+    u = torch.rand_like(z64)
+    token = torch.argmax(z64.exp() / (-torch.log(u)) ** temperature, dim=-1)
+    p = torch.softmax(z64, dim=-1)
+    return token, torch.gather(p, -1, token[:, None])[:, 0]
+
+
+def _float32_step(z, temperature):
+    import torch
+
+    s = z.float() / temperature
+    logq = torch.log_softmax(s, dim=-1)
+    g = -torch.log(-torch.log(torch.rand_like(s)))
+    token = torch.argmax(s + g, dim=-1)
+    top2 = torch.topk(logq, 2, dim=-1).values
+    entropy = -(logq.exp() * logq).sum(-1)
+    return token, torch.gather(logq, -1, token[:, None])[:, 0], top2, entropy
+
+
+class SampleCase:
+    def __init__(self, variant, n, k, dtype, device, seed=0):
+        import torch
+
+        import dlm_kernels.torch as dk
+
+        self.torch = torch
+        gen = torch.Generator(device).manual_seed(seed)
+        self.sets = [(torch.randn((n, k), generator=gen, device=device) * 3).to(
+            getattr(torch, dtype)) for _ in range(2)]
+        if variant == "ours":
+            self.step = lambda z, i: dk.sample_tokens(z, temperature=0.8, seed=0, step=i)
+        elif variant == "llada-float64":
+            self.step = lambda z, i: _llada_step(z, 0.8)
+        elif variant == "llada+compile":
+            torch._dynamo.reset()
+            compiled = torch.compile(_llada_step, dynamic=False)
+            self.step = lambda z, i: compiled(z, 0.8)
+        elif variant == "float32":
+            self.step = lambda z, i: _float32_step(z, 0.8)
+        else:
+            raise ValueError(f"unknown variant {variant!r}")
+
+    def __call__(self, i):
+        return self.step(self.sets[i % 2], i)
+
+    def input_bytes(self):
+        z = self.sets[0]
+        return z.numel() * z.element_size()
+
+
+def _probe(variant, n, k, dtype):
+    from .memory import proc_status_bytes, reset_peak_rss
+
+    case = SampleCase(variant, n, k, dtype, "cpu")
+    SampleCase(variant, 8, min(k, 1024), dtype, "cpu")(0)  # warm the code paths
+    gc.collect()
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
+    out = case(0)
+    print(proc_status_bytes("VmHWM") - base)
+    del out
+
+
+def peak_bytes(variant, n, k, dtype, cuda):
+    if cuda:
+        import torch
+
+        case = SampleCase(variant, n, k, dtype, "cuda")
+        case(0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = case(1)
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - base
+    from .memory import available
+
+    if not available():
+        return None
+    out = subprocess.run([sys.executable, "-m", "bench.sampling", "--probe", variant, "--n",
+                          str(n), "--k", str(k), "--dtype", dtype], capture_output=True,
+                         text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def run(shapes, reps=5, cuda=False, variants=VARIANTS, progress=lambda s: print(s, flush=True)):
+    device = "cuda" if cuda else "cpu"
+    copy_gbps, _ = copy_bandwidth(device, 2**30 if cuda else 2**28)
+    results = []
+    for shape in shapes:
+        n, k, dtype = shape["n"], shape["k"], shape["dtype"]
+        for variant in variants:
+            row = dict(variant=variant, **shape)
+            try:
+                case = SampleCase(variant, n, k, dtype, device)
+                t = measure(case, cuda=cuda, reps=reps)
+                nbytes = case.input_bytes()
+                case = None
+                gc.collect()
+                row.update(ms=t["ms"], p20=t["p20"], p80=t["p80"], bytes=nbytes,
+                           gbps=nbytes / (t["ms"] * 1e-3) / 1e9,
+                           peak_bytes=peak_bytes(variant, n, k, dtype, cuda))
+                row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+            except Exception as err:  # noqa: BLE001 - e.g. out of memory
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            results.append(row)
+            progress(_line(row))
+    from .runner import detect
+
+    return dict(device=detect()["device"], date=_dt.date.today().isoformat(),
+                copy_gbps=copy_gbps, results=results)
+
+
+def _line(r):
+    what = f"sampling: {r['variant']:14s} N={r['n']} K={r['k']} {r['dtype']}"
+    if "error" in r:
+        return f"{what} {r['error']}"
+    return f"{what} {r['ms']:9.2f} ms {r['gbps']:7.1f} GB/s peak {r['peak_bytes'] / 2**20:8.1f} MiB"
+
+
+def markdown(report):
+    lines = [f"### denoising step (device: {report['device']}; {report['date']}; copy "
+             f"bandwidth {report['copy_gbps']:.1f} GB/s measured in the same run)", "",
+             "| N | K | dtype | variant | ms (p20-p80) | GB/s of the one read | % copy | "
+             "peak MiB beyond the logits | ours faster by |", "|---|---|---|---|---|---|---|---|---|"]
+    ours = {(r["n"], r["k"], r["dtype"]): r for r in report["results"]
+            if r["variant"] == "ours" and "ms" in r}
+    for r in report["results"]:
+        head = f"| {r['n']} | {r['k']} | {r['dtype']} | {r['variant']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error'][:100]} | | | | |")
+            continue
+        mine = ours.get((r["n"], r["k"], r["dtype"]))
+        ratio = f"{r['ms'] / mine['ms']:.2f}x" if mine and r["variant"] != "ours" else "-"
+        peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] is not None else "n/a"
+        lines.append(f"{head} {r['ms']:.1f} ({r['p20']:.1f}-{r['p80']:.1f}) | {r['gbps']:.1f} | "
+                     f"{r['pct_copy']:.0f}% | {peak} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.sampling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=None, help="rows N = B·L (default: the device's)")
+    p.add_argument("--k", type=int, default=None, help="vocabulary K")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per case (default 5)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument("--json", default=None, help="also write the report to this file")
+    p.add_argument("--md", default=None, help="also write the Markdown table to this file")
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # memory probe process
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    shapes = GPU_SHAPES if cuda else CPU_SHAPES
+    if args.n or args.k or args.dtype:
+        base = shapes[0]
+        shapes = [dict(n=args.n or base["n"], k=args.k or base["k"],
+                       dtype=args.dtype or base["dtype"])]
+    if args.probe:
+        return _probe(args.probe, **shapes[0])
+    report = run(shapes, reps=args.reps, cuda=cuda, variants=args.variants.split(","))
+    table = markdown(report)
+    print(table)
+    for path, text in ((args.json, json.dumps(report, indent=1)), (args.md, table)):
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
