@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check (bench/README: run whenever an H200 is lent). Installs nothing from
+# One prepared GPU check, for a machine with an NVIDIA GPU:  bench/gpu_check.sh [OUTDIR [SECONDS]]
+# (default OUTDIR bench/results/gpu-<date>, SECONDS 560: the whole script's time budget). Installs nothing from
 # the network: the package installs from this checkout without build isolation, and optional
 # wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder was carried along.
 # Writes everything under $OUT (default bench/results/gpu-<date>): device info, JUnit XML of
@@ -10,12 +11,12 @@
 #       -d .whl "jax-triton==0.3.1" absl-py liger-kernel
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu-$(date +%F)}
+OUT=${1:-${OUT:-bench/results/gpu-$(date +%F)}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
-# The device tool brings back at most 8 files: on exit the JUnit XMLs and the device line go
-# into one archive beside the log and the benchmark's and sweep's own files.
+# On exit the JUnit XMLs and the device line go into one archive beside the log and the
+# benchmark's and sweep's own files (a handful of files to copy off the machine).
 pack() { (cd "$OUT" && ls *.xml device.csv >/dev/null 2>&1 && tar czf gpu_tests.tgz *.xml device.csv \
   && rm -f *.xml device.csv); ls -l "$OUT"; }
 trap pack EXIT
@@ -32,9 +33,9 @@ if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>
   log "pip install failed; running from the checkout via PYTHONPATH"
 fi
 
-# One deadline for the whole script (the device tool runs one command for at most 600 s):
+# One time budget for the whole script (SECONDS argument or GPU_CHECK_SECONDS, default 560):
 # each step gets what is left, minus what the later steps are promised.
-DEADLINE=${GPU_CHECK_SECONDS:-560}
+DEADLINE=${2:-${GPU_CHECK_SECONDS:-560}}
 left() { local t=$(( DEADLINE - SECONDS - $1 )); echo $(( t > 10 ? t : 10 )); }
 # GPU_CHECK_STEPS picks steps (a rerun after a partial run), e.g. "parity bench jax".
 STEPS=" ${GPU_CHECK_STEPS:-parity bench jax sweep suites} "

@@ -99,7 +99,7 @@ def skip_reason(env, variant, shape_index, elapsed_s, budget_s):
     """Why a case is not run, or None: past the time budget; or, on a GPU, the chunked
     fallback beyond the first shape (the path without Triton, bound there by launches and
     float32 temporaries; at the target shape alone it spends about a minute of a run into
-    which a lent GPU's few minutes must also fit the rest of the grid)."""
+    which a short GPU run must also fit the rest of the grid)."""
     if budget_s is not None and elapsed_s > budget_s:
         return "time budget"
     if env["cuda"] and variant == "chunked" and shape_index > 0:

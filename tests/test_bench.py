@@ -271,7 +271,7 @@ def test_skip_reason(monkeypatch):
 
 def test_full_grid_is_the_issues_grid_then_new_vocabularies(monkeypatch):
     """--full times the Triton issue's grid (target shape first), then each model vocabulary
-    not already in it, no (N, K) twice: a lent GPU's minutes are not spent on repeats."""
+    not already in it, no (N, K) twice: a GPU run's minutes are not spent on repeats."""
     monkeypatch.syspath_prepend(ROOT)
     from bench import shapes as S
 

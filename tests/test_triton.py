@@ -269,7 +269,7 @@ def test_interpreter_incompatibility():
 @pytest.mark.parametrize("teacher", [False, True])
 def test_gpu_check_at_a_small_shape(teacher):
     """test_gpu's real-size check, at a shape the interpreter runs in seconds: its own code is
-    exercised here, not first on a lent GPU (the first H200 run lost it to two test bugs)."""
+    exercised here, not first on a GPU (the first H200 run lost it to two test bugs)."""
     from test_gpu import check_rows_at_both_ends
 
     check_rows_at_both_ends("cuda" if ON_GPU else "cpu", 9, 1271, teacher, ends=2)
@@ -356,7 +356,7 @@ AOT_CASES = [("bf16", False), ("bf16", True), ("fp32", True), ("fp16", False)]
 
 
 # The issue-rate ceiling of an H200 (4 warp-instructions per clock per SM = 128 thread-
-# instructions, 132 SMs, 1.98 GHz) over the copy rate measured on this workplace's H200s
+# instructions, 132 SMs, 1.98 GHz) over the copy rate measured on the H200s of these runs
 # (4.3 TB/s, bench/NOTES.md): a streaming loop that issues more SASS instructions per byte
 # it moves than this cannot reach the copy bandwidth, whatever the memory system does.
 ISSUE_PER_BYTE = 128 * 132 * 1.98e9 / 4.3e12  # about 7.8

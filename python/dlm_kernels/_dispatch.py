@@ -35,8 +35,7 @@ class Capabilities:
     dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")  # logits it accepts
     vocab_shards: bool = False  # forward_partial + backward(offset=): vocabulary parallelism
     inplace_grad: bool = False  # backward(inplace=True) writes d(logits) into the logits
-    linear_head: bool = False  # logits from hidden states and an unembedding (a later op)
-    sampling: bool = False  # the fused denoising step (a later op)
+    sampling: bool = False  # sample(...): the denoising step's draw (dlm_kernels._sampling)
 
 
 #: the framework-native backends also take float64 logits (their math is float32 all the same)
@@ -52,7 +51,9 @@ class Backend(Protocol):
     ``backward(rows, stats, grads, cfg, **kw) -> (d_logits, d_teacher or None)``; with
     ``capabilities.vocab_shards`` also ``forward_partial(rows, cfg, offset) -> (State, r_y,
     found)`` and ``backward(..., offset=)``; with ``inplace_grad``, ``backward(...,
-    inplace=True)``.
+    inplace=True)``; with ``sampling``, ``sample(z, zu, keys, suppress, cfg) -> Sample``
+    (``dlm_kernels._sampling``). Every custom-VJP backend runs linear heads too: the front
+    end feeds it token chunks of ``hidden @ weight`` (``dlm_kernels._linear_head``).
     """
 
     name: str
