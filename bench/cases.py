@@ -106,15 +106,9 @@ class TorchCase:
         self._graphs = {}
 
     def cuda_peak_bytes(self):
-        torch = self.torch
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        grads = self.fwdbwd(0)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del grads
-        return peak
+        from .memory import cuda_peak_delta
+
+        return cuda_peak_delta(lambda: self.fwdbwd(0))
 
 
 # -- JAX ---------------------------------------------------------------------------------------

@@ -30,8 +30,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -144,43 +142,25 @@ class TorchHeadCase:
         return h.numel() * h.element_size() + w.numel() * w.element_size()
 
     def cuda_peak_bytes(self):
-        torch = self.torch
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        grads = self.fwdbwd(0)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del grads
-        return peak - self.grad_bytes()
+        from .memory import cuda_peak_delta
+
+        return cuda_peak_delta(lambda: self.fwdbwd(0)) - self.grad_bytes()
 
 
 def cpu_peak_bytes(variant, n, d, k, dtype):
     """Resident-set growth of one forward+backward in a fresh process, minus the gradients."""
-    from .memory import available
+    from .memory import probe_in_subprocess
 
-    if not available():
-        return None
-    out = subprocess.run([sys.executable, "-m", "bench.linear_head", "--probe", variant,
-                          "--n", str(n), "--d", str(d), "--k", str(k), "--dtype", dtype],
-                         capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return int(out.stdout.strip().splitlines()[-1])
+    return probe_in_subprocess(["bench.linear_head", "--probe", variant, "--n", str(n),
+                                "--d", str(d), "--k", str(k), "--dtype", dtype])
 
 
 def _probe(variant, n, d, k, dtype):
-    from .memory import proc_status_bytes, reset_peak_rss
+    from .memory import rss_peak_delta
 
     case = TorchHeadCase(variant, n, d, k, dtype, "cpu")
-    small = TorchHeadCase(variant, 16, d, min(k, 1024), dtype, "cpu")
-    small.fwdbwd(0)  # warm the code paths outside the measured window
-    del small
-    gc.collect()
-    base = proc_status_bytes("VmRSS")
-    reset_peak_rss()
-    grads = case.fwdbwd(0)
-    print(proc_status_bytes("VmHWM") - base - case.grad_bytes())
-    del grads
+    warm = lambda: TorchHeadCase(variant, 16, d, min(k, 1024), dtype, "cpu").fwdbwd(0)
+    print(rss_peak_delta(lambda: case.fwdbwd(0), warm) - case.grad_bytes())
 
 
 # -- JAX --------------------------------------------------------------------------------------

@@ -32,14 +32,48 @@ def available():
     return os.path.exists("/proc/self/clear_refs")
 
 
-def cpu_peak_bytes(objective, variant, n, k, dtype):
-    """Run the probe in a fresh interpreter; None where /proc cannot be reset."""
+def probe_in_subprocess(args):
+    """Run ``python -m <args>`` (a module's memory probe) in a fresh interpreter from the
+    repository root and return the byte count it prints last; None where /proc cannot be
+    reset."""
     if not available():
         return None
-    out = subprocess.run([sys.executable, "-m", "bench.memory", objective, variant, str(n),
-                          str(k), dtype], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                         check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return int(out.stdout.strip().splitlines()[-1])
+
+
+def rss_peak_delta(run, warm):
+    """VmHWM growth over the current RSS during ``run()``, after ``warm()`` ran the same code
+    paths at a small size (so their one-off allocations fall outside the window)."""
+    warm()
+    gc.collect()
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
+    out = run()
+    peak = proc_status_bytes("VmHWM") - base
+    del out
+    return peak
+
+
+def cuda_peak_delta(run):
+    """The CUDA allocator's peak growth during ``run()``."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def cpu_peak_bytes(objective, variant, n, k, dtype):
+    """The probe below, in a fresh interpreter; None where /proc cannot be reset."""
+    return probe_in_subprocess(["bench.memory", objective, variant, str(n), str(k), dtype])
 
 
 def main():
@@ -47,15 +81,8 @@ def main():
 
     objective, variant, n, k, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     case = TorchCase(objective, variant, n, k, dtype, "cpu")
-    small = TorchCase(objective, variant, 4, k, dtype, "cpu")
-    small.fwdbwd(0)  # warm up code paths outside the measured window
-    del small
-    gc.collect()
-    base = proc_status_bytes("VmRSS")
-    reset_peak_rss()
-    grads = case.fwdbwd(0)
-    print(proc_status_bytes("VmHWM") - base)
-    del grads
+    print(rss_peak_delta(lambda: case.fwdbwd(0),
+                         lambda: TorchCase(objective, variant, 4, k, dtype, "cpu").fwdbwd(0)))
 
 
 if __name__ == "__main__":

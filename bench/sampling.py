@@ -24,9 +24,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import os
-import subprocess
-import sys
 
 from .timing import copy_bandwidth, measure
 
@@ -89,40 +86,24 @@ class SampleCase:
 
 
 def _probe(variant, n, k, dtype):
-    from .memory import proc_status_bytes, reset_peak_rss
+    from .memory import rss_peak_delta
 
     case = SampleCase(variant, n, k, dtype, "cpu")
-    SampleCase(variant, 8, min(k, 1024), dtype, "cpu")(0)  # warm the code paths
-    gc.collect()
-    base = proc_status_bytes("VmRSS")
-    reset_peak_rss()
-    out = case(0)
-    print(proc_status_bytes("VmHWM") - base)
-    del out
+    print(rss_peak_delta(lambda: case(0), lambda: SampleCase(variant, 8, min(k, 1024), dtype,
+                                                             "cpu")(0)))
 
 
 def peak_bytes(variant, n, k, dtype, cuda):
-    if cuda:
-        import torch
+    """Peak memory of one step beyond its inputs (CUDA: the allocator; CPU: a fresh
+    process's resident set)."""
+    from .memory import cuda_peak_delta, probe_in_subprocess
 
+    if cuda:
         case = SampleCase(variant, n, k, dtype, "cuda")
         case(0)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = case(1)
-        torch.cuda.synchronize()
-        del out
-        return torch.cuda.max_memory_allocated() - base
-    from .memory import available
-
-    if not available():
-        return None
-    out = subprocess.run([sys.executable, "-m", "bench.sampling", "--probe", variant, "--n",
-                          str(n), "--k", str(k), "--dtype", dtype], capture_output=True,
-                         text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return int(out.stdout.strip().splitlines()[-1])
+        return cuda_peak_delta(lambda: case(1))
+    return probe_in_subprocess(["bench.sampling", "--probe", variant, "--n", str(n), "--k",
+                                str(k), "--dtype", dtype])
 
 
 def run(shapes, reps=5, cuda=False, variants=VARIANTS, progress=lambda s: print(s, flush=True)):
