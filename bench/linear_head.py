@@ -280,7 +280,7 @@ def _head_grads(fw, objective, h64, w64, y, head, cuda):
             z = dk.LinearHead(h, w, weight_layout="KD", row_chunk=8) if head else h @ w.T
             return _objective(dk, objective, z, batch, None if head else "reference")
 
-        value, (gh, gw) = jax.value_and_grad(loss, argnums=(0, 1))(
+        value, (gh, gw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
             jnp.asarray(h64, dt), jnp.asarray(w64, dt))
         return [np.asarray(v, np.float64) for v in (value, gh, gw)]
 
@@ -325,7 +325,7 @@ def matmul_rate(framework, n, d, k, dtype, cuda):
     return 2.0 * n * d * k / (best * 1e-3) / 1e12
 
 
-def run_case(framework, variant, n, d, k, dtype, cuda, reps, rate):
+def run_case(framework, variant, n, d, k, dtype, cuda, reps, rate, memory=True):
     base = dict(framework=framework, backend=variant, n=n, d=d, k=k, dtype=dtype)
     try:
         if framework == "torch":
@@ -341,7 +341,9 @@ def run_case(framework, variant, n, d, k, dtype, cuda, reps, rate):
         else:  # compiled backwards donate their buffers: derived from the other two
             timings["bwd"] = dict(ms=max(timings["fwd+bwd"]["ms"] - timings["fwd"]["ms"], 0.0),
                                   p20=None, p80=None, derived="fwd+bwd minus fwd")
-        if framework == "jax":
+        if not memory:
+            peak, kind = None, "not measured"
+        elif framework == "jax":
             peak, kind = case.temp_bytes(), "XLA temp bytes"
         elif cuda:
             peak, kind = case.cuda_peak_bytes(), "cuda allocator peak minus gradients"
@@ -374,7 +376,7 @@ def run_case(framework, variant, n, d, k, dtype, cuda, reps, rate):
 
 
 def run(n, d, k, dtype, frameworks=("torch", "jax"), reps=5, cuda=False,
-        progress=lambda line: print(line, flush=True), variants=None):
+        progress=lambda line: print(line, flush=True), variants=None, memory=True):
     """Every variant of every framework at (n, d, k, dtype), then the memory-scaling row.
     Returns dict(shape, matmul_tflops per framework, results)."""
     results, rates = [], {}
@@ -385,11 +387,12 @@ def run(n, d, k, dtype, frameworks=("torch", "jax"), reps=5, cuda=False,
     for fw in frameworks:
         rates[fw] = matmul_rate(fw, n, d, k, dtype, cuda and fw == "torch")
         for variant in variants or (VARIANTS_TORCH if fw == "torch" else VARIANTS_JAX):
-            rows = run_case(fw, variant, n, d, k, dtype, cuda and fw == "torch", reps, rates[fw])
+            rows = run_case(fw, variant, n, d, k, dtype, cuda and fw == "torch", reps, rates[fw],
+                            memory)
             results += rows
             progress(_line(rows))
         rows = run_case(fw, "ours-ce", 2 * n, d, k, dtype, cuda and fw == "torch", reps,
-                        rates[fw])
+                        rates[fw], memory)
         for r in rows:
             r["scaling"] = "2N"
         results += rows

@@ -10,7 +10,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 def test_bench_smoke(tmp_path):
     subprocess.run([sys.executable, "-m", "bench", "--smoke", "--reps", "3", "--objectives", "ce,opd",
-                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True)
+                    "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, text=True)
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert report["copy_gbps"] > 0 and report["device"] and report["versions"]["numpy"]
     assert report["parity"] and all(p["ok"] for p in report["parity"])
@@ -26,14 +27,24 @@ def test_bench_smoke(tmp_path):
     assert comm and all(c["bytes_per_row"] <= c["analytic_bytes_per_row"] for c in comm)
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))
-    head = report["linear_head"]  # the fused head beside the unfused pipeline, parity first
+    assert report["linear_head"] is None  # --no-linear-head
+
+
+def test_linear_head_bench(monkeypatch):
+    """The linear-head cases (what python -m bench appends to its grid): parity first, then the
+    fused head beside the unfused pipeline in both frameworks, with a 2N scaling row."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import linear_head as LH
+
+    head = LH.run(n=64, d=16, k=257, dtype="float32", reps=1, variants=["ours-ce", "unfused"],
+                  memory=False)  # the memory probes are bench/memory.py's, timed in the smoke run
     assert head["parity"] and all(p["ok"] for p in head["parity"])
     timed = [r for r in head["results"] if "ms" in r]
     assert {(r["framework"], r["backend"]) for r in timed} == {
         (fw, v) for fw in ("torch", "jax") for v in ("ours-ce", "unfused")}
     for r in timed:  # TFLOP/s only where the matmul count does not depend on the schedule
         assert r["ms"] > 0 and (r["tflops"] is not None) == (r["mode"] == "fwd+bwd")
-        assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
+        assert r["peak_kind"] == "not measured"
     assert any(r.get("scaling") == "2N" for r in timed)
 
 
