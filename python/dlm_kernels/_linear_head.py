@@ -2,7 +2,7 @@
 objective and ``token_stats`` accept in place of a logits array, without the [N, K] logits
 (or their gradient) ever existing in full.
 
-How it runs (each framework's ``_linear_head`` module; docs/design.md, "Linear head"):
+How it runs (each framework's ``_linear_head`` module):
 the N rows are cut into token chunks of R rows. For each chunk the logits ``Z_c = H_c W``
 ([R, K], a matmul in the inputs' dtype with float32 accumulation) feed the chosen backend's
 streaming kernels exactly as a logits array would (softcap, temperatures, LOO shift and

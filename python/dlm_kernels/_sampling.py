@@ -3,8 +3,7 @@ over the vocabulary draws a token and measures how sure the model is; cheap [B, 
 then choose which masked positions to commit.
 
 Per row, with z the logits (after classifier-free guidance ``z_u + (s + 1)(z_c - z_u)``,
-suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps (docs/design.md,
-"Denoising step"):
+suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
   (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
