@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
 import sys
 
 import numpy as np
 
+from .cli import add_common_args, write_outputs
 from .timing import measure
 
 VARIANTS_TORCH = ("ours-ce", "ours-policy", "unfused", "torch.linear_ce", "reference+compile",
@@ -454,12 +454,9 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=None, help="hidden width D")
     p.add_argument("--k", type=int, default=None, help="vocabulary K")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per case (default 5)")
     p.add_argument("--frameworks", default="torch,jax", help="default torch,jax")
     p.add_argument("--variants", default=None, help="comma-separated subset of the variants")
-    p.add_argument("--json", default=None, help="also write the report to this file")
-    p.add_argument("--md", default=None, help="also write the Markdown table to this file")
-    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # memory probe process
+    add_common_args(p)
     args = p.parse_args(argv)
     try:
         import torch
@@ -475,16 +472,9 @@ def main(argv=None):
         return _probe(args.probe, **shape)
     report = run(**shape, frameworks=tuple(args.frameworks.split(",")), reps=args.reps, cuda=cuda,
                  variants=args.variants.split(",") if args.variants else None)
-    table = markdown(report)
-    print(table)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table)
+    write_outputs(args, report, markdown(report))
     if not all(c["ok"] for c in report["parity"]):
         print("linear head parity FAILED", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
     return report
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
 
+from .cli import add_common_args, write_outputs
 from .timing import copy_bandwidth, measure
 
 VARIANTS = ("ours", "llada-float64", "llada+compile", "float32")
@@ -167,11 +167,8 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=None, help="rows N = B·L (default: the device's)")
     p.add_argument("--k", type=int, default=None, help="vocabulary K")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per case (default 5)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    p.add_argument("--json", default=None, help="also write the report to this file")
-    p.add_argument("--md", default=None, help="also write the Markdown table to this file")
-    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # memory probe process
+    add_common_args(p)
     args = p.parse_args(argv)
     import torch
 
@@ -184,12 +181,7 @@ def main(argv=None):
     if args.probe:
         return _probe(args.probe, **shapes[0])
     report = run(shapes, reps=args.reps, cuda=cuda, variants=args.variants.split(","))
-    table = markdown(report)
-    print(table)
-    for path, text in ((args.json, json.dumps(report, indent=1)), (args.md, table)):
-        if path:
-            with open(path, "w") as f:
-                f.write(text)
+    write_outputs(args, report, markdown(report))
     return report
 
 

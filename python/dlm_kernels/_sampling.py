@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._checks import plain, require_array, require_float, require_int, require_shape, shape_str
-from ._config import check_positive_float
 
 MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers
