@@ -23,6 +23,7 @@ def _interpret(monkeypatch):
 class TestJaxPallas(TokenStatsSuite):
     FW, BACKEND = "jax", "pallas"
     CHUNK_SIZES = (None, 128)  # the budgeted blocks, and many ragged vocabulary steps
+    SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many steps (the budget: the features)
 
 
 class TestJaxPallasObjectives(ObjectivesSuite):

@@ -74,6 +74,9 @@ class TokenStatsSuite:
     FW = None
     BACKEND = None
     CHUNK_SIZES = (None,)
+    #: the block sizes of the shape sweep (default CHUNK_SIZES); an interpreted kernel suite
+    #: runs the sweep at its many-block size only, its features at every size
+    SHAPE_CHUNK_SIZES = None
 
     @property
     def fw(self):
@@ -133,7 +136,7 @@ class TokenStatsSuite:
     @pytest.mark.parametrize("rows,k,dtype", SHAPE_DTYPES, ids=lambda v: str(v))
     def test_parity_shapes_dtypes(self, rng, rows, k, dtype):
         case = make_case(self.fw, rng, rows, k, dtype, FEATURES["all"])
-        for chunk_size in self.CHUNK_SIZES:
+        for chunk_size in self.SHAPE_CHUNK_SIZES or self.CHUNK_SIZES:
             self.check(case, rng, dtype, chunk_size)
 
     @pytest.mark.parametrize("feature", list(FEATURES))

@@ -42,6 +42,7 @@ def _poison_outputs():
 class TestTorchTriton(TorchCompileChecks, TokenStatsSuite):
     FW, BACKEND = "torch", "triton"
     CHUNK_SIZES = (None, 128)  # the launch heuristic, and many blocks with split-K
+    SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many blocks (the heuristic: the features)
 
     def test_inplace_grad(self, rng):
         import torch
