@@ -43,7 +43,8 @@ def test_linear_head_bench(monkeypatch):
     assert {(r["framework"], r["backend"]) for r in timed} == {
         (fw, v) for fw in ("torch", "jax") for v in ("ours-ce", "unfused")}
     for r in timed:  # TFLOP/s only where the matmul count does not depend on the schedule
-        assert r["ms"] > 0 and (r["tflops"] is not None) == (r["mode"] == "fwd+bwd")
+        assert r["ms"] > 0 or (r["ms"] == 0 and r["derived"])  # a derived bwd may be 0
+        assert (r["tflops"] is not None) == (r["mode"] == "fwd+bwd")
         assert r["peak_kind"] == "not measured"
     assert any(r.get("scaling") == "2N" for r in timed)
 
