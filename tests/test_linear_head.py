@@ -89,7 +89,8 @@ class LinearHeadSuite:
     #: (weight_layout, dtype) of test_token_stats_from_heads
     HEAD_CASES = (("KD", "float32"), ("DK", "float32"), ("KD", "bfloat16"), ("DK", "bfloat16"))
     CE_DTYPES = ("float32", "bfloat16")
-    OPD_TERMS = ("total", "aux")
+    #: (term differentiated, dtype) of test_opd_loss_with_teacher_head
+    OPD_TERMS = (("total", "float32"), ("aux", "float32"), ("both", "bfloat16"))
 
     @property
     def fw(self):
@@ -177,17 +178,21 @@ class LinearHeadSuite:
             model_inputs={"input_tokens": y}, target_ids=y,
             loss_weights=fw.array(p.active.astype(np.float32)))
 
-    def _check_head_grads(self, p, got, dz, dtype, layout):
+    def _check_head_grads(self, p, got, dz, dtype, layout, dz_size=None):
+        """``dz_size``: the size each d(logits) element is rounded at (default |dz|; two
+        schedules' terms, each rounded to the dtype on its own: the sum of their sizes)."""
         gh, gw, gb = got
         h = p.h.reshape(p.n, -1)
         dz = dz.reshape(p.n, -1)
+        size = np.abs(dz) if dz_size is None else dz_size.reshape(p.n, -1)
         zero = np.zeros_like(dz)
         assert_close(gh.reshape(p.n, -1), dz @ p.w, dtype, "d hidden",
-                     slack=matmul_slack(dz, zero, p.w, dtype) + 2e-6)
+                     slack=matmul_slack(size, zero, p.w, dtype) + 2e-6)
         assert_close(gw, _from_kd(dz.T @ h, layout), dtype, "d weight",
-                     slack=_from_kd(matmul_slack(dz.T, zero.T, np.abs(h), dtype), layout) + 2e-6)
+                     slack=_from_kd(matmul_slack(size.T, zero.T, np.abs(h), dtype), layout)
+                     + 2e-6)
         assert_close(gb, dz.sum(0), dtype, "d bias",
-                     slack=matmul_slack(dz.T, zero.T, np.ones((p.n, 1)), dtype)[:, 0] + 2e-6)
+                     slack=matmul_slack(size.T, zero.T, np.ones((p.n, 1)), dtype)[:, 0] + 2e-6)
 
     def test_weighted_cross_entropy(self, rng, ce_dtype):
         """A scalar objective: the gradient formed in the forward (3 matmuls)."""
@@ -212,8 +217,10 @@ class LinearHeadSuite:
 
     def test_opd_loss_with_teacher_head(self, rng, opd_term):
         """Student and teacher heads of different widths; the total's gradient comes from the
-        forward, an aux term's (differentiated on purpose) from the recompute path."""
-        term = opd_term
+        forward, an aux term's (differentiated on purpose) from the recompute path, and
+        "both" differentiates their sum: the two schedules' gradients summed in float32 and
+        rounded once to the head's dtype."""
+        term, dtype = opd_term
         fw, p = self.fw, HeadProblem(rng, rows=(3, 7))
         api = fw.api
         teacher = api.LinearHead(fw.array(p.ht, "float32"), fw.array(p.wt, "float32"),
@@ -225,27 +232,29 @@ class LinearHeadSuite:
             head = api.LinearHead(h, w, b, weight_layout="KD", row_chunk=8)
             total, aux = api.opd_loss(head, dbatch, temperature=2.0, soft_loss_weight=0.7,
                                       hard_loss_weight=0.4, backend=self.BACKEND)
-            return ((total if term == "total" else aux["distill/soft_loss"]).compute(),)
+            soft = aux["distill/soft_loss"].compute()
+            return ({"total": total.compute(), "aux": soft}.get(term, total.compute() + soft),)
 
-        primals = tuple(fw.array(a, "float32") for a in (p.h, p.w, p.b))
+        primals = tuple(fw.array(a, dtype) for a in (p.h, p.w, p.b))
         (value,), grads = fw.vjp(fn, primals, [1.0])
         active, ys, u = p.active.reshape(-1) != 0, p.y.reshape(-1), p.u()
         wsum = active.sum()
         _, _, _, kl = oracle.token_stats(p.z(), ys, active, u=u, T=2.0)
         _, logp1, _, _ = oracle.token_stats(p.z(), ys, active)
         soft, hard = 4.0 * kl.sum() / wsum, -np.where(active, logp1, 0).sum() / wsum
-        expected = 0.7 * soft + 0.4 * hard if term == "total" else soft
+        expected = {"total": 0.7 * soft + 0.4 * hard, "aux": soft}.get(
+            term, 1.7 * soft + 0.4 * hard)
         assert_close(value, expected, "float32", term)
-        zeros = np.zeros(p.n)
-        g_kl = (0.7 if term == "total" else 1.0) * 4.0 * active.astype(float) / wsum
-        dz_soft, _ = oracle.token_stats_vjp(p.z(), ys, active, (zeros, zeros, zeros, g_kl),
-                                            u=u, T=2.0)
-        dz = dz_soft
-        if term == "total":
-            dz_hard, _ = oracle.token_stats_vjp(p.z(), ys, active,
-                                                (zeros, -0.4 * active.astype(float) / wsum, zeros, zeros))
-            dz = dz + dz_hard
-        self._check_head_grads(p, grads, dz, "float32", "KD")
+        zeros, act = np.zeros(p.n), active.astype(float)
+        soft_dz = lambda g: oracle.token_stats_vjp(p.z(), ys, active,
+                                                   (zeros, zeros, zeros, g * 4.0 * act / wsum),
+                                                   u=u, T=2.0)[0]
+        hard_dz = oracle.token_stats_vjp(p.z(), ys, active,
+                                         (zeros, -0.4 * act / wsum, zeros, zeros))[0]
+        total_dz, aux_dz = soft_dz(0.7) + hard_dz, soft_dz(1.0)
+        parts = {"total": (total_dz,), "aux": (aux_dz,)}.get(term, (total_dz, aux_dz))
+        self._check_head_grads(p, grads, sum(parts), dtype, "KD",
+                               dz_size=sum(np.abs(d) for d in parts))
 
     def test_teacher_head_gets_no_gradient(self, rng):
         """opd_loss treats the teacher as a constant: its hidden and weight get exact zeros."""
@@ -364,7 +373,7 @@ class TestTorchTriton(LinearHeadSuite):
     FW, BACKEND = "torch", "triton"
     HEAD_CASES = (("KD", "bfloat16"),)  # both layouts and dtypes: the chunked classes
     CE_DTYPES = ("bfloat16",)
-    OPD_TERMS = ("total",)
+    OPD_TERMS = (("total", "float32"),)
 
 
 @pytest.mark.skipif(not _interpreted(), reason="the Triton kernels run on CPU only under "
@@ -374,14 +383,14 @@ class TestJaxTritonEmulated(LinearHeadSuite):
     FW, BACKEND = "jax", "triton"
     HEAD_CASES = (("DK", "bfloat16"),)  # both layouts and dtypes: the chunked classes
     CE_DTYPES = ("bfloat16",)
-    OPD_TERMS = ("total",)
+    OPD_TERMS = (("total", "float32"),)
 
 
 class TestJaxPallas(LinearHeadSuite):
     FW, BACKEND = "jax", "pallas"
     HEAD_CASES = (("DK", "bfloat16"),)  # both layouts and dtypes: the chunked classes
     CE_DTYPES = ("bfloat16",)
-    OPD_TERMS = ("total",)
+    OPD_TERMS = (("total", "float32"),)
 
     @pytest.fixture(autouse=True)
     def _interpret(self, monkeypatch):

@@ -12,20 +12,24 @@ import os
 import numpy as np
 
 # (atol, rtol) per dtype of the *output* compared. All math is float32, so every row shares
-# the float32 absolute floor; rtol adds the final rounding to the output dtype (bf16: 2^-9
-# relative, fp16: 2^-12). Row statistics are float32 whatever the input dtype (the oracle
-# sees the same rounded inputs), so they use the float32 row; gradients use the row of the
-# input dtype. The absolute floor is for terms of unit size; where a value is a difference
-# of larger float32 terms (the teacher gradient q·((t - s) - E_q[t - s]) cancels terms of
-# size |t - s|), callers pass ``scale`` = the size of those terms, since float32 rounds
-# each of them to about 6e-8 of its own magnitude (see ``cancellation_scale``). Likewise a
-# backward reads lse as a saved float32 (about an ulp of |lse| off), which every term in p
-# carries as a relative error: d-logits checks pass ``slack`` = that error per element
+# the float32 absolute floor; rtol is the final rounding to the output dtype: its unit
+# roundoff u (float32 2^-24, bfloat16 2^-8, float16 2^-11), the most a round-to-nearest can
+# move a value, relative to it. A result truncated instead of rounded, or rounded twice
+# (two 16-bit terms each rounded, then their sum), errs by up to 2u and fails. The float32
+# row's rtol is wider than its u: float32 results carry the float32 sums' own error.
+# Row statistics are float32 whatever the input dtype (the oracle sees the same rounded
+# inputs), so they use the float32 row; gradients use the row of the input dtype. The
+# absolute floor is for terms of unit size; where a value is a difference of larger float32
+# terms (the teacher gradient q·((t - s) - E_q[t - s]) cancels terms of size |t - s|),
+# callers pass ``scale`` = the size of those terms, since float32 rounds each of them to
+# about 6e-8 of its own magnitude (see ``cancellation_scale``). Likewise a backward reads
+# lse as a saved float32 (about an ulp of |lse| off), which every term in p carries as a
+# relative error: d-logits checks pass ``slack`` = that error per element
 # (``tests/oracle.py: saved_lse_slack``), large only where p is close to 1.
 TOLERANCES = {
     "float32": (2e-6, 2e-5),
-    "bfloat16": (2e-6, 8e-3),
-    "float16": (2e-6, 1e-3),
+    "bfloat16": (2e-6, 2.0 ** -8),
+    "float16": (2e-6, 2.0 ** -11),
 }
 DTYPES = tuple(TOLERANCES)
 

@@ -79,6 +79,15 @@ class _HeadGrads:
 
             dist.all_reduce(self.dh, group=group)
 
+    def absorb(self, other, scale):
+        """Add ``scale`` times another schedule's float32 gradients of the same head, so
+        the sum is rounded once (in ``result``), not each term."""
+        for name in ("dh", "dw", "db"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if theirs is None:
+                continue
+            setattr(self, name, theirs * scale if mine is None else mine.add_(theirs * scale))
+
     def result(self, scale=None):
         """(dH, dW, db) in the head's dtypes (None where not needed), times ``scale``."""
         head = self.head
@@ -171,6 +180,22 @@ class _Accumulators:
                 acc.add(g, r0, r1)
             elif acc is not None:
                 acc[r0:r1] = g
+
+    def absorb(self, other, scale):
+        """Fold ``scale`` times another schedule's gradients into these (heads in float32,
+        rounded once later; an array's two terms summed in float32 and rounded here)."""
+        for name in ("student", "teacher"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if theirs is None:
+                continue
+            if mine is None:
+                mine = _HeadGrads(theirs.head, (False,) * 3) if isinstance(theirs, _HeadGrads) \
+                    else torch.zeros_like(theirs)
+                setattr(self, name, mine)
+            if isinstance(mine, _HeadGrads):
+                mine.absorb(theirs, scale)
+            else:
+                mine.copy_(mine.float() + theirs.float() * scale)
 
     def reduce(self, group):
         for acc in (self.student, self.teacher):
@@ -268,17 +293,21 @@ class _LinearHeadFunction(torch.autograd.Function):
         n_in = len(saved) - len(Stats._fields)
         tensors, stats = saved[:n_in], Stats(*saved[n_in:])
         parts = ctx.spec[0]
-        out = None
-        if g_total is not None and ctx.planned is not None:
-            out = _flat_grads(parts, ctx.planned, g_total.float())
+        planned = ctx.planned if g_total is not None else None
+        acc = None
         if any(g is not None for g in (g_lse, g_lp, g_h, g_kl)):  # the recompute schedule
             rows, _ = _unpack(ctx.spec, tensors)
             sweep = _Sweep(ctx.impl, ctx.cfg, rows, ctx.group)
             grads = _cotangents((g_lse, g_lp, g_h, g_kl), rows.targets)
             _, acc = sweep.run(stats=stats, grads=grads, need=ctx.needs)
-            more = _flat_grads(parts, acc)
-            out = more if out is None else [a if b is None else (b if a is None else a + b)
-                                            for a, b in zip(out, more)]
+        if acc is not None and planned is not None:
+            acc.absorb(planned, g_total.float())  # one rounding of the sum of both terms
+            planned = None
+        out = None
+        if acc is not None:
+            out = _flat_grads(parts, acc)
+        elif planned is not None:
+            out = _flat_grads(parts, planned, g_total.float())
         if out is None:
             out = [None] * (2 * _PART)
         return (None, None, None, None, *out, *([None] * (len(tensors) - 2 * _PART)))
