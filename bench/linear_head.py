@@ -225,11 +225,13 @@ def parity(frameworks=("torch", "jax"), cuda=False):
     """Loss and (dH, dW) of both schedules (weighted CE; per-token log-probs with entropy)
     from a head vs the same objective on materialised float64 logits (the reference
     backend), at an awkward shape (N = 37, D = 19, K = 301, several token chunks), float32.
-    Returns rows of dict(framework, objective, ok, max_abs_err)."""
-    from dlm_kernels.testing import TOLERANCES
+    Returns rows of dict(framework, objective, ok, max_abs_err, seed) on a fresh draw
+    (DLM_TEST_SEED=seed draws it again)."""
+    from dlm_kernels.testing import TOLERANCES, new_seed
 
     atol, rtol = TOLERANCES["float32"]
-    rng = np.random.default_rng(0)
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
     n, d, k = 37, 19, 301
     h64, w64 = rng.standard_normal((1, n, d)), rng.standard_normal((k, d)) / d ** 0.5 * 3
     y = rng.integers(0, k, (1, n))
@@ -242,7 +244,8 @@ def parity(frameworks=("torch", "jax"), cuda=False):
             ok = all(np.allclose(g, e, rtol=rtol, atol=atol * max(1.0, float(np.abs(e).max())))
                      for g, e in zip(got, want))
             rows.append(dict(framework=fw, objective=objective, ok=bool(ok),
-                             max_abs_err=dict(zip(("loss", "d_hidden", "d_weight"), errs))))
+                             max_abs_err=dict(zip(("loss", "d_hidden", "d_weight"), errs)),
+                             seed=seed))
     return rows
 
 

@@ -2,11 +2,14 @@
 
 Usage: python aot_probe.py DTYPE(bf16|fp16|fp32) TEACHER(0|1). Prints one JSON line
 {kernel: {registers, spill_stores, spill_loads, vector_loads, vector_stores, slow_exps,
-sass_per_logit, loop_barriers}}; exit 3 when
+sass_per_logit, loop_barriers, row_offsets, narrow_row_offsets, rounded_narrowings,
+other_narrowings}}; exit 3 when
 ptxas is unavailable. Compiles at the configuration launched for N = 16384, K = 262144,
 specialised as the launch specialises it: Triton marks every pointer (16-byte aligned
 allocations) and every integer argument divisible by 16 with tt.divisibility = 16, which is
-what lets the unmasked main loops use 16-byte accesses. Every kernel is compiled with every
+what lets the unmasked main loops use 16-byte accesses, and types every integer under 2^31
+as i32 (row strides included: the kernels must widen row offsets themselves, which
+"narrow_row_offsets" counts the failures of, from the TTIR). Every kernel is compiled with every
 feature on (the register worst case; keys "stats_*_kernel[...]"), and the two streaming
 kernels once more as the objectives launch them (keys "objective:..."): weighted CE (no
 teacher, no entropy) or, with TEACHER=1, distillation (teacher, T = 1 CE beside the
@@ -34,6 +37,26 @@ ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 VECTOR_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.v[24]\.")
 VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.")
 F64_OP = re.compile(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", re.M)
+# TTIR: a pointer broadcast to a block, and pointer arithmetic with its offset's integer type
+SPLAT = re.compile(r"(%[\w.]+) = tt\.splat (%[\w.]+)\b")
+ADDPTR = re.compile(r"= tt\.addptr (%[\w.]+), %[\w.]+ : [^,]+, (?:tensor<[\dx]*)?(i\d+)")
+NK_POINTERS = ("%z_ptr", "%u_ptr", "%dz_ptr", "%du_ptr")  # the [N, K] arrays
+# PTX narrowing of float32 to a 16-bit float: to nearest (cvt.rn) or any other rounding
+NARROW_RN = re.compile(r"cvt\.rn\.(?:bf16|f16)(?:x2)?\.f32")
+NARROW_OTHER = re.compile(r"cvt\.r[zmp]\.(?:bf16|f16)(?:x2)?\.f32")
+
+
+def row_offsets(ttir):
+    """(offsets added to an [N, K] argument pointer, how many of them are narrower than 64
+    bits). Row r of an [N, K] array starts r·stride elements in, past 2^31 once N·K is; the
+    kernels add that offset to the argument pointer itself (the columns, below K, follow as
+    32-bit offsets from the row's pointer), so every one of these must be int64."""
+    bases = set(NK_POINTERS)
+    for m in SPLAT.finditer(ttir):
+        if m.group(2) in bases:
+            bases.add(m.group(1))
+    widths = [m.group(2) for m in ADDPTR.finditer(ttir) if m.group(1) in bases]
+    return len(widths), sum(w != "i64" for w in widths)
 
 
 def ptxas_report(ptx, ptxas):
@@ -94,7 +117,8 @@ def main():
              "y_ptr": "*i64", "d_ptr": "*fp32", "active_ptr": "*i8", "part_ptr": "*fp32",
              "out_ptr": "*fp32", "stats_ptr": "*fp32", "g_lse_ptr": "*fp32", "g_lp_ptr": "*fp32",
              "g_h_ptr": "*fp32", "g_kl_ptr": "*fp32", "N": "i32", "K": "i32", "S": "i32",
-             "stride_z": "i64", "stride_u": "i64", "stride_dz": "i64", "stride_du": "i64",
+             # an integer under 2^31 is typed i32 at launch: the kernels widen row offsets
+             "stride_z": "i32", "stride_u": "i32", "stride_dz": "i32", "stride_du": "i32",
              "cols_per_split": "i32", "col_offset_ptr": "*i32", "vocab_limit": "i32",
              "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32", "softcap": "fp32"}
     values = dict(N=16384, K=262144, S=cfg["splits"], stride_z=262144, stride_u=262144,
@@ -115,8 +139,7 @@ def main():
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
     # the constexpr 1 (the objectives' T = 1), token ids int32; it marks pointers as 16-byte
     # aligned but no integer as divisible by 16. Every feature on, at T = 1.
-    jax_types = dict(types, x_ptr="*i32", y_ptr="*i32", stride_z="i32", stride_u="i32",
-                     stride_dz="i32", stride_du="i32", inv_t="fp64", inv_t_ce="fp64",
+    jax_types = dict(types, x_ptr="*i32", y_ptr="*i32", inv_t="fp64", inv_t_ce="fp64",
                      inv_t_kl="fp64", softcap="fp64")
     at_t1 = dict(inv_t=1, inv_t_ce=1, inv_t_kl=1)
     kernels += [("jax:", jax_types, (fn, dict(c, **{k: v for k, v in at_t1.items()
@@ -138,8 +161,12 @@ def main():
         per_logit, barriers = (main_loop_sass(compiled.asm["cubin"], nvdisasm,
                                               constexprs["BLOCK_K"] // (32 * warps))
                                if streaming else (None, None))
+        offsets, narrow = row_offsets(compiled.asm["ttir"])
         report[key] = dict(
             ptxas_report(ptx, ptxas), num_warps=warps,
+            row_offsets=offsets, narrow_row_offsets=narrow,
+            rounded_narrowings=len(NARROW_RN.findall(ptx)),
+            other_narrowings=len(NARROW_OTHER.findall(ptx)),
             vector_loads=len(VECTOR_LOAD.findall(ptx)),
             vector_stores=len(VECTOR_STORE.findall(ptx)),
             # tl.exp's ex2 without .ftz drags a subnormal fix-up along (3 more instructions)

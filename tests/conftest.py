@@ -40,6 +40,9 @@ def pytest_configure(config):
     reason = interpreter_incompatibility(*versions)
     if reason:
         raise pytest.UsageError(reason)
+    import interpreter_numerics
+
+    interpreter_numerics.install()  # bfloat16 rounded to nearest, as compiled kernels do
 
 
 @pytest.fixture

@@ -373,7 +373,9 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
     objectives launch them (CE, or distillation with a teacher), the streaming loops issue
     few enough instructions per byte to keep up with the copy rate (ISSUE_PER_BYTE). Typed
     as jax-triton 0.3 launches them too (float64 float scalars, T = 1 as a constexpr 1), no
-    kernel computes in float64. A subprocess, since the interpreter is on in this one."""
+    kernel computes in float64. At the launch's own integer typing (i32 below 2^31, row
+    strides included) every row offset into an [N, K] array is 64-bit, and every 16-bit
+    result is rounded to nearest. A subprocess, since the interpreter is on in this one."""
     import json
     import sys
 
@@ -391,6 +393,16 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert 0 < r["registers"] <= 255, (name, r)
         assert r["slow_exps"] == 0, (name, "tl.exp's subnormal fix-up is back", r)
+        # N·K past 2^31: a row's offset into the logits must be computed in 64 bits
+        assert r["row_offsets"] >= 1 and r["narrow_row_offsets"] == 0, (
+            name, "a 32-bit row offset into an [N, K] array", r)
+        # float32 -> 16 bits only ever rounded to nearest (the interpreter truncates instead:
+        # tests/interpreter_numerics.py)
+        assert r["other_narrowings"] == 0, (name, "a 16-bit result not rounded to nearest", r)
+    if dtype != "fp32":  # d logits are stored in the logits' dtype, rounded to nearest
+        for prefix in ("", "objective:", "jax:"):
+            grad = report_of(report, prefix + "stats_grad_kernel")
+            assert grad["rounded_narrowings"] >= 1, (prefix, grad)
     streams = 2 if teacher else 1  # logits (and teacher logits)
     elem = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     for prefix in ("", "objective:", "jax:"):

@@ -34,6 +34,14 @@ TOLERANCES = {
 DTYPES = tuple(TOLERANCES)
 
 
+def tolerance(dtype, rounded_twice=False):
+    """(atol, rtol) of ``TOLERANCES[dtype]``. ``rounded_twice``: for comparing two results
+    that were each rounded to the dtype on their own (two backends' 16-bit gradients), which
+    may lie an ulp apart although each is within u of the truth: twice the rtol."""
+    atol, rtol = TOLERANCES[dtype]
+    return (atol, 2 * rtol) if rounded_twice and dtype != "float32" else (atol, rtol)
+
+
 def new_seed():
     env = os.environ.get("DLM_TEST_SEED")
     seed = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
