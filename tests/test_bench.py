@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from harness import assert_close
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -75,16 +77,38 @@ def test_bench_keeps_partial_report(tmp_path, monkeypatch):
         (calls[0][3], m) for m in ("fwd", "bwd", "fwd+bwd")}
     assert all("ms" in r and "speedup" in r for r in report["results"])
 
+def _same_loss_as_ours(variant, objective="ce"):
+    """The loss a baseline variant times, and its gradient, equal ours (the chunked backend)
+    on the same inputs: a peer configured to compute something else (another reduction,
+    other targets) would be timed on another problem."""
+    import torch
+
+    from bench.cases import TorchCase
+
+    out = []
+    for name in ("chunked", variant):  # ours first: Liger writes its gradient into its input
+        case = TorchCase(objective, name, 16, 257, "float32", "cpu")
+        z, batch = case.sets[0]
+        value = case._loss(z, batch)
+        (grad,) = torch.autograd.grad(value, z)
+        out.append((value.detach().double().numpy(), grad.double().numpy()))
+    (v_ours, g_ours), (v_peer, g_peer) = out
+    assert_close(v_peer, v_ours, "float32", f"{variant} loss")
+    assert_close(g_peer, g_ours, "float32", f"{variant} d logits")
+
+
 def test_torch_compile_baseline_case(monkeypatch):
-    """The torch.compile baseline (timed on GPUs) runs end to end; its backward is derived."""
+    """The torch.compile baseline (timed on GPUs) computes our loss and runs end to end; its
+    backward is derived."""
     import types
 
     monkeypatch.syspath_prepend(ROOT)
     from bench.runner import detect, run_case
 
+    _same_loss_as_ours("reference+compile")
     rows = run_case(detect(), "torch", "ce", "reference+compile", "tiny", 16, 257, "float32",
                     10.0, types.SimpleNamespace(reps=2))
-    assert all("ms" in r for r in rows), rows
+    assert all(r["ms"] > 0 for r in rows if r["mode"] != "bwd"), rows
     assert next(r for r in rows if r["mode"] == "bwd")["derived"]
 
 
@@ -117,19 +141,22 @@ def test_torch_compile_baseline_compiles_every_case_statically(monkeypatch):
 
 
 def test_liger_baseline_case(monkeypatch):
-    """The Liger-Kernel baseline (timed on GPUs) runs end to end; on CPU through the Triton
-    interpreter that conftest turns on."""
+    """The Liger-Kernel baseline (timed on GPUs) computes our loss and runs end to end; on
+    CPU through the Triton interpreter that conftest turns on."""
     import types
 
     import pytest
 
     pytest.importorskip("liger_kernel")
     monkeypatch.syspath_prepend(ROOT)
+    from bench import shapes
     from bench.runner import detect, run_case
 
+    _same_loss_as_ours("liger")
     rows = run_case(detect(), "torch", "ce", "liger", "tiny", 16, 257, "float32", 10.0,
                     types.SimpleNamespace(reps=2))
-    assert all("ms" in r for r in rows), rows
+    assert [r["mode"] for r in rows] == list(shapes.MODES), rows
+    assert all(r["ms"] > 0 for r in rows if r["mode"] != "bwd"), rows
 
 
 def test_launch_sweep_smoke(tmp_path):

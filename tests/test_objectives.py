@@ -26,6 +26,11 @@ def sft_inputs(rng, b=3, l=5, k=37, t=None, empty_row=True):
 class ObjectivesSuite:
     FW = None
     BACKEND = None
+    #: (variant, dtype) of test_sft_loss_and_grad; (soft, hard weights, dtype) of
+    #: test_opd_loss (conftest's pytest_generate_tests)
+    SFT_CASES = tuple((v, d) for v in ALL_VARIANTS for d in DTYPES)
+    OPD_CASES = tuple((soft, hard, d) for soft, hard in ((1.0, 0.0), (0.0, 1.0), (0.7, 0.4))
+                      for d in DTYPES)
 
     @property
     def fw(self):
@@ -41,9 +46,8 @@ class ObjectivesSuite:
 
     # -- Megatron SFT ------------------------------------------------------------------
 
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("variant", ALL_VARIANTS)
-    def test_sft_loss_and_grad(self, rng, variant, dtype):
+    def test_sft_loss_and_grad(self, rng, sft_case):
+        variant, dtype = sft_case
         arrays = sft_inputs(rng)
         clip = 3.0 if variant.startswith("re") else None
         fw, z, fn = self.sft("diffusion_sft_loss", arrays, dtype, variant=variant, vocab_size=37,
@@ -284,11 +288,9 @@ class ObjectivesSuite:
         assert loss == 0.0
         assert_exact_zero(grad, "d logits with all weights 0")
 
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("weights", [(1.0, 0.0), (0.0, 1.0), (0.7, 0.4)], ids=str)
-    def test_opd_loss(self, rng, dtype, weights):
+    def test_opd_loss(self, rng, opd_case):
         fw = self.fw
-        soft_w, hard_w = weights
+        soft_w, hard_w, dtype = opd_case
         student, y, w = self.batch(rng)
         u64 = rng.normal(size=(2, 6, 41)) * 3
         teacher = fw.array(u64, dtype)
@@ -330,12 +332,21 @@ class ObjectivesSuite:
         bad_teacher = fw.array(np.full((2, 6, 5), np.nan), "float32")  # wrong K and NaN
         batch = fw.api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=bad_teacher)
         z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
-        total, aux = fw.api.opd_loss(z, batch, soft_loss_weight=0.0, hard_loss_weight=1.0,
-                                     backend=self.BACKEND)
+        hard_only = lambda z: fw.api.opd_loss(z, batch, soft_loss_weight=0.0,
+                                              hard_loss_weight=1.0, backend=self.BACKEND)
+        _, aux = hard_only(z)
+        assert fw.numpy(aux["distill/soft_loss"].unreduced_sum) == 0
+
+        (value,), (grad,) = fw.vjp(lambda z: (hard_only(z)[0].unreduced_sum,), [z], [1.0])
         z64, active, wf = fw.numpy(z).reshape(12, 41), (w != 0).reshape(-1), w.reshape(-1)
         _, lp, _, _ = oracle.token_stats(z64, y.reshape(-1), active)
-        assert_close(fw.numpy(total.unreduced_sum), -(wf * lp).sum(), "float32", "hard-only total")
-        assert fw.numpy(aux["distill/soft_loss"].unreduced_sum) == 0
+        assert_close(value, -(wf * lp).sum(), "float32", "hard-only total")
+        # the NaN teacher reaches neither the value nor the gradient: d logits is the CE's
+        zero = np.zeros(12)
+        dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, (zero, -wf, zero, zero))
+        assert_close(grad.reshape(12, 41), dz, "float32", "hard-only d logits",
+                     slack=oracle.saved_lse_slack(z64, y.reshape(-1), active,
+                                                  (zero, -wf, zero, zero)))
         # a disabled hard term does not check targets against K (replace() skips the batch's
         # own check, as a batch traced under jit would)
         y_bad = np.where(w != 0, 1000, -1)
@@ -348,6 +359,27 @@ class ObjectivesSuite:
                                          u=fw.numpy(teacher).reshape(12, 41), T=1.5)
         assert_close(fw.numpy(total2.unreduced_sum), 2.25 * (wf * kl).sum(), "float32", "soft-only total")
         assert fw.numpy(aux2["distill/hard_loss"].unreduced_sum) == 0
+
+
+class KernelObjectivesSuite(ObjectivesSuite):
+    """A kernel backend (seconds a case in an interpreter) runs what its kernels can get
+    wrong: each objective's launch (with and without the LOO shift, weights, a teacher,
+    entropy off) in every dtype, bad ids read as NaN, disabled terms not read, exact zeros.
+    The objectives' own arithmetic on the kernels' statistics (variant weights, clipping,
+    t at 0 and 1, logits_fn, stop_gradient, host checks) is the same code on every backend:
+    the framework-native classes test it."""
+
+    SFT_CASES = (("base-sft", "float32"), ("loo-ce", "bfloat16"), ("reweighted-ce", "float16"),
+                 ("reweighted-loo-ce", "bfloat16"), ("loo-reweighted-ce", "float32"))
+    OPD_CASES = ((0.7, 0.4, "float32"), (0.7, 0.4, "bfloat16"), (0.7, 0.4, "float16"),
+                 (1.0, 0.0, "bfloat16"), (0.0, 1.0, "float32"))
+    test_weight_clip_bounds_every_variant = None
+    test_sft_logps_is_minus_loss_times_count = None
+    test_sft_t_at_0_and_1_is_finite = None
+    test_reweighted_is_twice_base_at_half_time = None
+    test_compute_diffusion_per_token_logps_calls_logits_fn = None
+    test_per_token_logps_stop_gradient = None
+    test_sync_checks_read_accelerator_arrays = None
 
 
 class TestTorchReference(ObjectivesSuite):

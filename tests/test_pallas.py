@@ -11,8 +11,9 @@ pytest.importorskip("jax.experimental.pallas.tpu")
 
 from dlm_kernels.testing import pallas_race_detection  # noqa: E402
 from harness import framework  # noqa: E402
-from test_objectives import ObjectivesSuite  # noqa: E402
-from test_token_stats import FEATURES, TokenStatsSuite, check_jit_grad_vmap, make_case  # noqa: E402
+from test_objectives import KernelObjectivesSuite  # noqa: E402
+from test_token_stats import (FEATURES, ROTATED_SHAPE_DTYPES, TokenStatsSuite,  # noqa: E402
+                              check_jit_grad_vmap, make_case)
 
 
 @pytest.fixture(autouse=True)
@@ -22,11 +23,12 @@ def _interpret(monkeypatch):
 
 class TestJaxPallas(TokenStatsSuite):
     FW, BACKEND = "jax", "pallas"
+    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
     CHUNK_SIZES = (None, 128)  # the budgeted blocks, and many ragged vocabulary steps
     SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many steps (the budget: the features)
 
 
-class TestJaxPallasObjectives(ObjectivesSuite):
+class TestJaxPallasObjectives(KernelObjectivesSuite):
     FW, BACKEND = "jax", "pallas"
 
 

@@ -68,16 +68,11 @@ def oracle(z, *, temperature, seed=0, step=0, top_k=None, suppress=None, zu=None
     return token, logq[np.arange(n), token], argmax, top1, top2, entropy
 
 
-def pytest_generate_tests(metafunc):
-    """Each class names the dtypes its oracle comparison runs in (the reference backends,
-    which share the chunked ones' math, float32 only)."""
-    if "dtype" in metafunc.fixturenames and metafunc.cls is not None:
-        metafunc.parametrize("dtype", metafunc.cls.DTYPES)
-
-
 class SamplingSuite:
     FW = None
     BACKEND = None
+    #: the dtypes of the oracle comparison (conftest's pytest_generate_tests; the reference
+    #: backends, which share the chunked ones' math, float32 only)
     DTYPES = ("float32", "bfloat16")
 
     @property

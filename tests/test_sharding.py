@@ -11,15 +11,16 @@ import pytest
 
 import oracle
 from bench.hlo import allreduce_bytes
-from harness import assert_close, assert_exact_zero
+from harness import assert_close, assert_exact_zero, new_seed
 
 K = 37
 KW = dict(temperature=0.8, ce_temperature=1.2, softcap=6.0, teacher_temperature=1.1)
 ORA = dict(T=0.8, T_ce=1.2, softcap=6.0, T_kl=1.1)
 
 
-def _problem(n, k_pad, seed=0):
-    rng = np.random.default_rng(seed)
+def _problem(n, k_pad, seed=None):
+    """A fresh draw (``seed`` None: a new one, printed; the torch ranks share theirs)."""
+    rng = np.random.default_rng(new_seed() if seed is None else seed)
     z = (rng.normal(size=(n, k_pad)) * 3).astype(np.float32)
     u = (rng.normal(size=(n, k_pad)) * 3).astype(np.float32)
     z[:, K:] = np.nan  # padding columns: must never be read into anything
@@ -107,7 +108,7 @@ def test_jax_vmap_inside_vocab_parallel(backend, monkeypatch, request):
         pytest.importorskip("triton")
         request.getfixturevalue("jax_triton_on_cpu")
     mesh = Mesh(np.array(jax.devices()[:4]), ("vocab",))
-    z, u, y, x, d, w, g = _problem(6, 40, seed=3)
+    z, u, y, x, d, w, g = _problem(6, 40)
     stats = lambda z, u, y, x, d, w: tuple(D.token_stats(
         z, y, w, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d, vocab_axis="vocab",
         vocab_size=K, backend=backend, **KW))
@@ -155,7 +156,7 @@ def test_jax_objectives_under_vocab_parallel():
     import dlm_kernels.jax as D
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
-    z, u, y, _, _, w, _ = _problem(8, 40, seed=1)
+    z, u, y, _, _, w, _ = _problem(8, 40)
     yb, wb = y.reshape(2, 4), w.reshape(2, 4)
 
     def local(z, u, y, w):
@@ -180,6 +181,37 @@ def test_jax_objectives_under_vocab_parallel():
     assert_close(float(val), float(r_val), "float32", "loss")
     assert_close(np.asarray(grad)[..., :K], np.asarray(r_grad), "float32", "d logits")
     assert_exact_zero(np.asarray(grad)[..., K:], "padding gradient")
+
+
+def test_jax_logits_objectives_under_vocab_parallel():
+    """Logits sharded on K over "vocab" (NaN padding), rows over "data": weighted CE,
+    per-token log-probs and the LOO SFT loss equal the unsharded reference's, values and d
+    logits, and the padding's gradient is exact zeros."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import dlm_kernels.jax as D
+
+    seed = new_seed()
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
+    _, _, y, xt, t, m = _head_problem(4, 5, 11, 40, seed)
+    z = _problem(20, 40, seed + 1)[0].reshape(4, 5, 40)
+
+    def local(z, y, xt, t, m):
+        with D.vocab_parallel("vocab", vocab_size=K):
+            parts = _objectives(D, z, y, xt, t, m)
+        return tuple(jax.lax.psum(v, "data") for v in parts)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P("data", None, "vocab"),) + (P("data"),) * 4,
+                      out_specs=(P(), P(), P()))
+    val, grad = jax.jit(jax.value_and_grad(lambda z: sum(f(z, y, xt, t, m))))(z)
+    ref = lambda z: sum(_objectives(D, z, *map(jnp.asarray, (y, xt, t, m)),
+                                    backend="reference"))
+    r_val, r_grad = jax.value_and_grad(ref)(jnp.asarray(z[..., :K]))
+    assert_close(float(val), float(r_val), "float32", "objectives", scale=abs(float(r_val)))
+    assert_close(np.asarray(grad)[..., :K], np.asarray(r_grad), "float32", "d logits")
+    assert_exact_zero(np.asarray(grad)[..., K:], "d logits of the padding")
 
 
 def test_jax_collectives_move_rows_not_vocabulary():
@@ -218,72 +250,83 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _torch_worker(rank, world, port, backend):
+def _torch_worker(rank, world, port, backend, seed):
+    import torch.distributed as dist
+
+    from dlm_kernels.testing import poisoned_outputs
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        with poisoned_outputs():  # as conftest runs every test in the parent process
+            _torch_rank(rank, world, backend, seed)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_rank(rank, world, backend, seed):
     import torch
     import torch.distributed as dist
 
     import dlm_kernels.torch as D
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        k_pad = -(-K // world) * world
-        k_local = k_pad // world
-        z, u, y, x, d, w, g = _problem(6, k_pad)
-        cols = slice(rank * k_local, (rank + 1) * k_local)
-        zl = torch.tensor(z[:, cols]).requires_grad_(True)
-        ul = torch.tensor(u[:, cols]).requires_grad_(True)
-        s = D.token_stats(zl, torch.tensor(y), torch.tensor(w), teacher_logits=ul, teacher_grad=True,
-                          shift_ids=torch.tensor(x), shift=torch.tensor(d), vocab_size=K,
-                          process_group=dist.group.WORLD, chunk_size=4, backend=backend, **KW)
-        dz, du = torch.autograd.grad(list(s), [zl, ul], [torch.tensor(gi) for gi in g])
-        parts = {name: [torch.empty_like(t) for _ in range(world)] for name, t in (("dz", dz), ("du", du))}
-        dist.all_gather(parts["dz"], dz.contiguous())
-        dist.all_gather(parts["du"], du.contiguous())
-        e_stats, e_dz, e_du, slack = _expected(z, u, y, x, d, w, g)
-        for name, got, exp in zip(("lse", "logp", "entropy", "kl"), s, e_stats):
-            assert_close(got.detach().numpy(), exp, "float32", f"rank {rank} {name}")
-        full_dz = torch.cat(parts["dz"], dim=1).numpy()
-        full_du = torch.cat(parts["du"], dim=1).numpy()
-        assert_close(full_dz[:, :K], e_dz, "float32", "d logits", slack=slack)
-        assert_close(full_du[:, :K], e_du, "float32", "d teacher")
-        assert_exact_zero(full_dz[:, K:], "padding gradient")
+    k_pad = -(-K // world) * world
+    k_local = k_pad // world
+    z, u, y, x, d, w, g = _problem(6, k_pad, seed)
+    cols = slice(rank * k_local, (rank + 1) * k_local)
+    zl = torch.tensor(z[:, cols]).requires_grad_(True)
+    ul = torch.tensor(u[:, cols]).requires_grad_(True)
+    s = D.token_stats(zl, torch.tensor(y), torch.tensor(w), teacher_logits=ul, teacher_grad=True,
+                      shift_ids=torch.tensor(x), shift=torch.tensor(d), vocab_size=K,
+                      process_group=dist.group.WORLD, chunk_size=4, backend=backend, **KW)
+    dz, du = torch.autograd.grad(list(s), [zl, ul], [torch.tensor(gi) for gi in g])
+    parts = {name: [torch.empty_like(t) for _ in range(world)] for name, t in (("dz", dz), ("du", du))}
+    dist.all_gather(parts["dz"], dz.contiguous())
+    dist.all_gather(parts["du"], du.contiguous())
+    e_stats, e_dz, e_du, slack = _expected(z, u, y, x, d, w, g)
+    for name, got, exp in zip(("lse", "logp", "entropy", "kl"), s, e_stats):
+        assert_close(got.detach().numpy(), exp, "float32", f"rank {rank} {name}")
+    full_dz = torch.cat(parts["dz"], dim=1).numpy()
+    full_du = torch.cat(parts["du"], dim=1).numpy()
+    assert_close(full_dz[:, :K], e_dz, "float32", "d logits", slack=slack)
+    assert_close(full_du[:, :K], e_du, "float32", "d teacher")
+    assert_exact_zero(full_dz[:, K:], "padding gradient")
 
-        # every objective through the context manager
-        batch = D.DiffusionTokenBatch.create(model_inputs=torch.tensor(y[None]), target_ids=torch.tensor(y[None]),
-                                             loss_weights=torch.tensor(w[None]))
-        zl2 = torch.tensor(z[None, :, cols]).requires_grad_(True)
-        with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
-            ce = D.weighted_cross_entropy(zl2, batch).compute()
-        (g2,) = torch.autograd.grad(ce, zl2)
-        ref_z = torch.tensor(z[None, :, :K]).requires_grad_(True)
-        ref = D.weighted_cross_entropy(ref_z, batch, backend="reference").compute()
-        (g_ref,) = torch.autograd.grad(ref, ref_z)
-        assert_close(ce.item(), ref.item(), "float32", "weighted CE")
-        lo, hi = rank * k_local, min((rank + 1) * k_local, K)
-        if hi > lo:
-            assert_close(g2[0, :, : hi - lo].numpy(), g_ref[0, :, lo:hi].numpy(), "float32", "CE grad")
+    # the three objectives from logits sharded on K (NaN padding), with this backend
+    lo, hi = rank * k_local, min((rank + 1) * k_local, K)
+    h, wk, y2, xt, t, m = _head_problem(2, 5, 11, k_pad, seed + 1)
+    to = lambda a: torch.tensor(a)
+    z3 = _problem(10, k_pad, seed + 2)[0].reshape(2, 5, k_pad)
+    zl2 = to(z3[..., cols]).requires_grad_(True)
+    with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
+        value = sum(_objectives(D, zl2, to(y2), to(xt), to(t), to(m), backend=backend))
+    (g2,) = torch.autograd.grad(value, zl2)
+    ref_z = to(z3[..., :K]).requires_grad_(True)
+    ref = sum(_objectives(D, ref_z, to(y2), to(xt), to(t), to(m), backend="reference"))
+    (g_ref,) = torch.autograd.grad(ref, ref_z)
+    assert_close(value.item(), ref.item(), "float32", "objectives from logits",
+                 scale=abs(ref.item()))
+    if hi > lo:
+        assert_close(g2[..., : hi - lo].numpy(), g_ref[..., lo:hi].numpy(), "float32",
+                     "d logits of the objectives")
+    assert_exact_zero(g2[..., max(hi - lo, 0):].numpy(), "d logits of the padding")
 
-        # a linear head with the unembedding sharded on K: d hidden summed over the ranks
-        h, wk, y2, xt, t, m = _head_problem(2, 5, 11, k_pad, seed=3)
-        to = lambda a: torch.tensor(a)
-        hl = to(h).requires_grad_(True)
-        wl = to(wk[cols]).requires_grad_(True)
-        with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
-            head = D.LinearHead(hl, wl, row_chunk=4)
-            value = sum(_head_objectives(D, head, to(y2), to(xt), to(t), to(m), backend=backend))
-        gh, gw = torch.autograd.grad(value, [hl, wl])
-        hr, wr = to(h).requires_grad_(True), to(wk[:K]).requires_grad_(True)
-        ref = sum(_head_objectives(D, D.LinearHead(hr, wr), to(y2), to(xt), to(t), to(m),
-                                   backend="reference"))
-        r_gh, r_gw = torch.autograd.grad(ref, [hr, wr])
-        assert_close(value.item(), ref.item(), "float32", "head objectives", scale=abs(ref.item()))
-        assert_close(gh.numpy(), r_gh.numpy(), "float32", "d hidden")
-        if hi > lo:
-            assert_close(gw[: hi - lo].numpy(), r_gw[lo:hi].numpy(), "float32", "d weight")
-        assert_exact_zero(gw[max(hi - lo, 0):].numpy(), "d weight of the padding rows")
-        dist.barrier()  # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
+    # a linear head with the unembedding sharded on K: d hidden summed over the ranks
+    hl = to(h).requires_grad_(True)
+    wl = to(wk[cols]).requires_grad_(True)
+    with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
+        head = D.LinearHead(hl, wl, row_chunk=4)
+        value = sum(_objectives(D, head, to(y2), to(xt), to(t), to(m), backend=backend))
+    gh, gw = torch.autograd.grad(value, [hl, wl])
+    hr, wr = to(h).requires_grad_(True), to(wk[:K]).requires_grad_(True)
+    ref = sum(_objectives(D, D.LinearHead(hr, wr), to(y2), to(xt), to(t), to(m),
+                               backend="reference"))
+    r_gh, r_gw = torch.autograd.grad(ref, [hr, wr])
+    assert_close(value.item(), ref.item(), "float32", "head objectives", scale=abs(ref.item()))
+    assert_close(gh.numpy(), r_gh.numpy(), "float32", "d hidden")
+    if hi > lo:
+        assert_close(gw[: hi - lo].numpy(), r_gw[lo:hi].numpy(), "float32", "d weight")
+    assert_exact_zero(gw[max(hi - lo, 0):].numpy(), "d weight of the padding rows")
+    dist.barrier()  # no rank tears the group down while another still uses it
 
 
 @pytest.mark.parametrize("world,backend", [(2, "chunked"), (4, "chunked"), (2, "triton")])
@@ -294,7 +337,8 @@ def test_torch_distributed_vocab_parallel(world, backend):
 
     if backend == "triton":
         pytest.importorskip("triton")
-    mp.spawn(_torch_worker, args=(world, _free_port(), backend), nprocs=world, join=True)
+    mp.spawn(_torch_worker, args=(world, _free_port(), backend, new_seed()), nprocs=world,
+             join=True)
 
 
 def test_torch_example_runs_under_torchrun(tmp_path):
@@ -325,9 +369,9 @@ def _head_problem(b, l, d, k_pad, seed):
     return h, w, y, xt, t, m
 
 
-def _head_objectives(D, head, y, xt, t, m, backend=None):
-    """The scalar sum of three objectives from one head: weighted CE (gradient in the
-    forward), per-token log-probs and the LOO SFT loss (recompute)."""
+def _objectives(D, head, y, xt, t, m, backend=None):
+    """Three objectives from one head or logits array: weighted CE (with a head: the
+    gradient in the forward), per-token log-probs and the LOO SFT loss (recompute)."""
     batch = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=m)
     ce = D.weighted_cross_entropy(head, batch, backend=backend)
     lp = D.per_token_logps(head, batch, stop_gradient=False, temperature=0.8, backend=backend)
@@ -346,15 +390,14 @@ def test_jax_linear_head_under_vocab_parallel():
 
     import dlm_kernels.jax as D
 
-    seed = np.random.SeedSequence().entropy % 2**31
-    print(f"seed={seed}")
+    seed = new_seed()
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "vocab"))
     h, w, y, xt, t, m = _head_problem(4, 5, 11, 40, seed)
 
     def local(h, w, y, xt, t, m):
         with D.vocab_parallel("vocab", vocab_size=K):
             head = D.LinearHead(h, w, weight_layout="KD", row_chunk=4)
-            parts = _head_objectives(D, head, y, xt, t, m)
+            parts = _objectives(D, head, y, xt, t, m)
         return tuple(jax.lax.psum(v, "data") for v in parts)
 
     f = jax.shard_map(local, mesh=mesh,
@@ -363,7 +406,7 @@ def test_jax_linear_head_under_vocab_parallel():
     total = lambda h, w: sum(f(h, w, y, xt, t, m))
     val, (gh, gw) = jax.jit(jax.value_and_grad(total, argnums=(0, 1)))(h, w)
 
-    ref = lambda h, w: sum(_head_objectives(
+    ref = lambda h, w: sum(_objectives(
         D, D.LinearHead(h, w, weight_layout="KD"), jnp.asarray(y), jnp.asarray(xt),
         jnp.asarray(t), jnp.asarray(m), backend="reference"))
     r_val, (r_gh, r_gw) = jax.value_and_grad(ref, argnums=(0, 1))(jnp.asarray(h),

@@ -20,8 +20,14 @@ SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130)
           ((2, 3), 256)]  # the last: whole blocks only (no ragged tail)
 LARGE_K = 50257  # a real vocabulary: seconds a case in an interpreter, so one dtype (the
 #                  16-bit one models train in); every smaller shape runs in every dtype
-SHAPE_DTYPES = [(rows, k, dtype) for rows, k in SHAPES for dtype in DTYPES
-                if k != LARGE_K or dtype == "bfloat16"]
+SHAPE_DTYPES = tuple((rows, k, dtype) for rows, k in SHAPES for dtype in DTYPES
+                     if k != LARGE_K or dtype == "bfloat16")
+# An interpreted kernel's sweep (seconds a case): each shape once, the dtypes taken in turn
+# (so each dtype meets small, ragged, whole-block and large shapes), plus the ragged shapes
+# of K = 7 and 1271 in every dtype; every feature test runs on top.
+ROTATED_SHAPE_DTYPES = tuple(
+    [(rows, k, ("bfloat16", "float32", "float16")[i % 3]) for i, (rows, k) in enumerate(SHAPES)]
+    + [((2, 3), 7, "float16"), ((3, 5), 1271, "bfloat16"), ((3, 5), 1271, "float32")])
 
 FEATURES = {
     "plain": dict(),
@@ -64,7 +70,12 @@ def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True):
         api_kw.update(shift_ids=fw.array(x), shift=fw.array(d))
         ora_kw.update(x=x.reshape(n), d=d.reshape(n).astype(np.float64))
     if feat.get("teacher"):
-        u = fw.array(rng.normal(size=rows + (k,)) * 3.0, dtype)
+        u64 = rng.normal(size=rows + (k,)) * 3.0
+        if poison:  # inactive rows: NaN/inf teacher logits too
+            flat_u = u64.reshape(n, k)
+            for i in np.flatnonzero(~active.reshape(n)):
+                flat_u[i, :] = np.inf if i % 2 else np.nan
+        u = fw.array(u64, dtype)
         case["u"] = u
         ora_kw["u"] = fw.numpy(u).reshape(n, k)
     return case
@@ -73,6 +84,8 @@ def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True):
 class TokenStatsSuite:
     FW = None
     BACKEND = None
+    #: (rows, K, dtype) of the shape sweep (conftest's pytest_generate_tests)
+    SHAPE_DTYPES = SHAPE_DTYPES
     CHUNK_SIZES = (None,)
     #: the block sizes of the shape sweep (default CHUNK_SIZES); an interpreted kernel suite
     #: runs the sweep at its many-block size only, its features at every size
@@ -114,6 +127,11 @@ class TokenStatsSuite:
 
     def check(self, case, rng, dtype, chunk_size=None, entropy=True):
         outs, grads, cots = self.run_case(case, rng, chunk_size, entropy)
+        self.compare(case, outs, grads, cots, dtype)
+
+    def compare(self, case, outs, grads, cots, dtype):
+        """Every output and gradient of one call vs the float64 oracle; inactive rows' d
+        logits (and d teacher) exact zeros."""
         n, k = case["n"], case["k"]
         expected = oracle.token_stats(case["z_np"], case["y_np"], case["active"], **case["ora_kw"])
         for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs, expected):
@@ -124,17 +142,18 @@ class TokenStatsSuite:
         slack = oracle.saved_lse_slack(case["z_np"], case["y_np"], case["active"], cots,
                                        **case["ora_kw"])
         assert_close(grads[0].reshape(n, k), dz, dtype, "d logits", slack=slack)
+        inactive = ~case["active"]
+        assert_exact_zero(grads[0].reshape(n, k)[inactive], "d logits of inactive rows")
         if len(grads) > 1:
             ora = case["ora_kw"]
             t = ora["u"][case["active"]] / (ora["T_kl"] or ora["T"])
             s = case["z_np"][case["active"]] / ora["T"]
             assert_close(grads[1].reshape(n, k), du, dtype, "d teacher_logits",
                          scale=cancellation_scale(cots[3], t, s))
-        inactive = ~case["active"]
-        assert_exact_zero(grads[0].reshape(n, k)[inactive], "d logits of inactive rows")
+            assert_exact_zero(grads[1].reshape(n, k)[inactive], "d teacher of inactive rows")
 
-    @pytest.mark.parametrize("rows,k,dtype", SHAPE_DTYPES, ids=lambda v: str(v))
-    def test_parity_shapes_dtypes(self, rng, rows, k, dtype):
+    def test_parity_shapes_dtypes(self, rng, shape_dtype):
+        rows, k, dtype = shape_dtype
         case = make_case(self.fw, rng, rows, k, dtype, FEATURES["all"])
         for chunk_size in self.SHAPE_CHUNK_SIZES or self.CHUNK_SIZES:
             self.check(case, rng, dtype, chunk_size)
@@ -152,26 +171,6 @@ class TokenStatsSuite:
         case = make_case(self.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
         for chunk_size in self.CHUNK_SIZES:
             self.check(case, rng, dtype, chunk_size, entropy=False)
-
-    @pytest.mark.parametrize("feature,dtype", [("shift", "float32"), ("all", "bfloat16")])
-    def test_inputs_are_left_as_they_were(self, rng, feature, dtype):
-        """Forward and backward only read the logits and teacher logits (writing the gradient
-        into the logits is opt-in: inplace_grad). float32 logits without a softcap are their
-        own float32 view, so a backend that adds the LOO shift in place must copy first."""
-        case = make_case(self.fw, rng, (2, 3), 301, dtype, FEATURES[feature])
-        inputs = {"logits": case["z"], "teacher_logits": case["u"]}  # ("all": differentiated)
-        inputs = {name: a for name, a in inputs.items() if a is not None}
-        before = [self.fw.numpy(a).copy() for a in inputs.values()]
-        seen = []  # torch: the arrays the call got (the harness passes fresh leaves)
-        self.run_case(case, rng, seen=seen)
-        # JAX: the call saw tracers; the concrete arrays must still hold (and be) the same
-        after = seen if self.FW == "torch" else list(inputs.values())
-        assert len(after) == len(before), (list(inputs), len(after))
-        for name, old, arg in zip(inputs, before, after):
-            new = self.fw.numpy(arg)
-            changed = ~((new == old) | (np.isnan(new) & np.isnan(old)))
-            assert not changed.any(), (f"{name} changed at {np.argwhere(changed)[:3].tolist()} "
-                                       f"({changed.sum()} entries)")
 
     def test_all_rows_inactive_give_exact_zeros(self, rng):
         case = make_case(self.fw, rng, (2, 3), 50, "float32", FEATURES["all"], active_frac=0.0)
@@ -360,6 +359,53 @@ class ChunkedSuite(TokenStatsSuite):
     CHUNK_SIZES = (None, 100)  # one chunk, and many ragged ones
 
 
+class TorchBufferChecks:
+    """What a torch backend may do to its inputs' memory (JAX arrays are immutable, so the
+    JAX classes have nothing to check here)."""
+
+    @pytest.mark.parametrize("feature,dtype", [("shift", "float32"), ("all", "bfloat16")])
+    def test_inputs_are_left_as_they_were(self, rng, feature, dtype):
+        """Forward and backward only read the logits and teacher logits (writing the gradient
+        into the logits is opt-in: inplace_grad). float32 logits without a softcap are their
+        own float32 view, so a backend that adds the LOO shift in place must copy first."""
+        case = make_case(self.fw, rng, (2, 3), 301, dtype, FEATURES[feature])
+        inputs = {"logits": case["z"], "teacher_logits": case["u"]}  # ("all": differentiated)
+        inputs = {name: a for name, a in inputs.items() if a is not None}
+        before = [self.fw.numpy(a).copy() for a in inputs.values()]
+        seen = []  # the arrays the call got (the harness passes fresh leaves)
+        self.run_case(case, rng, seen=seen)
+        assert len(seen) == len(before), (list(inputs), len(seen))
+        for name, old, arg in zip(inputs, before, seen):
+            new = self.fw.numpy(arg)
+            changed = ~((new == old) | (np.isnan(new) & np.isnan(old)))
+            assert not changed.any(), (f"{name} changed at {np.argwhere(changed)[:3].tolist()} "
+                                       f"({changed.sum()} entries)")
+
+
+class TorchInplaceChecks(TorchBufferChecks):
+    """inplace_grad=True (backends that support it): d logits written over a logits buffer
+    the loss owns are the oracle's, and the buffer holds exactly the gradient returned."""
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_inplace_grad_matches_oracle(self, rng, dtype):
+        import torch
+
+        fw = self.fw
+        case = make_case(fw, rng, (3, 4), 173, dtype, FEATURES["all"])
+        logits = case["z"].clone().requires_grad_(True)
+        teacher = case["u"].clone().requires_grad_(True)
+        work = logits * 1.0  # a non-leaf the loss owns, as an LM head's output would be
+        s = fw.api.token_stats(work, case["y"], case["w"], teacher_logits=teacher,
+                               inplace_grad=True, chunk_size=32, backend=self.BACKEND,
+                               **case["api_kw"])
+        cots = [rng.normal(size=case["rows"]).astype(np.float32) for _ in range(4)]
+        grads = torch.autograd.grad(list(s), (logits, teacher),
+                                    [torch.tensor(c) for c in cots])
+        self.compare(case, [fw.numpy(v) for v in s], [fw.numpy(g) for g in grads],
+                     [c.reshape(case["n"]) for c in cots], dtype)
+        assert torch.equal(work.detach(), grads[0]), "the logits buffer is not d logits"
+
+
 class TorchCompileChecks:
     """torch.compile(fullgraph=True) traces a torch backend's forward and custom backward
     with no graph break, and the compiled call matches the eager one. ``COMPILE_CHUNK``:
@@ -368,12 +414,13 @@ class TorchCompileChecks:
 
     COMPILE_CHUNK = None
 
-    def check_compiled(self, loss, z):
+    def check_compiled(self, loss, z, backend="aot_eager"):
         """loss(z) and its gradient agree eager and under torch.compile(fullgraph=True)."""
         import torch
 
         fw = self.fw
-        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        torch._dynamo.reset()  # a fresh compile of this test's loss
+        compiled = torch.compile(loss, backend=backend, fullgraph=True)
         z1, z2 = (z.detach().clone().requires_grad_(True) for _ in range(2))
         v1, v2 = loss(z1), compiled(z2)
         (g1,) = torch.autograd.grad(v1, z1)
@@ -433,13 +480,27 @@ class TorchCompileChecks:
         self.check_compiled(loss, fw.array(z64, "float32"))
 
 
-class TestTorchReference(TorchCompileChecks, TokenStatsSuite):
+class TestTorchReference(TorchBufferChecks, TorchCompileChecks, TokenStatsSuite):
     FW, BACKEND = "torch", "reference"
 
 
-class TestTorchChunked(TorchCompileChecks, ChunkedSuite):
+class TestTorchChunked(TorchInplaceChecks, TorchCompileChecks, ChunkedSuite):
     FW = "torch"
     COMPILE_CHUNK = 32
+
+    def test_torch_compile_inductor(self, rng):
+        """What users run: torch.compile's default backend, Inductor (C++ on CPU), with
+        fullgraph=True: forward and backward over two vocabulary chunks, every feature on,
+        equal to eager."""
+        fw = self.fw
+        case = make_case(fw, rng, (2, 3), 97, "float32", FEATURES["all"], poison=False)
+
+        def loss(z):
+            s = fw.api.token_stats(z, case["y"], case["w"], teacher_logits=case["u"],
+                                   chunk_size=64, backend=self.BACKEND, **case["api_kw"])
+            return s.logp.sum() + 0.5 * s.entropy.sum() + s.kl.sum() + 0.1 * s.lse.sum()
+
+        self.check_compiled(loss, case["z"], backend="inductor")
 
     def test_noncontiguous_inputs(self, rng):
         """Transposed and sliced logits give the same answer as contiguous copies."""
@@ -464,6 +525,7 @@ class TestTorchChunked(TorchCompileChecks, ChunkedSuite):
 
 class TestJaxReference(TokenStatsSuite):
     FW, BACKEND = "jax", "reference"
+    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES  # the oracle's twin: jnp casts, the same at any shape
 
 
 class TestJaxChunked(ChunkedSuite):

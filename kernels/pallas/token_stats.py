@@ -280,13 +280,15 @@ def _out_struct(shape, dtype, operands):
 
 
 def _interpret_arg(interpret, detect_races=False):
-    """False (compiled Mosaic) or TPU interpret mode; race detection emulates two cores, so
+    """False (compiled Mosaic) or TPU interpret mode, whose outputs start as NaN (so an
+    element a kernel leaves unwritten fails a test); race detection emulates two cores, so
     the "parallel" row axis is really split between them."""
     if not interpret:
         return False
     if detect_races:
-        return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
-    return pltpu.InterpretParams()
+        return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2,
+                                     uninitialized_memory="nan")
+    return pltpu.InterpretParams(uninitialized_memory="nan")
 
 
 def _grid(z, has_teacher, backward, block_k):

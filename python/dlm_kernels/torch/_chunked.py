@@ -15,6 +15,7 @@ from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._config import chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
+from ._buffers import empty
 from ._ops import TorchOps as xp
 
 
@@ -58,8 +59,8 @@ class ChunkedTorch:
         # -> dz [N, K] in z's dtype (z itself when ``inplace``), du [N, K] or None
         z, u = rows.logits, rows.teacher
         n, k = z.shape
-        dz = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        du = torch.empty(u.shape, dtype=u.dtype, device=u.device) if cfg.teacher_grad else None
+        dz = z if inplace else empty(z.shape, z.dtype, z.device)
+        du = empty(u.shape, u.dtype, u.device) if cfg.teacher_grad else None
         for c0, c1 in _chunks(n, k, cfg, z.device):
             cols = torch.arange(offset + c0, offset + c1, device=z.device)
             chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])

@@ -12,6 +12,7 @@ from .. import _linear_head as base
 from .._linear_head import VOCAB_MAJOR, is_head, row_chunk_for, row_chunks
 from .._rows import Rows
 from .._stats_math import Stats
+from ._buffers import empty
 from ._ops import TorchOps
 
 
@@ -169,7 +170,7 @@ class _Accumulators:
                 return None
             if is_head(x):
                 return _HeadGrads(x, needed)
-            return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            return empty(x.shape, x.dtype, x.device)
 
         self.student = make(rows.logits, need[0])
         self.teacher = make(rows.teacher, need[1]) if cfg.teacher_grad else None

@@ -20,6 +20,7 @@ from .._dispatch import Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels
 from .._stats_math import Stats
+from ._buffers import empty as _empty
 from ._ops import TorchOps
 
 Tensor = torch.Tensor
@@ -35,20 +36,6 @@ def num_sms(device) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
-
-
-class Poison:
-    """Whether the launchers fill their outputs with NaN first (a test aid, switched by
-    ``dlm_kernels.testing.poisoned_outputs``; off costs one attribute read)."""
-
-    enabled = False
-
-
-def _empty(shape, dtype, device):
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if Poison.enabled:
-        out.fill_(float("nan"))
-    return out
 
 
 def _unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
