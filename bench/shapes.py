@@ -29,7 +29,7 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 def bytes_moved(objective, mode, n, k, elem_bytes):
-    """Bytes the pass structure must move (DESIGN §7): forward reads the logits once,
+    """Bytes the pass structure must move (docs/design.md §7): forward reads the logits once,
     backward reads them and writes the gradient; OPD streams the teacher beside them."""
     row = n * k * elem_bytes
     teacher = row if objective == "opd" else 0

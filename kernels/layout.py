@@ -4,7 +4,7 @@ Defined once here; the Triton and Pallas kernels index their buffers with these 
 the host code (``dlm_kernels._stats_math.State`` / ``Stats``, the launchers) sizes and reads
 the same buffers from them, so no buffer size or row index is written as a bare number.
 
-PARTIAL_STATE: the streaming state of one row over a block of columns (DESIGN §2), one
+PARTIAL_STATE: the streaming state of one row over a block of columns (docs/design.md §2), one
   float32 each: running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m) (entropy), the max and sum for the
   separate CE temperature, and the teacher's max, Σ e^{t-mu}, Σ e^{t-mu}(t - s).
   Triton's partial buffer is [len(PARTIAL_STATE), S, N] (S vocabulary splits); Pallas's

@@ -1,7 +1,7 @@
 """An independent float64 NumPy oracle for every output and gradient of the package.
 
-Written from the formulas of DESIGN §2-§3 with plain NumPy (materialised, float64), sharing
-no code with the package. Its gradients are checked against central finite differences in
+Written from the formulas of docs/design.md §2-§3 with plain NumPy (materialised,
+float64), sharing no code with the package. Its gradients are checked against central finite differences in
 ``test_oracle.py``, so the package's VJPs are compared with something proven independently.
 """
 
@@ -94,8 +94,8 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, **kw):
 def saved_lse_slack(z, y, active, grads, *, ulps=2.0, softcap=None, **kw):
     """[N, K] float64: how far a float32 implementation's d logits may lie from
     ``token_stats_vjp`` because its backward reads the log-normalisers (lse, lse_ce, lse_u)
-    as saved float32 numbers (DESIGN §2's O(N) residuals). p = exp(s - lse) takes an error e
-    in lse as a relative error e, so each gradient term g·p moves by |g|·p·e (the entropy's
+    as saved float32 numbers (docs/design.md §2's O(N) residuals). p = exp(s - lse) takes an
+    error e in lse as a relative error e, so each gradient term g·p moves by |g|·p·e (the entropy's
     p·(log p + H) by |g_h|·p·(|log p + H + 1| + 1)·e, the saved H being a difference of
     terms of size |lse| with an error of its own); e is ``ulps`` float32 ulps of |lse| (the
     rounding of the saved value and of the forward's own sums). The tolerance's absolute floor

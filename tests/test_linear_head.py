@@ -129,7 +129,7 @@ class LinearHeadSuite:
                      slack=matmul_slack(dz.T, dz_err.T, np.ones((p.n, 1)), dtype)[:, 0])
         # the teacher's d(logits) is a difference of terms of size |t - s| (float32 floor
         # scaled as in the logits path's tests), then the same matmul error
-        scale = cancellation_scale(grads[3], p.z() / 0.7, p.u() / 1.5)
+        scale = cancellation_scale(grads[3], p.z() / 0.7, p.u() / 1.5, temperature=1.5)
         du_err = np.full(du.shape, TOLERANCES["float32"][0] + CANCELLATION_ULP * scale)
         assert_close(ght.reshape(p.n, -1), du @ p.wt, dtype, "d teacher hidden",
                      slack=matmul_slack(du, du_err, p.wt, dtype))

@@ -178,9 +178,10 @@ def kernel_vector_ops(fn, *args):
 
 def test_full_blocks_pay_for_no_masks(monkeypatch):
     """As the CE objective launches them at a vocabulary that fills whole blocks, the kernel
-    bodies do only the math of DESIGN §2: no column ids, masks or selects in the forward (it
-    is an online logsumexp and nothing more), and in the gradient one compare for the target
-    column plus the two selects that zero inactive rows and place the target's term."""
+    bodies do only the math of docs/design.md §2: no column ids, masks or selects in the
+    forward (it is an online logsumexp and nothing more), and in the gradient one compare for
+    the target column plus the two selects that zero inactive rows and place the target's
+    term."""
     import jax
     import jax.numpy as jnp
 

@@ -65,5 +65,6 @@ def test_chunked_matches_oracle(problem):
     assert_close(grads[0], dz, "float32", "d logits",
                  slack=oracle.saved_lse_slack(z32, y, active, g, **ora))
     if u is not None:
-        scale = cancellation_scale(g[3], ora["u"][active] / ora["T"], z32[active] / ora["T"])
+        scale = cancellation_scale(g[3], ora["u"][active] / ora["T"], z32[active] / ora["T"],
+                                   temperature=ora["T"])
         assert_close(grads[1], du, "float32", "d teacher", scale=scale)

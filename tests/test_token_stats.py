@@ -149,7 +149,8 @@ class TokenStatsSuite:
             t = ora["u"][case["active"]] / (ora["T_kl"] or ora["T"])
             s = case["z_np"][case["active"]] / ora["T"]
             assert_close(grads[1].reshape(n, k), du, dtype, "d teacher_logits",
-                         scale=cancellation_scale(cots[3], t, s))
+                         scale=cancellation_scale(cots[3], t, s,
+                                                  temperature=ora["T_kl"] or ora["T"]))
             assert_exact_zero(grads[1].reshape(n, k)[inactive], "d teacher of inactive rows")
 
     def test_parity_shapes_dtypes(self, rng, shape_dtype):

@@ -1,4 +1,4 @@
-"""Pallas (Mosaic TPU) kernels of the token-statistics primitive (DESIGN §2).
+"""Pallas (Mosaic TPU) kernels of the token-statistics primitive (docs/design.md §2).
 
 Grid and order
 --------------

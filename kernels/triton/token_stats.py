@@ -1,4 +1,4 @@
-"""Triton kernels of the token-statistics primitive (DESIGN §2).
+"""Triton kernels of the token-statistics primitive (docs/design.md §2).
 
 Three kernels, no host code:
 
@@ -252,7 +252,7 @@ def stats_partial_kernel(
             m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
 
-    # merge the lanes (DESIGN §2's merge, within the row)
+    # merge the lanes (docs/design.md §2's merge, within the row)
     m_row, a_row, f = _merge_lanes(m, a)
     b_row = 0.0
     if HAS_ENTROPY:
@@ -498,7 +498,7 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     every feature on, ptxas reports no spills (tests/aot_probe.py). Split-K: while N rows
     alone give fewer than 4 programs per SM, each row's vocabulary is split into S
     contiguous ranges of whole blocks (at least 2 blocks each) whose partial states the
-    finalize kernel merges (DESIGN §2).
+    finalize kernel merges (docs/design.md §2).
     Returns dict(block_k, vec, num_warps, num_stages, splits, cols_per_split).
     """
     if block_k is None:

@@ -1,4 +1,4 @@
-"""Every objective of DESIGN §3, written once on top of the token-statistics primitive.
+"""Every objective of docs/design.md §3, written once on top of the token-statistics primitive.
 
 :class:`Objectives` binds the objectives to one framework's ops adapter (``xp``), its
 ``token_stats`` and its contract classes; ``dlm_kernels.torch`` and ``dlm_kernels.jax`` each

@@ -1,4 +1,4 @@
-"""The token-statistics math of DESIGN §2, written once over an array namespace.
+"""The token-statistics math of docs/design.md §2, written once over an array namespace.
 
 Every function takes ``xp``, a small adapter (``dlm_kernels.torch._ops.TorchOps`` or
 ``dlm_kernels.jax._ops.JaxOps``) that maps the handful of operations whose spelling
@@ -156,7 +156,7 @@ def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
 def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
     ``pmax`` of the three running maxima, then one ``psum`` of the rescaled sums and of
-    ``extra_sums`` (DESIGN §2): 3 + 5 + len(extra_sums) floats per row in all.
+    ``extra_sums`` (docs/design.md §2): 3 + 5 + len(extra_sums) floats per row in all.
     ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
     Returns (merged State, summed extra_sums)."""
     m, m2, mu = pmax([state.m, state.m2, state.mu])

@@ -33,7 +33,7 @@ class TokenStats(NamedTuple):
     kl: object
 
 
-_TOKEN_STATS_DOC = """Streaming token statistics of DESIGN §2, differentiable (custom VJP).
+_TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differentiable (custom VJP).
 
     Args:
       logits: [..., K] student logits (float32, bfloat16 or float16).

@@ -1,6 +1,6 @@
 """The chunked backend: torch ops over vocabulary chunks, O(N) float32 residuals.
 
-Forward keeps the streaming state of DESIGN §2 per row and merges chunk partials; backward
+Forward keeps the streaming state of docs/design.md §2 per row and merges chunk partials; backward
 recomputes p (and q) chunk by chunk and writes d(logits) slice by slice. Live float32
 temporaries are a few [N, C] buffers (C from ``chunk_size_for``), never [N, K]. With a
 column ``offset`` the logits are one vocabulary shard (columns [offset, offset + K)); the
