@@ -23,6 +23,13 @@ def good(fw, b=2, l=3, k=11):
                 loss_weights=fw.array(np.ones((b, l), np.float32)))
 
 
+def _case_ids(cases):
+    """Stable test ids (the same in every pytest-xdist worker): the expected message of each
+    case, numbered; never the repr of a lambda or an array."""
+    return [f"{i}-" + re.sub(r"[^A-Za-z0-9_]+", "_", str(case[-1]))[:40].strip("_")
+            for i, case in enumerate(cases)]
+
+
 BAD_BATCHES = [
     # (what to change, exception type, pattern the message must match)
     (dict(model_inputs=np.zeros((3, 3), np.int32)), ValueError,
@@ -53,7 +60,7 @@ BAD_BATCHES = [
 
 
 @pytest.mark.parametrize("fw_name", FWS)
-@pytest.mark.parametrize("change,exc,word", BAD_BATCHES, ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize("change,exc,word", BAD_BATCHES, ids=_case_ids(BAD_BATCHES))
 def test_token_batch_validation(fw_name, change, exc, word):
     fw = framework(fw_name)
     fields = good(fw)
@@ -328,7 +335,7 @@ BAD_MODEL_INPUTS = [
 
 
 @pytest.mark.parametrize("fw_name", FWS)
-@pytest.mark.parametrize("make,exc,pattern", BAD_MODEL_INPUTS, ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize("make,exc,pattern", BAD_MODEL_INPUTS, ids=_case_ids(BAD_MODEL_INPUTS))
 def test_model_inputs_leaves_are_checked_by_path(fw_name, make, exc, pattern, rng):
     fw = framework(fw_name)
     fields = tunix_inputs(fw, rng)
@@ -464,7 +471,7 @@ MERGE_MISMATCHES = [
 
 
 @pytest.mark.parametrize("fw_name", FWS)
-@pytest.mark.parametrize("change,pattern", MERGE_MISMATCHES, ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize("change,pattern", MERGE_MISMATCHES, ids=_case_ids(MERGE_MISMATCHES))
 def test_merge_rejects_mismatched_trees_naming_field_and_leaf(fw_name, change, pattern):
     fw = framework(fw_name)
 
@@ -521,7 +528,7 @@ BAD_SFT_VALUES = [
 
 @pytest.mark.parametrize("fw_name", FWS)
 @pytest.mark.parametrize("fn", ["diffusion_sft_loss", "diffusion_sft_logps"])
-@pytest.mark.parametrize("change,pattern", BAD_SFT_VALUES, ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize("change,pattern", BAD_SFT_VALUES, ids=_case_ids(BAD_SFT_VALUES))
 def test_sft_rejects_bad_mask_time_and_vocab_size(fw_name, fn, change, pattern):
     fw = framework(fw_name)
     args = sft_args(fw)
