@@ -40,7 +40,19 @@ VARIANTS_TORCH = ("ours-ce", "ours-policy", "unfused", "torch.linear_ce", "refer
                   "liger", "cce")
 VARIANTS_JAX = ("ours-ce", "ours-policy", "unfused", "tokamax")
 CPU_SHAPE = dict(n=4096, d=256, k=32768, dtype="float32")  # the targets' shape
-CPU_MAIN_SHAPE = dict(n=1024, d=128, k=8192, dtype="float32")  # inside python -m bench
+CPU_MAIN_SHAPE = dict(n=1024, d=128, k=8192, dtype="float32")  # inside python -m bench --full
+CPU_QUICK_SHAPE = dict(n=512, d=64, k=4096, dtype="float32")  # inside the quick python -m bench
+# the quick main job's variants on a CPU: all but torch.compile's (tens of seconds to compile)
+QUICK_VARIANTS = {"torch": ("ours-ce", "ours-policy", "unfused", "torch.linear_ce"),
+                  "jax": ("ours-ce", "ours-policy", "unfused", "tokamax")}
+
+
+def variants_of(variants, framework):
+    """The variants timed for one framework: ``variants`` None (all of them), a sequence
+    (the same names for every framework) or a dict by framework."""
+    if variants is None:
+        return VARIANTS_TORCH if framework == "torch" else VARIANTS_JAX
+    return variants[framework] if isinstance(variants, dict) else variants
 GPU_SHAPE = dict(n=16384, d=2560, k=262144, dtype="bfloat16")
 
 
@@ -151,7 +163,7 @@ def cpu_peak_bytes(variant, n, d, k, dtype):
     """Resident-set growth of one forward+backward in a fresh process, minus the gradients."""
     from .memory import probe_in_subprocess
 
-    return probe_in_subprocess(["bench.linear_head", "--probe", variant, "--n", str(n),
+    return probe_in_subprocess([f"{__package__}.linear_head", "--probe", variant, "--n", str(n),
                                 "--d", str(d), "--k", str(k), "--dtype", dtype])
 
 
@@ -389,7 +401,7 @@ def run(n, d, k, dtype, frameworks=("torch", "jax"), reps=5, cuda=False,
                  f"{'ok' if row['ok'] else 'FAIL'} {row['max_abs_err']}")
     for fw in frameworks:
         rates[fw] = matmul_rate(fw, n, d, k, dtype, cuda and fw == "torch")
-        for variant in variants or (VARIANTS_TORCH if fw == "torch" else VARIANTS_JAX):
+        for variant in variants_of(variants, fw):
             rows = run_case(fw, variant, n, d, k, dtype, cuda and fw == "torch", reps, rates[fw],
                             memory)
             results += rows

@@ -32,15 +32,23 @@ def available():
     return os.path.exists("/proc/self/clear_refs")
 
 
+def package_cwd():
+    """Where a subprocess can run ``python -m <this package>.<module>``: the repository root
+    for ``bench`` (``python -m bench`` from a checkout), anywhere (None: the caller's) for the
+    installed ``dlm_kernels.bench``."""
+    if __package__ == "bench":
+        return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return None
+
+
 def probe_in_subprocess(args):
-    """Run ``python -m <args>`` (a module's memory probe) in a fresh interpreter from the
-    repository root and return the byte count it prints last; None where /proc cannot be
+    """Run ``python -m <args>`` (a module's memory probe) in a fresh interpreter (from
+    ``package_cwd``) and return the byte count it prints last; None where /proc cannot be
     reset."""
     if not available():
         return None
     out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                         check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         check=True, cwd=package_cwd())
     return int(out.stdout.strip().splitlines()[-1])
 
 
@@ -73,7 +81,7 @@ def cuda_peak_delta(run):
 
 def cpu_peak_bytes(objective, variant, n, k, dtype):
     """The probe below, in a fresh interpreter; None where /proc cannot be reset."""
-    return probe_in_subprocess(["bench.memory", objective, variant, str(n), str(k), dtype])
+    return probe_in_subprocess([f"{__package__}.memory", objective, variant, str(n), str(k), dtype])
 
 
 def main():

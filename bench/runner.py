@@ -1,13 +1,16 @@
 """The main job: parity check, then the benchmark of every available backend on this device.
 
-    python -m bench              # CPU: small shapes, a few minutes on 2 cores
-    python -m bench --full       # GPU: real model vocabularies (bench/shapes.py)
+    python -m bench              # quick: a few minutes (2 CPU cores: under 3; one GPU: a few)
+    python -m bench --full       # the whole grid: on a GPU the real model vocabularies
     python -m bench --smoke      # seconds; what the test suite runs
+    dlm-kernels-bench ...        # the same, installed as a command (any directory)
 
 Per objective (ce, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
 reports milliseconds (median, p20-p80), GB/s of the bytes the pass must move, the percent of
 the copy bandwidth measured in the same run, peak memory beyond the inputs, and the speedup
-over each baseline. Writes ``<out>/<device>-<date>.json``, a Markdown table and a PNG plot.
+over each baseline; then the linear-head cases (bench/linear_head.py). It prints a line per
+case with the time left, and at the end a summary; the full tables go to
+``<out>/<device>-<date>.{json,md,png}`` (``--out``, by default ``./bench-results``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 
 from . import shapes
 from .cases import JaxCase, TorchCase
-from .memory import cpu_peak_bytes
+from .memory import cpu_peak_bytes, package_cwd
+from .progress import Progress, summary
 from .timing import copy_bandwidth, copy_bandwidth_jax, measure
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -272,8 +276,8 @@ def vocab_parallel_comm(env):
     """All-reduce bytes per row of the vocab-parallel path, from ``python -m bench.comm``."""
     if not env["jax"]:
         return None
-    out = subprocess.run([sys.executable, "-m", "bench.comm"], capture_output=True, text=True,
-                         cwd=os.path.dirname(HERE))
+    out = subprocess.run([sys.executable, "-m", f"{__package__}.comm"], capture_output=True,
+                         text=True, cwd=package_cwd())
     if out.returncode != 0:
         print(f"vocab-parallel comm measurement failed: {out.stderr[-500:]}", flush=True)
         return None
@@ -317,27 +321,84 @@ def markdown(env, copy_gbps, results, parity_rows):
     return "\n".join(lines) + "\n"
 
 
-def plot(results, path):
+def plot(results, path, head=None, env=None):
+    """One row of two panels per objective (forward+backward time on a log scale, peak memory
+    beyond the inputs), one series per (framework, backend, dtype) over the vocabularies
+    measured; a last row for the linear head's variants when there is one. Returns the path,
+    or None when nothing was timed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results if r["objective"] == "ce" and r["mode"] == "fwd+bwd" and "ms" in r]
-    if not rows:
+    rows = [r for r in results if r["mode"] == "fwd+bwd" and "ms" in r]
+    objectives = [o for o in shapes.OBJECTIVES if any(r["objective"] == o for r in rows)]
+    head_rows = [r for r in (head or {}).get("results", [])
+                 if r["mode"] == "fwd+bwd" and "ms" in r and not r.get("scaling")]
+    n_rows = len(objectives) + bool(head_rows)
+    if not n_rows:
         return None
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(r["framework"], r["backend"]) for r in rows}):
-        pts = sorted((r["k"], r["ms"], r["peak_bytes"]) for r in rows if (r["framework"], r["backend"]) == key)
-        ks = [p[0] for p in pts]
-        ax_t.plot(ks, [p[1] for p in pts], marker="o", label="/".join(key))
-        ax_m.plot(ks, [(p[2] or 0) / 2**20 for p in pts], marker="o", label="/".join(key))
-    for ax, title in ((ax_t, "ce forward+backward time (ms)"), (ax_m, "peak memory beyond inputs (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("vocabulary K")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    ax_t.legend(fontsize=8)
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    # minor ticks of a log axis: label 2 and 5 of each decade only
+    sparse = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else "")
+    fig, axes = plt.subplots(n_rows, 2, figsize=(12, 3.6 * n_rows), squeeze=False)
+    # colour: framework and backend; line: framework; marker: dtype
+    pairs = sorted({(r["framework"], r["backend"]) for r in rows})
+    colour = {pair: f"C{i % 10}" for i, pair in enumerate(pairs)}
+    line = {"torch": "-", "jax": "--"}
+    marker = {"float32": "o", "bfloat16": "s", "float16": "^"}
+    for (ax_t, ax_m), obj in zip(axes, objectives):
+        mine = [r for r in rows if r["objective"] == obj]
+        ns = sorted({r["n"] for r in mine})
+        for key in sorted({(r["framework"], r["backend"], r["dtype"]) for r in mine}):
+            pts = sorted((r["k"], r["ms"], r["peak_bytes"]) for r in mine
+                         if (r["framework"], r["backend"], r["dtype"]) == key)
+            style = dict(color=colour[key[:2]], linestyle=line.get(key[0], "-"),
+                         marker=marker.get(key[2], "o"), label=" ".join(key))
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+            mem = [(p[0], p[2] / 2**20) for p in pts if p[2] is not None]
+            if mem:
+                ax_m.plot(*zip(*mem), **style)
+        ks = sorted({r["k"] for r in mine})
+        for ax in (ax_t, ax_m):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks, [f"{k // 1024}k" if k >= 1024 else str(k) for k in ks])
+            ax.minorticks_off()
+            ax.set_xlabel("vocabulary K")
+            ax.grid(alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_t.yaxis.set_major_formatter(plain)
+        ax_t.yaxis.set_minor_formatter(sparse)
+        ax_t.tick_params(axis="y", which="minor", labelsize=7)
+        ax_t.set_ylabel("ms (median, log scale)")
+        ax_t.set_title(f"{obj}: forward+backward time, N = {', '.join(map(str, ns))}")
+        ax_m.set_ylabel("MiB (torch: RSS growth;\nJAX: XLA temporaries)", fontsize=8)
+        ax_m.set_title(f"{obj}: peak memory beyond the inputs")
+        ax_t.legend(fontsize=7)
+    if head_rows:
+        ax_t, ax_m = axes[-1]
+        labels = [f"{r['framework']} {r['backend']}" for r in head_rows]
+        ax_t.barh(labels, [r["ms"] for r in head_rows], color="tab:blue")
+        ax_t.set_xscale("log")
+        ax_t.xaxis.set_major_formatter(plain)
+        ax_t.xaxis.set_minor_formatter(sparse)
+        ax_t.tick_params(axis="x", which="minor", labelsize=7)
+        ax_t.set_xlabel("ms (median, log scale), forward+backward")
+        s = head["shape"]
+        ax_t.set_title(f"linear head: N = {s['n']}, D = {s['d']}, K = {s['k']}, {s['dtype']}")
+        peaks = [(lab, r["peak_bytes"] / 2**20) for lab, r in zip(labels, head_rows)
+                 if r.get("peak_bytes") is not None]
+        if peaks:
+            ax_m.barh(*zip(*peaks), color="tab:orange")
+        ax_m.set_xlabel("MiB beyond inputs and gradients")
+        ax_m.set_title("linear head: peak memory")
+        for ax in (ax_t, ax_m):
+            ax.tick_params(axis="y", labelsize=7)
+            ax.grid(alpha=0.3, axis="x")
+    if env is not None:
+        fig.suptitle(f"dlm-kernels benchmark: {env['device']}, {env['date'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -346,13 +407,20 @@ def plot(results, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--full", action="store_true", help="real model shapes (GPU)")
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--full", action="store_true",
+                   help="the whole grid (GPU: bench/shapes.py's FULL_SHAPES; CPU: CPU_SHAPES, "
+                        "and every linear-head variant); default: the quick grid")
     p.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--objectives", default=",".join(shapes.OBJECTIVES))
-    p.add_argument("--frameworks", default="torch,jax")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed calls per case (default: 5 on a CPU, 10 on a GPU)")
+    p.add_argument("--objectives", default=",".join(shapes.OBJECTIVES),
+                   help="comma-separated objectives to time (default: %(default)s)")
+    p.add_argument("--frameworks", default="torch,jax",
+                   help="comma-separated frameworks (default: %(default)s)")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for the JSON, Markdown and PNG results, created "
+                        "(default: %(default)s, under the current directory)")
     p.add_argument("--no-linear-head", dest="linear_head", action="store_false",
                    help="leave out the linear-head cases (bench/linear_head.py)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -362,12 +430,15 @@ def main(argv=None):
     share_gpu_with_torch(os.environ)
     env = detect()
     print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
+    if args.reps is None:
+        args.reps = 10 if env["cuda"] else 5
     if env["cuda"]:
         grid = (shapes.FULL_SHAPES if args.full
                 else shapes.MODEL_SHAPES[:1] + shapes.MODEL_SHAPES[-1:])
         copy_gbps, copy_t = copy_bandwidth("cuda", 2**30)
     else:
-        grid = shapes.SMOKE_SHAPES if args.smoke else shapes.CPU_SHAPES
+        grid = (shapes.SMOKE_SHAPES if args.smoke
+                else shapes.CPU_SHAPES if args.full else shapes.QUICK_CPU_SHAPES)
         if env["torch"]:
             copy_gbps, copy_t = copy_bandwidth("cpu", 2**26 if args.smoke else 2**28)
         else:
@@ -392,35 +463,45 @@ def main(argv=None):
 
     results = []
     frameworks = frameworks_to_time(env, args.frameworks.split(","))
+    objectives = args.objectives.split(",")
+    cases = [(fw, index, shape, obj, variant)
+             for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
+             for variant in sum(variants(env, fw, obj), [])]
+    head_plan = linear_head_plan(env, args.smoke, args.full) if args.linear_head else None
+    progress = Progress(len(cases) + (linear_head_cases(head_plan[1], frameworks)
+                                      if head_plan else 0))
     started = time.monotonic()
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
     # baselines the Triton issue asks for) before any JAX case.
-    for fw in frameworks:
-        for index, (label, n, k, dtype) in enumerate(grid):
-            for obj in args.objectives.split(","):
-                ours, baselines = variants(env, fw, obj)
-                for variant in ours + baselines:
-                    why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s)
-                    if why:
-                        results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
-                        continue
-                    rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
-                    results += rows
-                    add_speedups(results)
-                    save(partial=True)
-                    fb = next(r for r in rows if r["mode"] == "fwd+bwd")
-                    print(f"{fw:5s} {obj:6s} {variant:18s} {label:16s} fwd+bwd "
-                          + (f"{fb['ms']:9.2f} ms {fb['gbps']:7.1f} GB/s" if "ms" in fb else fb["error"]),
-                          flush=True)
+    for fw, index, (label, n, k, dtype), obj, variant in cases:
+        what = f"{fw} {obj} {variant} {label}"
+        why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s)
+        if why:
+            results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
+            progress.step(what, f"skipped: {why}")
+            continue
+        rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
+        results += rows
+        add_speedups(results)
+        save(partial=True)
+        fb = next(r for r in rows if r["mode"] == "fwd+bwd")
+        progress.step(what, f"fwd+bwd {fb['ms']:.2f} ms, {fb['gbps']:.1f} GB/s" if "ms" in fb
+                      else fb["error"])
     comm = vocab_parallel_comm(env)
     head = None
-    if args.linear_head:
+    if head_plan:
         from . import linear_head
 
-        head_shape, head_variants = linear_head_plan(env, args.smoke)
+        head_shape, head_variants = head_plan
+
+        def head_progress(line):
+            if line.startswith("linear head parity"):
+                print(line, flush=True)
+            else:
+                progress.step(line)
+
         head = linear_head.run(**head_shape, frameworks=tuple(frameworks), reps=args.reps,
-                               cuda=env["cuda"], variants=head_variants,
-                               progress=lambda line: print(line, flush=True))
+                               cuda=env["cuda"], variants=head_variants, progress=head_progress)
     report = save(vocab_parallel_comm=comm, linear_head=head)
     table = markdown(env, copy_gbps, results, parity_rows)
     if head is not None:
@@ -434,21 +515,61 @@ def main(argv=None):
                       f"(logits {c['logits_bytes_per_row']} B/row)" for c in comm) + "\n")
     with open(stem + ".md", "w") as f:
         f.write(table)
-    png = plot(results, stem + ".png")
-    print(table)
-    print(f"wrote {stem}.json, {stem}.md" + (f", {png}" if png else ""))
+    png = plot(results, stem + ".png", head, env)
+    print("\n".join(summary(results)), flush=True)
+    if head is not None:
+        print("\n".join(linear_head_summary(head)), flush=True)
+    print(f"full tables: {stem}.md; data: {stem}.json" + (f"; plot: {png}" if png else ""))
     if not all(r["ok"] for r in parity_rows) or (
             head is not None and not all(c["ok"] for c in head["parity"])):
         sys.exit(1)
     return report
 
 
-def linear_head_plan(env, smoke):
+def linear_head_plan(env, smoke, full=False):
     """(shape, variants) of the main job's linear-head cases: the GPU target shape on a GPU;
-    on a CPU a shape of a few seconds a case (``python -m bench.linear_head`` runs the
-    larger CPU shape); at smoke size two variants at a tiny awkward shape."""
-    from .linear_head import CPU_MAIN_SHAPE, GPU_SHAPE
+    on a CPU a shape of a few seconds a case, with ``--full`` every variant (torch.compile's
+    too, which compiles for tens of seconds) and otherwise a smaller shape without it; at
+    smoke size two variants at a tiny awkward shape."""
+    from .linear_head import CPU_MAIN_SHAPE, CPU_QUICK_SHAPE, GPU_SHAPE, QUICK_VARIANTS
 
     if smoke:
         return dict(n=64, d=16, k=257, dtype="float32"), ["ours-ce", "unfused"]
-    return dict(GPU_SHAPE if env["cuda"] else CPU_MAIN_SHAPE), None
+    if env["cuda"]:
+        return dict(GPU_SHAPE), None
+    return (dict(CPU_MAIN_SHAPE), None) if full else (dict(CPU_QUICK_SHAPE), QUICK_VARIANTS)
+
+
+def linear_head_cases(head_variants, frameworks):
+    """How many cases ``linear_head.run`` times: each variant, then the 2N scaling case."""
+    from .linear_head import variants_of
+
+    return sum(len(variants_of(head_variants, fw)) + 1 for fw in frameworks)
+
+
+def linear_head_summary(head):
+    """One line per framework and variant: forward+backward time, TFLOP/s, vs unfused."""
+    rows = [r for r in head["results"] if r["mode"] == "fwd+bwd" and not r.get("scaling")]
+    unfused = {r["framework"]: r for r in rows if r["backend"] == "unfused" and "ms" in r}
+    s = head["shape"]
+    lines = [f"Linear head (N={s['n']} D={s['d']} K={s['k']} {s['dtype']}, forward+backward):"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['error'][:60]}")
+            continue
+        base = unfused.get(r["framework"])
+        vs = f"{base['ms'] / r['ms']:.2f}x vs unfused" if base and r["ms"] > 0 else ""
+        lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['ms']:9.1f} ms "
+                     f"{(r['tflops'] or 0):7.2f} TFLOP/s  {vs}")
+    return lines
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written."""
+
+
+def cli():
+    """The ``dlm-kernels-bench`` command: ``main`` with the process's arguments; the exit
+    status says whether parity held (``main`` exits 1 where it did not)."""
+    main()
+    return 0

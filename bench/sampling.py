@@ -102,7 +102,7 @@ def peak_bytes(variant, n, k, dtype, cuda):
         case = SampleCase(variant, n, k, dtype, "cuda")
         case(0)
         return cuda_peak_delta(lambda: case(1))
-    return probe_in_subprocess(["bench.sampling", "--probe", variant, "--n", str(n), "--k",
+    return probe_in_subprocess([f"{__package__}.sampling", "--probe", variant, "--n", str(n), "--k",
                                 str(k), "--dtype", dtype])
 
 

@@ -22,6 +22,12 @@ CPU_SHAPES = [
     ("cpu-N512-K32k", 512, 32768, "float32"),
     ("cpu-N512-K32k-bf16", 512, 32768, "bfloat16"),  # 16-bit logits, float32 math
 ]
+# the quick main job on a CPU (python -m bench without --full): minutes on 2 cores
+QUICK_CPU_SHAPES = [
+    ("cpu-N256-K4k", 256, 4096, "float32"),
+    ("cpu-N256-K16k", 256, 16384, "float32"),
+    ("cpu-N256-K16k-bf16", 256, 16384, "bfloat16"),
+]
 SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
 
 OBJECTIVES = ("ce", "policy", "opd")

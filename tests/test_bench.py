@@ -11,9 +11,19 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def test_bench_smoke(tmp_path):
-    subprocess.run([sys.executable, "-m", "bench", "--smoke", "--reps", "3", "--objectives", "ce,opd",
-                    "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT, check=True,
-                   capture_output=True, text=True)
+    """python -m bench end to end at smoke size: a progress line per case (i of n, time
+    left), the summary, and the files with every measured field."""
+    out = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--reps", "3", "--objectives",
+                          "ce,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout
+    steps = [line for line in out.splitlines() if line.startswith("[")]
+    n = len(steps)
+    assert n == 8 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
+    assert all(" left | " in line for line in steps), steps
+    summary = out[out.index("Summary (forward+backward"):].splitlines()
+    assert {tuple(line.split()[:3]) for line in summary[2:6]} == {
+        ("torch", "ce", "chunked"), ("torch", "opd", "chunked"), ("jax", "ce", "chunked"),
+        ("jax", "opd", "chunked")}, summary
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert report["copy_gbps"] > 0 and report["device"] and report["versions"]["numpy"]
     assert report["parity"] and all(p["ok"] for p in report["parity"])
@@ -30,6 +40,17 @@ def test_bench_smoke(tmp_path):
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))
     assert report["linear_head"] is None  # --no-linear-head
+
+
+def test_bench_runs_installed_from_any_directory(tmp_path):
+    """The installed benchmark (``python -m dlm_kernels.bench``, the ``dlm-kernels-bench``
+    command) starts outside the checkout, and says what each option does and its default."""
+    out = subprocess.run([sys.executable, "-m", "dlm_kernels.bench", "--help"], cwd=tmp_path,
+                         check=True, capture_output=True, text=True).stdout
+    text = " ".join(out.split())
+    assert "--full" in text and "(default: bench-results, under the current directory)" in text
+    assert "timed calls per case (default: 5 on a CPU, 10 on a GPU)" in text
+    assert "(default: None)" not in text and "(default: True)" not in text, out
 
 
 def test_linear_head_bench(monkeypatch):
