@@ -326,6 +326,26 @@ class ObjectivesSuite:
         assert_close(grad.reshape(12, 41), dz_soft + dz_hard, dtype, "d student logits",
                      slack=slack)
 
+    def test_opd_teacher_is_a_constant(self, rng):
+        """opd_loss stops the teacher's gradient: differentiated with respect to the teacher
+        logits, the total and both aux terms give exact zeros (and the student its own)."""
+        fw = self.fw
+        student, _, _ = self.batch(rng)
+        z = fw.array(rng.normal(size=(2, 6, 41)) * 3, "float32")
+
+        def fn(z_, u_):
+            batch = fw.api.DiffusionDistillationBatch.create(student_batch=student,
+                                                             teacher_logits=u_)
+            total, aux = fw.api.opd_loss(z_, batch, temperature=1.5, soft_loss_weight=0.7,
+                                         hard_loss_weight=0.4, backend=self.BACKEND)
+            return (total.unreduced_sum, aux["distill/soft_loss"].unreduced_sum,
+                    aux["distill/hard_loss"].unreduced_sum)
+
+        u = fw.array(rng.normal(size=(2, 6, 41)) * 3, "float32")
+        _, (g_z, g_u) = fw.vjp(fn, [z, u], [1.0, 0.5, -0.3])
+        assert_exact_zero(g_u, "d teacher logits of opd_loss")
+        assert np.abs(g_z).max() > 0, "the student got no gradient"
+
     def test_opd_disabled_terms_do_not_read_their_inputs(self, rng):
         fw = self.fw
         student, y, w = self.batch(rng, k=5)  # targets < 5, the bad teacher's K
