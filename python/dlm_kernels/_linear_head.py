@@ -74,7 +74,9 @@ class LinearHead:
 
     It behaves like the logits it stands for where shapes are concerned (``shape``,
     ``dtype``, ``ndim``), so every shape check of the API applies to it unchanged.
-    Gradients flow to hidden, weight and bias.
+    Gradients flow to hidden, weight and bias. The reference backend materialises the
+    logits in float32, as it computes logits arrays of any dtype (a float64 head too); the
+    other backends form each token chunk's logits in the head's dtype.
     """
 
     DEFAULT_LAYOUT = VOCAB_MAJOR  # each front end's subclass sets its own
