@@ -3,14 +3,16 @@
 ``python -m bench.memory OBJECTIVE VARIANT N K DTYPE`` prints the VmHWM growth in bytes of
 one forward+backward after the inputs exist (VmHWM reset through /proc/self/clear_refs;
 tracemalloc does not see torch's allocations). One process per case, so one case's peak
-cannot pollute another's.
+cannot pollute another's. ``cpu_peak_bytes`` gets the same number from a process forked
+for the case off one server that imported torch once (``--serve``): the fork starts from
+the state a fresh interpreter has after its imports, without paying them per case.
 """
 
+import atexit
 import gc
 import os
 import subprocess
 import sys
-
 
 
 def proc_status_bytes(field):
@@ -79,18 +81,76 @@ def cuda_peak_delta(run):
     return peak
 
 
+class _ProbeServer:
+    """One ``--serve`` subprocess for the run, asked one case per line."""
+
+    process = None
+
+    @classmethod
+    def ask(cls, line):
+        if cls.process is None or cls.process.poll() is not None:
+            cls.process = subprocess.Popen(
+                [sys.executable, "-m", f"{__package__}.memory", "--serve"], cwd=package_cwd(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            atexit.register(cls.close)
+        cls.process.stdin.write(line + "\n")
+        cls.process.stdin.flush()
+        answer = cls.process.stdout.readline().strip()
+        if not answer.lstrip("-").isdigit():
+            raise RuntimeError(f"memory probe of {line!r} failed: {answer or 'no answer'}")
+        return int(answer)
+
+    @classmethod
+    def close(cls):
+        if cls.process is not None and cls.process.poll() is None:
+            cls.process.stdin.close()
+            cls.process.wait(timeout=30)
+        cls.process = None
+
+
 def cpu_peak_bytes(objective, variant, n, k, dtype):
-    """The probe below, in a fresh interpreter; None where /proc cannot be reset."""
-    return probe_in_subprocess([f"{__package__}.memory", objective, variant, str(n), str(k), dtype])
+    """The probe below, in a process of its own; None where /proc cannot be reset."""
+    if not available():
+        return None
+    return _ProbeServer.ask(" ".join((objective, variant, str(n), str(k), dtype)))
+
+
+def _probe(objective, variant, n, k, dtype):
+    from .cases import TorchCase
+
+    case = TorchCase(objective, variant, int(n), int(k), dtype, "cpu")
+    return rss_peak_delta(lambda: case.fwdbwd(0),
+                          lambda: TorchCase(objective, variant, 4, int(k), dtype, "cpu").fwdbwd(0))
+
+
+def _serve():
+    """Answer each line of stdin (a case) with its probe, measured in a child forked for it."""
+    import torch  # noqa: F401  (the imports every case needs, once)
+
+    import dlm_kernels.torch  # noqa: F401
+
+    for line in sys.stdin:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, answer through the pipe, exit at once
+            os.close(read)
+            try:
+                answer = str(_probe(*line.split()))
+            except Exception as err:  # noqa: BLE001 - reported to the asking side
+                answer = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
+            os.write(write, (answer + "\n").encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            answer = f.read().strip()
+        os.waitpid(pid, 0)
+        print(answer, flush=True)
 
 
 def main():
-    from .cases import TorchCase
-
-    objective, variant, n, k, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    case = TorchCase(objective, variant, n, k, dtype, "cpu")
-    print(rss_peak_delta(lambda: case.fwdbwd(0),
-                         lambda: TorchCase(objective, variant, 4, k, dtype, "cpu").fwdbwd(0)))
+    if sys.argv[1:] == ["--serve"]:
+        return _serve()
+    print(_probe(*sys.argv[1:6]))
 
 
 if __name__ == "__main__":

@@ -439,10 +439,11 @@ def main(argv=None):
     else:
         grid = (shapes.SMOKE_SHAPES if args.smoke
                 else shapes.CPU_SHAPES if args.full else shapes.QUICK_CPU_SHAPES)
+        size = 2**26 if args.smoke else 2**28  # past the caches, except at smoke size
         if env["torch"]:
-            copy_gbps, copy_t = copy_bandwidth("cpu", 2**26 if args.smoke else 2**28)
+            copy_gbps, copy_t = copy_bandwidth("cpu", size)
         else:
-            copy_gbps, copy_t = copy_bandwidth_jax(2**26 if args.smoke else 2**28)
+            copy_gbps, copy_t = copy_bandwidth_jax(size)
     print(f"copy bandwidth: {copy_gbps:.1f} GB/s", flush=True)
 
     parity_rows = parity(env)
@@ -468,7 +469,8 @@ def main(argv=None):
              for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
              for variant in sum(variants(env, fw, obj), [])]
     head_plan = linear_head_plan(env, args.smoke, args.full) if args.linear_head else None
-    progress = Progress(len(cases) + (linear_head_cases(head_plan[1], frameworks)
+    quick_cpu = not (args.full or args.smoke or env["cuda"])  # no 2N head row: minutes count
+    progress = Progress(len(cases) + (linear_head_cases(head_plan[1], frameworks, not quick_cpu)
                                       if head_plan else 0))
     started = time.monotonic()
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
@@ -501,7 +503,8 @@ def main(argv=None):
                 progress.step(line)
 
         head = linear_head.run(**head_shape, frameworks=tuple(frameworks), reps=args.reps,
-                               cuda=env["cuda"], variants=head_variants, progress=head_progress)
+                               cuda=env["cuda"], variants=head_variants, progress=head_progress,
+                               scaling=not quick_cpu)
     report = save(vocab_parallel_comm=comm, linear_head=head)
     table = markdown(env, copy_gbps, results, parity_rows)
     if head is not None:
@@ -540,11 +543,11 @@ def linear_head_plan(env, smoke, full=False):
     return (dict(CPU_MAIN_SHAPE), None) if full else (dict(CPU_QUICK_SHAPE), QUICK_VARIANTS)
 
 
-def linear_head_cases(head_variants, frameworks):
+def linear_head_cases(head_variants, frameworks, scaling=True):
     """How many cases ``linear_head.run`` times: each variant, then the 2N scaling case."""
     from .linear_head import variants_of
 
-    return sum(len(variants_of(head_variants, fw)) + 1 for fw in frameworks)
+    return sum(len(variants_of(head_variants, fw)) + scaling for fw in frameworks)
 
 
 def linear_head_summary(head):
