@@ -177,6 +177,37 @@ class SamplingSuite:
             api.sample_tokens(z, seed=1.5, backend=self.BACKEND)
 
 
+    def test_linear_head_samples_as_its_logits(self, rng):
+        """sample_tokens(LinearHead(h, W)) draws exactly what sample_tokens(h @ W) draws, over
+        token chunks of 4 rows (a ragged last one), with top-k, suppressed ids and guidance
+        from an unconditional head or array; then the oracle. Dyadic inputs make the logits
+        exact, so every field matches bit for bit."""
+        fw = self.fw
+        api = fw.api
+        layout = api.LinearHead.DEFAULT_LAYOUT
+        h, hu = (rng.integers(-2, 3, (3, 7, 19)) / 4 for _ in range(2))
+        w = rng.integers(-2, 3, (301, 19)) / 4  # [K, D]
+        wl = fw.array(w if layout == "KD" else w.T, "float32")
+        head = lambda a: api.LinearHead(fw.array(a, "float32"), wl, row_chunk=4)
+        kw = dict(temperature=0.9, seed=int(rng.integers(0, 2**31)), step=2, top_k=5,
+                  suppress_ids=fw.array(np.array([0, 1])), cfg_scale=1.5, chunk_size=64,
+                  backend=self.BACKEND)
+        z, zu = h @ w.T, hu @ w.T
+        want = api.sample_tokens(fw.array(z, "float32"), uncond_logits=fw.array(zu, "float32"),
+                                 **kw)
+        for uncond in (head(hu), fw.array(zu, "float32")):
+            got = api.sample_tokens(head(h), uncond_logits=uncond, **kw)
+            for name, g, e in zip(got._fields, got, want):
+                g, e = np.asarray(fw.numpy(g)), np.asarray(fw.numpy(e))
+                assert np.array_equal(g, e, equal_nan=True), f"{name} differs from the logits'"
+        self.check([np.asarray(fw.numpy(x)) for x in got],
+                   oracle(z.reshape(21, -1), temperature=0.9, seed=kw["seed"], step=2, top_k=5,
+                          suppress=np.array([0, 1]), zu=zu.reshape(21, -1), cfg_scale=1.5))
+        with pytest.raises(ValueError, match=r"logits.weight must have shape"):
+            api.sample_tokens(api.LinearHead(fw.array(h, "float32"), fw.array(w[:, :5], "float32"),
+                                             weight_layout="KD"), backend=self.BACKEND)
+
+
 class TestTorchReference(SamplingSuite):
     FW, BACKEND = "torch", "reference"
     DTYPES = ("float32",)
@@ -222,6 +253,14 @@ def test_jax_sampler_under_jit_and_vmap(rng):
     assert np.array_equal(np.asarray(eager.token), np.asarray(jitted.token))
     mapped = jax.vmap(lambda zz: api.sample_tokens(zz, temperature=0.0).token)(z)
     assert np.array_equal(np.asarray(mapped), np.argmax(np.asarray(z), axis=-1))
+    # a LinearHead (a pytree) through jit, in token chunks
+    h = jnp.asarray(rng.integers(-2, 3, (3, 4, 8)) / 4, jnp.float32)
+    w = jnp.asarray(rng.integers(-2, 3, (8, 50)) / 4, jnp.float32)  # [D, K]
+    fn = lambda head: api.sample_tokens(head, seed=5, step=2).token
+    jitted = jax.jit(fn)(api.LinearHead(h, w, row_chunk=5))
+    assert np.array_equal(np.asarray(jitted), np.asarray(fn(api.LinearHead(h, w))))
+    assert np.array_equal(np.asarray(jitted), np.asarray(api.sample_tokens(h @ w, seed=5,
+                                                                          step=2).token))
 
 
 # -- commit_tokens ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._checks import plain, require_array, require_float, require_int, require_shape, shape_str
+from ._linear_head import is_head, row_chunk_for, row_chunks
 
 MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers
@@ -219,7 +220,9 @@ def reference_sample(xp, z, zu, keys, suppress, cfg):
 
 def make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logits, cfg_scale,
                        chunk_size):
-    require_array(xp, "logits", logits)
+    from ._checks import require_logits
+
+    require_logits(xp, "logits", logits)
     require_float(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
@@ -239,7 +242,7 @@ def make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logi
             raise ValueError(f"suppress_ids must have shape [S]; got "
                              f"{shape_str(suppress_ids.shape)}")
     if uncond_logits is not None:
-        require_array(xp, "uncond_logits", uncond_logits)
+        require_logits(xp, "uncond_logits", uncond_logits)
         require_float(xp, "uncond_logits", uncond_logits)
         require_shape("uncond_logits", uncond_logits, logits.shape, "logits.shape")
     if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or not (
@@ -318,7 +321,10 @@ SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabular
     ``Sample``; the stream and the noise: ``dlm_kernels._sampling``).
 
     Args:
-      logits: [..., K] float logits (e.g. [B, L, K]); the conditional ones with guidance.
+      logits: [..., K] float logits (e.g. [B, L, K]); the conditional ones with guidance. A
+        ``LinearHead(hidden, weight)`` in their place is read in token chunks of its
+        ``row_chunk`` rows (one [R, K] logits chunk at a time, never [N, K]); so may
+        ``uncond_logits`` be.
       temperature: T >= 0 of softmax(z / T); 0 is greedy (the argmax, ties to the lowest id;
         the statistics are then those of softmax(z)).
       seed, step: ints (or integer scalars, traced is fine) keying the counter-based noise
@@ -329,7 +335,7 @@ SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabular
       suppress_ids: [S] int ids never drawn (e.g. the mask token): their logits count as
         -inf.
       uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
-        arrays read in the same pass.
+        read in the same pass (an array or a ``LinearHead``).
       chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
       backend: {backends}. Backends without a sampler yet (triton, pallas) leave auto
         on the chunked one (logged at DEBUG); naming one explicitly raises.
@@ -361,6 +367,22 @@ COMMIT_DOC = """Commit the surest masked positions of a canvas: ([B, L] new canv
     """
 
 
+def _flat_rows(xp, x, n, k):
+    """[N, K] logits, or the LinearHead over [N, D] rows standing for them; no gradient."""
+    if is_head(x):
+        return x.map_arrays(xp.stop_gradient).flat(n)
+    return xp.stop_gradient(x).reshape(n, k)
+
+
+def _rows(xp, x, r0, r1):
+    """Rows [r0, r1) of [N, K] logits (a head's: formed here, in the head's dtype)."""
+    if x is None:
+        return None
+    if is_head(x):
+        return xp.head_logits(x.replace(hidden=x.hidden[r0:r1]))
+    return x[r0:r1]
+
+
 def make_sampling_api(xp, registry):
     """(sample_tokens, commit_tokens) of one front end."""
     from ._dispatch import FALLBACK, BackendUnavailableError, backends_doc, logger
@@ -379,7 +401,8 @@ def make_sampling_api(xp, registry):
             elif isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int or an integer scalar; got "
                                 f"{type(value).__name__}")
-        impl = registry.resolve(backend, xp.platform(logits))
+        like = logits.hidden if is_head(logits) else logits  # an array on the device
+        impl = registry.resolve(backend, xp.platform(like))
         if not impl.capabilities.sampling:
             if backend is not None:
                 raise BackendUnavailableError(
@@ -390,10 +413,17 @@ def make_sampling_api(xp, registry):
         n = 1
         for dim in lead:
             n *= dim
-        z = xp.stop_gradient(logits).reshape(n, k)
-        zu = None if uncond_logits is None else xp.stop_gradient(uncond_logits).reshape(n, k)
-        keys = row_keys(xp, seed, step, n, z)
-        out = impl.sample(z, zu, keys, suppress_ids, cfg)
+        z, zu = (None if x is None else _flat_rows(xp, x, n, k) for x in (logits, uncond_logits))
+        keys = row_keys(xp, seed, step, n, like)
+        if not (is_head(z) or is_head(zu)):
+            out = impl.sample(z, zu, keys, suppress_ids, cfg)
+        else:  # token chunks of R rows: one [R, K] logits chunk at a time, never [N, K]
+            head = z if is_head(z) else zu
+            r = row_chunk_for(n, k, head.dtype.itemsize, xp.platform(like) == "cpu",
+                              head.row_chunk)
+            parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
+                                 suppress_ids, cfg) for r0, r1 in row_chunks(n, r)]
+            out = Sample(*(xp.concat(list(f)) for f in zip(*parts)))
         return Sample(*(f.reshape(lead) for f in out))
 
     sample_tokens.__doc__ = SAMPLE_DOC.replace("{backends}", backends_doc())
