@@ -24,16 +24,16 @@ def _mix(x):  # lowbias32 on uint64 holding 32-bit values
 
 
 def oracle_noise(seed, step, n, cols):
-    """[N, C] (or [N, k] for per-row cols) Gumbel noise, float64 from the float32 uniform."""
+    """[N, C] (or [N, k] for per-row cols) Gumbel noise, float64 from the uniform (whose 2^23
+    values are exact in float32, so the backends see the same u)."""
     u64 = lambda v: np.asarray(v, np.int64).astype(np.uint64) & M32
     base = _mix(u64(seed) ^ _mix(u64(step) ^ np.uint64(0x9E3779B9)))
     keys = _mix(u64(np.arange(n)) ^ np.uint64(0x85EBCA6B) ^ base)
     cols = np.asarray(cols)
     ck = _mix(u64(cols))
     h = _mix(keys[:, None] ^ (ck[None, :] if cols.ndim == 1 else ck))
-    u = ((h >> np.uint64(8)).astype(np.float64) + 0.5) * 2.0 ** -24
-    u32 = u.astype(np.float32).astype(np.float64)
-    return -np.log(-np.log(u32))
+    u = ((h >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0 ** -23  # exact in float32
+    return -np.log(-np.log(u))
 
 
 def oracle(z, *, temperature, seed=0, step=0, top_k=None, suppress=None, zu=None, cfg_scale=0.0):
@@ -224,6 +224,28 @@ class TestJaxReference(SamplingSuite):
 
 class TestJaxChunked(SamplingSuite):
     FW, BACKEND = "jax", "chunked"
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_uniform_stays_inside_zero_one(fw_name):
+    """The noise's uniform at the extreme hashes, 0 and 2^32 - 1, is strictly inside (0, 1)
+    in float32, so the Gumbel noise is finite: with u = 1 one column of a row would be drawn
+    whatever its probability (a 24-bit uniform rounded its largest value to 1.0)."""
+    import importlib
+
+    from dlm_kernels import _sampling
+
+    fw = framework(fw_name)
+    ops = importlib.import_module(f"dlm_kernels.{fw_name}._ops")
+    xp = ops.TorchOps if fw_name == "torch" else ops.JaxOps
+    # the 32-bit patterns 0, 2^31 - 1, 2^31 and 2^32 - 1
+    h = xp.u32(fw.array(np.array([0, 2**31 - 1, -2**31, -1], np.int32)))
+    u32 = _sampling.open_uniform(xp, h)
+    assert "float32" in str(u32.dtype), u32.dtype
+    u = np.asarray(fw.numpy(u32), np.float64)
+    assert np.all((u > 0) & (u < 1)), u
+    assert u[0] == 2.0 ** -24 and u[-1] == 1 - 2.0 ** -24, u
+    assert np.all(np.isfinite(-np.log(-np.log(u.astype(np.float32))))), u
 
 
 def test_same_seed_same_tokens_in_both_frameworks(rng):

@@ -15,7 +15,7 @@ the sampling distribution, argmax = i1, top1_logp / top2_logp, entropy. With ``t
 sampling distribution is the softmax over the k largest (renormalised) and every statistic is
 taken under it. At T = 0 the statistics are those of softmax(z) (T = 1).
 
-Noise: g = -log(-log(u)), u = ((h >> 8) + 1/2)·2^-24 in (0, 1), h a 32-bit hash of
+Noise: g = -log(-log(u)), u = ((h >> 9) + 1/2)·2^-23 in (0, 1), h a 32-bit hash of
 (seed, step, row, column): ``row_key(seed, step, row)`` once per row, then
 h = mix(row_key ^ mix(column)) per element, ``mix`` the lowbias32 integer finaliser (two
 multiplies, three xor-shifts). Every backend computes the same integers, so the same seed
@@ -86,8 +86,15 @@ def gumbel(xp, keys, cols):
     every row, or [N, C] per row (the top-k ids)."""
     col_keys = mix(xp, xp.u32(cols))
     h = mix(xp, keys[:, None] ^ (col_keys[None, :] if len(cols.shape) == 1 else col_keys))
-    u = (xp.f32(xp.shr(h, 8)) + 0.5) * (2.0 ** -24)
-    return -xp.log(-xp.log(u))
+    return -xp.log(-xp.log(open_uniform(xp, h)))
+
+
+def open_uniform(xp, h):
+    """float32 u strictly inside (0, 1) from 32-bit hashes: ((h >> 9) + 1/2)·2^-23, 2^23
+    values from 2^-24 to 1 - 2^-24, each exact in float32. (With 24 bits the largest,
+    (2^24 - 1/2)·2^-24, rounds to 1.0 in float32: g = +inf, and that column would be drawn
+    whatever its probability, in about one row in 64 at K = 262144.)"""
+    return (xp.f32(xp.shr(h, 9)) + 0.5) * (2.0 ** -23)
 
 
 # -- the stream -----------------------------------------------------------------------------
