@@ -46,6 +46,7 @@ CPU_QUICK_SHAPE = dict(n=512, d=64, k=4096, dtype="float32")  # inside the quick
 # each framework's peer (not torch.compile's, tens of seconds to compile)
 QUICK_VARIANTS = {"torch": ("ours-ce", "unfused", "torch.linear_ce"),
                   "jax": ("ours-ce", "unfused", "tokamax")}
+GPU_SHAPE = dict(n=16384, d=2560, k=262144, dtype="bfloat16")
 
 
 def variants_of(variants, framework):
@@ -54,7 +55,6 @@ def variants_of(variants, framework):
     if variants is None:
         return VARIANTS_TORCH if framework == "torch" else VARIANTS_JAX
     return variants[framework] if isinstance(variants, dict) else variants
-GPU_SHAPE = dict(n=16384, d=2560, k=262144, dtype="bfloat16")
 
 
 def matmul_flops(mode, n, d, k):

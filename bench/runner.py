@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,7 +36,6 @@ from .memory import cpu_peak_bytes, package_cwd
 from .progress import Progress, summary
 from .timing import copy_bandwidth, copy_bandwidth_jax, measure
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- environment ------------------------------------------------------------------------------
@@ -469,8 +469,7 @@ def main(argv=None):
              for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
              for variant in sum(variants(env, fw, obj), [])]
     head_plan = linear_head_plan(env, args.smoke, args.full) if args.linear_head else None
-    quick_cpu = not (args.full or args.smoke or env["cuda"])  # no 2N head row: minutes count
-    progress = Progress(len(cases) + (linear_head_cases(head_plan[1], frameworks, not quick_cpu)
+    progress = Progress(len(cases) + (linear_head_cases(head_plan, frameworks)
                                       if head_plan else 0))
     started = time.monotonic()
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
@@ -494,7 +493,6 @@ def main(argv=None):
     if head_plan:
         from . import linear_head
 
-        head_shape, head_variants = head_plan
 
         def head_progress(line):
             if line.startswith("linear head parity"):
@@ -502,9 +500,9 @@ def main(argv=None):
             else:
                 progress.step(line)
 
-        head = linear_head.run(**head_shape, frameworks=tuple(frameworks), reps=args.reps,
-                               cuda=env["cuda"], variants=head_variants, progress=head_progress,
-                               scaling=not quick_cpu)
+        head = linear_head.run(**head_plan.shape, frameworks=tuple(frameworks), reps=args.reps,
+                               cuda=env["cuda"], variants=head_plan.variants,
+                               scaling=head_plan.scaling, progress=head_progress)
     report = save(vocab_parallel_comm=comm, linear_head=head)
     table = markdown(env, copy_gbps, results, parity_rows)
     if head is not None:
@@ -529,25 +527,33 @@ def main(argv=None):
     return report
 
 
+class HeadPlan(NamedTuple):
+    shape: dict  # n, d, k, dtype
+    variants: object  # None (all), names, or names by framework (linear_head.variants_of)
+    scaling: bool  # also the 2N memory-scaling row
+
+
 def linear_head_plan(env, smoke, full=False):
-    """(shape, variants) of the main job's linear-head cases: the GPU target shape on a GPU;
-    on a CPU a shape of a few seconds a case, with ``--full`` every variant (torch.compile's
-    too, which compiles for tens of seconds) and otherwise a smaller shape without it; at
-    smoke size two variants at a tiny awkward shape."""
+    """The main job's linear-head cases: the GPU target shape on a GPU; on a CPU a shape of a
+    few seconds a case, with ``--full`` every variant (torch.compile's too, which compiles for
+    tens of seconds) and the 2N row, otherwise a smaller shape without either; at smoke size
+    two variants at a tiny awkward shape."""
     from .linear_head import CPU_MAIN_SHAPE, CPU_QUICK_SHAPE, GPU_SHAPE, QUICK_VARIANTS
 
     if smoke:
-        return dict(n=64, d=16, k=257, dtype="float32"), ["ours-ce", "unfused"]
+        return HeadPlan(dict(n=64, d=16, k=257, dtype="float32"), ["ours-ce", "unfused"], True)
     if env["cuda"]:
-        return dict(GPU_SHAPE), None
-    return (dict(CPU_MAIN_SHAPE), None) if full else (dict(CPU_QUICK_SHAPE), QUICK_VARIANTS)
+        return HeadPlan(dict(GPU_SHAPE), None, True)
+    if full:
+        return HeadPlan(dict(CPU_MAIN_SHAPE), None, True)
+    return HeadPlan(dict(CPU_QUICK_SHAPE), QUICK_VARIANTS, False)
 
 
-def linear_head_cases(head_variants, frameworks, scaling=True):
-    """How many cases ``linear_head.run`` times: each variant, then the 2N scaling case."""
+def linear_head_cases(plan, frameworks):
+    """How many cases ``linear_head.run`` times for ``plan``: each variant, then the 2N row."""
     from .linear_head import variants_of
 
-    return sum(len(variants_of(head_variants, fw)) + scaling for fw in frameworks)
+    return sum(len(variants_of(plan.variants, fw)) + plan.scaling for fw in frameworks)
 
 
 def linear_head_summary(head):

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._checks import plain, require_array, require_float, require_int, require_shape, shape_str
+from ._checks import (plain, require_array, require_float, require_int, require_logits,
+                      require_shape, shape_str)
 from ._linear_head import is_head, row_chunk_for, row_chunks
 
 MASK32 = 0xFFFFFFFF
@@ -227,8 +228,6 @@ def reference_sample(xp, z, zu, keys, suppress, cfg):
 
 def make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logits, cfg_scale,
                        chunk_size):
-    from ._checks import require_logits
-
     require_logits(xp, "logits", logits)
     require_float(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:

@@ -24,9 +24,9 @@ import numpy as np
 # callers pass ``scale`` = the size of those terms (``cancellation_scale``), and the floor
 # grows by CANCELLATION_ULP per unit of it: each of the five terms of log q_k - log p_k - kl
 # (t_k, s_k, the two log-normalisers, the KL) carries up to one float32 rounding of its own
-# size, 2^-24 of it. Likewise a backward reads
-# lse as a saved float32 (about an ulp of |lse| off), which every term in p carries as a
-# relative error: d-logits checks pass ``slack`` = that error per element
+# size, 2^-24 of it. Likewise a backward reads lse as a saved float32 (about an ulp of
+# |lse| off), which every term in p carries as a relative error: d-logits checks pass
+# ``slack`` = that error per element
 # (``tests/oracle.py: saved_lse_slack``), large only where p is close to 1.
 TOLERANCES = {
     "float32": (2e-6, 2e-5),
