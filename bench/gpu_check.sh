@@ -38,7 +38,7 @@ fi
 DEADLINE=${2:-${GPU_CHECK_SECONDS:-560}}
 left() { local t=$(( DEADLINE - SECONDS - $1 )); echo $(( t > 10 ? t : 10 )); }
 # GPU_CHECK_STEPS picks steps (a rerun after a partial run), e.g. "parity bench jax".
-STEPS=" ${GPU_CHECK_STEPS:-parity bench jax sweep suites} "
+STEPS=" ${GPU_CHECK_STEPS:-parity bench jax sweep sampling suites} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 # what the later steps are promised, in seconds, when they are to run
 later() { local s=0 step; for step in "$@"; do want "${step%:*}" && s=$(( s + ${step#*:} )); done; echo $s; }
@@ -57,13 +57,13 @@ gpu_pytest() {  # gpu_pytest SECONDS XML TESTS...
 
 if want parity; then
   log "GPU parity at real sizes (compiled Triton on CUDA tensors, K = 262144, N·K > 2^31)"
-  t=$(left "$(later bench:150 jax:150 sweep:60 suites:100)"); [ "$t" -gt 100 ] && t=100
+  t=$(left "$(later bench:150 jax:150 sweep:60 sampling:90 suites:100)"); [ "$t" -gt 100 ] && t=100
   gpu_pytest "$t" gpu_tests.xml -k "not jax" tests/test_gpu.py "tests/test_triton.py::test_row_offsets_past_int32"
 fi
 
 if want bench; then
   log "benchmark (target shape first; stops starting cases after the budget)"
-  t=$(left "$(later jax:150 sweep:60)")  # all that is left when it runs alone (the whole grid)
+  t=$(left "$(later jax:150 sweep:60 sampling:90)")  # all that is left when it runs alone (the whole grid)
   TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUT" 2>&1 \
     | tail -60 | tee -a "$OUT/gpu_check.log"
 fi
@@ -72,23 +72,32 @@ if want jax; then
   log "JAX through jax-triton (skips without the carried jax-triton wheel)"
   python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
 jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu_check.log"
-  t=$(left "$(later sweep:60)"); [ "$t" -gt 150 ] && t=150
+  t=$(left "$(later sweep:60 sampling:90)"); [ "$t" -gt 150 ] && t=150
   gpu_pytest "$t" gpu_jax_tests.xml "tests/test_gpu.py::test_jax_triton_parity" "tests/test_gpu.py::TestJaxTritonGpu"
 fi
 
 if want sweep; then
   log "launch-plan sweep of the streaming kernels (CE, N = 16384, K = 262144, bf16)"
-  t=$(left 60); [ "$t" -gt 90 ] && t=90
+  t=$(left "$(later sampling:90 suites:60)"); [ "$t" -gt 90 ] && t=90
   TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUT" 2>&1 \
     | tail -15 | tee -a "$OUT/gpu_check.log"
   # the same with a teacher stream (OPD) at N = 4096, if the time allows
-  t=$(left "$(later suites:60)")
+  t=$(left "$(later sampling:90 suites:60)")
   if [ "$t" -gt 40 ]; then
     [ "$t" -gt 90 ] && t=90
     log "launch-plan sweep, distillation (two streams), N = 4096"
     TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --teacher --n 4096 --reps 8 \
       --out "$OUT" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
   fi
+fi
+
+if want sampling; then
+  log "denoising step: the Triton sampler's parity suite on CUDA, then its benchmark (B·L 16384 and 256)"
+  t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
+  gpu_pytest $(( t / 3 )) gpu_sampling_tests.xml "tests/test_sampling.py::TestTorchTriton" \
+    "tests/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
+  TRITON_INTERPRET=0 timeout $(( t * 2 / 3 )) python3 -m bench.sampling --out "$OUT" 2>&1 \
+    | tail -20 | tee -a "$OUT/gpu_check.log"
 fi
 
 t=$(left 5)

@@ -11,9 +11,17 @@ PARTIAL_STATE: the streaming state of one row over a block of columns (docs/desi
   partial output is [N, len(PARTIAL_STATE)].
 ROW_STATS: the finished statistics of a row, float32: the four public outputs, then the three
   residuals the backward pass reads. Triton's is [len(ROW_STATS), N].
+SAMPLE_STATE / SAMPLE_IDS: the sampler's streaming state of one row over a block of columns
+  (``dlm_kernels._sampling.StreamState``): float32 m (the running max of s, 0 while every s is
+  -inf), Σ e^{s-m}, Σ e^{s-m}(s-m), the largest and second largest s, the largest s + g
+  (Gumbel key) and s at it; int32 the id of the largest s and the id of the largest key.
+  Triton's buffers are [len(SAMPLE_STATE), S, N] and [len(SAMPLE_IDS), S, N]; with top_k the
+  k slots of each split follow as [S, N, k] values and ids (unsorted).
 NO_VOCAB_LIMIT: the kernels' vocabulary limit when every column is real (int32 max).
 """
 
 PARTIAL_STATE = ("m", "a", "b", "m2", "a2", "mu", "au", "cu")
 ROW_STATS = ("lse", "logp", "entropy", "kl", "lse_ce", "lse_u", "kl_shift")
+SAMPLE_STATE = ("m", "a", "b", "v1", "v2", "gv", "gs")
+SAMPLE_IDS = ("i1", "gi")
 NO_VOCAB_LIMIT = 2**31 - 1

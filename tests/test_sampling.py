@@ -1,10 +1,12 @@
-"""The denoising step: sample_tokens and commit_tokens on every backend with a sampler,
-against a float64 NumPy oracle that recomputes the documented noise (lowbias32 of
-(seed, step, row, column)) on its own, so drawn tokens are compared exactly."""
+"""The denoising step: sample_tokens and commit_tokens on every backend (the Triton kernel in
+its interpreter on CPU, torch and JAX through the jax-triton emulator; the Pallas kernel in
+TPU interpret mode), against a float64 NumPy oracle that recomputes the documented noise
+(lowbias32 of (seed, step, row, column)) on its own, so drawn tokens are compared exactly."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -12,6 +14,15 @@ import pytest
 from harness import assert_close, framework
 
 M32 = np.uint64(0xFFFFFFFF)
+
+
+def _on_gpu():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def _mix(x):  # lowbias32 on uint64 holding 32-bit values
@@ -74,6 +85,10 @@ class SamplingSuite:
     #: the dtypes of the oracle comparison (conftest's pytest_generate_tests; the reference
     #: backends, which share the chunked ones' math, float32 only)
     DTYPES = ("float32", "bfloat16")
+    #: rows of the chi-square test (the interpreted kernels run one program per row)
+    FREQUENCY_ROWS = 40000
+    #: rows of the top-k / suppression test
+    STREAM_ROWS = 500
 
     @property
     def fw(self):
@@ -113,9 +128,9 @@ class SamplingSuite:
         self.check(got, oracle(z, temperature=0.0))
 
     def test_frequencies_follow_softmax(self, rng):
-        """One row of logits repeated over 40000 rows: the rows' noise is independent, so the
+        """One row of logits repeated over FREQUENCY_ROWS rows: the rows' noise is independent, so the
         token counts follow softmax(z / T) (chi-square at p = 1e-6, Wilson-Hilferty)."""
-        k, n, temperature = 8, 40000, 0.9
+        k, n, temperature = 8, self.FREQUENCY_ROWS, 0.9
         z = rng.normal(size=k) * 1.5
         seed = int(rng.integers(0, 2**31))
         tokens = self.sample(np.tile(z, (n, 1)), temperature=temperature, seed=seed)[0]
@@ -127,7 +142,7 @@ class SamplingSuite:
         assert chi2 < limit, f"chi2 {chi2:.1f} >= {limit:.1f} (seed {seed}): counts {counts}"
 
     def test_top_k_and_suppressed_ids_are_never_drawn(self, rng):
-        z = rng.normal(size=(500, 97)) * 0.3  # flat rows: every id is likely
+        z = rng.normal(size=(self.STREAM_ROWS, 97)) * 0.3  # flat rows: every id is likely
         suppress = np.array([0, 5, 96])
         fw = self.fw
         got = self.sample(z, temperature=2.0, top_k=4, seed=1, suppress_ids=fw.array(suppress),
@@ -177,6 +192,31 @@ class SamplingSuite:
             api.sample_tokens(z, seed=1.5, backend=self.BACKEND)
 
 
+    def test_far_apart_peaks_and_a_suppressed_chunk(self, rng):
+        """Two equal peaks 20 nats above the rest, in the first and the last block: the
+        blocks between can be skipped by a kernel's noise bound, the winner lies in either
+        end. Then rows whose logits are all near -300 but whose first chunk is suppressed
+        (-inf): merging a part with no finite logit must not rescale the others to nothing
+        (e^-120 underflows float32, so a merge taking the maximum 0 of the empty part found
+        the row empty)."""
+        z = rng.normal(size=(24, 300))
+        z[:, 2] = z[:, 297] = 20.0
+        seed = int(rng.integers(0, 2**31))
+        got = self.sample(z, temperature=1.0, seed=seed, chunk_size=64)
+        want = oracle(z, temperature=1.0, seed=seed)
+        assert set(np.unique(want[0])) == {2, 297}, "the case must draw both peaks"
+        self.check(got, want)
+        low = (rng.normal(size=(8, 300)) - 120.0).astype(np.float32)
+        low[:, :40] = -np.inf
+        got = self.sample(low, temperature=1.0, seed=seed, chunk_size=32,
+                          suppress_ids=self.fw.array(np.arange(40)))  # chunk 0: all -inf
+        self.check(got, oracle(low, temperature=1.0, seed=seed))
+
+
+class HeadSampling:
+    """sample_tokens(LinearHead) on one backend: the front end's token chunks feed the
+    backend's sampler like any logits (the JAX Triton wiring adds nothing here)."""
+
     def test_linear_head_samples_as_its_logits(self, rng):
         """sample_tokens(LinearHead(h, W)) draws exactly what sample_tokens(h @ W) draws, over
         token chunks of 4 rows (a ragged last one), with top-k, suppressed ids and guidance
@@ -208,21 +248,61 @@ class SamplingSuite:
                                              weight_layout="KD"), backend=self.BACKEND)
 
 
-class TestTorchReference(SamplingSuite):
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not _on_gpu(),
+    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+class TestTorchReference(HeadSampling, SamplingSuite):
     FW, BACKEND = "torch", "reference"
     DTYPES = ("float32",)
 
 
-class TestTorchChunked(SamplingSuite):
+class TestTorchChunked(HeadSampling, SamplingSuite):
     FW, BACKEND = "torch", "chunked"
 
 
-class TestJaxReference(SamplingSuite):
+@needs_interpreter
+class TestTorchTriton(HeadSampling, SamplingSuite):
+    """The Triton kernel: K = 301 in blocks of 64 gives two vocabulary splits, each with
+    whole blocks and a ragged tail (and the launch heuristic where no chunk_size is given)."""
+
+    FW, BACKEND = "torch", "triton"
+    STREAM_ROWS = 64  # the interpreter runs one program per row and split
+
+    def test_frequencies_follow_softmax(self, rng):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            pytest.skip("40000 interpreted programs; the interpreted kernel's tokens equal the "
+                        "oracle's exactly (test_matches_oracle), whose frequencies the chunked "
+                        "classes check; compiled kernels run it")
+        SamplingSuite.test_frequencies_follow_softmax(self, rng)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("jax_triton_on_cpu")
+class TestJaxTritonEmulated(SamplingSuite):
+    """The JAX launch wiring (argument order, the vmap fold, the buffers' axes) of the same
+    kernel."""
+
+    FW, BACKEND = "jax", "triton"
+    DTYPES = ("bfloat16",)  # float32: TestTorchTriton
+    STREAM_ROWS = TestTorchTriton.STREAM_ROWS
+    test_frequencies_follow_softmax = TestTorchTriton.test_frequencies_follow_softmax
+
+
+class TestJaxPallas(HeadSampling, SamplingSuite):
+    """The Pallas kernel in TPU interpret mode (outputs start as NaN): K = 301 in blocks of
+    128, a ragged last block."""
+
+    FW, BACKEND = "jax", "pallas"
+
+
+class TestJaxReference(HeadSampling, SamplingSuite):
     FW, BACKEND = "jax", "reference"
     DTYPES = ("float32",)
 
 
-class TestJaxChunked(SamplingSuite):
+class TestJaxChunked(HeadSampling, SamplingSuite):
     FW, BACKEND = "jax", "chunked"
 
 
@@ -248,17 +328,45 @@ def test_uniform_stays_inside_zero_one(fw_name):
     assert np.all(np.isfinite(-np.log(-np.log(u.astype(np.float32))))), u
 
 
-def test_same_seed_same_tokens_in_both_frameworks(rng):
+@pytest.mark.parametrize("top_k", [None, 8])
+def test_pallas_sampler_lowers_for_tpu(monkeypatch, top_k):
+    """One step at B·L = 16384, K = 262144, bf16, with guidance and suppressed ids, builds its
+    Mosaic kernel for TPU on any machine (the TPU compiler's own passes run on a TPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    api = framework("jax").api
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "0")
+    n, k = 16384, 262144
+
+    def step(z, zu, suppress):
+        return api.sample_tokens(z, temperature=0.8, seed=1, step=2, top_k=top_k,
+                                 suppress_ids=suppress, uncond_logits=zu, cfg_scale=1.5,
+                                 backend="pallas")
+
+    args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, k), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1, "one Mosaic kernel expected"
+
+
+def test_same_seed_same_tokens_on_every_backend(rng):
+    """The same (seed, step) draws the same tokens in both frameworks on every backend with a
+    sampler here (the Triton kernel where it runs: a GPU or its interpreter)."""
     z = rng.normal(size=(64, 257)) * 2
-    tokens = []
-    for name in ("torch", "jax"):
+    backends = {"torch": ["reference", "chunked"], "jax": ["reference", "chunked", "pallas"]}
+    if os.environ.get("TRITON_INTERPRET") == "1" or _on_gpu():
+        backends["torch"].append("triton")
+    tokens = {}
+    for name, names in backends.items():
         fw = framework(name)
-        for backend in ("reference", "chunked"):
-            s = fw.api.sample_tokens(fw.array(z, "float32"), temperature=1.0, seed=42, step=7,
+        for backend in names:
+            s = fw.api.sample_tokens(fw.array(z, "float32"), temperature=0.8, seed=42, step=7,
                                      backend=backend, chunk_size=100)
-            tokens.append(np.asarray(fw.numpy(s.token)))
-    for t in tokens[1:]:
-        assert np.array_equal(t, tokens[0])
+            tokens[name, backend] = np.asarray(fw.numpy(s.token))
+    first = tokens["torch", "reference"]
+    for where, t in tokens.items():
+        assert np.array_equal(t, first), f"{where}: {np.sum(t != first)} rows differ"
     other = framework("torch").api.sample_tokens(framework("torch").array(z, "float32"),
                                                  seed=42, step=8)
     assert not np.array_equal(np.asarray(other.token), tokens[0]), "step must change the draw"

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from ._checks import (plain, require_array, require_float, require_int, require_logits,
                       require_shape, shape_str)
 from ._linear_head import is_head, row_chunk_for, row_chunks
+from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
 MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers
@@ -159,8 +160,11 @@ def _pick(xp, take_b, a, b):
 
 def merge_state(xp, x, y, cfg):
     """Merge the state of columns seen (x) with a later chunk (y): every id in y is larger."""
-    m = xp.maximum(x.m, y.m)
-    fx, fy = xp.exp(x.m - m), xp.exp(y.m - m)
+    # the new maximum from the largest s (v1), not from m, which is 0 for a part with no
+    # finite s: taking it would rescale a part whose logits are all far below 0 to nothing
+    v1 = xp.maximum(x.v1, y.v1)
+    m = xp.where(v1 == float("-inf"), 0.0, v1)
+    fx, fy = (xp.where(p.a > 0, xp.exp(p.m - m), 0.0) for p in (x, y))  # a > 0: finite s
     a = fx * x.a + fy * y.a
     b = (xp.where(x.a > 0, fx * (x.b + (x.m - m) * x.a), 0.0)
          + xp.where(y.a > 0, fy * (y.b + (y.m - m) * y.a), 0.0))
@@ -176,6 +180,35 @@ def merge_state(xp, x, y, cfg):
     if cfg.top_k is not None:
         topv, topi = xp.merge_top_k(x.topv, x.topi, y.topv, y.topi, cfg.top_k)
     return StreamState(m, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
+
+
+def merge_splits(xp, state, ids, top_v, top_i, cfg, k):
+    """The StreamState [N] of S vocabulary splits at once (the Triton kernel's buffers):
+    state [len(SAMPLE_STATE), S, N] float32 and ids [len(SAMPLE_IDS), S, N] int32
+    (``kernels.layout``), split s holding lower ids than split s + 1; with top_k, top_v /
+    top_i [N, S·k] the splits' unsorted slots (unused ones -inf). The same merge as
+    ``merge_state``, over the split axis."""
+    f = {name: state[i].T for i, name in enumerate(SAMPLE_STATE)}  # each [N, S]
+    i1s, gis = (ids[i].T for i in range(len(SAMPLE_IDS)))
+    neg_inf = float("-inf")
+    v1, lead = xp.first_max(f["v1"])  # ties: the first split, which holds the lower ids
+    m = xp.where(v1 == neg_inf, 0.0, v1)
+    live = f["a"] > 0
+    scale = xp.where(live, xp.exp(f["m"] - m[:, None]), 0.0)
+    a = xp.rowsum(scale * f["a"])
+    b = xp.rowsum(xp.where(live, scale * (f["b"] + (f["m"] - m[:, None]) * f["a"]), 0.0))
+    splits = xp.arange(f["v1"].shape[1], v1)
+    v2 = xp.maximum(xp.rowmax(f["v2"]),
+                    xp.rowmax(xp.where(splits[None, :] == lead[:, None], neg_inf, f["v1"])))
+    gv, gpos = xp.first_max(f["gv"])
+    topv = topi = None
+    if cfg.top_k is not None:  # (value desc, id asc): sort by id, then stably by value
+        by_id = xp.argsort_desc(-top_i)
+        top_v, top_i = xp.take_rows(top_v, by_id), xp.take_rows(top_i, by_id)
+        order = xp.argsort_desc(top_v)[:, :min(cfg.top_k, k)]
+        topv, topi = xp.take_rows(top_v, order), xp.take_rows(top_i, order)
+    return StreamState(m, a, b, v1, xp.gather_cols(i1s, lead), v2, gv,
+                       xp.gather_cols(gis, gpos), xp.gather_cols(f["gs"], gpos), topv, topi)
 
 
 def finalize(xp, st, keys, cfg):
@@ -343,8 +376,10 @@ SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabular
       uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
         read in the same pass (an array or a ``LinearHead``).
       chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
-      backend: {backends}. Backends without a sampler yet (triton, pallas) leave auto
-        on the chunked one (logged at DEBUG); naming one explicitly raises.
+      backend: {backends}. Every backend draws the same tokens for the same (seed, step):
+        the noise's integers are computed alike everywhere, and so is every float32 value a
+        token decision reads (a different float32 log or division on some device could
+        move a key by an ulp, which changes a draw only where two keys are that close).
 
     Top-p / min-p are not offered: their threshold depends on the sorted cumulative mass,
     which one streaming pass does not know; top-k (a running top-k merged like the other
@@ -391,7 +426,7 @@ def _rows(xp, x, r0, r1):
 
 def make_sampling_api(xp, registry):
     """(sample_tokens, commit_tokens) of one front end."""
-    from ._dispatch import FALLBACK, BackendUnavailableError, backends_doc, logger
+    from ._dispatch import BackendUnavailableError, backends_doc
 
     def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
@@ -410,11 +445,7 @@ def make_sampling_api(xp, registry):
         like = logits.hidden if is_head(logits) else logits  # an array on the device
         impl = registry.resolve(backend, xp.platform(like))
         if not impl.capabilities.sampling:
-            if backend is not None:
-                raise BackendUnavailableError(
-                    f"backend={backend!r} has no sampler yet; use 'chunked' or 'reference'")
-            logger.debug("sample_tokens: %s has no sampler; using chunked", impl.name)
-            impl = registry.IMPLEMENTATIONS[FALLBACK]
+            raise BackendUnavailableError(f"backend {impl.name!r} has no sampler")
         lead, k = tuple(logits.shape[:-1]), logits.shape[-1]
         n = 1
         for dim in lead:

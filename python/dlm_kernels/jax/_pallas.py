@@ -14,10 +14,12 @@ import os
 import jax
 import jax.numpy as jnp
 
+from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
 from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+from ..kernels.pallas import sampling as sampler
 from ..kernels.pallas import token_stats as kernels
 from ._batching import fold_vmap_into_rows
 from ._ops import JaxOps
@@ -59,7 +61,7 @@ def _limit(cfg):
 class PallasJax:
     name = "pallas"
     custom_vjp = True
-    capabilities = Capabilities(vocab_shards=True)
+    capabilities = Capabilities(vocab_shards=True, sampling=True)
 
     @staticmethod
     def unsupported_reason(platform):
@@ -113,6 +115,26 @@ class PallasJax:
             lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
                                               teacher_grad=cfg.teacher_grad, **statics))
         return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
+
+
+    @staticmethod
+    def sample(z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields; the kernel's one split finalised here
+        n, k = z.shape
+        ints = [jax.lax.bitcast_convert_type(keys, jnp.int32)[:, None]]  # [N, 1 + S]
+        if suppress is not None:
+            ints.append(jnp.broadcast_to(suppress.astype(jnp.int32), (n,) + suppress.shape))
+        statics = dict(temperature=cfg.temperature, cfg_c=cfg.cfg_scale + 1.0,
+                       top_k=cfg.top_k or 0, block_k=cfg.chunk_size, interpret=interpret_mode(),
+                       detect_races=RaceDetection.enabled)
+        call = fold_vmap_into_rows(
+            lambda z, *rest: sampler.sample_partial(z, rest[0] if zu is not None else None,
+                                                    rest[-1], **statics))
+        floats, ids, top_v, top_i = call(z, *([zu] if zu is not None else []),
+                                         jnp.concatenate(ints, axis=1))
+        st = sampling.merge_splits(JaxOps, floats.T[:, None, :], ids.T[:, None, :], top_v,
+                                   top_i, cfg, k)
+        return sampling.finalize(JaxOps, st, keys, cfg)
 
 
 IMPLEMENTATION = PallasJax()

@@ -15,9 +15,11 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
-from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
+from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._stats_math import Stats
 from ._buffers import empty as _empty
@@ -221,6 +223,46 @@ def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv
     return torch.empty_like(u) if teacher_grad else z.new_empty((0,))
 
 
+@torch.library.custom_op("dlm_kernels::sample_partial", mutates_args=())
+def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Optional[Tensor],
+                   temperature: float, top_k: int, cfg_c: float,
+                   block_k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sampler's split states of z: [N, K] (``kernels.triton.sampling``): (state
+    [SAMPLE_STATE, S, N] f32, ids [SAMPLE_IDS, S, N] i32, top-k slots [S, N, k] f32 and i32,
+    empty without top_k)."""
+    z, zu = _unit_col(z), _unit_col(zu)
+    n, k = z.shape
+    cfg = plan(z, zu, block_k)
+    s = cfg["splits"]
+    state = _empty((len(SAMPLE_STATE), s, n), torch.float32, z.device)  # 28·S bytes per row
+    ids = _empty((len(SAMPLE_IDS), s, n), torch.int32, z.device)  # 8·S bytes per row
+    slots = (s, n, top_k) if top_k else (0,)
+    top_v = _empty(slots, torch.float32, z.device)
+    top_i = _empty(slots, torch.int32, z.device)
+    if n > 0:
+        sampler.sample_partial_kernel[(n, s)](
+            z, z if zu is None else zu, keys, keys if suppress is None else suppress, n, k,
+            0 if suppress is None else suppress.shape[0], z.stride(0),
+            0 if zu is None else zu.stride(0), cfg["cols_per_split"],
+            temperature or 1.0, cfg_c, state, ids, top_v, top_i,
+            GREEDY=temperature == 0.0, HAS_UNCOND=zu is not None,
+            HAS_SUPPRESS=suppress is not None, TOP_K=top_k,
+            TOP_KP=sampler.slot_count(top_k), BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            enable_fp_fusion=False)  # guidance's multiply and add round as on the host
+    return state, ids, top_v, top_i
+
+
+@sample_partial.register_fake
+def _(z, zu, keys, suppress, temperature, top_k, cfg_c, block_k):
+    s = plan(z, zu, block_k)["splits"]  # the same plan as the launch
+    n = z.shape[0]
+    slots = (s, n, top_k) if top_k else (0,)
+    return (z.new_empty((len(SAMPLE_STATE), s, n), dtype=torch.float32),
+            z.new_empty((len(SAMPLE_IDS), s, n), dtype=torch.int32),
+            z.new_empty(slots, dtype=torch.float32), z.new_empty(slots, dtype=torch.int32))
+
+
 def _op_rows(rows):
     """The bundle as the custom ops take it: (z, u, y, active, x, d), the [N] inputs dense
     and the active mask as int8 (what the kernels load)."""
@@ -241,7 +283,7 @@ def _limit(cfg):
 class TritonTorch:
     name = "triton"
     custom_vjp = True
-    capabilities = Capabilities(vocab_shards=True, inplace_grad=True)
+    capabilities = Capabilities(vocab_shards=True, inplace_grad=True, sampling=True)
 
     @staticmethod
     def unsupported_reason(platform):
@@ -281,6 +323,20 @@ class TritonTorch:
         else:
             dz, du = torch.ops.dlm_kernels.token_stats_bwd(*args)
         return dz, (du if cfg.teacher_grad else None)
+
+
+    @staticmethod
+    @torch.no_grad()
+    def sample(z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields: the kernel's split states merged here
+        n, k = z.shape
+        state, ids, top_v, top_i = torch.ops.dlm_kernels.sample_partial(
+            z, zu, keys.contiguous(), None if suppress is None else suppress.contiguous(),
+            cfg.temperature, cfg.top_k or 0, cfg.cfg_scale + 1.0, cfg.chunk_size or 0)
+        if cfg.top_k:  # [S, N, k] -> [N, S·k]
+            top_v, top_i = (t.permute(1, 0, 2).reshape(n, -1) for t in (top_v, top_i))
+        st = sampling.merge_splits(TorchOps, state, ids, top_v, top_i, cfg, k)
+        return sampling.finalize(TorchOps, st, keys, cfg)
 
 
 IMPLEMENTATION = TritonTorch()

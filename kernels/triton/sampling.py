@@ -1,0 +1,251 @@
+"""Triton kernel of the denoising step's draw (``dlm_kernels._sampling``): one streaming read
+of each row's logits, no host code.
+
+  sample_partial_kernel  grid (N, S): row n, vocabulary split s. One pass over its columns in
+                         BLOCK_K blocks, as R lanes of VEC contiguous columns (one 16-byte
+                         load each), every lane keeping its own state; the lanes merge once
+                         at the end and write the split's state to state[7, S, N] (float32)
+                         and ids[2, S, N] (int32), with top_k also its k slots to
+                         topv[S, N, k] / topi[S, N, k]. The host merges the S splits and
+                         finalises (``dlm_kernels._sampling.merge_splits`` / ``finalize``).
+
+Bytes per row (K columns, E bytes per logit): reads K·E (guidance: 2·K·E) and writes
+(7 + 2)·4·S (top_k: + 8·k·S). Nothing of size K is written.
+
+Token parity with the other backends: the kernel computes the same float32 values the
+framework code does for the decisions that pick a token, s = z / T (IEEE division,
+``tl.div_rn``; Triton's ``/`` is an approximate one), guidance ``zu + c·(z - zu)`` (launched
+without floating-point contraction, so this is a multiply and an add, not an FMA, as on the
+host), the lowbias32 hash in uint32 and g = -log(-log(u)) with the precise float32 log
+(``tl.log`` lowers to libdevice's logf). The statistics (log-sum-exp, entropy) need only
+float32 accuracy and use exp2.
+
+Two skips keep the arithmetic off the bytes' critical path without changing any result:
+- The noise of a block is computed only when the block could hold the winning key: every g
+  the noise can take is below G_BOUND (u <= 1 - 2^-24 gives g <= 16.64), so when
+  fl(max s of the block + G_BOUND) < the best key so far, no column of the block can win
+  (rounding is monotone). Peaked rows skip most blocks' two logs per logit.
+- With top_k, a block updates the k slots only through the columns above the current worst
+  slot, one at a time, best first: after the first blocks few columns qualify.
+"""
+
+import triton
+import triton.language as tl
+
+from ..layout import SAMPLE_IDS, SAMPLE_STATE
+
+NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
+LOG2E = tl.constexpr(1.4426950408889634)
+G_BOUND = tl.constexpr(17.0)  # > the largest Gumbel noise, -log(-log(1 - 2^-24)) = 16.64
+BIG_ID = tl.constexpr(2**31 - 1)
+M1 = tl.constexpr(0x7FEB352D)  # lowbias32 multipliers (_sampling._M1, _M2)
+M2 = tl.constexpr(0x846CA68B)
+
+F_M, F_A, F_B, F_V1, F_V2, F_GV, F_GS = (tl.constexpr(SAMPLE_STATE.index(f))
+                                        for f in ("m", "a", "b", "v1", "v2", "gv", "gs"))
+I_I1, I_GI = (tl.constexpr(SAMPLE_IDS.index(f)) for f in ("i1", "gi"))
+
+
+@triton.jit
+def _mix(x):
+    """lowbias32 of uint32 x (logical shifts, products modulo 2^32): _sampling.mix."""
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, M1, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, M2, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel(key, cols):
+    """float32 Gumbel noise of global columns cols (int32) in the row keyed by key (uint32):
+    _sampling.gumbel, u = ((h >> 9) + 1/2)·2^-23."""
+    h = _mix(key ^ _mix(cols.to(tl.uint32)))
+    u = ((h >> 9).to(tl.float32) + 0.5) * 0.00000011920928955078125  # 2^-23
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _first_in_lane(x, lane_pos):
+    """(max, first position) along the VEC axis of x [R, VEC] (in-thread), and x without that
+    one element (for the runner-up)."""
+    v = tl.max(x, axis=1)
+    pos = tl.min(tl.where(x == v[:, None], lane_pos, BIG_ID), axis=1)
+    rest = tl.where(lane_pos == pos[:, None], NEG_INF, x)
+    return v, pos, rest
+
+
+@triton.jit
+def _worst_slot(tv, ti, slot):
+    """The slot the next better column replaces: the smallest value, among equal ones the
+    highest id (the lowest-ranked). Unused slots (beyond k) hold +inf and are never it."""
+    wv = tl.min(tv, axis=0)
+    wid = tl.max(tl.where(tv == wv, ti, -2), axis=0)
+    ws = tl.min(tl.where((tv == wv) & (ti == wid), slot, BIG_ID), axis=0)
+    return wv, ws
+
+
+@triton.jit
+def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperature, cfg_c,
+                lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti, slot,
+                MASKED: tl.constexpr, GREEDY: tl.constexpr, HAS_UNCOND: tl.constexpr,
+                HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr):
+    """Fold the columns cols [R, VEC] of one row into the per-lane state [R] (and the top-k
+    slots); returns the new state."""
+    mask = cols < k_valid
+    # read BLOCK_K·E bytes of logits (and BLOCK_K·E of unconditional logits)
+    if MASKED:
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.load(z_row + cols).to(tl.float32)
+    if HAS_UNCOND:
+        if MASKED:
+            zu = tl.load(zu_row + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            zu = tl.load(zu_row + cols).to(tl.float32)
+        z = zu + cfg_c * (z - zu)  # a multiply and an add (no contraction at launch)
+    if HAS_SUPPRESS:
+        for j in range(n_suppress):
+            z = tl.where(cols == tl.load(sup_ptr + j), NEG_INF, z)
+    if MASKED:
+        z = tl.where(mask, z, NEG_INF)
+    s = z
+    if not GREEDY:
+        s = tl.div_rn(z, temperature)
+
+    # the lane's largest s (ties: the lowest id) and runner-up; the online sums rescale to
+    # the new maximum m (kept at 0 while every s is -inf: no inf - inf; a lane with no finite
+    # s yet has a = 0 and takes no rescale, whatever its m)
+    lane_first = tl.min(cols, axis=1)  # [R] the id of each lane's first column
+    bv, bpos, rest = _first_in_lane(s, lane_pos)
+    b2 = tl.max(rest, axis=1)
+    take = bv > v1  # a tie keeps the earlier (lower) id
+    v2 = tl.maximum(tl.where(take, v1, v2), tl.where(take, b2, bv))
+    i1 = tl.where(take, lane_first + bpos, i1)
+    m_old = tl.where(v1 == NEG_INF, 0.0, v1)
+    v1 = tl.maximum(v1, bv)
+    m = tl.where(v1 == NEG_INF, 0.0, v1)
+    f = tl.where(a > 0, tl.exp2((m_old - m) * LOG2E), 0.0)  # a = 0: no finite s before
+    d = s - m[:, None]
+    e = tl.exp2(d * LOG2E)
+    b = tl.where(a > 0, f * (b + (m_old - m) * a), 0.0) + tl.sum(tl.where(e > 0, e * d, 0.0),
+                                                                  axis=1)
+    a = f * a + tl.sum(e, axis=1)
+
+    if not GREEDY and TOP_K == 0:
+        # the Gumbel key s + g, only where the block could beat the best key so far
+        if tl.max(bv, axis=0) + G_BOUND >= g_best:
+            kv, kpos, _ = _first_in_lane(s + _gumbel(key, cols), lane_pos)
+            ks = tl.sum(tl.where(lane_pos == kpos[:, None], s, 0.0), axis=1)
+            tk = kv > gv
+            gv = tl.where(tk, kv, gv)
+            gi = tl.where(tk, lane_first + kpos, gi)
+            gs = tl.where(tk, ks, gs)
+            g_best = tl.maximum(g_best, tl.max(kv, axis=0))
+
+    if TOP_K > 0:
+        # columns better than the worst slot enter one at a time, best (lowest id) first
+        wv, ws = _worst_slot(tv, ti, slot)
+        cand = s
+        cv = tl.max(tl.max(cand, axis=1), axis=0)
+        while cv > wv:
+            cc = tl.min(tl.min(tl.where(cand == cv, cols, BIG_ID), axis=1), axis=0)
+            tv = tl.where(slot == ws, cv, tv)
+            ti = tl.where(slot == ws, cc, ti)
+            cand = tl.where(cols == cc, NEG_INF, cand)
+            cv = tl.max(tl.max(cand, axis=1), axis=0)
+            wv, ws = _worst_slot(tv, ti, slot)
+    return v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti
+
+
+@triton.jit
+def sample_partial_kernel(
+    z_ptr,  # [N, K] logits (conditional ones with guidance), row stride stride_z
+    zu_ptr,  # [N, K] unconditional logits, row stride stride_zu (HAS_UNCOND)
+    keys_ptr,  # [N] int32: the row keys of the noise (their 32-bit patterns)
+    sup_ptr,  # [n_suppress] int: ids never drawn (HAS_SUPPRESS)
+    N, K, n_suppress, stride_z, stride_zu, cols_per_split,
+    temperature,  # T > 0 (unused when GREEDY)
+    cfg_c,  # guidance's s + 1 (HAS_UNCOND)
+    state_ptr,  # [7, S, N] f32 out: SAMPLE_STATE
+    ids_ptr,  # [2, S, N] i32 out: SAMPLE_IDS
+    topv_ptr, topi_ptr,  # [S, N, TOP_K] f32 / i32 out: the split's k slots (TOP_K > 0)
+    GREEDY: tl.constexpr, HAS_UNCOND: tl.constexpr, HAS_SUPPRESS: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_KP: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    temperature, cfg_c = tl.cast(temperature, tl.float32), tl.cast(cfg_c, tl.float32)
+    k_start = tl.multiple_of(split * cols_per_split, BLOCK_K)
+    k_end = tl.minimum(k_start + cols_per_split, K)
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+    z_row = z_ptr + row.to(tl.int64) * stride_z
+    zu_row = zu_ptr + row.to(tl.int64) * stride_zu
+    key = tl.load(keys_ptr + row).to(tl.uint32, bitcast=True)
+
+    R: tl.constexpr = BLOCK_K // VEC
+    lane_pos = tl.arange(0, VEC)[None, :]
+    offs = tl.arange(0, R)[:, None] * VEC + lane_pos  # [R, VEC]
+    v1 = tl.full([R], NEG_INF, tl.float32)  # the lane's largest s
+    i1 = tl.zeros([R], tl.int32)  # its id
+    v2 = tl.full([R], NEG_INF, tl.float32)  # the runner-up (a tie with v1 counts)
+    a = tl.zeros([R], tl.float32)  # Σ e^{s - m}, m = v1 (0 while v1 = -inf)
+    b = tl.zeros([R], tl.float32)  # Σ e^{s - m}(s - m)
+    gv = tl.full([R], NEG_INF, tl.float32)  # the largest key s + g
+    gi = tl.zeros([R], tl.int32)  # its id
+    gs = tl.zeros([R], tl.float32)  # s at it
+    g_best = tl.full([], NEG_INF, tl.float32)  # the best key of the program
+    slot = tl.arange(0, TOP_KP)
+    tv = tl.where(slot < TOP_K, NEG_INF, POS_INF)  # the top-k slots (TOP_K > 0)
+    ti = tl.full([TOP_KP], -1, tl.int32)
+    for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
+        v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti = _fold_block(
+            z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature, cfg_c,
+            lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti, slot, False, GREEDY,
+            HAS_UNCOND, HAS_SUPPRESS, TOP_K)
+    for k0 in range(k_full, k_end, BLOCK_K):  # the ragged tail: at most one block
+        v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti = _fold_block(
+            z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature, cfg_c,
+            lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti, slot, True, GREEDY,
+            HAS_UNCOND, HAS_SUPPRESS, TOP_K)
+
+    # merge the lanes (lane r holds lower ids than lane r + 1 within a block, but not across
+    # blocks: ties go to the lowest id explicitly)
+    v1_row = tl.max(v1, axis=0)
+    i1_row = tl.min(tl.where(v1 == v1_row, i1, BIG_ID), axis=0)
+    lead = tl.min(tl.where((v1 == v1_row) & (i1 == i1_row), tl.arange(0, R), R), axis=0)
+    v2_row = tl.maximum(tl.max(v2, axis=0),
+                        tl.max(tl.where(tl.arange(0, R) == lead, NEG_INF, v1), axis=0))
+    m_row = tl.where(v1_row == NEG_INF, 0.0, v1_row)
+    m_lane = tl.where(v1 == NEG_INF, 0.0, v1)
+    f = tl.where(a > 0, tl.exp2((m_lane - m_row) * LOG2E), 0.0)
+    a_row = tl.sum(f * a, axis=0)
+    b_row = tl.sum(tl.where(a > 0, f * (b + (m_lane - m_row) * a), 0.0), axis=0)
+    gv_row = tl.max(gv, axis=0)
+    gi_row = tl.min(tl.where(gv == gv_row, gi, BIG_ID), axis=0)
+    gs_row = tl.max(tl.where((gv == gv_row) & (gi == gi_row), gs, NEG_INF), axis=0)
+    gi_row = tl.where(gv_row == NEG_INF, 0, gi_row)  # no key at all (greedy, top-k, empty)
+
+    # write (7 + 2) x 4 bytes of state
+    base = split * N + row
+    stride = n_splits * N
+    tl.store(state_ptr + F_M * stride + base, m_row)
+    tl.store(state_ptr + F_A * stride + base, a_row)
+    tl.store(state_ptr + F_B * stride + base, b_row)
+    tl.store(state_ptr + F_V1 * stride + base, v1_row)
+    tl.store(state_ptr + F_V2 * stride + base, v2_row)
+    tl.store(state_ptr + F_GV * stride + base, gv_row)
+    tl.store(state_ptr + F_GS * stride + base, gs_row)
+    tl.store(ids_ptr + I_I1 * stride + base, i1_row)
+    tl.store(ids_ptr + I_GI * stride + base, gi_row)
+    if TOP_K > 0:  # write 8 x k bytes of slots
+        out = base.to(tl.int64) * TOP_K + slot
+        tl.store(topv_ptr + out, tv, mask=slot < TOP_K)
+        tl.store(topi_ptr + out, ti, mask=slot < TOP_K)
+
+
+def slot_count(top_k):
+    """TOP_KP: the power of two >= k holding the k slots (1 without top_k)."""
+    return 1 << max(0, int(top_k) - 1).bit_length()
