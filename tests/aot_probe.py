@@ -15,7 +15,11 @@ kernels once more as the objectives launch them (keys "objective:..."): weighted
 teacher, no entropy) or, with TEACHER=1, distillation (teacher, T = 1 CE beside the
 T-scaled KL, no entropy). Keys "jax:...": the streaming and finalize kernels typed and
 specialised as jax-triton 0.3 launches them (see below), with "f64_ops" counting float64
-arithmetic in every kernel.
+arithmetic in every kernel. Keys "sampler:MODE:..." (and "jax:sampler:draw:..."): the
+denoising step's kernel, greedy, drawing and top-k, with guidance and suppressed ids;
+"approx_divs" / "approx_logs" count float32 divisions that are not correctly rounded and
+approximate logs (a token decision must compute s = z / T and the noise's logs as the host
+does).
 """
 
 import json
@@ -29,6 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dlm_kernels.kernels.triton import sampling as SAMPLER
 from dlm_kernels.kernels.triton import token_stats as K
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -40,7 +45,10 @@ F64_OP = re.compile(r"^\s*(?!cvt\.)[a-z][\w.]*\.f64\b", re.M)
 # TTIR: a pointer broadcast to a block, and pointer arithmetic with its offset's integer type
 SPLAT = re.compile(r"(%[\w.]+) = tt\.splat (%[\w.]+)\b")
 ADDPTR = re.compile(r"= tt\.addptr (%[\w.]+), %[\w.]+ : [^,]+, (?:tensor<[\dx]*)?(i\d+)")
-NK_POINTERS = ("%z_ptr", "%u_ptr", "%dz_ptr", "%du_ptr")  # the [N, K] arrays
+NK_POINTERS = ("%z_ptr", "%u_ptr", "%dz_ptr", "%du_ptr", "%zu_ptr")  # the [N, K] arrays
+# PTX: float32 division or log that is not correctly rounded / not libdevice's precise one
+APPROX_DIV = re.compile(r"div\.(?:full|approx)(?:\.ftz)?\.f32")
+APPROX_LOG = re.compile(r"lg2\.approx")
 # PTX narrowing of float32 to a 16-bit float: to nearest (cvt.rn) or any other rounding
 NARROW_RN = re.compile(r"cvt\.rn\.(?:bf16|f16)(?:x2)?\.f32")
 NARROW_OTHER = re.compile(r"cvt\.r[zmp]\.(?:bf16|f16)(?:x2)?\.f32")
@@ -145,6 +153,22 @@ def main():
     kernels += [("jax:", jax_types, (fn, dict(c, **{k: v for k, v in at_t1.items()
                                                     if k in fn.arg_names}), w))
                 for fn, c, w in streaming_kernels(flags, teacher) + [finalize]]
+    # The sampler, every input on (guidance, suppressed ids): greedy, Gumbel draw, top-k; and
+    # the draw as jax-triton types it (float64 scalars)
+    sampler_types = dict(types, zu_ptr=ptr, keys_ptr="*i32", sup_ptr="*i64", n_suppress="i32",
+                         stride_zu="i32", temperature="fp32", cfg_c="fp32", state_ptr="*fp32",
+                         ids_ptr="*i32", topv_ptr="*fp32", topi_ptr="*i32")
+    values.update(stride_zu=262144, n_suppress=1)
+    plan = K.launch_config(16384, 262144, ELEM_BYTES[dtype], True, block_k=block_k)
+    sampler = lambda greedy, top_k: (SAMPLER.sample_partial_kernel, dict(
+        GREEDY=greedy, HAS_UNCOND=True, HAS_SUPPRESS=True, TOP_K=top_k,
+        TOP_KP=SAMPLER.slot_count(top_k), BLOCK_K=plan["block_k"], VEC=plan["vec"],
+        ROWS_ALIGNED=True), plan["num_warps"])
+    kernels += [(f"sampler:{mode}:", sampler_types, sampler(greedy, top_k))
+                for mode, greedy, top_k in (("greedy", True, 0), ("draw", False, 0),
+                                            ("top_k", False, 8))]
+    kernels += [("jax:sampler:draw:", dict(sampler_types, sup_ptr="*i32", temperature="fp64",
+                                           cfg_c="fp64"), sampler(False, 0))]
     report = {}
     for prefix, typed, (fn, constexprs, warps) in kernels:
         # every parameter is typed here or a constexpr given above (a KeyError otherwise)
@@ -153,8 +177,10 @@ def main():
                  if sig[name].startswith("*")
                  or (prefix != "jax:" and values.get(name, 1) % 16 == 0)}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps, num_stages=cfg["num_stages"]))
+        options = dict(num_warps=warps, num_stages=cfg["num_stages"])
+        if "sampler:" in prefix:  # launched so (guidance's multiply and add round apart)
+            options["enable_fp_fusion"] = False
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
         key = f"{prefix}{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
         streaming = "BLOCK_K" in constexprs
@@ -172,6 +198,7 @@ def main():
             # tl.exp's ex2 without .ftz drags a subnormal fix-up along (3 more instructions)
             slow_exps=len(re.findall(r"ex2\.approx\.f32", ptx)),
             f64_ops=len(F64_OP.findall(ptx)),
+            approx_divs=len(APPROX_DIV.findall(ptx)), approx_logs=len(APPROX_LOG.findall(ptx)),
             sass_per_logit=per_logit, loop_barriers=barriers,
             **{k: v for k, v in constexprs.items() if k.startswith("BLOCK")})
     print(json.dumps(report))

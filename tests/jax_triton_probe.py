@@ -116,6 +116,16 @@ def cases(rng):
 
     yield ("the target shape, N 16384, K 262144 (N·K > 2^31), distillation",
            jax.grad(target_shape_loss), big)
+    sup = jnp.asarray([0, 7], jnp.int32)
+    yield ("sample_tokens: draw with guidance and suppressed ids (one launch)",
+           lambda zz, uu: dk.sample_tokens(zz, uncond_logits=uu, cfg_scale=1.5, temperature=0.8,
+                                           suppress_ids=sup, seed=3, step=1, backend="triton"),
+           (z("bfloat16", n), z("bfloat16", n)), 1)
+    yield ("sample_tokens: top-k at T = 1 (a constexpr 1), vmapped",
+           jax.vmap(lambda zz: dk.sample_tokens(zz, top_k=8, backend="triton").token),
+           (z("bfloat16", 3, n),), 1)
+    yield ("sample_tokens: greedy at the target shape, N 16384, K 262144",
+           lambda zz: dk.sample_tokens(zz, temperature=0.0, backend="triton"), big[:1], 1)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "vocab"))
 
     def shard_loss(zz, yy, ww):  # zz: [B/2, L, K/2] on each device, padded vocabulary

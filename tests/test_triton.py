@@ -343,7 +343,9 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
     as jax-triton 0.3 launches them too (float64 float scalars, T = 1 as a constexpr 1), no
     kernel computes in float64. At the launch's own integer typing (i32 below 2^31, row
     strides included) every row offset into an [N, K] array is 64-bit, and every 16-bit
-    result is rounded to nearest. A subprocess, since the interpreter is on in this one."""
+    result is rounded to nearest. The sampler's kernel (greedy, drawing, top-k, every input
+    on) compiles the same way, with vector loads, correctly rounded divisions and precise
+    logs. A subprocess, since the interpreter is on in this one."""
     import json
     import sys
 
@@ -355,7 +357,7 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
         pytest.skip(out.stdout.strip())
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(report) == 9
+    assert len(report) == 13
     for name, r in report.items():
         assert r["f64_ops"] == 0, (name, "float64 arithmetic (a float64 scalar argument)", r)
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
@@ -380,6 +382,13 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
         assert partial["loop_barriers"] in (0, None), report
         grad = report_of(report, prefix + "stats_grad_kernel")
         assert grad["vector_loads"] >= streams and grad["vector_stores"] >= 1, report
+    # the sampler: both streams (logits, unconditional logits) in 16-byte loads; s = z / T
+    # correctly rounded and the noise's logs libdevice's precise ones, as on the host, so
+    # tokens match the other backends'
+    for name, r in report.items():
+        if "sampler:" in name:
+            assert r["vector_loads"] >= 2, (name, r)
+            assert r["approx_divs"] == 0 and r["approx_logs"] == 0, (name, r)
     # bytes per column: the partial pass reads every stream; the gradient pass (no teacher
     # gradient) reads them and writes d logits
     for kernel, nbytes in (("stats_partial_kernel", streams * elem),

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..layout import SAMPLE_IDS, SAMPLE_STATE
+from .token_stats import _row_start
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
@@ -173,6 +174,7 @@ def sample_partial_kernel(
     topv_ptr, topi_ptr,  # [S, N, TOP_K] f32 / i32 out: the split's k slots (TOP_K > 0)
     GREEDY: tl.constexpr, HAS_UNCOND: tl.constexpr, HAS_SUPPRESS: tl.constexpr,
     TOP_K: tl.constexpr, TOP_KP: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -181,8 +183,8 @@ def sample_partial_kernel(
     k_start = tl.multiple_of(split * cols_per_split, BLOCK_K)
     k_end = tl.minimum(k_start + cols_per_split, K)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
-    z_row = z_ptr + row.to(tl.int64) * stride_z
-    zu_row = zu_ptr + row.to(tl.int64) * stride_zu
+    z_row = z_ptr + _row_start(row, stride_z, ROWS_ALIGNED)
+    zu_row = zu_ptr + _row_start(row, stride_zu, ROWS_ALIGNED)
     key = tl.load(keys_ptr + row).to(tl.uint32, bitcast=True)
 
     R: tl.constexpr = BLOCK_K // VEC

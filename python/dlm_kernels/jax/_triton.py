@@ -217,7 +217,8 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg):
             enable_fp_fusion=False,  # guidance's multiply and add round as on the host
             GREEDY=cfg.temperature == 0.0, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress_rows is not None, TOP_K=top_k,
-            TOP_KP=sampler.slot_count(top_k), BLOCK_K=lc["block_k"], VEC=lc["vec"])
+            TOP_KP=sampler.slot_count(top_k), BLOCK_K=lc["block_k"], VEC=lc["vec"],
+            ROWS_ALIGNED=kernels.rows_aligned(k))
     if not top_k:
         top_v, top_i = (jnp.zeros((n, 0), t.dtype) for t in (top_v, top_i))
     else:

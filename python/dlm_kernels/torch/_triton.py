@@ -248,6 +248,7 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
             GREEDY=temperature == 0.0, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress is not None, TOP_K=top_k,
             TOP_KP=sampler.slot_count(top_k), BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
+            ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if zu is None else zu.stride(0)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             enable_fp_fusion=False)  # guidance's multiply and add round as on the host
     return state, ids, top_v, top_i
