@@ -96,7 +96,7 @@ if want sampling; then
   t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
   gpu_pytest $(( t / 3 )) gpu_sampling_tests.xml "tests/test_sampling.py::TestTorchTriton" \
     "tests/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
-  TRITON_INTERPRET=0 timeout $(( t * 2 / 3 )) python3 -m bench.sampling --out "$OUT" 2>&1 \
+  TRITON_INTERPRET=0 timeout $(( t * 2 / 3 )) python3 -m bench.sampling --json "$OUT/sampling.json" --md "$OUT/sampling.md" 2>&1 \
     | tail -20 | tee -a "$OUT/gpu_check.log"
 fi
 

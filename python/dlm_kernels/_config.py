@@ -134,19 +134,26 @@ def make_config(
 # 128 columns: 2048 chunks, several launches each, per pass at K = 262144).
 CHUNK_BYTES_CPU = 8 * 1024 * 1024
 CHUNK_BYTES_ACCELERATOR = 128 * 1024 * 1024
+# The sampler's chunk on a CPU: it keeps about 20 [N, C] temporaries alive at once (the
+# hash, the noise, the running state), so its buffers are a quarter of the statistics'
+# ones: at N 1024, K 32768, float32 the step's peak beyond the logits fell from 168 to
+# 38 MiB at the same time per step (bench/NOTES.md).
+SAMPLE_CHUNK_BYTES_CPU = 2 * 1024 * 1024
 
 
-def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = True) -> int:
+def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = True,
+                   cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
     """Vocabulary chunk of the framework-native chunked backends.
 
     Each live float32 temporary of a chunk is ``[N, C]``; C is picked so one such buffer
-    stays under ``CHUNK_BYTES_CPU`` (8 MiB) on a CPU, ``CHUNK_BYTES_ACCELERATOR`` (128 MiB)
+    stays under ``cpu_bytes`` (default ``CHUNK_BYTES_CPU``, 8 MiB) on a CPU,
+    ``CHUNK_BYTES_ACCELERATOR`` (128 MiB)
     elsewhere, a multiple of 128 columns, at least 128 and at most K. Peak extra memory is
     then a handful of these buffers, independent of K. ``cfg.chunk_size`` overrides.
     """
     if cfg.chunk_size is not None:
         return max(1, min(cfg.chunk_size, vocab))
-    budget = CHUNK_BYTES_CPU if on_cpu else CHUNK_BYTES_ACCELERATOR
+    budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
     c = budget // (4 * max(n_rows, 1))
     c = max(128, (c // 128) * 128)
     return max(1, min(c, vocab))

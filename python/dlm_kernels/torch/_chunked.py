@@ -13,14 +13,14 @@ import torch
 
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
-from .._config import chunk_size_for
+from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
 from ._buffers import empty
 from ._ops import TorchOps as xp
 
 
-def _chunks(n, k, cfg, device):
-    c = chunk_size_for(n, k, cfg, on_cpu=device.type == "cpu")
+def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
+    c = chunk_size_for(n, k, cfg, on_cpu=device.type == "cpu", cpu_bytes=cpu_bytes)
     return [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
 
 
@@ -76,7 +76,7 @@ class ChunkedTorch:
         # z, zu: [N, K] -> Sample of [N] fields; live temporaries: a few [N, C] chunks
         n, k = z.shape
         state = None
-        for c0, c1 in _chunks(n, k, cfg, z.device):
+        for c0, c1 in _chunks(n, k, cfg, z.device, SAMPLE_CHUNK_BYTES_CPU):
             cols = torch.arange(c0, c1, device=z.device)
             s = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
                                        cols, suppress, cfg)
