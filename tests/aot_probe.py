@@ -15,7 +15,7 @@ kernels once more as the objectives launch them (keys "objective:..."): weighted
 teacher, no entropy) or, with TEACHER=1, distillation (teacher, T = 1 CE beside the
 T-scaled KL, no entropy). Keys "jax:...": the streaming and finalize kernels typed and
 specialised as jax-triton 0.3 launches them (see below), with "f64_ops" counting float64
-arithmetic in every kernel. Keys "sampler:MODE:..." (and "jax:sampler:draw:..."), with TEACHER=0: the
+arithmetic in every kernel. Keys "sampler:MODE:..." (and "jax:sampler:draw:..."), for bf16 with TEACHER=0: the
 denoising step's kernel, greedy, drawing and top-k, with guidance and suppressed ids;
 "approx_divs" / "approx_logs" count float32 divisions that are not correctly rounded and
 approximate logs (a token decision must compute s = z / T and the noise's logs as the host
@@ -164,7 +164,7 @@ def main():
         GREEDY=greedy, HAS_UNCOND=True, HAS_SUPPRESS=True, TOP_K=top_k,
         TOP_KP=SAMPLER.slot_count(top_k), BLOCK_K=plan["block_k"], VEC=plan["vec"],
         ROWS_ALIGNED=True), plan["num_warps"])
-    if not teacher:  # (the sampler reads no teacher: once per logits dtype of 2 bytes)
+    if not teacher and dtype == "bf16":  # the sampler reads no teacher: compiled once
         kernels += [(f"sampler:{mode}:", sampler_types, sampler(greedy, top_k))
                     for mode, greedy, top_k in (("greedy", True, 0), ("draw", False, 0),
                                                 ("top_k", False, 8))]
