@@ -181,6 +181,15 @@ class SamplingSuite:
         empty = self.sample(z[3:], temperature=1.0)  # nothing finite: token -1, NaN statistics
         assert empty[0][0] == -1 and np.isnan(empty[1][0]) and np.isnan(empty[5][0])
 
+    def test_no_rows(self):
+        """[0, K] logits (and [2, 0, K]) give empty fields, with and without top-k."""
+        fw = self.fw
+        for shape in ((0, 7), (2, 0, 7)):
+            for top_k in (None, 3):
+                got = fw.api.sample_tokens(fw.array(np.zeros(shape), "float32"), top_k=top_k,
+                                           backend=self.BACKEND)
+                assert all(tuple(f.shape) == shape[:-1] for f in got), (shape, top_k, got)
+
     def test_bad_arguments_name_themselves(self):
         fw = self.fw
         z = fw.array(np.zeros((2, 5)), "float32")
@@ -304,6 +313,7 @@ class TestJaxTritonEmulated:
     test_top_k_and_suppressed_ids_are_never_drawn = (
         SamplingSuite.test_top_k_and_suppressed_ids_are_never_drawn)
     test_guidance_reads_both_arrays = SamplingSuite.test_guidance_reads_both_arrays
+    test_no_rows = SamplingSuite.test_no_rows
 
 
 class TestJaxPallas(SamplingSuite):

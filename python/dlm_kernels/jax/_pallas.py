@@ -18,7 +18,7 @@ from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
 from .._env import PALLAS_INTERPRET_ENV
-from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.pallas import sampling as sampler
 from ..kernels.pallas import token_stats as kernels
 from ._batching import fold_vmap_into_rows
@@ -130,8 +130,14 @@ class PallasJax:
         call = fold_vmap_into_rows(
             lambda z, *rest: sampler.sample_partial(z, rest[0] if zu is not None else None,
                                                     rest[-1], **statics))
-        floats, ids, top_v, top_i = call(z, *([zu] if zu is not None else []),
-                                         jnp.concatenate(ints, axis=1))
+        if n == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
+            kk = cfg.top_k or 0
+            floats, ids = (jnp.zeros((0, len(f)), t) for f, t in
+                           ((SAMPLE_STATE, jnp.float32), (SAMPLE_IDS, jnp.int32)))
+            top_v, top_i = jnp.zeros((0, kk), jnp.float32), jnp.zeros((0, kk), jnp.int32)
+        else:
+            floats, ids, top_v, top_i = call(z, *([zu] if zu is not None else []),
+                                             jnp.concatenate(ints, axis=1))
         st = sampling.merge_splits(JaxOps, floats.T[:, None, :], ids.T[:, None, :], top_v,
                                    top_i, cfg, k)
         return sampling.finalize(JaxOps, st, keys, cfg)

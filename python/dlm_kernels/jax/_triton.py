@@ -17,6 +17,7 @@ static Python scalars are passed by value: a shard's column offset travels as an
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 from .._env import unmet_requirement
@@ -275,8 +276,9 @@ class TritonJax:
         state, ids, top_v, top_i = _rows_vmappable(
             lambda *a: _sample_partial(*a, cfg), z, zu,
             jax.lax.bitcast_convert_type(keys, jnp.int32), sup)
+        flat = lambda t: t.reshape(n, math.prod(t.shape[1:]))  # [N, S, k] -> [N, S·k]
         st = sampling.merge_splits(JaxOps, jnp.moveaxis(state, 0, 2), jnp.moveaxis(ids, 0, 2),
-                                   top_v.reshape(n, -1), top_i.reshape(n, -1), cfg, k)
+                                   flat(top_v), flat(top_i), cfg, k)
         return sampling.finalize(JaxOps, st, keys, cfg)
 
 

@@ -335,7 +335,8 @@ class TritonTorch:
             z, zu, keys.contiguous(), None if suppress is None else suppress.contiguous(),
             cfg.temperature, cfg.top_k or 0, cfg.cfg_scale + 1.0, cfg.chunk_size or 0)
         if cfg.top_k:  # [S, N, k] -> [N, S·k]
-            top_v, top_i = (t.permute(1, 0, 2).reshape(n, -1) for t in (top_v, top_i))
+            top_v, top_i = (t.permute(1, 0, 2).reshape(n, t.shape[0] * t.shape[2])
+                            for t in (top_v, top_i))
         st = sampling.merge_splits(TorchOps, state, ids, top_v, top_i, cfg, k)
         return sampling.finalize(TorchOps, st, keys, cfg)
 
