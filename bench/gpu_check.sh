@@ -93,11 +93,15 @@ fi
 
 if want sampling; then
   log "denoising step: the Triton sampler's parity suite on CUDA, then its benchmark (B·L 16384 and 256)"
+  # this step's share of the script's time budget (at most 90 s): a third for the tests, the
+  # rest for the benchmark, whose GPU shapes are bench/sampling.py's GPU_SHAPES; it writes
+  # sampling.json and sampling.md beside the other results and its table goes into the log
   t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
-  gpu_pytest $(( t / 3 )) gpu_sampling_tests.xml "tests/test_sampling.py::TestTorchTriton" \
+  tests_s=$(( t / 3 )); bench_s=$(( t - t / 3 ))
+  gpu_pytest "$tests_s" gpu_sampling_tests.xml "tests/test_sampling.py::TestTorchTriton" \
     "tests/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
-  TRITON_INTERPRET=0 timeout $(( t * 2 / 3 )) python3 -m bench.sampling --json "$OUT/sampling.json" --md "$OUT/sampling.md" 2>&1 \
-    | tail -20 | tee -a "$OUT/gpu_check.log"
+  TRITON_INTERPRET=0 timeout "$bench_s" python3 -m bench.sampling \
+    --json "$OUT/sampling.json" --md "$OUT/sampling.md" 2>&1 | tail -20 | tee -a "$OUT/gpu_check.log"
 fi
 
 t=$(left 5)
