@@ -40,7 +40,7 @@ POS_INF = tl.constexpr(float("inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 G_BOUND = tl.constexpr(17.0)  # > the largest Gumbel noise, -log(-log(1 - 2^-24)) = 16.64
 BIG_ID = tl.constexpr(2**31 - 1)
-M1 = tl.constexpr(0x7FEB352D)  # lowbias32 multipliers (_sampling._M1, _M2)
+M1 = tl.constexpr(0x7FEB352D)  # lowbias32 multipliers (_sampling.MIX_STEPS)
 M2 = tl.constexpr(0x846CA68B)
 
 F_M, F_A, F_B, F_V1, F_V2, F_GV, F_GS = (tl.constexpr(SAMPLE_STATE.index(f))

@@ -32,9 +32,11 @@ from ._linear_head import is_head, row_chunk_for, row_chunks
 from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
 MASK32 = 0xFFFFFFFF
-_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers
+# lowbias32, step by step: x ^= x >>> shift, then x *= multiplier (mod 2^32) where one is given
+MIX_STEPS = ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None))
 _STEP_SALT, _ROW_SALT = 0x9E3779B9, 0x85EBCA6B
 MAX_TOP_K = 64
+_F32_LOWEST = -3.4028234663852886e38  # the most negative finite float32
 
 
 class Sample(NamedTuple):
@@ -69,11 +71,11 @@ class SampleConfig(NamedTuple):
 def mix(xp, x):
     """lowbias32 of 32-bit integers held as xp.u32 arrays (logical shifts, wrapping
     multiplies)."""
-    x = x ^ xp.shr(x, 16)
-    x = xp.u32_mul(x, _M1)
-    x = x ^ xp.shr(x, 15)
-    x = xp.u32_mul(x, _M2)
-    return x ^ xp.shr(x, 16)
+    for shift, multiplier in MIX_STEPS:
+        x = x ^ xp.shr(x, shift)
+        if multiplier is not None:
+            x = xp.u32_mul(x, multiplier)
+    return x
 
 
 def row_keys(xp, seed, step, n, like):
@@ -102,14 +104,14 @@ def open_uniform(xp, h):
 # -- the stream -----------------------------------------------------------------------------
 
 def scaled_logits(xp, z, zu, cols, suppress, cfg):
-    """s [N, C] float32 of one chunk: guidance, suppressed ids at -inf, the temperature."""
+    """s [N, C] float32 of one chunk with global column ids cols ([C], or [N, C] per row):
+    guidance, suppressed ids at -inf, the temperature."""
     z = xp.f32(z)
     if zu is not None:
         zu = xp.f32(zu)
         z = zu + (cfg.cfg_scale + 1.0) * (z - zu)
     if suppress is not None:
-        hit = xp.rowsum(xp.f32(cols[None, :] == suppress[:, None]).T) > 0  # [C]
-        z = xp.where(hit[None, :], float("-inf"), z)
+        z = xp.where(xp.isin(cols, suppress), float("-inf"), z)  # [C] or [N, C] hits
     return z if cfg.temperature == 0.0 else z / cfg.temperature
 
 
@@ -127,6 +129,16 @@ class StreamState(NamedTuple):
     topi: object
 
 
+def _sums(xp, s, v1):
+    """(m, a, b) [N] of s [N, C] with row maxima v1: m = v1 (0 where no s is finite),
+    a = Σ exp(s - m), b = Σ exp(s - m)·(s - m). The clamp keeps -inf out of the product
+    (its e is 0 and 0·(-inf) is NaN); it is cheaper than a select on CPUs."""
+    m = xp.where(v1 == float("-inf"), 0.0, v1)
+    d = xp.clamp_min(s - m[:, None], _F32_LOWEST)
+    e = xp.exp(d)
+    return m, xp.rowsum(e), xp.rowsum(e * d)
+
+
 def _first_max(xp, x, cols):
     """(max, lowest column id reaching it) along rows of x [N, C]; cols [C] contiguous ids."""
     v, i = xp.first_max(x)  # one pass; the first position of the maximum
@@ -136,11 +148,7 @@ def _first_max(xp, x, cols):
 def chunk_state(xp, s, cols, keys, cfg):
     """The state of one chunk s [N, C] with global column ids cols [C]."""
     v1, i1 = _first_max(xp, s, cols)
-    m_safe = xp.where(v1 == float("-inf"), 0.0, v1)
-    d = s - m_safe[:, None]
-    e = xp.exp(d)
-    a = xp.rowsum(e)
-    b = xp.rowsum(xp.where(e > 0, e * d, 0.0))
+    m_safe, a, b = _sums(xp, s, v1)
     v2 = xp.second_max(s) if s.shape[1] > 1 else v1 * 0.0 + float("-inf")
     gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
     if cfg.temperature > 0.0 and cfg.top_k is None:
@@ -152,6 +160,45 @@ def chunk_state(xp, s, cols, keys, cfg):
         topv, idx = xp.top_k(s, min(cfg.top_k, s.shape[1]))
         topi = xp.take_cols(cols, idx)
     return StreamState(m_safe, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
+
+
+def noisy_scores(xp, keys):
+    """(s [N, C], cols [C] or [N, C]) -> s + g, the scores whose maximum is the draw."""
+    return lambda s, cols: s + gumbel(xp, keys, cols)
+
+
+def chunk_values(xp, s, cols, index, noisy, cfg):
+    """The state of one chunk s [N, C] (global ids cols [C]) without positions, for the
+    two-pass stream (no top_k): the chunk's number ``index`` [N] int32 stands in for i1 and
+    gi (None where the caller numbers the chunks itself, as ``merge_splits`` does), and v2
+    is -inf. Merged like any chunk state, the result says which chunk holds each
+    row's largest s and which its largest s + g (the first on ties: the lowest ids), and its
+    v2 is the largest s of the other chunks; ``settle`` then finds the positions inside those
+    two chunks. Only maxima here, because finding a maximum's position costs a CPU many times
+    the maximum itself (torch's argmax about 10x its amax; XLA's about 18x, and fused with
+    the noise about 100x)."""
+    v1 = xp.rowmax(s)
+    m, a, b = _sums(xp, s, v1)
+    none = xp.full(v1.shape, float("-inf"), v1)
+    gv = none if cfg.temperature == 0.0 else xp.rowmax(noisy(s, cols))
+    return StreamState(m, a, b, v1, index, none, gv, index, xp.zeros_like(v1), None, None)
+
+
+def settle(xp, st, reread, noisy, cfg):
+    """The merged ``chunk_values`` state with its positions: ``reread(chunk [N])`` gives
+    (s [N, C], cols [N, C]) of one chunk per row (columns outside it at -inf), read once for
+    the chunk holding the largest s (its first position, and the runner-up inside it) and,
+    when drawing, once for the chunk holding the largest s + g."""
+    s, cols = reread(st.i1)
+    _, pos = xp.first_max(s)
+    inside = xp.where(xp.arange(s.shape[1], s)[None, :] == pos[:, None], float("-inf"), s)
+    st = st._replace(i1=xp.gather_cols(cols, pos),
+                     v2=xp.maximum(st.v2, xp.rowmax(inside)))
+    if cfg.temperature > 0.0:
+        s, cols = reread(st.gi)
+        _, pos = xp.first_max(noisy(s, cols))
+        st = st._replace(gi=xp.gather_cols(cols, pos), gs=xp.gather_cols(s, pos))
+    return st
 
 
 def _pick(xp, take_b, a, b):

@@ -98,6 +98,10 @@ class JaxOps:
         return x * jnp.uint32(c)
 
     @staticmethod
+    def isin(ids, values):  # ids [...] -> bool [...]: ids that equal one of values [S]
+        return jnp.isin(ids, values)
+
+    @staticmethod
     def i32(x):
         return x.astype(jnp.int32)
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
+from . import _chunked_sampling as chunked_sampling
 from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import NATIVE_DTYPES, Capabilities
 from ._buffers import empty
@@ -75,8 +76,11 @@ class ChunkedTorch:
     def sample(z, zu, keys, suppress, cfg):
         # z, zu: [N, K] -> Sample of [N] fields; live temporaries: a few [N, C] chunks
         n, k = z.shape
+        chunks = _chunks(n, k, cfg, z.device, SAMPLE_CHUNK_BYTES_CPU)
+        if cfg.top_k is None:  # values in the stream, positions from one chunk per row
+            return chunked_sampling.sample(z, zu, keys, suppress, cfg, chunks)
         state = None
-        for c0, c1 in _chunks(n, k, cfg, z.device, SAMPLE_CHUNK_BYTES_CPU):
+        for c0, c1 in chunks:
             cols = torch.arange(c0, c1, device=z.device)
             s = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
                                        cols, suppress, cfg)

@@ -89,6 +89,10 @@ class TorchOps:
         return x.to(torch.int32)
 
     @staticmethod
+    def isin(ids, values):  # ids [...] -> bool [...]: ids that equal one of values [S]
+        return torch.isin(ids, values)
+
+    @staticmethod
     def rowmin(x):  # [N, C] -> [N]
         return x.amin(dim=-1)
 

@@ -1,0 +1,98 @@
+"""The chunked backend's sampler without top-k: one read of the logits, then a second look
+at one chunk per row (``_sampling.chunk_values`` and ``settle``).
+
+  pass 1, every chunk (the one read of the logits): its maxima and sums only
+  merge: ``_sampling.merge_splits`` over the chunks as over the Triton kernel's vocabulary
+      splits, each chunk's number standing in for its ids: it says which chunk of each row
+      holds the largest s and which the largest s + g
+  pass 2: those chunks re-read (1/S of the logits each) for the positions
+
+The noise is the same integers as ``_sampling.gumbel``, computed in place in scratch buffers
+(each lowbias32 step a shift, a mask and an xor), so every backend draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _sampling as sampling
+from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
+from ._ops import TorchOps as xp
+
+_NEG_INF = float("-inf")
+_F32_LOWEST = torch.finfo(torch.float32).min
+
+
+def _as_int32(c):
+    c &= 0xFFFFFFFF
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def noisy_scores_(s, keys, cols, scratch):
+    """s + g [N, C] float32 in scratch[2], bit for bit ``s + _sampling.gumbel(xp, keys,
+    cols)``: s [N, C], keys [N] int32 row keys, cols [C] or [N, C] global column ids,
+    scratch (int32, int32, float32) buffers of at least [N, C]."""
+    h, t, out = (buf[:, :s.shape[1]] for buf in scratch)
+    col_keys = sampling.mix(xp, xp.u32(cols))
+    torch.bitwise_xor(keys[:, None], col_keys if cols.dim() == 2 else col_keys[None, :], out=h)
+    for shift, mul in sampling.MIX_STEPS:  # h = mix(h): x ^= x >>> shift; x *= mul (wrapping)
+        torch.bitwise_right_shift(h, shift, out=t)
+        t &= (1 << (32 - shift)) - 1
+        h ^= t
+        if mul is not None:
+            h.mul_(_as_int32(mul))
+    torch.bitwise_right_shift(h, 9, out=t)  # u = ((h >>> 9) + 1/2)·2^-23, exact in float32
+    t &= (1 << 23) - 1
+    out.copy_(t).add_(0.5).mul_(2.0 ** -23)
+    out.log_().neg_().log_()  # log(-log u) = -g
+    return torch.sub(s, out, out=out)
+
+
+_FIELD = {name: i for i, name in enumerate(SAMPLE_STATE)}
+
+
+def _chunk_values_(s, cols, noisy, cfg, out, work):
+    """``_sampling.chunk_values`` of s [N, C] into out [len(SAMPLE_STATE), N], its [N, C]
+    temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
+    buffers back to the system and faults their pages in again, so fresh temporaries per
+    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time)."""
+    v1 = xp.rowmax(s)
+    m = torch.where(v1 == _NEG_INF, 0.0, v1)
+    d, e = (buf[:, :s.shape[1]] for buf in work)
+    torch.sub(s, m[:, None], out=d).clamp_min_(_F32_LOWEST)  # -inf out of e·d (0·inf: NaN)
+    torch.exp(d, out=e)
+    out[_FIELD["a"]] = xp.rowsum(e)
+    out[_FIELD["b"]] = xp.rowsum(e.mul_(d))
+    out[_FIELD["m"]], out[_FIELD["v1"]] = m, v1
+    out[_FIELD["v2"]], out[_FIELD["gs"]] = _NEG_INF, 0.0  # as chunk_values: found later
+    out[_FIELD["gv"]] = _NEG_INF if cfg.temperature == 0.0 else xp.rowmax(noisy(s, cols))
+
+
+def sample(z, zu, keys, suppress, cfg, chunks):
+    """Sample of [N] fields of z [N, K] (and zu) over the vocabulary chunks [(c0, c1)] of one
+    width (the last may be narrower); cfg.top_k is None."""
+    n, k = z.shape
+    c = chunks[0][1] - chunks[0][0]
+    scratch = [torch.empty((n, c), dtype=dt, device=z.device)
+               for dt in (torch.int32, torch.int32) + (torch.float32,) * 3]
+    noisy = lambda s, cols: noisy_scores_(s, keys, cols, scratch[:3])  # noqa: E731
+    state = torch.empty((len(SAMPLE_STATE), len(chunks), n), device=z.device)
+    for j, (c0, c1) in enumerate(chunks):  # pass 1: every logit once
+        cols = torch.arange(c0, c1, device=z.device)
+        s = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
+                                   cols, suppress, cfg)
+        _chunk_values_(s, cols, noisy, cfg, state[:, j], scratch[3:])
+    chunk_ids = torch.arange(len(chunks), dtype=torch.int32, device=z.device)
+    ids = chunk_ids[None, :, None].expand(len(SAMPLE_IDS), len(chunks), n)
+    st = sampling.merge_splits(xp, state, ids, None, None, cfg, k)
+
+    def reread(chunk):  # [N] -> s, cols [N, c] of that chunk of each row, past K at -inf
+        cols = chunk[:, None].long() * c + torch.arange(c, device=z.device)[None, :]
+        inside = cols < k
+        cols = torch.where(inside, cols, k - 1)
+        zu_rows = None if zu is None else zu.gather(1, cols)
+        s = sampling.scaled_logits(xp, z.gather(1, cols), zu_rows, cols, suppress, cfg)
+        return s.masked_fill_(~inside, _NEG_INF), cols
+
+    st = sampling.settle(xp, st, reread, noisy, cfg)
+    return sampling.finalize(xp, st, keys, cfg)
