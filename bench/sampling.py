@@ -6,6 +6,8 @@
 Side by side in one run (torch):
 
   ours              sample_tokens (token, its log-prob, argmax, top-2, entropy in one pass)
+  ours-jax          the same from dlm_kernels.jax, under jax.jit (skipped where JAX is
+                    not installed)
   llada-float64     the step as LLaDA's generate.py writes it: logits cast to float64,
                     float64 Gumbel noise over all of [N, K], argmax, a float64 softmax and
                     a gather of the drawn token's probability
@@ -27,7 +29,7 @@ import gc
 from .cli import add_common_args, write_outputs
 from .timing import copy_bandwidth, measure
 
-VARIANTS = ("ours", "llada-float64", "llada+compile", "float32")
+VARIANTS = ("ours", "ours-jax", "llada-float64", "llada+compile", "float32")
 CPU_SHAPES = [dict(n=1024, k=32768, dtype="float32")]
 GPU_SHAPES = [dict(n=n, k=k, dtype="bfloat16") for n in (16384, 256) for k in (262144, 151936)]
 
@@ -52,6 +54,40 @@ def _float32_step(z, temperature):
     top2 = torch.topk(logq, 2, dim=-1).values
     entropy = -(logq.exp() * logq).sum(-1)
     return token, torch.gather(logq, -1, token[:, None])[:, 0], top2, entropy
+
+
+class JaxSampleCase:
+    """ours-jax: the jitted step on JAX's default device (the step number traced, so one
+    compilation serves every call)."""
+
+    def __init__(self, n, k, dtype, seed=0):
+        import jax
+
+        import dlm_kernels.jax as dj
+
+        self.jax = jax
+        keys = jax.random.split(jax.random.PRNGKey(seed))
+        self.sets = [(jax.random.normal(key, (n, k)) * 3).astype(dtype) for key in keys]
+        self.step = jax.jit(lambda z, i: dj.sample_tokens(z, temperature=0.8, seed=0, step=i))
+
+    def __call__(self, i):
+        return self.jax.block_until_ready(self.step(self.sets[i % 2], i))
+
+    def input_bytes(self):
+        z = self.sets[0]
+        return z.size * z.dtype.itemsize
+
+
+def _jax_platform():
+    import jax
+
+    return jax.default_backend()
+
+
+def make_case(variant, n, k, dtype, device):
+    if variant == "ours-jax":
+        return JaxSampleCase(n, k, dtype)
+    return SampleCase(variant, n, k, dtype, device)
 
 
 class SampleCase:
@@ -88,7 +124,10 @@ class SampleCase:
 def _probe(variant, n, k, dtype):
     from .memory import rss_peak_delta
 
-    case = SampleCase(variant, n, k, dtype, "cpu")
+    case = make_case(variant, n, k, dtype, "cpu")
+    if variant == "ours-jax":  # warmed at full size: the compilation's memory falls outside
+        print(rss_peak_delta(lambda: case(0), lambda: case(1)))
+        return
     print(rss_peak_delta(lambda: case(0), lambda: SampleCase(variant, 8, min(k, 1024), dtype,
                                                              "cpu")(0)))
 
@@ -98,6 +137,8 @@ def peak_bytes(variant, n, k, dtype, cuda):
     process's resident set)."""
     from .memory import cuda_peak_delta, probe_in_subprocess
 
+    if cuda and variant == "ours-jax":
+        return None  # JAX's allocator is not torch's: no comparable peak
     if cuda:
         case = SampleCase(variant, n, k, dtype, "cuda")
         case(0)
@@ -115,7 +156,9 @@ def run(shapes, reps=5, cuda=False, variants=VARIANTS, progress=lambda s: print(
         for variant in variants:
             row = dict(variant=variant, **shape)
             try:
-                case = SampleCase(variant, n, k, dtype, device)
+                if variant == "ours-jax" and cuda and _jax_platform() != "gpu":
+                    raise RuntimeError(f"skipped: JAX runs on {_jax_platform()} here, not the GPU")
+                case = make_case(variant, n, k, dtype, device)
                 t = measure(case, cuda=cuda, reps=reps)
                 nbytes = case.input_bytes()
                 case = None
@@ -138,7 +181,8 @@ def _line(r):
     what = f"sampling: {r['variant']:14s} N={r['n']} K={r['k']} {r['dtype']}"
     if "error" in r:
         return f"{what} {r['error']}"
-    return f"{what} {r['ms']:9.2f} ms {r['gbps']:7.1f} GB/s peak {r['peak_bytes'] / 2**20:8.1f} MiB"
+    peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:8.1f} MiB"
+    return f"{what} {r['ms']:9.2f} ms {r['gbps']:7.1f} GB/s peak {peak}"
 
 
 def markdown(report):

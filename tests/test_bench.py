@@ -363,3 +363,22 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
     frameworks = [fw for fw, _ in order]
     assert frameworks == sorted(frameworks, key=["torch", "jax"].index), order
     assert {label for fw, label in order if fw == "torch"} == {"a", "b"}
+
+
+def test_sampling_bench(tmp_path):
+    """python -m bench.sampling at a small shape: every variant asked for is timed (torch and
+    JAX side by side), with the bytes of its one read, % of copy and its peak memory."""
+    variants = ["ours", "ours-jax", "float32"]
+    subprocess.run([sys.executable, "-m", "bench.sampling", "--n", "64", "--k", "1000",
+                    "--dtype", "float32", "--reps", "2", "--variants", ",".join(variants),
+                    "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+    report = json.load(open(tmp_path / "s.json"))
+    rows = {r["variant"]: r for r in report["results"]}
+    assert list(rows) == variants and report["copy_gbps"] > 0 and report["device"]
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["bytes"] == 64 * 1000 * 4 and r["pct_copy"] > 0
+        assert r["peak_bytes"] is not None and r["peak_bytes"] >= 0
+    table = open(tmp_path / "s.md").read()
+    assert all(f"| {v} |" in table for v in variants), table
