@@ -381,3 +381,49 @@ class TestJaxPallas(LinearHeadSuite):
     def _interpret(self, monkeypatch):
         pytest.importorskip("jax.experimental.pallas.tpu")
         monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+
+    @pytest.mark.parametrize("layout,dtype", [("DK", "bfloat16"), ("KD", "float32")])
+    def test_fused_kernels(self, rng, layout, dtype):
+        """A student head with the teacher as logits runs the three fused kernels (no logits
+        kernel, no [N, K] logits): 45 rows in blocks of 16 and K = 301 in blocks of 128 (both
+        ragged), bias, every feature on; values and the gradients of hidden, weight, bias and
+        the teacher logits vs the float64 oracle."""
+        import jax
+
+        fw, p = self.fw, HeadProblem(rng, teacher=False)
+        arr = lambda a, dt=None: fw.array(a, dt)  # noqa: E731
+        y, act, x, d = arr(p.y), arr(p.active.astype(np.float32)), arr(p.x), arr(p.d, "float32")
+        u = rng.normal(size=(p.n, p.k)) * 2
+
+        def fn(h, w, b, t):
+            s = fw.api.token_stats(self.head(h, w, b, layout, 16), y.reshape(-1),
+                                   act.reshape(-1), shift_ids=x.reshape(-1), shift=d.reshape(-1),
+                                   teacher_logits=t, teacher_grad=True, backend=self.BACKEND,
+                                   chunk_size=128, **KW)
+            return s.lse, s.logp, s.entropy, s.kl
+
+        primals = (arr(p.h.reshape(p.n, -1), dtype), _weight(fw, p.w, layout, dtype),
+                   arr(p.b, dtype), arr(u, "float32"))
+        cot = [c.reshape(-1) for c in p.cot]
+        cots = tuple(fw.jnp.asarray(c, fw.jnp.float32) for c in cot)
+        jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1](cots))(*primals))
+        for kernel in ("dlm_linear_head_fwd", "dlm_linear_head_dh", "dlm_linear_head_dw"):
+            assert kernel in jaxpr, f"{kernel} not launched"
+        assert "dlm_token_stats" not in jaxpr, "the head fell back to materialised logits"
+        outs, (gh, gw, gb, gu) = fw.vjp(fn, primals, cot)
+        okw = dict(x=p.x.reshape(-1), d=p.d.reshape(-1), u=u, T=0.7, T_ce=1.3, T_kl=1.5,
+                   softcap=6.0)
+        active, ys = p.active.reshape(-1) != 0, p.y.reshape(-1)
+        for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs,
+                                  oracle.token_stats(p.z(), ys, active, **okw)):
+            assert_close(got.reshape(-1), exp, "float32", name)
+        dz, du = oracle.token_stats_vjp(p.z(), ys, active, cot, **okw)
+        dz_err = oracle.saved_lse_slack(p.z(), ys, active, cot, **okw)
+        h = p.h.reshape(p.n, -1)
+        assert_close(gh, dz @ p.w, dtype, "d hidden", slack=matmul_slack(dz, dz_err, p.w, dtype))
+        assert_close(gw, _from_kd(dz.T @ h, layout), dtype, "d weight",
+                     slack=_from_kd(matmul_slack(dz.T, dz_err.T, np.abs(h), dtype), layout))
+        assert_close(gb, dz.sum(0), dtype, "d bias",
+                     slack=matmul_slack(dz.T, dz_err.T, np.ones((p.n, 1)), dtype)[:, 0])
+        scale = cancellation_scale(cot[3], p.z() / 0.7, u / 1.5, temperature=1.5)
+        assert_close(gu, du, "float32", "d teacher logits", scale=scale)

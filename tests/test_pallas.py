@@ -76,9 +76,9 @@ def test_tpu_lowering(monkeypatch, n, k, dtype, teacher, entropy):
 
 @pytest.mark.parametrize("objective", ["ce", "policy"])
 def test_tpu_lowering_linear_head(monkeypatch, objective):
-    """A linear head at N = 8192, D = 2560, K = 262144, bf16 lowers for TPU: token chunks of
-    XLA matmuls (the MXU) feeding the Mosaic kernels, both gradient schedules (weighted CE:
-    gradient in the forward; per-token log-probs: recompute in the backward)."""
+    """A linear head at N = 8192, D = 2560, K = 262144, bf16 lowers for TPU as the three fused
+    Mosaic kernels (statistics, dH, dW: every logits tile made on the MXU in VMEM), for
+    weighted CE and for per-token log-probs with entropy; no [N, K] array in the program."""
     import jax
     import jax.numpy as jnp
 
@@ -101,8 +101,10 @@ def test_tpu_lowering_linear_head(monkeypatch, objective):
             jax.ShapeDtypeStruct((1, n), jnp.int32), jax.ShapeDtypeStruct((1, n), jnp.float32))
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower(
         lowering_platforms=("tpu",)).as_text()
-    assert text.count("tpu_custom_call") >= 2, "forward and backward Mosaic kernels expected"
-    assert "dot_general" in text, "the head's matmuls are expected in the program"
+    for kernel in ("dlm_linear_head_fwd", "dlm_linear_head_dh", "dlm_linear_head_dw"):
+        assert text.count(kernel) >= 1, f"{kernel} not in the program"
+    assert text.count("tpu_custom_call") == 3, "exactly the three fused kernels expected"
+    assert f"{n}x{k}x" not in text and f"{k}x{n}x" not in text, "an [N, K] array was built"
 
 
 def test_vmem_budget_and_blocks():
@@ -113,6 +115,23 @@ def test_vmem_budget_and_blocks():
         bn, bk = K.block_sizes(n, k, itemsize, teacher, backward)
         assert bn % 8 == 0 and bk % 128 == 0 and bn >= 8
         assert K.vmem_bytes(bn, bk, itemsize, teacher, backward) <= K.VMEM_BUDGET
+
+
+def test_linear_head_blocks_fit_vmem():
+    """Each fused head kernel's blocks at DiffusionGemma's width and vocabulary (and at a
+    small ragged shape) keep to the tile rules and the VMEM budget; row_chunk caps BN."""
+    from dlm_kernels.kernels.pallas import linear_head as H
+
+    for kind in ("forward", "dh", "dw"):
+        for n, k, d, itemsize, teacher, cap in [(8192, 262144, 2560, 2, False, None),
+                                                (8192, 262144, 2560, 2, True, None),
+                                                (8192, 262144, 2560, 4, True, 1024),
+                                                (45, 301, 19, 4, True, 16)]:
+            bn, bk = H.head_blocks(kind, n, k, d, itemsize, teacher, block_n=cap)
+            assert bn % 16 == 0 and bk % 128 == 0 and (cap is None or bn <= cap), (kind, bn, bk)
+            assert H.vmem_bytes(kind, bn, bk, d, itemsize, teacher) <= H.VMEM_BUDGET
+            if n >= 256:
+                assert bn >= 64 and bk >= 128, (kind, bn, bk)
 
 
 def test_pallas_not_auto_on_cpu(monkeypatch):

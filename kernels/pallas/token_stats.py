@@ -119,13 +119,24 @@ def _scaled(x, inv_t):
 
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
                 separate_ce, entropy, vocab_limit, partial):
+    z_ref, *refs = refs
+    fwd_body(lambda: z_ref[...].astype(jnp.float32), *refs, kb=pl.program_id(1), vocab=vocab,
+             bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
+             has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
+             entropy=entropy, vocab_limit=vocab_limit, partial=partial)
+
+
+def fwd_body(load_z, *refs, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
+             has_teacher, separate_ce, entropy, vocab_limit, partial):
+    """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` gives the
+    float32 logits tile (read from HBM here, computed on the MXU by the linear head's
+    kernels), refs are (u_ref,) ints_ref, floats_ref, out_ref and the 8 scratch rows."""
     if has_teacher:
-        z_ref, u_ref, ints_ref, floats_ref, out_ref, *scratch = refs
+        u_ref, ints_ref, floats_ref, out_ref, *scratch = refs
     else:
-        z_ref, ints_ref, floats_ref, out_ref, *scratch = refs
+        ints_ref, floats_ref, out_ref, *scratch = refs
         u_ref = None
     m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc = scratch
-    kb = pl.program_id(1)
     last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
@@ -139,7 +150,7 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     floats = floats_ref[...]  # (BN, 2) f32: shift, active
     x = ints[:, 1:2]
     d, active = floats[:, F_SHIFT:F_SHIFT + 1], floats[:, F_ACTIVE:F_ACTIVE + 1] != 0
-    bn = z_ref.shape[0]
+    bn = ints_ref.shape[0]
 
     def accumulate(masked):
         """Fold this (BN, BK) block into the running row sums. Only a block that can hold
@@ -152,7 +163,7 @@ def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
             valid = (local < vocab) & (cols < vocab_limit)
         # Inactive rows are not cleaned: every reduction runs along a row, so what they hold
         # stays in their own sums, and their outputs are replaced by zeros at the end.
-        r = _shifted(z_ref[...].astype(jnp.float32), cols, x, d, softcap, has_shift)
+        r = _shifted(load_z(), cols, x, d, softcap, has_shift)
         if masked:
             r = jnp.where(valid, r, NEG_INF)
         s = _scaled(r, inv_t)
@@ -221,15 +232,31 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         z_ref, ints_ref, floats_ref, dz_ref, *rest = refs
         u_ref = None
     du_ref = rest[0] if teacher_grad else None
-    kb = pl.program_id(1)
-    ints, f = ints_ref[...], floats_ref[...]  # (BN, 3) int32, (BN, 16) f32
+    dz, du = grad_tile(z_ref[...].astype(jnp.float32), u_ref, ints_ref[...], floats_ref[...],
+                       kb=pl.program_id(1), vocab=vocab, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce,
+                       inv_t_kl=inv_t_kl, softcap=softcap, has_shift=has_shift,
+                       has_teacher=has_teacher, separate_ce=separate_ce, entropy=entropy,
+                       teacher_grad=teacher_grad, vocab_limit=vocab_limit, mask_tail=False)
+    dz_ref[...] = dz.astype(dz_ref.dtype)
+    if teacher_grad:
+        du_ref[...] = du.astype(du_ref.dtype)
+
+
+def grad_tile(z, u_ref, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap,
+              has_shift, has_teacher, separate_ce, entropy, teacher_grad, vocab_limit,
+              mask_tail):
+    """(dz, du or None), float32 (BN, BK) tiles of vocabulary block ``kb``: z the float32
+    logits tile, ints (BN, 3) and f (BN, 16) the packed per-row inputs. Inactive rows (and
+    padding columns of a padded shard) get exact zeros; with ``mask_tail`` so do columns
+    past the vocabulary (whose stores the logits kernels leave to Pallas to drop, but whose
+    values a linear head's matmuls would sum)."""
     y, x, offset = ints[:, 0:1], ints[:, 1:2], ints[:, 2:3]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
     lse, ent, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
     kl_shift = col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
-    bn = z_ref.shape[0]
+    bn = z.shape[0]
     iota = jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
     cols = kb * bk + iota + offset if has_shift or vocab_limit < NO_VOCAB_LIMIT else None
     # Per-row factors first, so each element costs as few vector operations as the math
@@ -238,7 +265,6 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     g_ce = g_lp * inv_t_ce
     coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_ce  # (BN, 1)
     # Inactive rows are not cleaned first: their gradient is replaced by zeros at the end.
-    z = z_ref[...].astype(jnp.float32)
     r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
     s = _scaled(r, inv_t)
     logp_k = s - lse
@@ -249,6 +275,9 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     keep = active  # and a padded shard's padding columns get exact zeros
     if vocab_limit < NO_VOCAB_LIMIT:
         keep = keep & (cols < vocab_limit)
+    if mask_tail:
+        keep = keep & (kb * bk + iota < vocab)
+    du = None
     if has_teacher:
         t = _scaled(u_ref[...].astype(jnp.float32), inv_t_kl)
         q = jnp.exp(t - lse_u)
@@ -256,7 +285,7 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         if teacher_grad:
             # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
             du = g_kl * jnp.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
-            du_ref[...] = jnp.where(keep, du, 0.0).astype(du_ref.dtype)
+            du = jnp.where(keep, du, 0.0)
     if separate_ce:
         dr = dr - g_ce * jnp.exp(_scaled(r, inv_t_ce) - lse_ce)
     # the target column (compared in block-local ids: one per-row subtraction, not one per element)
@@ -264,7 +293,7 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     if softcap is not None:
         th = jnp.tanh(z / softcap)
         dr = dr * (1.0 - th * th)
-    dz_ref[...] = jnp.where(keep, dr, 0.0).astype(dz_ref.dtype)
+    return jnp.where(keep, dr, 0.0), du
 
 
 def _out_struct(shape, dtype, operands):

@@ -70,13 +70,15 @@ class LinearHead:
       kernel). Each front end's default is its own framework's usual layout (torch "KD",
       JAX "DK"); the other is always named explicitly, never inferred from the shape.
     bias: [K] or None.  hidden, weight and bias share one floating dtype.
-    row_chunk: rows per token chunk (default: a heuristic per platform, ``row_chunk_for``).
+    row_chunk: rows per token chunk (default: a heuristic per platform, ``row_chunk_for``);
+      for JAX's fused Pallas head, the most rows per block.
 
     It behaves like the logits it stands for where shapes are concerned (``shape``,
     ``dtype``, ``ndim``), so every shape check of the API applies to it unchanged.
     Gradients flow to hidden, weight and bias. The reference backend materialises the
     logits in float32, as it computes logits arrays of any dtype (a float64 head too); the
-    other backends form each token chunk's logits in the head's dtype.
+    other backends form each token chunk's logits in the head's dtype, except JAX's pallas
+    backend, whose fused kernels use each float32 MXU product tile as it is.
     """
 
     DEFAULT_LAYOUT = VOCAB_MAJOR  # each front end's subclass sets its own

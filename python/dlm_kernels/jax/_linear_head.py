@@ -143,6 +143,12 @@ class _Sweep:
 
     def run(self, stats=None, grads=None):
         """-> (Stats [N] f32 fields, accumulators or None)."""
+        fused = getattr(self.impl, "fused_head", None)
+        if fused is not None and fused.takes(self.rows, self.axis):  # one kernel per pass
+            if stats is None:
+                stats = fused.forward(self.rows, self.cfg)
+            return stats, (None if grads is None else
+                           fused.backward(self.rows, stats, grads, self.cfg))
         r, n, cfg, rows = self.r, self.n, self.cfg, self.rows
         given = stats is not None
         stats0 = stats if given else Stats(*(jnp.zeros((n,), jnp.float32)

@@ -19,6 +19,8 @@ from .. import _stats_math as stats_math
 from .._dispatch import Capabilities
 from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
+from .._linear_head import VOCAB_MAJOR, is_head
+from ..kernels.pallas import linear_head as head_kernels
 from ..kernels.pallas import sampling as sampler
 from ..kernels.pallas import token_stats as kernels
 from ._batching import fold_vmap_into_rows
@@ -103,19 +105,16 @@ class PallasJax:
 
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
-        z, u, y, x, d = rows.logits, rows.teacher, rows.targets, rows.shift_ids, rows.shift
-        n = z.shape[0]
-        shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
-        cols = [shift, rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
-                stats.lse_ce, stats.lse_u, *grads]
-        cols += [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols))
-        floats = jnp.stack(cols, axis=1)  # [N, 16]
+        z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
+        floats = _backward_floats(rows, stats, grads)  # [N, 16]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
                                               teacher_grad=cfg.teacher_grad, **statics))
         return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
 
+
+    fused_head = None  # set below: the fused linear head's entry points
 
     @staticmethod
     def sample(z, zu, keys, suppress, cfg):
@@ -142,5 +141,81 @@ class PallasJax:
                                    top_i, cfg, k)
         return sampling.finalize(JaxOps, st, keys, cfg)
 
+
+def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the backward kernels
+    n, d = rows.targets.shape[0], rows.shift
+    shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
+    cols = [shift, rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
+            stats.lse_ce, stats.lse_u, *grads]
+    return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),
+                     axis=1)
+
+
+class FusedHead:
+    """The linear head in Mosaic kernels (``kernels.pallas.linear_head``): statistics and the
+    gradients of hidden, weight and bias with every logits tile made on the MXU and used in
+    VMEM. It takes rows whose logits are a head of float32 or bfloat16 hidden states and
+    weight of the same dtype, whose teacher is absent or an array, outside a vocabulary-
+    parallel map; other rows go through the token-chunked path (XLA matmuls feeding the
+    logits kernels). Gradient schedule: always recompute (1 matmul forward, 4 backward)."""
+
+    @staticmethod
+    def takes(rows, axis):
+        head = rows.logits
+        if axis is not None or not is_head(head) or is_head(rows.teacher):
+            return False
+        dt = jnp.dtype(head.hidden.dtype)
+        return dt in (jnp.float32, jnp.bfloat16) and jnp.dtype(head.weight.dtype) == dt
+
+    @staticmethod
+    def _args(rows, cfg):
+        head = rows.logits
+        statics = dict(_statics(cfg, rows.shift_ids is not None), vocab_limit=_limit(cfg),
+                       layout=head.weight_layout, block_n=head.row_chunk)
+        return (head.hidden, head.weight, head.bias, rows.teacher), statics
+
+    @staticmethod
+    def _target_logit(rows, cfg):
+        """(r_y, found) [N] from one gathered weight row per token: h·W[y] (+ b[y])."""
+        head, y = rows.logits, rows.targets
+        k = head.vocab
+        found = (y >= 0) & (y < k)
+        if cfg.vocab_size is not None:
+            found = found & (y < cfg.vocab_size)
+        idx = jnp.where(found, y, 0).astype(jnp.int32)
+        w_y = head.weight[idx] if head.weight_layout == VOCAB_MAJOR else head.weight[:, idx].T
+        z_y = jnp.sum(head.hidden.astype(jnp.float32) * w_y.astype(jnp.float32), axis=1)
+        if head.bias is not None:
+            z_y = z_y + head.bias[idx].astype(jnp.float32)
+        r = stats_math.shifted_logits(JaxOps, z_y[:, None], y[:, None], rows.shift_ids,
+                                      rows.shift, cfg)[:, 0]
+        return jnp.where(found, r, 0.0), jnp.where(found, 1.0, 0.0)
+
+    @classmethod
+    def forward(cls, rows, cfg):
+        """-> Stats of [N] f32 (one kernel: 1 matmul)."""
+        (h, w, b, u), statics = cls._args(rows, cfg)
+        n, d = h.shape[0], rows.shift
+        shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
+        floats = jnp.stack([shift, rows.active.astype(jnp.float32)], axis=1)
+        out = head_kernels.head_forward(h, w, b, u, _ints(rows.targets, rows.shift_ids),
+                                        floats, **statics)
+        stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
+        r_y, found = cls._target_logit(rows, cfg)
+        logp = stats_math.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
+        return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
+
+    @classmethod
+    def backward(cls, rows, stats, grads, cfg):
+        """-> ((dH, dW, db or None) float32, the teacher's gradient or None): two kernels,
+        2 matmuls each."""
+        (h, w, b, u), statics = cls._args(rows, cfg)
+        dh, dw, db, du = head_kernels.head_backward(
+            h, w, b, u, _ints(rows.targets, rows.shift_ids), _backward_floats(rows, stats, grads),
+            teacher_grad=cfg.teacher_grad, **statics)
+        return (dh, dw, db), du
+
+
+PallasJax.fused_head = FusedHead
 
 IMPLEMENTATION = PallasJax()

@@ -1,0 +1,272 @@
+"""Pallas (Mosaic TPU) kernels of the fused linear head: the token statistics of
+``logits = hidden @ weight (+ bias)`` with every logits tile computed on the MXU and used in
+VMEM, so neither the [N, K] logits nor their gradient ever exist in HBM.
+
+Three kernels, each the token-statistics math of ``token_stats`` (``fwd_body``,
+``grad_tile``) fed by an MXU product instead of a logits read:
+
+  forward   grid (N/BN rows "parallel", K/BK vocabulary "arbitrary"): z = h·Wᵀ per tile, the
+            online row statistics in VMEM scratch across the vocabulary axis (1 matmul)
+  dH        the same grid: z again, dz, then dH[BN, D] += dz·W, accumulated in the output
+            block, which stays in VMEM across the vocabulary axis (2 matmuls); a teacher
+            given as logits gets its gradient tile here
+  dW, db    grid (K/BK vocabulary "parallel", N/BN rows "arbitrary"): z, dz, then
+            dW[BK, D] += dzᵀ·h and db += Σ_rows dz in the output blocks (2 matmuls)
+
+So a forward and backward costs 5 matmuls of 2·N·K·D FLOPs (the token-chunked path does 3 or
+4, but it writes and reads [R, K] logits per chunk). dz enters the gradient matmuls rounded to
+the inputs' dtype, as the logits path's gradient would; products accumulate in float32
+(float32 inputs at full precision). Weight layouts: "KD" ([K, D], torch / tied embeddings)
+or "DK" ([D, K], a Flax Dense kernel); W tiles are (BK, D) or (D, BK), D whole.
+
+Ragged edges: rows past N and columns past K hold whatever the padded blocks read. The
+forward masks columns past K to -inf (the logits kernel's rule) and drops rows past N on
+store; the gradient kernels also zero dz there and the rows of h (dW) or W (dH) past the
+edge, since a 0 times the padding's NaN would still be NaN inside a matmul.
+
+Blocks: BK a multiple of 128 (lanes), BN a multiple of 16 (bfloat16 sublanes), D whole;
+``head_blocks`` takes the first (BN, BK) of each kernel's preference order whose VMEM
+estimate fits ``VMEM_BUDGET`` (12 MiB): double-buffered h, W (and teacher) blocks, the output
+blocks, and float32 temporaries of the (BN, BK) tile. At D 2560, bfloat16: the forward and
+dH (BN 256, BK 256; dH with a teacher BK 128), dW (BN 128, BK 256).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..layout import NO_VOCAB_LIMIT
+from . import token_stats as ts
+
+VMEM_BUDGET = 12 * 1024 * 1024
+VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
+def vmem_bytes(kind, bn, bk, d, itemsize, has_teacher):
+    """VMEM estimate of one grid step of ``kind`` ("forward", "dh" or "dw")."""
+    inputs = 2 * (bn * d + bk * d) * itemsize + (2 * bn * bk * itemsize if has_teacher else 0)
+    temporaries = bn * bk * 4 * 8
+    outputs = {"forward": 2 * bn * 128 * 4, "dh": 2 * bn * d * 4, "dw": 2 * (bk * d + bk) * 4}
+    scratch = bn * 10 * 128 * 4 if kind == "forward" else 0
+    return inputs + temporaries + outputs[kind] + scratch
+
+
+def head_blocks(kind, n, k, d, itemsize, has_teacher, block_k=None, block_n=None):
+    """(BN, BK) of ``kind``: the first pair of its preference order whose estimate fits, BN
+    at most the rows rounded up to 16 and BK at most K rounded up to 128; ``block_n`` caps
+    BN (the largest of 256, 128, ..., 16 not above it), ``block_k`` fixes BK (a multiple of
+    128)."""
+    n_cap, k_cap = max(16, -(-n // 16) * 16), max(128, -(-k // 128) * 128)
+    bns = tuple(b for b in (256, 128, 64, 32, 16) if block_n is None or b <= block_n) or (16,)
+    bks = (_round(block_k, 128),) if block_k else (512, 256, 128)
+    if kind == "dw":  # dW re-reads h per vocabulary block: its intensity grows with BK
+        order = [(bn, bk) for bk in bks for bn in bns]
+    else:  # the forward and dH re-read W per row block: theirs grows with BN
+        order = [(bn, bk) for bn in bns for bk in bks]
+    for bn, bk in order:
+        bn, bk = min(bn, n_cap), min(bk, k_cap)
+        if vmem_bytes(kind, bn, bk, d, itemsize, has_teacher) <= VMEM_BUDGET:
+            return bn, bk
+    return 16, 128
+
+
+def _round(x, m):
+    return max(m, (x // m) * m)
+
+
+def _dot(a, b, dims):
+    """a·b contracted over dims ((a_axis,), (b_axis,)), float32 out; float32 operands at full
+    precision (the MXU's default is one bfloat16 pass)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _logits_tile(h, w, b_ref, layout):
+    """z (BN, BK) float32 = h (BN, D) · W tile ((BK, D) "KD", (D, BK) "DK") (+ bias)."""
+    z = _dot(h, w, ((1,), (1,)) if layout == VOCAB_MAJOR else ((1,), (0,)))
+    return z if b_ref is None else z + b_ref[...].astype(jnp.float32)
+
+
+def _zero_past(x, axis, start, limit):
+    """x with its entries whose index along ``axis`` (plus ``start``) reaches ``limit`` at 0."""
+    ids = start + jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.where(ids < limit, x, jnp.zeros_like(x))
+
+
+def _split(refs, has_bias, has_teacher):
+    """(h_ref, w_ref, b_ref or None, u_ref or None, the rest)."""
+    h_ref, w_ref, *refs = refs
+    b_ref = refs.pop(0) if has_bias else None
+    u_ref = refs.pop(0) if has_teacher else None
+    return h_ref, w_ref, b_ref, u_ref, refs
+
+
+def _fwd_kernel(*refs, layout, has_bias, has_teacher, **statics):
+    h_ref, w_ref, b_ref, u_ref, rest = _split(refs, has_bias, has_teacher)
+    load_z = lambda: _logits_tile(h_ref[...], w_ref[...], b_ref, layout)  # noqa: E731
+    ts.fwd_body(load_z, *([u_ref] if has_teacher else []), *rest, kb=pl.program_id(1),
+                has_teacher=has_teacher, **statics)
+
+
+def _grad(h, w, b_ref, u_ref, ints_ref, floats_ref, kb, layout, statics):
+    z = _logits_tile(h, w, b_ref, layout)
+    return ts.grad_tile(z, u_ref, ints_ref[...], floats_ref[...], kb=kb, mask_tail=True,
+                        **statics)
+
+
+def _dh_kernel(*refs, layout, has_bias, has_teacher, teacher_grad, n, **statics):
+    h_ref, w_ref, b_ref, u_ref, rest = _split(refs, has_bias, has_teacher)
+    ints_ref, floats_ref, dh_ref, *du = rest
+    kb = pl.program_id(1)
+    bk = statics["bk"]
+
+    @pl.when(kb == 0)
+    def _init():
+        dh_ref[...] = jnp.zeros(dh_ref.shape, dh_ref.dtype)
+
+    w = w_ref[...]
+    dz, dt = _grad(h_ref[...], w, b_ref, u_ref, ints_ref, floats_ref, kb, layout,
+                   dict(statics, has_teacher=has_teacher, teacher_grad=teacher_grad))
+    # W's rows past K are padding: zero them, so 0 · NaN does not reach dH
+    w = _zero_past(w, 0 if layout == VOCAB_MAJOR else 1, kb * bk, statics["vocab"])
+    dz = dz.astype(w.dtype)
+    dh_ref[...] += _dot(dz, w, ((1,), (0,)) if layout == VOCAB_MAJOR else ((1,), (1,)))
+    if teacher_grad:
+        du[0][...] = dt.astype(du[0].dtype)
+
+
+def _dw_kernel(*refs, layout, has_bias, has_teacher, n, **statics):
+    h_ref, w_ref, b_ref, u_ref, rest = _split(refs, has_bias, has_teacher)
+    ints_ref, floats_ref, dw_ref, *db = rest
+    kb, rb = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(rb == 0)
+    def _init():
+        dw_ref[...] = jnp.zeros(dw_ref.shape, dw_ref.dtype)
+        for ref in db:
+            ref[...] = jnp.zeros(ref.shape, ref.dtype)
+
+    bn = h_ref.shape[0]
+    h = _zero_past(h_ref[...], 0, rb * bn, n)  # rows past N are padding
+    dz, _ = _grad(h, w_ref[...], b_ref, u_ref, ints_ref, floats_ref, kb, layout,
+                  dict(statics, has_teacher=has_teacher, teacher_grad=False))
+    dz = _zero_past(dz, 0, rb * bn, n)
+    g = dz.astype(h.dtype)
+    if layout == VOCAB_MAJOR:  # [BK, D] += dzᵀ·h
+        dw_ref[...] += _dot(g, h, ((0,), (0,)))
+    else:  # [D, BK] += hᵀ·dz
+        dw_ref[...] += _dot(h, g, ((0,), (0,)))
+    if db:
+        db[0][...] += jnp.sum(dz, axis=0, keepdims=True)
+
+
+def _w_spec(layout, bk, d, vocab_index):
+    """The W tile of vocabulary block ``vocab_index(i, j)``."""
+    if layout == VOCAB_MAJOR:
+        return pl.BlockSpec((bk, d), lambda i, j: (vocab_index(i, j), 0))
+    return pl.BlockSpec((d, bk), lambda i, j: (0, vocab_index(i, j)))
+
+
+def _operands(h, w, b, u):
+    """The streamed operands in kernel order, the bias as a [1, K] row."""
+    return [h, w] + ([b.reshape(1, -1)] if b is not None else []) + ([u] if u is not None else [])
+
+
+def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
+             vocab_limit):
+    return dict(vocab=vocab, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
+                softcap=softcap, has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
+                vocab_limit=vocab_limit)
+
+
+def head_forward(h, w, b, u, ints, floats, *, layout, inv_t, inv_t_ce, inv_t_kl, softcap,
+                 has_shift, separate_ce, entropy, block_k=None, block_n=None, interpret=False,
+                 detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
+    """h [N, D], w [K, D] ("KD") or [D, K] ("DK"), b [K] or None, u [N, K] teacher logits or
+    None; ints [N, 3], floats [N, 2] as ``token_stats.stats_forward`` -> stats [N, N_STATS]."""
+    n, d = h.shape
+    k = w.shape[0] if layout == VOCAB_MAJOR else w.shape[1]
+    has_teacher = u is not None
+    bn, bk = head_blocks("forward", n, k, d, h.dtype.itemsize, has_teacher, block_k, block_n)
+    kernel = functools.partial(
+        _fwd_kernel, layout=layout, has_bias=b is not None, has_teacher=has_teacher,
+        partial=False, **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
+                                  separate_ce, entropy, vocab_limit))
+    row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
+    specs = [row(d), _w_spec(layout, bk, d, lambda i, j: j)]
+    specs += [pl.BlockSpec((1, bk), lambda i, j: (0, j))] if b is not None else []
+    specs += [pl.BlockSpec((bn, bk), lambda i, j: (i, j))] if has_teacher else []
+    operands = _operands(h, w, b, u) + [ints, floats]
+    return pl.pallas_call(
+        kernel,
+        out_shape=ts._out_struct((n, ts.N_STATS), jnp.float32, operands),
+        grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
+        in_specs=specs + [row(ts.N_INTS), row(ts.FWD_FLOATS)],
+        out_specs=row(ts.N_STATS),
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(8)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=ts._interpret_arg(interpret, detect_races),
+        name="dlm_linear_head_fwd",
+    )(*operands)
+
+
+def head_backward(h, w, b, u, ints, floats, *, layout, inv_t, inv_t_ce, inv_t_kl, softcap,
+                  has_shift, separate_ce, teacher_grad, entropy, block_k=None, block_n=None,
+                  interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
+    """-> (dh [N, D], dw in w's layout, db [K] or None: float32; du [N, K] in u's dtype or
+    None); floats [N, 16] as ``token_stats.stats_backward``."""
+    n, d = h.shape
+    k = w.shape[0] if layout == VOCAB_MAJOR else w.shape[1]
+    has_teacher, has_bias = u is not None, b is not None
+    mode = dict(interpret=ts._interpret_arg(interpret, detect_races))
+    stat = functools.partial(_statics, k, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
+                             softcap=softcap, has_shift=has_shift, separate_ce=separate_ce,
+                             entropy=entropy, vocab_limit=vocab_limit)
+    operands = _operands(h, w, b, u) + [ints, floats]
+
+    # dH (and the teacher's gradient): rows outer, vocabulary inner
+    bn, bk = head_blocks("dh", n, k, d, h.dtype.itemsize, has_teacher, block_k, block_n)
+    row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
+    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
+    specs = [row(d), _w_spec(layout, bk, d, lambda i, j: j)]
+    specs += [pl.BlockSpec((1, bk), lambda i, j: (0, j))] if has_bias else []
+    specs += [tile] if has_teacher else []
+    out_shape = [ts._out_struct((n, d), jnp.float32, operands)]
+    out_specs = [row(d)]
+    if teacher_grad:
+        out_shape.append(ts._out_struct(u.shape, u.dtype, operands))
+        out_specs.append(tile)
+    outs = pl.pallas_call(
+        functools.partial(_dh_kernel, layout=layout, has_bias=has_bias, has_teacher=has_teacher,
+                          teacher_grad=teacher_grad, n=n, **stat(bk=bk)),
+        out_shape=out_shape, grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
+        in_specs=specs + [row(ts.N_INTS), row(ts.BWD_FLOATS)], out_specs=out_specs,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        name="dlm_linear_head_dh", **mode,
+    )(*operands)
+    dh, du = outs[0], (outs[1] if teacher_grad else None)
+
+    # dW and db: vocabulary outer, rows inner (index maps take (vocabulary j, rows i))
+    bn, bk = head_blocks("dw", n, k, d, h.dtype.itemsize, has_teacher, block_k, block_n)
+    row = lambda width: pl.BlockSpec((bn, width), lambda j, i: (i, 0))  # noqa: E731
+    specs = [row(d), _w_spec(layout, bk, d, lambda j, i: j)]
+    specs += [pl.BlockSpec((1, bk), lambda j, i: (0, j))] if has_bias else []
+    specs += [pl.BlockSpec((bn, bk), lambda j, i: (i, j))] if has_teacher else []
+    dw_shape = (k, d) if layout == VOCAB_MAJOR else (d, k)
+    out_shape = [ts._out_struct(dw_shape, jnp.float32, operands)]
+    out_specs = [_w_spec(layout, bk, d, lambda j, i: j)]
+    if has_bias:
+        out_shape.append(ts._out_struct((1, k), jnp.float32, operands))
+        out_specs.append(pl.BlockSpec((1, bk), lambda j, i: (0, j)))
+    outs = pl.pallas_call(
+        functools.partial(_dw_kernel, layout=layout, has_bias=has_bias, has_teacher=has_teacher,
+                          n=n, **stat(bk=bk)),
+        out_shape=out_shape, grid=(pl.cdiv(k, bk), pl.cdiv(n, bn)),
+        in_specs=specs + [row(ts.N_INTS), row(ts.BWD_FLOATS)], out_specs=out_specs,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        name="dlm_linear_head_dw", **mode,
+    )(*operands)
+    dw, db = outs[0], (outs[1][0] if has_bias else None)
+    return dh, dw, db, du
