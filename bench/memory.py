@@ -1,4 +1,5 @@
-"""Peak resident memory beyond the inputs of one CPU torch case, in its own process.
+"""Peak resident memory beyond the inputs of one CPU torch case, in its own process (with a
+fixed allocator mapping threshold, ``PROBE_ENV``, so the peak is that of live buffers).
 
 ``python -m bench.memory OBJECTIVE VARIANT N K DTYPE`` prints the VmHWM growth in bytes of
 one forward+backward after the inputs exist (VmHWM reset through /proc/self/clear_refs;
@@ -13,6 +14,19 @@ import gc
 import os
 import subprocess
 import sys
+
+
+# glibc's allocator, left to itself, keeps freed buffers of up to 32 MiB mapped and moves its
+# mapping threshold with what was freed before, so a resident-set peak counts cached memory
+# and changes from run to run (the same linear-head step: 64 or 151 MiB). With a fixed
+# threshold of 128 KiB every larger buffer is mapped when allocated and unmapped when freed:
+# the peak is that of the live buffers, the same in every run. Probe processes only (the
+# timed runs keep the allocator's defaults).
+PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def _probe_env():
+    return {**os.environ, **PROBE_ENV}
 
 
 def proc_status_bytes(field):
@@ -50,7 +64,7 @@ def probe_in_subprocess(args):
     if not available():
         return None
     out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                         check=True, cwd=package_cwd())
+                         check=True, cwd=package_cwd(), env=_probe_env())
     return int(out.stdout.strip().splitlines()[-1])
 
 
@@ -91,7 +105,7 @@ class _ProbeServer:
         if cls.process is None or cls.process.poll() is not None:
             cls.process = subprocess.Popen(
                 [sys.executable, "-m", f"{__package__}.memory", "--serve"], cwd=package_cwd(),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_probe_env())
             atexit.register(cls.close)
         cls.process.stdin.write(line + "\n")
         cls.process.stdin.flush()

@@ -382,6 +382,278 @@ class TestJaxPallas(LinearHeadSuite):
         pytest.importorskip("jax.experimental.pallas.tpu")
         monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
 
+    @pytest.mark.parametrize("layout,dtype,teacher", [("DK", "bfloat16", "logits"),
+                                                      ("KD", "float32", "logits"),
+                                                      ("KD", "bfloat16", "head")])
+    def test_fused_kernels(self, rng, layout, dtype, teacher):
+        """A student head with the teacher as logits (and their gradient) or as a head of
+        another width (constant) runs the three fused kernels (no logits kernel, no [N, K]
+        logits): 45 rows in blocks of 16 and K = 301 in blocks of 128 (both ragged), bias,
+        every feature on; values and gradients vs the float64 oracle."""
+        import jax
+
+        fw, p = self.fw, HeadProblem(rng, teacher=teacher == "head")
+        arr = lambda a, dt=None: fw.array(a, dt)  # noqa: E731
+        flat = lambda a: arr(a.reshape(-1))  # noqa: E731
+        y, act, x, d = flat(p.y), flat(p.active.astype(np.float32)), flat(p.x), flat(p.d)
+        u = rng.normal(size=(p.n, p.k)) * 2 if teacher == "logits" else p.u()
+        grad_u = teacher == "logits"
+
+        def fn(h, w, b, t):
+            if teacher == "head":
+                t = self.head(arr(p.ht.reshape(p.n, -1), dtype), _weight(fw, p.wt, layout, dtype),
+                              None, layout, 16)
+            s = fw.api.token_stats(self.head(h, w, b, layout, 16), y, act, shift_ids=x,
+                                   shift=d.astype(fw.jnp.float32), teacher_logits=t,
+                                   teacher_grad=grad_u, backend=self.BACKEND, chunk_size=128,
+                                   **KW)
+            return s.lse, s.logp, s.entropy, s.kl
+
+        primals = (arr(p.h.reshape(p.n, -1), dtype), _weight(fw, p.w, layout, dtype),
+                   arr(p.b, dtype), arr(u, "float32"))
+        cot = [c.reshape(-1) for c in p.cot]
+        cots = tuple(fw.jnp.asarray(c, fw.jnp.float32) for c in cot)
+        jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1](cots))(*primals))
+        for kernel in ("dlm_linear_head_fwd", "dlm_linear_head_dh", "dlm_linear_head_dw"):
+            assert kernel in jaxpr, f"{kernel} not launched"
+        assert "dlm_token_stats" not in jaxpr, "the head fell back to materialised logits"
+        outs, (gh, gw, gb, gu) = fw.vjp(fn, primals, cot)
+        okw = dict(x=p.x.reshape(-1), d=p.d.reshape(-1), u=u, T=0.7, T_ce=1.3, T_kl=1.5,
+                   softcap=6.0)
+        active, ys = p.active.reshape(-1) != 0, p.y.reshape(-1)
+        for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs,
+                                  oracle.token_stats(p.z(), ys, active, **okw)):
+            assert_close(got.reshape(-1), exp, "float32", name)
+        dz, du = oracle.token_stats_vjp(p.z(), ys, active, cot, **okw)
+        dz_err = oracle.saved_lse_slack(p.z(), ys, active, cot, **okw)
+        h = p.h.reshape(p.n, -1)
+        assert_close(gh, dz @ p.w, dtype, "d hidden", slack=matmul_slack(dz, dz_err, p.w, dtype))
+        assert_close(gw, _from_kd(dz.T @ h, layout), dtype, "d weight",
+                     slack=_from_kd(matmul_slack(dz.T, dz_err.T, np.abs(h), dtype), layout))
+        assert_close(gb, dz.sum(0), dtype, "d bias",
+                     slack=matmul_slack(dz.T, dz_err.T, np.ones((p.n, 1)), dtype)[:, 0])
+        if grad_u:  # (a teacher head's arrays are constants here: fn builds it inside)
+            scale = cancellation_scale(cot[3], p.z() / 0.7, u / 1.5, temperature=1.5)
+            assert_close(gu, du, "float32", "d teacher logits", scale=scale)
+
+    # -- objectives -----------------------------------------------------------------------
+    def _batch(self, p):
+        api, fw = self.fw.api, self.fw
+        y = fw.array(p.y)
+        return api.DiffusionTokenBatch.create(
+            model_inputs={"input_tokens": y}, target_ids=y,
+            loss_weights=fw.array(p.active.astype(np.float32)))
+
+    def _check_head_grads(self, p, got, dz, dtype, layout, dz_size=None):
+        """``dz_size``: the size each d(logits) element is rounded at (default |dz|; two
+        schedules' terms, each rounded to the dtype on its own: the sum of their sizes)."""
+        gh, gw, gb = got
+        h = p.h.reshape(p.n, -1)
+        dz = dz.reshape(p.n, -1)
+        size = np.abs(dz) if dz_size is None else dz_size.reshape(p.n, -1)
+        zero = np.zeros_like(dz)
+        assert_close(gh.reshape(p.n, -1), dz @ p.w, dtype, "d hidden",
+                     slack=matmul_slack(size, zero, p.w, dtype) + 2e-6)
+        assert_close(gw, _from_kd(dz.T @ h, layout), dtype, "d weight",
+                     slack=_from_kd(matmul_slack(size.T, zero.T, np.abs(h), dtype), layout)
+                     + 2e-6)
+        assert_close(gb, dz.sum(0), dtype, "d bias",
+                     slack=matmul_slack(size.T, zero.T, np.ones((p.n, 1)), dtype)[:, 0] + 2e-6)
+
+    def test_weighted_cross_entropy(self, rng, ce_dtype):
+        """A scalar objective: the gradient formed in the forward (3 matmuls)."""
+        dtype = ce_dtype
+        fw, p = self.fw, HeadProblem(rng, rows=(3, 7), teacher=False)
+        layout = fw.api.LinearHead.DEFAULT_LAYOUT  # torch "KD", JAX "DK": the default
+        batch = self._batch(p)
+
+        def fn(h, w, b):
+            head = fw.api.LinearHead(h, w, b, row_chunk=8)
+            return (fw.api.weighted_cross_entropy(head, batch, backend=self.BACKEND).compute(),)
+
+        primals = (fw.array(p.h, dtype), _weight(fw, p.w, layout, dtype), fw.array(p.b, dtype))
+        (value,), grads = fw.vjp(fn, primals, [1.0])
+        active, ys = p.active.reshape(-1) != 0, p.y.reshape(-1)
+        _, logp, _, _ = oracle.token_stats(p.z(), ys, active)
+        wsum = active.sum()
+        assert_close(value, -np.sum(np.where(active, logp, 0.0)) / wsum, "float32", "loss")
+        zeros = np.zeros(p.n)
+        dz, _ = oracle.token_stats_vjp(p.z(), ys, active, (zeros, -active.astype(float) / wsum, zeros, zeros))
+        self._check_head_grads(p, grads, dz, dtype, layout)
+
+    def test_opd_loss_with_teacher_head(self, rng, opd_term):
+        """Student and teacher heads of different widths; the total's gradient comes from the
+        forward, an aux term's (differentiated on purpose) from the recompute path, and
+        "both" differentiates their sum: the two schedules' gradients summed in float32 and
+        rounded once to the head's dtype."""
+        term, dtype = opd_term
+        fw, p = self.fw, HeadProblem(rng, rows=(3, 7))
+        api = fw.api
+        teacher = api.LinearHead(fw.array(p.ht, "float32"), fw.array(p.wt, "float32"),
+                                 weight_layout="KD")
+        dbatch = api.DiffusionDistillationBatch.create(student_batch=self._batch(p),
+                                                       teacher_logits=teacher)
+
+        def fn(h, w, b):
+            head = api.LinearHead(h, w, b, weight_layout="KD", row_chunk=8)
+            total, aux = api.opd_loss(head, dbatch, temperature=2.0, soft_loss_weight=0.7,
+                                      hard_loss_weight=0.4, backend=self.BACKEND)
+            soft = aux["distill/soft_loss"].compute()
+            return ({"total": total.compute(), "aux": soft}.get(term, total.compute() + soft),)
+
+        primals = tuple(fw.array(a, dtype) for a in (p.h, p.w, p.b))
+        (value,), grads = fw.vjp(fn, primals, [1.0])
+        active, ys, u = p.active.reshape(-1) != 0, p.y.reshape(-1), p.u()
+        wsum = active.sum()
+        _, _, _, kl = oracle.token_stats(p.z(), ys, active, u=u, T=2.0)
+        _, logp1, _, _ = oracle.token_stats(p.z(), ys, active)
+        soft, hard = 4.0 * kl.sum() / wsum, -np.where(active, logp1, 0).sum() / wsum
+        expected = {"total": 0.7 * soft + 0.4 * hard, "aux": soft}.get(
+            term, 1.7 * soft + 0.4 * hard)
+        assert_close(value, expected, "float32", term)
+        zeros, act = np.zeros(p.n), active.astype(float)
+        soft_dz = lambda g: oracle.token_stats_vjp(p.z(), ys, active,
+                                                   (zeros, zeros, zeros, g * 4.0 * act / wsum),
+                                                   u=u, T=2.0)[0]
+        hard_dz = oracle.token_stats_vjp(p.z(), ys, active,
+                                         (zeros, -0.4 * act / wsum, zeros, zeros))[0]
+        total_dz, aux_dz = soft_dz(0.7) + hard_dz, soft_dz(1.0)
+        parts = {"total": (total_dz,), "aux": (aux_dz,)}.get(term, (total_dz, aux_dz))
+        self._check_head_grads(p, grads, sum(parts), dtype, "KD",
+                               dz_size=sum(np.abs(d) for d in parts))
+
+    def test_teacher_head_gets_no_gradient(self, rng):
+        """opd_loss treats the teacher as a constant: its hidden and weight get exact zeros."""
+        fw, p = self.fw, HeadProblem(rng, rows=(2, 5))
+        api = fw.api
+        student = api.LinearHead(fw.array(p.h, "float32"), fw.array(p.w, "float32"),
+                                 weight_layout="KD")
+
+        def fn(ht, wt):
+            dbatch = api.DiffusionDistillationBatch.create(
+                student_batch=self._batch(p),
+                teacher_logits=api.LinearHead(ht, wt, weight_layout="KD"))
+            total, _ = api.opd_loss(student, dbatch, backend=self.BACKEND)
+            return (total.compute(),)
+
+        _, (ght, gwt) = fw.vjp(fn, (fw.array(p.ht, "float32"), fw.array(p.wt, "float32")),
+                               [1.0])
+        assert np.all(ght == 0) and np.all(gwt == 0), "the teacher head got a gradient"
+
+    def test_per_token_logps_and_sft_loss(self, rng):
+        """Per-row and per-sequence outputs (the recompute schedule), through
+        compute_diffusion_per_token_logps with a logits_fn that returns a head, and the LOO
+        SFT loss with its per-position shift."""
+        fw, p = self.fw, HeadProblem(rng, rows=(3, 7), teacher=False)
+        api, batch = fw.api, self._batch(p)
+        t = rng.uniform(0.1, 0.9, 3).astype(np.float32)
+        xt = np.where(rng.uniform(size=(3, 7)) < 0.5, p.k - 1, p.y)
+        mask = p.active.astype(np.float32)
+
+        def fn(h, w, b):
+            head_fn = lambda model, inputs: api.LinearHead(h, w, b, weight_layout="KD",
+                                                           row_chunk=8)
+            lp, ent = api.compute_diffusion_per_token_logps(
+                None, batch, head_fn, temperature=0.8, stop_gradient=False,
+                return_entropy=True, backend=self.BACKEND)
+            sft = api.diffusion_sft_loss(head_fn(None, None), batch.target_ids, fw.array(xt),
+                                         fw.array(t), fw.array(mask), variant="reweighted-loo-ce",
+                                         vocab_size=p.k, backend=self.BACKEND)
+            return lp, ent, sft
+
+        cots = [rng.normal(size=(3, 7)), rng.normal(size=(3, 7)), rng.normal(size=3)]
+        primals = tuple(fw.array(a, "float32") for a in (p.h, p.w, p.b))
+        (lp, ent, sft), grads = fw.vjp(fn, primals, cots)
+        active, ys = p.active.reshape(-1) != 0, p.y.reshape(-1)
+        _, e_lp, e_ent, _ = oracle.token_stats(p.z(), ys, active, T=0.8)
+        assert_close(lp.reshape(-1), e_lp, "float32", "logps")
+        assert_close(ent.reshape(-1), e_ent, "float32", "entropy")
+        z3 = p.z().reshape(3, 7, p.k)
+        args = (z3, p.y, xt, t, mask, "reweighted-loo-ce", p.k)
+        assert_close(sft, oracle.sft_loss(*args), "float32", "sft loss")
+        zeros = np.zeros(p.n)
+        dz, _ = oracle.token_stats_vjp(p.z(), ys, active, (zeros, cots[0].reshape(-1),
+                                                           cots[1].reshape(-1), zeros), T=0.8)
+        dz = dz + oracle.sft_loss_grad(*args, cots[2]).reshape(p.n, -1)
+        self._check_head_grads(p, grads, dz, "float32", "KD")
+
+    # -- contract -------------------------------------------------------------------------
+    def test_bad_heads_name_the_part(self, rng):
+        fw, p = self.fw, HeadProblem(rng, rows=(2, 3), d=8, k=16, teacher=False)
+        api = fw.api
+        y = fw.array(p.y)
+        h, w = fw.array(p.h, "float32"), fw.array(p.w, "float32")  # w: [K, D] = [16, 8]
+        with pytest.raises(ValueError, match=r"weight must have shape \[D, K\].*weight_layout='KD'"):
+            api.token_stats(api.LinearHead(h, w, weight_layout="DK"), y, backend=self.BACKEND)
+        with pytest.raises(TypeError, match=r"logits.weight must have logits.hidden's dtype"):
+            api.token_stats(api.LinearHead(h, fw.array(p.w, "bfloat16"), weight_layout="KD"), y,
+                            backend=self.BACKEND)
+        with pytest.raises(ValueError, match=r"bias must have shape \[K\] = \[16\]"):
+            api.token_stats(api.LinearHead(h, w, fw.array(np.zeros(15), "float32"),
+                                           weight_layout="KD"), y, backend=self.BACKEND)
+        with pytest.raises(ValueError, match=r"weight_layout must be one of"):
+            api.LinearHead(h, w, weight_layout="kd")
+        with pytest.raises(ValueError, match=r"targets must have shape"):
+            api.token_stats(api.LinearHead(h, w, weight_layout="KD"), y[:1], backend=self.BACKEND)
+
+
+class TestTorchReference(LinearHeadSuite):
+    FW, BACKEND = "torch", "reference"
+    HEAD_CASES = (("KD", "float32"), ("DK", "bfloat16"))
+
+
+class TestTorchChunked(LinearHeadSuite):
+    FW, BACKEND = "torch", "chunked"
+
+
+class TestJaxReference(LinearHeadSuite):
+    FW, BACKEND = "jax", "reference"
+    HEAD_CASES = (("DK", "bfloat16"),)
+
+
+class TestJaxChunked(LinearHeadSuite):
+    FW, BACKEND = "jax", "chunked"
+
+
+# -- kernel backends: the Triton interpreter (torch; JAX through the jax-triton emulator) and
+# Pallas interpret mode (every output poisoned with NaN before it is written: conftest) ------
+
+def _interpreted():
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the Triton kernels run on CPU only under "
+                    "TRITON_INTERPRET=1")
+class TestTorchTriton(LinearHeadSuite):
+    FW, BACKEND = "torch", "triton"
+    HEAD_CASES = (("KD", "bfloat16"),)  # both layouts and dtypes: the chunked classes
+    CE_DTYPES = ("bfloat16",)
+    OPD_TERMS = (("total", "float32"),)
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the Triton kernels run on CPU only under "
+                    "TRITON_INTERPRET=1")
+@pytest.mark.usefixtures("jax_triton_on_cpu")
+class TestJaxTritonEmulated(LinearHeadSuite):
+    FW, BACKEND = "jax", "triton"
+    HEAD_CASES = (("DK", "bfloat16"),)  # both layouts and dtypes: the chunked classes
+    CE_DTYPES = ("bfloat16",)
+    OPD_TERMS = (("total", "float32"),)
+
+
+class TestJaxPallas(LinearHeadSuite):
+    FW, BACKEND = "jax", "pallas"
+    HEAD_CASES = (("DK", "bfloat16"),)  # both layouts and dtypes: the chunked classes
+    CE_DTYPES = ("bfloat16",)
+    OPD_TERMS = (("total", "float32"),)
+
+    @pytest.fixture(autouse=True)
+    def _interpret(self, monkeypatch):
+        pytest.importorskip("jax.experimental.pallas.tpu")
+        monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+
     @pytest.mark.parametrize("layout,dtype", [("DK", "bfloat16"), ("KD", "float32")])
     def test_fused_kernels(self, rng, layout, dtype):
         """A student head with the teacher as logits runs the three fused kernels (no logits
@@ -427,3 +699,30 @@ class TestJaxPallas(LinearHeadSuite):
                      slack=matmul_slack(dz.T, dz_err.T, np.ones((p.n, 1)), dtype)[:, 0])
         scale = cancellation_scale(cot[3], p.z() / 0.7, u / 1.5, temperature=1.5)
         assert_close(gu, du, "float32", "d teacher logits", scale=scale)
+
+
+def test_torch_total_backward_twice(rng):
+    """The gradient formed in the forward is handed out in place (a float32 head's
+    gradients are its accumulators, no copy); a second backward through the retained graph
+    recomputes it, with the same result."""
+    import torch
+
+    fw, p = framework("torch"), HeadProblem(rng, rows=(3, 7), teacher=False)
+    api = fw.api
+    y = fw.array(p.y)
+    batch = api.DiffusionTokenBatch.create(model_inputs={"input_tokens": y}, target_ids=y,
+                                           loss_weights=fw.array(p.active.astype(np.float32)))
+    h, w, b = (fw.array(a, "float32").requires_grad_(True) for a in (p.h, p.w, p.b))
+    loss = api.weighted_cross_entropy(api.LinearHead(h, w, b, row_chunk=8), batch,
+                                      backend="chunked").compute()
+    first = torch.autograd.grad(3.0 * loss, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(3.0 * loss, (h, w, b), retain_graph=True)
+    for name, g1, g2 in zip(("hidden", "weight", "bias"), first, second):
+        assert_close(fw.numpy(g2), fw.numpy(g1), "float32", f"second d {name}")
+    active, ys = p.active.reshape(-1) != 0, p.y.reshape(-1)
+    zeros = np.zeros(p.n)
+    dz, _ = oracle.token_stats_vjp(p.z(), ys, active,
+                                   (zeros, -3.0 * active.astype(float) / active.sum(), zeros, zeros))
+    assert_close(fw.numpy(first[1]), dz.T @ p.h.reshape(p.n, -1), "float32", "d weight",
+                 slack=matmul_slack(np.abs(dz.T), np.zeros_like(dz.T), np.abs(p.h.reshape(p.n, -1)),
+                                    "float32") + 2e-6)

@@ -123,10 +123,12 @@ def test_linear_head_blocks_fit_vmem():
     from dlm_kernels.kernels.pallas import linear_head as H
 
     for kind in ("forward", "dh", "dw"):
-        for n, k, d, itemsize, teacher, cap in [(8192, 262144, 2560, 2, False, None),
-                                                (8192, 262144, 2560, 2, True, None),
-                                                (8192, 262144, 2560, 4, True, 1024),
-                                                (45, 301, 19, 4, True, 16)]:
+        logits, head = H.Part(None, itemsize=2), H.Part("KD", 2560, True, 2)
+        for n, k, d, itemsize, teacher, cap in [(8192, 262144, 2560, 2, None, None),
+                                                (8192, 262144, 2560, 2, logits, None),
+                                                (8192, 262144, 2560, 2, head, None),
+                                                (8192, 262144, 2560, 4, logits, 1024),
+                                                (45, 301, 19, 4, logits, 16)]:
             bn, bk = H.head_blocks(kind, n, k, d, itemsize, teacher, block_n=cap)
             assert bn % 16 == 0 and bk % 128 == 0 and (cap is None or bn <= cap), (kind, bn, bk)
             assert H.vmem_bytes(kind, bn, bk, d, itemsize, teacher) <= H.VMEM_BUDGET

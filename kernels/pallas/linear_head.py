@@ -32,6 +32,7 @@ dH (BN 256, BK 256; dH with a teacher BK 128), dW (BN 128, BK 256).
 """
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,16 +44,22 @@ from . import token_stats as ts
 
 VMEM_BUDGET = 12 * 1024 * 1024
 VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
-def vmem_bytes(kind, bn, bk, d, itemsize, has_teacher):
-    """VMEM estimate of one grid step of ``kind`` ("forward", "dh" or "dw")."""
-    inputs = 2 * (bn * d + bk * d) * itemsize + (2 * bn * bk * itemsize if has_teacher else 0)
+def vmem_bytes(kind, bn, bk, d, itemsize, teacher=None):
+    """VMEM estimate of one grid step of ``kind`` ("forward", "dh" or "dw"); ``teacher`` a
+    Part (logits tiles, or a head's hidden and weight blocks) or None."""
+    inputs = 2 * (bn * d + bk * d) * itemsize
+    if teacher is not None:
+        width = bn * bk if not teacher.is_head else (bn + bk) * teacher.width
+        inputs += 2 * width * teacher.itemsize
     temporaries = bn * bk * 4 * 8
     outputs = {"forward": 2 * bn * 128 * 4, "dh": 2 * bn * d * 4, "dw": 2 * (bk * d + bk) * 4}
+    if kind == "dh" and teacher is not None and not teacher.is_head:
+        outputs["dh"] += 2 * bn * bk * teacher.itemsize  # the teacher logits' gradient
     scratch = bn * 10 * 128 * 4 if kind == "forward" else 0
     return inputs + temporaries + outputs[kind] + scratch
 
 
-def head_blocks(kind, n, k, d, itemsize, has_teacher, block_k=None, block_n=None):
+def head_blocks(kind, n, k, d, itemsize, teacher=None, block_k=None, block_n=None):
     """(BN, BK) of ``kind``: the first pair of its preference order whose estimate fits, BN
     at most the rows rounded up to 16 and BK at most K rounded up to 128; ``block_n`` caps
     BN (the largest of 256, 128, ..., 16 not above it), ``block_k`` fixes BK (a multiple of
@@ -66,7 +73,7 @@ def head_blocks(kind, n, k, d, itemsize, has_teacher, block_k=None, block_n=None
         order = [(bn, bk) for bn in bns for bk in bks]
     for bn, bk in order:
         bn, bk = min(bn, n_cap), min(bk, k_cap)
-        if vmem_bytes(kind, bn, bk, d, itemsize, has_teacher) <= VMEM_BUDGET:
+        if vmem_bytes(kind, bn, bk, d, itemsize, teacher) <= VMEM_BUDGET:
             return bn, bk
     return 16, 128
 
@@ -95,50 +102,107 @@ def _zero_past(x, axis, start, limit):
     return jnp.where(ids < limit, x, jnp.zeros_like(x))
 
 
-def _split(refs, has_bias, has_teacher):
-    """(h_ref, w_ref, b_ref or None, u_ref or None, the rest)."""
+class Part(NamedTuple):
+    """How one stream of logits reaches a kernel: a head (``layout`` "KD" or "DK", hidden
+    width ``width``, with or without a bias) or a logits array (``layout`` None)."""
+
+    layout: Optional[str]
+    width: int = 0
+    has_bias: bool = False
+    itemsize: int = 4
+
+    @property
+    def is_head(self):
+        return self.layout is not None
+
+
+def _take(refs, part):
+    """(tile loader of ``part`` from the front of refs, its refs, the rest)."""
+    if not part.is_head:
+        u_ref, *refs = refs
+        return (lambda: u_ref[...].astype(jnp.float32)), (u_ref,), refs
     h_ref, w_ref, *refs = refs
-    b_ref = refs.pop(0) if has_bias else None
-    u_ref = refs.pop(0) if has_teacher else None
-    return h_ref, w_ref, b_ref, u_ref, refs
+    b_ref = refs.pop(0) if part.has_bias else None
+    return (lambda: _logits_tile(h_ref[...], w_ref[...], b_ref, part.layout)), (
+        h_ref, w_ref, b_ref), refs
 
 
-def _fwd_kernel(*refs, layout, has_bias, has_teacher, **statics):
-    h_ref, w_ref, b_ref, u_ref, rest = _split(refs, has_bias, has_teacher)
-    load_z = lambda: _logits_tile(h_ref[...], w_ref[...], b_ref, layout)  # noqa: E731
-    ts.fwd_body(load_z, *([u_ref] if has_teacher else []), *rest, kb=pl.program_id(1),
-                has_teacher=has_teacher, **statics)
+def _streams(refs, student, teacher):
+    """(the student's (h_ref, w_ref, b_ref), the teacher's tile loader or None, the rest)."""
+    _, mine, refs = _take(refs, student)
+    load_u = None
+    if teacher is not None:
+        load_u, _, refs = _take(refs, teacher)
+    return mine, load_u, refs
 
 
-def _grad(h, w, b_ref, u_ref, ints_ref, floats_ref, kb, layout, statics):
+def _w_spec(layout, bk, d, vocab_index):
+    """The W tile of vocabulary block ``vocab_index(*grid ids)``."""
+    if layout == VOCAB_MAJOR:
+        return pl.BlockSpec((bk, d), lambda *g: (vocab_index(*g), 0))
+    return pl.BlockSpec((d, bk), lambda *g: (0, vocab_index(*g)))
+
+
+def _specs(part, bn, bk, blocks):
+    """BlockSpecs of one part; ``blocks(*grid ids)`` -> (row block, vocabulary block)."""
+    if not part.is_head:
+        return [pl.BlockSpec((bn, bk), lambda *g: blocks(*g))]
+    specs = [pl.BlockSpec((bn, part.width), lambda *g: (blocks(*g)[0], 0)),
+             _w_spec(part.layout, bk, part.width, lambda *g: blocks(*g)[1])]
+    if part.has_bias:
+        specs.append(pl.BlockSpec((1, bk), lambda *g: (0, blocks(*g)[1])))
+    return specs
+
+
+def _operands(student_arrays, teacher_arrays):
+    """The streamed operands in kernel order: (h, w, b) of the student, then the teacher's
+    logits or (hidden, weight, bias); biases as [1, K] rows, absent ones left out."""
+    out = []
+    for arrays in (student_arrays, teacher_arrays):
+        if arrays is None:
+            continue
+        if not isinstance(arrays, tuple):
+            out.append(arrays)
+            continue
+        h, w, b = arrays
+        out += [h, w] + ([b.reshape(1, -1)] if b is not None else [])
+    return out
+
+
+def _fwd_kernel(*refs, student, teacher, **statics):
+    (h_ref, w_ref, b_ref), load_u, rest = _streams(refs, student, teacher)
+    load_z = lambda: _logits_tile(h_ref[...], w_ref[...], b_ref, student.layout)  # noqa: E731
+    ts.fwd_body(load_z, load_u, *rest, kb=pl.program_id(1), **statics)
+
+
+def _grad(h, w, b_ref, load_u, ints_ref, floats_ref, kb, layout, statics):
     z = _logits_tile(h, w, b_ref, layout)
-    return ts.grad_tile(z, u_ref, ints_ref[...], floats_ref[...], kb=kb, mask_tail=True,
+    return ts.grad_tile(z, load_u, ints_ref[...], floats_ref[...], kb=kb, mask_tail=True,
                         **statics)
 
 
-def _dh_kernel(*refs, layout, has_bias, has_teacher, teacher_grad, n, **statics):
-    h_ref, w_ref, b_ref, u_ref, rest = _split(refs, has_bias, has_teacher)
+def _dh_kernel(*refs, student, teacher, teacher_grad, n, **statics):
+    (h_ref, w_ref, b_ref), load_u, rest = _streams(refs, student, teacher)
     ints_ref, floats_ref, dh_ref, *du = rest
-    kb = pl.program_id(1)
-    bk = statics["bk"]
+    kb, layout = pl.program_id(1), student.layout
 
     @pl.when(kb == 0)
     def _init():
         dh_ref[...] = jnp.zeros(dh_ref.shape, dh_ref.dtype)
 
     w = w_ref[...]
-    dz, dt = _grad(h_ref[...], w, b_ref, u_ref, ints_ref, floats_ref, kb, layout,
-                   dict(statics, has_teacher=has_teacher, teacher_grad=teacher_grad))
+    dz, dt = _grad(h_ref[...], w, b_ref, load_u, ints_ref, floats_ref, kb, layout,
+                   dict(statics, teacher_grad=teacher_grad))
     # W's rows past K are padding: zero them, so 0 · NaN does not reach dH
-    w = _zero_past(w, 0 if layout == VOCAB_MAJOR else 1, kb * bk, statics["vocab"])
+    w = _zero_past(w, 0 if layout == VOCAB_MAJOR else 1, kb * statics["bk"], statics["vocab"])
     dz = dz.astype(w.dtype)
     dh_ref[...] += _dot(dz, w, ((1,), (0,)) if layout == VOCAB_MAJOR else ((1,), (1,)))
     if teacher_grad:
         du[0][...] = dt.astype(du[0].dtype)
 
 
-def _dw_kernel(*refs, layout, has_bias, has_teacher, n, **statics):
-    h_ref, w_ref, b_ref, u_ref, rest = _split(refs, has_bias, has_teacher)
+def _dw_kernel(*refs, student, teacher, n, **statics):
+    (h_ref, w_ref, b_ref), load_u, rest = _streams(refs, student, teacher)
     ints_ref, floats_ref, dw_ref, *db = rest
     kb, rb = pl.program_id(0), pl.program_id(1)
 
@@ -150,28 +214,16 @@ def _dw_kernel(*refs, layout, has_bias, has_teacher, n, **statics):
 
     bn = h_ref.shape[0]
     h = _zero_past(h_ref[...], 0, rb * bn, n)  # rows past N are padding
-    dz, _ = _grad(h, w_ref[...], b_ref, u_ref, ints_ref, floats_ref, kb, layout,
-                  dict(statics, has_teacher=has_teacher, teacher_grad=False))
+    dz, _ = _grad(h, w_ref[...], b_ref, load_u, ints_ref, floats_ref, kb, student.layout,
+                  dict(statics, teacher_grad=False))
     dz = _zero_past(dz, 0, rb * bn, n)
     g = dz.astype(h.dtype)
-    if layout == VOCAB_MAJOR:  # [BK, D] += dzᵀ·h
+    if student.layout == VOCAB_MAJOR:  # [BK, D] += dzᵀ·h
         dw_ref[...] += _dot(g, h, ((0,), (0,)))
     else:  # [D, BK] += hᵀ·dz
         dw_ref[...] += _dot(h, g, ((0,), (0,)))
     if db:
         db[0][...] += jnp.sum(dz, axis=0, keepdims=True)
-
-
-def _w_spec(layout, bk, d, vocab_index):
-    """The W tile of vocabulary block ``vocab_index(i, j)``."""
-    if layout == VOCAB_MAJOR:
-        return pl.BlockSpec((bk, d), lambda i, j: (vocab_index(i, j), 0))
-    return pl.BlockSpec((d, bk), lambda i, j: (0, vocab_index(i, j)))
-
-
-def _operands(h, w, b, u):
-    """The streamed operands in kernel order, the bias as a [1, K] row."""
-    return [h, w] + ([b.reshape(1, -1)] if b is not None else []) + ([u] if u is not None else [])
 
 
 def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
@@ -181,24 +233,38 @@ def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_
                 vocab_limit=vocab_limit)
 
 
-def head_forward(h, w, b, u, ints, floats, *, layout, inv_t, inv_t_ce, inv_t_kl, softcap,
-                 has_shift, separate_ce, entropy, block_k=None, block_n=None, interpret=False,
-                 detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
-    """h [N, D], w [K, D] ("KD") or [D, K] ("DK"), b [K] or None, u [N, K] teacher logits or
-    None; ints [N, 3], floats [N, 2] as ``token_stats.stats_forward`` -> stats [N, N_STATS]."""
+def _parts(head, teacher, layout, teacher_layout):
+    """(student Part, teacher Part or None) of the arrays given."""
+    h, w, b = head
+    student = Part(layout, h.shape[1], b is not None, h.dtype.itemsize)
+    if teacher is None:
+        return student, None
+    if not isinstance(teacher, tuple):
+        return student, Part(None, itemsize=teacher.dtype.itemsize)
+    hu, _, bu = teacher
+    return student, Part(teacher_layout, hu.shape[1], bu is not None, hu.dtype.itemsize)
+
+
+def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
+                 inv_t_kl, softcap, has_shift, separate_ce, entropy, block_k=None, block_n=None,
+                 interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
+    """Row statistics [N, N_STATS] (as ``token_stats.stats_forward``) of the student head =
+    (h [N, D], w [K, D] "KD" or [D, K] "DK", b [K] or None) in ``layout``, with the teacher
+    None, logits u [N, K], or its own head (hu, wu, bu) in ``teacher_layout``; ints [N, 3],
+    floats [N, 2] as ``token_stats.stats_forward``."""
+    h, w, _ = head
     n, d = h.shape
     k = w.shape[0] if layout == VOCAB_MAJOR else w.shape[1]
-    has_teacher = u is not None
-    bn, bk = head_blocks("forward", n, k, d, h.dtype.itemsize, has_teacher, block_k, block_n)
+    student, tpart = _parts(head, teacher, layout, teacher_layout)
+    bn, bk = head_blocks("forward", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
     kernel = functools.partial(
-        _fwd_kernel, layout=layout, has_bias=b is not None, has_teacher=has_teacher,
-        partial=False, **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                                  separate_ce, entropy, vocab_limit))
+        _fwd_kernel, student=student, teacher=tpart, partial=False,
+        **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
+                   vocab_limit))
+    blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
-    specs = [row(d), _w_spec(layout, bk, d, lambda i, j: j)]
-    specs += [pl.BlockSpec((1, bk), lambda i, j: (0, j))] if b is not None else []
-    specs += [pl.BlockSpec((bn, bk), lambda i, j: (i, j))] if has_teacher else []
-    operands = _operands(h, w, b, u) + [ints, floats]
+    specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
+    operands = _operands(head, teacher) + [ints, floats]
     return pl.pallas_call(
         kernel,
         out_shape=ts._out_struct((n, ts.N_STATS), jnp.float32, operands),
@@ -212,61 +278,61 @@ def head_forward(h, w, b, u, ints, floats, *, layout, inv_t, inv_t_ce, inv_t_kl,
     )(*operands)
 
 
-def head_backward(h, w, b, u, ints, floats, *, layout, inv_t, inv_t_ce, inv_t_kl, softcap,
-                  has_shift, separate_ce, teacher_grad, entropy, block_k=None, block_n=None,
-                  interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
-    """-> (dh [N, D], dw in w's layout, db [K] or None: float32; du [N, K] in u's dtype or
-    None); floats [N, 16] as ``token_stats.stats_backward``."""
+def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
+                  inv_t_kl, softcap, has_shift, separate_ce, teacher_grad, entropy, block_k=None,
+                  block_n=None, interpret=False, detect_races=False,
+                  vocab_limit=NO_VOCAB_LIMIT):
+    """-> (dh [N, D], dw in w's layout, db [K] or None: float32; du [N, K] in the teacher
+    logits' dtype or None); arguments as ``head_forward``, floats [N, 16] as
+    ``token_stats.stats_backward``. ``teacher_grad`` needs the teacher as logits."""
+    h, w, b = head
     n, d = h.shape
     k = w.shape[0] if layout == VOCAB_MAJOR else w.shape[1]
-    has_teacher, has_bias = u is not None, b is not None
+    student, tpart = _parts(head, teacher, layout, teacher_layout)
+    if teacher_grad and (tpart is None or tpart.is_head):
+        raise ValueError("teacher_grad needs the teacher as logits in the fused head kernels")
     mode = dict(interpret=ts._interpret_arg(interpret, detect_races))
     stat = functools.partial(_statics, k, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
                              softcap=softcap, has_shift=has_shift, separate_ce=separate_ce,
                              entropy=entropy, vocab_limit=vocab_limit)
-    operands = _operands(h, w, b, u) + [ints, floats]
+    operands = _operands(head, teacher) + [ints, floats]
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 
-    # dH (and the teacher's gradient): rows outer, vocabulary inner
-    bn, bk = head_blocks("dh", n, k, d, h.dtype.itemsize, has_teacher, block_k, block_n)
+    # dH (and the teacher logits' gradient): rows outer, vocabulary inner
+    bn, bk = head_blocks("dh", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
+    blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
-    tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
-    specs = [row(d), _w_spec(layout, bk, d, lambda i, j: j)]
-    specs += [pl.BlockSpec((1, bk), lambda i, j: (0, j))] if has_bias else []
-    specs += [tile] if has_teacher else []
+    specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
     out_shape = [ts._out_struct((n, d), jnp.float32, operands)]
     out_specs = [row(d)]
     if teacher_grad:
-        out_shape.append(ts._out_struct(u.shape, u.dtype, operands))
-        out_specs.append(tile)
+        out_shape.append(ts._out_struct(teacher.shape, teacher.dtype, operands))
+        out_specs.append(pl.BlockSpec((bn, bk), blocks))
     outs = pl.pallas_call(
-        functools.partial(_dh_kernel, layout=layout, has_bias=has_bias, has_teacher=has_teacher,
-                          teacher_grad=teacher_grad, n=n, **stat(bk=bk)),
+        functools.partial(_dh_kernel, student=student, teacher=tpart, teacher_grad=teacher_grad,
+                          n=n, **stat(bk=bk)),
         out_shape=out_shape, grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
         in_specs=specs + [row(ts.N_INTS), row(ts.BWD_FLOATS)], out_specs=out_specs,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        name="dlm_linear_head_dh", **mode,
+        compiler_params=params, name="dlm_linear_head_dh", **mode,
     )(*operands)
     dh, du = outs[0], (outs[1] if teacher_grad else None)
 
-    # dW and db: vocabulary outer, rows inner (index maps take (vocabulary j, rows i))
-    bn, bk = head_blocks("dw", n, k, d, h.dtype.itemsize, has_teacher, block_k, block_n)
+    # dW and db: vocabulary outer, rows inner (grid ids (vocabulary j, rows i))
+    bn, bk = head_blocks("dw", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
+    blocks = lambda j, i: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda j, i: (i, 0))  # noqa: E731
-    specs = [row(d), _w_spec(layout, bk, d, lambda j, i: j)]
-    specs += [pl.BlockSpec((1, bk), lambda j, i: (0, j))] if has_bias else []
-    specs += [pl.BlockSpec((bn, bk), lambda j, i: (i, j))] if has_teacher else []
+    specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
     dw_shape = (k, d) if layout == VOCAB_MAJOR else (d, k)
     out_shape = [ts._out_struct(dw_shape, jnp.float32, operands)]
     out_specs = [_w_spec(layout, bk, d, lambda j, i: j)]
-    if has_bias:
+    if b is not None:
         out_shape.append(ts._out_struct((1, k), jnp.float32, operands))
         out_specs.append(pl.BlockSpec((1, bk), lambda j, i: (0, j)))
     outs = pl.pallas_call(
-        functools.partial(_dw_kernel, layout=layout, has_bias=has_bias, has_teacher=has_teacher,
-                          n=n, **stat(bk=bk)),
+        functools.partial(_dw_kernel, student=student, teacher=tpart, n=n, **stat(bk=bk)),
         out_shape=out_shape, grid=(pl.cdiv(k, bk), pl.cdiv(n, bn)),
         in_specs=specs + [row(ts.N_INTS), row(ts.BWD_FLOATS)], out_specs=out_specs,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        name="dlm_linear_head_dw", **mode,
+        compiler_params=params, name="dlm_linear_head_dw", **mode,
     )(*operands)
-    dw, db = outs[0], (outs[1][0] if has_bias else None)
+    dw, db = outs[0], (outs[1][0] if b is not None else None)
     return dh, dw, db, du

@@ -120,22 +120,25 @@ def _scaled(x, inv_t):
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
                 separate_ce, entropy, vocab_limit, partial):
     z_ref, *refs = refs
-    fwd_body(lambda: z_ref[...].astype(jnp.float32), *refs, kb=pl.program_id(1), vocab=vocab,
-             bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
-             has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-             entropy=entropy, vocab_limit=vocab_limit, partial=partial)
+    u_ref = refs.pop(0) if has_teacher else None
+    fwd_body(_loader(z_ref), _loader(u_ref), *refs, kb=pl.program_id(1), vocab=vocab, bk=bk,
+             inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
+             has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
+             vocab_limit=vocab_limit, partial=partial)
 
 
-def fwd_body(load_z, *refs, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-             has_teacher, separate_ce, entropy, vocab_limit, partial):
-    """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` gives the
-    float32 logits tile (read from HBM here, computed on the MXU by the linear head's
-    kernels), refs are (u_ref,) ints_ref, floats_ref, out_ref and the 8 scratch rows."""
-    if has_teacher:
-        u_ref, ints_ref, floats_ref, out_ref, *scratch = refs
-    else:
-        ints_ref, floats_ref, out_ref, *scratch = refs
-        u_ref = None
+def _loader(ref):
+    """A tile loader reading ``ref`` as float32 (None for no ref)."""
+    return None if ref is None else (lambda: ref[...].astype(jnp.float32))
+
+
+def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab, bk, inv_t,
+             inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy, vocab_limit,
+             partial):
+    """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
+    ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
+    on the MXU by the linear head's kernels); the 8 scratch rows hold the running sums."""
+    has_teacher = load_u is not None
     m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc = scratch
     last = kb == pl.num_programs(1) - 1
 
@@ -177,7 +180,7 @@ def fwd_body(load_z, *refs, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, h
         if separate_ce:
             _lse_update(m2_sc, a2_sc, _scaled(r, inv_t_ce))
         if has_teacher:
-            t = _scaled(u_ref[...].astype(jnp.float32), inv_t_kl)
+            t = _scaled(load_u(), inv_t_kl)
             if masked:
                 t = jnp.where(valid, t, NEG_INF)
             mu_old = mu_sc[...]
@@ -232,21 +235,21 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
         z_ref, ints_ref, floats_ref, dz_ref, *rest = refs
         u_ref = None
     du_ref = rest[0] if teacher_grad else None
-    dz, du = grad_tile(z_ref[...].astype(jnp.float32), u_ref, ints_ref[...], floats_ref[...],
-                       kb=pl.program_id(1), vocab=vocab, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce,
-                       inv_t_kl=inv_t_kl, softcap=softcap, has_shift=has_shift,
-                       has_teacher=has_teacher, separate_ce=separate_ce, entropy=entropy,
+    dz, du = grad_tile(z_ref[...].astype(jnp.float32), _loader(u_ref), ints_ref[...],
+                       floats_ref[...], kb=pl.program_id(1), vocab=vocab, bk=bk, inv_t=inv_t,
+                       inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
+                       has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
                        teacher_grad=teacher_grad, vocab_limit=vocab_limit, mask_tail=False)
     dz_ref[...] = dz.astype(dz_ref.dtype)
     if teacher_grad:
         du_ref[...] = du.astype(du_ref.dtype)
 
 
-def grad_tile(z, u_ref, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap,
-              has_shift, has_teacher, separate_ce, entropy, teacher_grad, vocab_limit,
-              mask_tail):
+def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap,
+              has_shift, separate_ce, entropy, teacher_grad, vocab_limit, mask_tail):
     """(dz, du or None), float32 (BN, BK) tiles of vocabulary block ``kb``: z the float32
-    logits tile, ints (BN, 3) and f (BN, 16) the packed per-row inputs. Inactive rows (and
+    logits tile, ``load_u()`` the teacher's (None: no teacher), ints (BN, 3) and f (BN, 16)
+    the packed per-row inputs. Inactive rows (and
     padding columns of a padded shard) get exact zeros; with ``mask_tail`` so do columns
     past the vocabulary (whose stores the logits kernels leave to Pallas to drop, but whose
     values a linear head's matmuls would sum)."""
@@ -278,8 +281,8 @@ def grad_tile(z, u_ref, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, so
     if mask_tail:
         keep = keep & (kb * bk + iota < vocab)
     du = None
-    if has_teacher:
-        t = _scaled(u_ref[...].astype(jnp.float32), inv_t_kl)
+    if load_u is not None:
+        t = _scaled(load_u(), inv_t_kl)
         q = jnp.exp(t - lse_u)
         dr = dr + g_kl * inv_t * (p - q)  # float32 p - q
         if teacher_grad:

@@ -36,13 +36,22 @@ VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
 LAYOUTS = (VOCAB_MAJOR, HIDDEN_MAJOR)
 _LAYOUT_NAMES = {VOCAB_MAJOR: "[K, D]", HIDDEN_MAJOR: "[D, K]"}
 
-# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU, 32 MiB
-# (R = 256 rows at K = 32768 in float32) keeps the products near the BLAS rate of the whole
-# matrix while the chunk and the backend's temporaries stay about a tenth of the unfused
-# pipeline's [N, K] logits and gradient at N = 4096 (bench/linear_head.py); on an
+# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU, 16 MiB
+# (R = 128 rows at K = 32768 in float32) keeps the products near the BLAS rate of the whole
+# matrix, and with the chunked backend's vocabulary chunks of a CPU head sized for 4 MiB
+# buffers (HEAD_VOCAB_CHUNK_BYTES_CPU) the step's peak beyond inputs and gradients is about
+# 60 MiB at N 4096, D 256 (bench/linear_head.py; 165 MiB with 32 and 8 MiB); on an
 # accelerator the matmuls want R of several hundred rows (R = 1024 at K = 262144, bf16).
-HEAD_CHUNK_BYTES_CPU = 32 * 1024 * 1024
+HEAD_CHUNK_BYTES_CPU = 16 * 1024 * 1024
 HEAD_CHUNK_BYTES_ACCELERATOR = 512 * 1024 * 1024
+HEAD_VOCAB_CHUNK_BYTES_CPU = 4 * 1024 * 1024
+
+
+def head_vocab_chunk(r: int, vocab: int) -> int:
+    """Columns of the chunked backend's vocabulary chunk inside a CPU head's [R, K] token
+    chunk: one float32 [R, C] buffer within HEAD_VOCAB_CHUNK_BYTES_CPU, a multiple of 128."""
+    c = HEAD_VOCAB_CHUNK_BYTES_CPU // (4 * max(r, 1))
+    return max(1, min(vocab, max(128, (c // 128) * 128)))
 
 
 def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None) -> int:

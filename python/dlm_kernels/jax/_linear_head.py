@@ -144,7 +144,7 @@ class _Sweep:
     def run(self, stats=None, grads=None):
         """-> (Stats [N] f32 fields, accumulators or None)."""
         fused = getattr(self.impl, "fused_head", None)
-        if fused is not None and fused.takes(self.rows, self.axis):  # one kernel per pass
+        if fused is not None and fused.takes(self.rows, self.cfg, self.axis):  # one kernel per pass
             if stats is None:
                 stats = fused.forward(self.rows, self.cfg)
             return stats, (None if grads is None else

@@ -154,25 +154,33 @@ def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the bac
 class FusedHead:
     """The linear head in Mosaic kernels (``kernels.pallas.linear_head``): statistics and the
     gradients of hidden, weight and bias with every logits tile made on the MXU and used in
-    VMEM. It takes rows whose logits are a head of float32 or bfloat16 hidden states and
-    weight of the same dtype, whose teacher is absent or an array, outside a vocabulary-
-    parallel map; other rows go through the token-chunked path (XLA matmuls feeding the
-    logits kernels). Gradient schedule: always recompute (1 matmul forward, 4 backward)."""
+    VMEM. It takes rows whose logits are a head of float32 or bfloat16 hidden states and a
+    weight of the same dtype, whose teacher is absent, an array, or a head of its own (then
+    without teacher_grad), outside a vocabulary-parallel map; other rows go through the
+    token-chunked path (XLA matmuls feeding the logits kernels). Gradient schedule: always
+    recompute (1 matmul forward, 4 backward)."""
 
     @staticmethod
-    def takes(rows, axis):
-        head = rows.logits
-        if axis is not None or not is_head(head) or is_head(rows.teacher):
-            return False
+    def _kernel_dtype(head):
         dt = jnp.dtype(head.hidden.dtype)
         return dt in (jnp.float32, jnp.bfloat16) and jnp.dtype(head.weight.dtype) == dt
 
+    @classmethod
+    def takes(cls, rows, cfg, axis):
+        head, teacher = rows.logits, rows.teacher
+        if axis is not None or not is_head(head) or not cls._kernel_dtype(head):
+            return False
+        return not is_head(teacher) or (not cfg.teacher_grad and cls._kernel_dtype(teacher))
+
     @staticmethod
     def _args(rows, cfg):
-        head = rows.logits
+        head, teacher = rows.logits, rows.teacher
         statics = dict(_statics(cfg, rows.shift_ids is not None), vocab_limit=_limit(cfg),
                        layout=head.weight_layout, block_n=head.row_chunk)
-        return (head.hidden, head.weight, head.bias, rows.teacher), statics
+        if is_head(teacher):
+            statics["teacher_layout"] = teacher.weight_layout
+            teacher = (teacher.hidden, teacher.weight, teacher.bias)
+        return (head.hidden, head.weight, head.bias), teacher, statics
 
     @staticmethod
     def _target_logit(rows, cfg):
@@ -194,11 +202,11 @@ class FusedHead:
     @classmethod
     def forward(cls, rows, cfg):
         """-> Stats of [N] f32 (one kernel: 1 matmul)."""
-        (h, w, b, u), statics = cls._args(rows, cfg)
-        n, d = h.shape[0], rows.shift
+        head, teacher, statics = cls._args(rows, cfg)
+        n, d = rows.targets.shape[0], rows.shift
         shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
         floats = jnp.stack([shift, rows.active.astype(jnp.float32)], axis=1)
-        out = head_kernels.head_forward(h, w, b, u, _ints(rows.targets, rows.shift_ids),
+        out = head_kernels.head_forward(head, teacher, _ints(rows.targets, rows.shift_ids),
                                         floats, **statics)
         stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         r_y, found = cls._target_logit(rows, cfg)
@@ -209,10 +217,10 @@ class FusedHead:
     def backward(cls, rows, stats, grads, cfg):
         """-> ((dH, dW, db or None) float32, the teacher's gradient or None): two kernels,
         2 matmuls each."""
-        (h, w, b, u), statics = cls._args(rows, cfg)
+        head, teacher, statics = cls._args(rows, cfg)
         dh, dw, db, du = head_kernels.head_backward(
-            h, w, b, u, _ints(rows.targets, rows.shift_ids), _backward_floats(rows, stats, grads),
-            teacher_grad=cfg.teacher_grad, **statics)
+            head, teacher, _ints(rows.targets, rows.shift_ids),
+            _backward_floats(rows, stats, grads), teacher_grad=cfg.teacher_grad, **statics)
         return (dh, dw, db), du
 
 

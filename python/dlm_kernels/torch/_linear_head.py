@@ -5,6 +5,8 @@ over token chunks of ``hidden @ weight`` (the math and the two gradient schedule
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -89,13 +91,15 @@ class _HeadGrads:
                 continue
             setattr(self, name, theirs * scale if mine is None else mine.add_(theirs * scale))
 
-    def result(self, scale=None):
-        """(dH, dW, db) in the head's dtypes (None where not needed), times ``scale``."""
+    def result(self, scale=None, inplace=False):
+        """(dH, dW, db) in the head's dtypes (None where not needed), times ``scale``;
+        ``inplace`` scales the accumulators themselves (they are spent after it), so a
+        float32 head's gradients are the accumulators, with no second copy."""
         head = self.head
         out = []
         for g, like in ((self.dh, head.hidden), (self.dw, head.weight), (self.db, head.bias)):
             if g is not None and scale is not None:
-                g = g * scale
+                g = g.mul_(scale) if inplace else g * scale
             out.append(None if g is None else g.to(like.dtype))
         return tuple(out)
 
@@ -110,7 +114,10 @@ class _Sweep:
         n, k = rows.targets.shape[0], z.shape[-1]
         like = z.hidden if is_head(z) else z
         chunk = z.row_chunk if is_head(z) else None
-        self.r = row_chunk_for(n, k, like.element_size(), like.device.type == "cpu", chunk)
+        on_cpu = like.device.type == "cpu"
+        self.r = row_chunk_for(n, k, like.element_size(), on_cpu, chunk)
+        if on_cpu and impl.name == "chunked" and cfg.chunk_size is None:
+            self.cfg = dataclasses.replace(cfg, chunk_size=base.head_vocab_chunk(self.r, k))
 
     def _chunk(self, r0, r1):
         rows = self.rows
@@ -253,18 +260,23 @@ def _cotangents(grads, like):
                  for g in grads)
 
 
-def _flat_grads(parts, acc, scale=None):
-    """The gradients in the flat argument layout (None where there is none)."""
+def _flat_grads(parts, acc, scale=None, inplace=False):
+    """The gradients in the flat argument layout (None where there is none); ``inplace``:
+    scaled in the accumulators themselves (spent after it)."""
     out = []
     for kind, part in zip(parts, (acc.student, acc.teacher)):
         if part is None:
             out += [None] * _PART
-        elif kind is None:
-            out += [part if scale is None else (part.float() * scale).to(part.dtype),
-                    None, None]
+        elif kind is None:  # an array's gradient: one rounding of the float32 product
+            if scale is not None:
+                part = part.mul_(scale) if inplace else (part.float() * scale).to(part.dtype)
+            out += [part, None, None]
         else:
-            out += list(part.result(scale))
+            out += list(part.result(scale, inplace))
     return out
+
+
+_SPENT = object()  # ctx.planned once its gradients were handed out in place
 
 
 class _LinearHeadFunction(torch.autograd.Function):
@@ -295,11 +307,20 @@ class _LinearHeadFunction(torch.autograd.Function):
         tensors, stats = saved[:n_in], Stats(*saved[n_in:])
         parts = ctx.spec[0]
         planned = ctx.planned if g_total is not None else None
+        row_cts = (g_lse, g_lp, g_h, g_kl)
+        if planned is _SPENT:
+            # a second backward through the graph (retain_graph): the first handed the
+            # planned gradients out in place, so the total's share is recomputed from its
+            # coefficients, as the row cotangents are
+            rows, coefficients = _unpack(ctx.spec, tensors)
+            scaled = [c * g_total.float() for c in _cotangents(coefficients, rows.targets)]
+            row_cts = tuple(c if g is None else g.float() + c for g, c in zip(row_cts, scaled))
+            planned = None
         acc = None
-        if any(g is not None for g in (g_lse, g_lp, g_h, g_kl)):  # the recompute schedule
+        if any(g is not None for g in row_cts):  # the recompute schedule
             rows, _ = _unpack(ctx.spec, tensors)
             sweep = _Sweep(ctx.impl, ctx.cfg, rows, ctx.group)
-            grads = _cotangents((g_lse, g_lp, g_h, g_kl), rows.targets)
+            grads = _cotangents(row_cts, rows.targets)
             _, acc = sweep.run(stats=stats, grads=grads, need=ctx.needs)
         if acc is not None and planned is not None:
             acc.absorb(planned, g_total.float())  # one rounding of the sum of both terms
@@ -307,8 +328,9 @@ class _LinearHeadFunction(torch.autograd.Function):
         out = None
         if acc is not None:
             out = _flat_grads(parts, acc)
-        elif planned is not None:
-            out = _flat_grads(parts, planned, g_total.float())
+        elif planned is not None:  # scaled in place: no second copy of the gradients
+            out = _flat_grads(parts, planned, g_total.float(), inplace=True)
+            ctx.planned = _SPENT
         if out is None:
             out = [None] * (2 * _PART)
         return (None, None, None, None, *out, *([None] * (len(tensors) - 2 * _PART)))
