@@ -8,8 +8,9 @@
 Per objective (ce, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
 reports milliseconds (median, p20-p80), GB/s of the bytes the pass must move, the percent of
 the copy bandwidth measured in the same run, peak memory beyond the inputs, and the speedup
-over each baseline; then the linear-head cases (bench/linear_head.py). It prints a line per
-case with the time left, and at the end a summary; the full tables go to
+over each baseline; then the linear-head cases (bench/linear_head.py) and the denoising
+step's (bench/sampling.py: our draw beside LLaDA's float64 step and a plain float32 one).
+It prints a line per case with the time left, and at the end a summary; the full tables go to
 ``<out>/<device>-<date>.{json,md,png}`` (``--out``, by default ``./bench-results``).
 """
 
@@ -321,11 +322,12 @@ def markdown(env, copy_gbps, results, parity_rows):
     return "\n".join(lines) + "\n"
 
 
-def plot(results, path, head=None, env=None):
+def plot(results, path, head=None, env=None, draw=None):
     """One row of two panels per objective (forward+backward time on a log scale, peak memory
     beyond the inputs), one series per (framework, backend, dtype) over the vocabularies
-    measured; a last row for the linear head's variants when there is one. Returns the path,
-    or None when nothing was timed."""
+    measured; then a row of bars for the linear head's variants and one for the denoising
+    step's (``draw``: bench/sampling.py's report) where they ran. Returns the path, or None
+    when nothing was timed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,7 +337,8 @@ def plot(results, path, head=None, env=None):
     objectives = [o for o in shapes.OBJECTIVES if any(r["objective"] == o for r in rows)]
     head_rows = [r for r in (head or {}).get("results", [])
                  if r["mode"] == "fwd+bwd" and "ms" in r and not r.get("scaling")]
-    n_rows = len(objectives) + bool(head_rows)
+    draw_rows = [r for r in (draw or {}).get("results", []) if "ms" in r]
+    n_rows = len(objectives) + bool(head_rows) + bool(draw_rows)
     if not n_rows:
         return None
     from matplotlib.ticker import FuncFormatter
@@ -377,23 +380,30 @@ def plot(results, path, head=None, env=None):
         ax_m.set_ylabel("MiB (torch: RSS growth;\nJAX: XLA temporaries)", fontsize=8)
         ax_m.set_title(f"{obj}: peak memory beyond the inputs")
         ax_t.legend(fontsize=7)
+    extra = []  # (time title, memory title, labels, rows) of each bar row
     if head_rows:
-        ax_t, ax_m = axes[-1]
-        labels = [f"{r['framework']} {r['backend']}" for r in head_rows]
-        ax_t.barh(labels, [r["ms"] for r in head_rows], color="tab:blue")
+        s = head["shape"]
+        extra.append((f"linear head: N = {s['n']}, D = {s['d']}, K = {s['k']}, {s['dtype']}, "
+                      "forward+backward", "linear head: peak memory beyond inputs and gradients",
+                      [f"{r['framework']} {r['backend']}" for r in head_rows], head_rows))
+    if draw_rows:
+        shape_of = lambda r: f"N {r['n']} K {r['k']} {r['dtype']}"  # noqa: E731
+        extra.append(("denoising step: one draw", "denoising step: peak memory beyond the logits",
+                      [f"{r['variant']} ({shape_of(r)})" for r in draw_rows], draw_rows))
+    for (ax_t, ax_m), (t_title, m_title, labels, bars) in zip(axes[len(objectives):], extra):
+        ax_t.barh(labels, [r["ms"] for r in bars], color="tab:blue")
         ax_t.set_xscale("log")
         ax_t.xaxis.set_major_formatter(plain)
         ax_t.xaxis.set_minor_formatter(sparse)
         ax_t.tick_params(axis="x", which="minor", labelsize=7)
-        ax_t.set_xlabel("ms (median, log scale), forward+backward")
-        s = head["shape"]
-        ax_t.set_title(f"linear head: N = {s['n']}, D = {s['d']}, K = {s['k']}, {s['dtype']}")
-        peaks = [(lab, r["peak_bytes"] / 2**20) for lab, r in zip(labels, head_rows)
+        ax_t.set_xlabel("ms (median, log scale)")
+        ax_t.set_title(t_title)
+        peaks = [(lab, r["peak_bytes"] / 2**20) for lab, r in zip(labels, bars)
                  if r.get("peak_bytes") is not None]
         if peaks:
             ax_m.barh(*zip(*peaks), color="tab:orange")
-        ax_m.set_xlabel("MiB beyond inputs and gradients")
-        ax_m.set_title("linear head: peak memory")
+        ax_m.set_xlabel("MiB")
+        ax_m.set_title(m_title)
         for ax in (ax_t, ax_m):
             ax.tick_params(axis="y", labelsize=7)
             ax.grid(alpha=0.3, axis="x")
@@ -423,6 +433,8 @@ def main(argv=None):
                         "(default: %(default)s, under the current directory)")
     p.add_argument("--no-linear-head", dest="linear_head", action="store_false",
                    help="leave out the linear-head cases (bench/linear_head.py)")
+    p.add_argument("--no-sampling", dest="sampling", action="store_false",
+                   help="leave out the denoising step's cases (bench/sampling.py)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
@@ -469,8 +481,11 @@ def main(argv=None):
              for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
              for variant in sum(variants(env, fw, obj), [])]
     head_plan = linear_head_plan(env, args.smoke, args.full) if args.linear_head else None
+    sample_plan = sampling_plan(env, args.smoke, args.full) if args.sampling else None
     progress = Progress(len(cases) + (linear_head_cases(head_plan, frameworks)
-                                      if head_plan else 0))
+                                      if head_plan else 0)
+                        + (len(sample_plan.shapes) * len(sample_plan.variants)
+                           if sample_plan else 0))
     started = time.monotonic()
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
     # baselines the Triton issue asks for) before any JAX case.
@@ -503,12 +518,22 @@ def main(argv=None):
         head = linear_head.run(**head_plan.shape, frameworks=tuple(frameworks), reps=args.reps,
                                cuda=env["cuda"], variants=head_plan.variants,
                                scaling=head_plan.scaling, progress=head_progress)
-    report = save(vocab_parallel_comm=comm, linear_head=head)
+    draw = None
+    if sample_plan:
+        from . import sampling
+
+        draw = sampling.run(sample_plan.shapes, reps=args.reps, cuda=env["cuda"],
+                            variants=sample_plan.variants, progress=progress.step)
+    report = save(vocab_parallel_comm=comm, linear_head=head, sampling=draw)
     table = markdown(env, copy_gbps, results, parity_rows)
     if head is not None:
         from .linear_head import markdown as head_markdown
 
         table += "\n" + head_markdown(head)
+    if draw is not None:
+        from .sampling import markdown as sampling_markdown
+
+        table += "\n" + sampling_markdown(draw)
     if comm:
         table += ("\nVocabulary-parallel communication (JAX, 1 x 8 mesh, compiled HLO all-reduces, "
                   "forward + backward): " + ", ".join(
@@ -516,10 +541,12 @@ def main(argv=None):
                       f"(logits {c['logits_bytes_per_row']} B/row)" for c in comm) + "\n")
     with open(stem + ".md", "w") as f:
         f.write(table)
-    png = plot(results, stem + ".png", head, env)
+    png = plot(results, stem + ".png", head, env, draw)
     print("\n".join(summary(results)), flush=True)
     if head is not None:
         print("\n".join(linear_head_summary(head)), flush=True)
+    if draw is not None:
+        print("\n".join(sampling_summary(draw)), flush=True)
     print(f"full tables: {stem}.md; data: {stem}.json" + (f"; plot: {png}" if png else ""))
     if not all(r["ok"] for r in parity_rows) or (
             head is not None and not all(c["ok"] for c in head["parity"])):
@@ -570,6 +597,45 @@ def linear_head_summary(head):
         vs = f"{base['ms'] / r['ms']:.2f}x vs unfused" if base and r["ms"] > 0 else ""
         lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['ms']:9.1f} ms "
                      f"{(r['tflops'] or 0):7.2f} TFLOP/s  {vs}")
+    return lines
+
+
+class SamplePlan(NamedTuple):
+    shapes: list  # dicts of n, k, dtype
+    variants: tuple
+
+
+def sampling_plan(env, smoke, full=False):
+    """The main job's denoising-step cases: on a GPU its first benchmark shape (B·L 16384,
+    K 262144, bf16); on a CPU N 1024 with ``--full`` (the issue's shape), else N 256; at
+    smoke size ours and the float32 step at a tiny awkward shape. torch.compile's variant
+    only with ``--full`` or on a GPU (it compiles for tens of seconds)."""
+    from .sampling import CPU_SHAPES, GPU_SHAPES, VARIANTS
+
+    if smoke:
+        return SamplePlan([dict(n=40, k=1000, dtype="float32")], ("ours", "float32"))
+    quick = tuple(v for v in VARIANTS if v != "llada+compile")
+    if env["cuda"]:
+        return SamplePlan(GPU_SHAPES[:1], VARIANTS if full else quick)
+    if full:
+        return SamplePlan(CPU_SHAPES, VARIANTS)
+    return SamplePlan([dict(CPU_SHAPES[0], n=256)], quick)
+
+
+def sampling_summary(draw):
+    """One line per shape and variant: time, GB/s of the one read, ours faster by."""
+    lines = ["Denoising step (one draw over [N, K] logits):"]
+    ours = {(r["n"], r["k"], r["dtype"]): r for r in draw["results"]
+            if r["variant"] == "ours" and "ms" in r}
+    for r in draw["results"]:
+        what = f"  N={r['n']} K={r['k']} {r['dtype']} {r['variant']:14s}"
+        if "ms" not in r:
+            lines.append(f"{what} {r['error'][:60]}")
+            continue
+        mine = ours.get((r["n"], r["k"], r["dtype"]))
+        vs = (f"ours {r['ms'] / mine['ms']:.2f}x faster" if mine and r["variant"] != "ours"
+              else "")
+        lines.append(f"{what} {r['ms']:9.1f} ms {r['gbps']:7.1f} GB/s  {vs}")
     return lines
 
 

@@ -17,8 +17,8 @@ def test_bench_smoke(tmp_path):
                           "ce,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
                          check=True, capture_output=True, text=True).stdout
     steps = [line for line in out.splitlines() if line.startswith("[")]
-    n = len(steps)
-    assert n == 8 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
+    n = len(steps)  # 4 cases x 2 frameworks, then the sampler's 2 (ours and the float32 step)
+    assert n == 10 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
     assert all(" left | " in line for line in steps), steps
     summary = out[out.index("Summary (forward+backward"):].splitlines()
     assert {tuple(line.split()[:3]) for line in summary[2:6]} == {
@@ -40,6 +40,11 @@ def test_bench_smoke(tmp_path):
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
     assert any(f.endswith(".md") for f in os.listdir(tmp_path))
     assert report["linear_head"] is None  # --no-linear-head
+    draws = report["sampling"]["results"]
+    assert [r["variant"] for r in draws] == ["ours", "float32"] and all(
+        r["ms"] > 0 and r["peak_bytes"] is not None for r in draws), draws
+    assert "Denoising step" in out and "### denoising step" in open(
+        [os.path.join(tmp_path, f) for f in os.listdir(tmp_path) if f.endswith(".md")][0]).read()
 
 
 def test_bench_runs_installed_from_any_directory(tmp_path):

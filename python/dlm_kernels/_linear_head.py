@@ -36,13 +36,17 @@ VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
 LAYOUTS = (VOCAB_MAJOR, HIDDEN_MAJOR)
 _LAYOUT_NAMES = {VOCAB_MAJOR: "[K, D]", HIDDEN_MAJOR: "[D, K]"}
 
-# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU, 16 MiB
-# (R = 128 rows at K = 32768 in float32) keeps the products near the BLAS rate of the whole
-# matrix, and with the chunked backend's vocabulary chunks of a CPU head sized for 4 MiB
-# buffers (HEAD_VOCAB_CHUNK_BYTES_CPU) the step's peak beyond inputs and gradients is about
-# 60 MiB at N 4096, D 256 (bench/linear_head.py; 165 MiB with 32 and 8 MiB); on an
-# accelerator the matmuls want R of several hundred rows (R = 1024 at K = 262144, bf16).
+# Bytes of one [R, K] logits chunk of a linear head, by where it runs. On a CPU, torch's
+# 16 MiB (R = 128 rows at K = 32768 in float32) keeps the products near the BLAS rate of the
+# whole matrix, and with the chunked backend's vocabulary chunks of a CPU head sized for
+# 4 MiB buffers (HEAD_VOCAB_CHUNK_BYTES_CPU) the step's peak beyond inputs and gradients is
+# about 55 MiB at N 4096, D 256 (bench/linear_head.py; 165 MiB with 32 and 8 MiB). JAX's
+# loop body is one compiled program per chunk whose fixed cost wants more rows: at the same
+# shape 128 / 256 / 512 rows ran 2.57 / 2.14 / 1.89 s with 48 / 64 / 128 MiB of XLA
+# temporaries, so JAX takes 64 MiB (R = 512). On an accelerator the matmuls want R of
+# several hundred rows (R = 1024 at K = 262144, bf16).
 HEAD_CHUNK_BYTES_CPU = 16 * 1024 * 1024
+HEAD_CHUNK_BYTES_CPU_JAX = 64 * 1024 * 1024
 HEAD_CHUNK_BYTES_ACCELERATOR = 512 * 1024 * 1024
 HEAD_VOCAB_CHUNK_BYTES_CPU = 4 * 1024 * 1024
 
@@ -54,12 +58,14 @@ def head_vocab_chunk(r: int, vocab: int) -> int:
     return max(1, min(vocab, max(128, (c // 128) * 128)))
 
 
-def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None) -> int:
+def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None,
+                  cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
     """Rows R of one token chunk: ``requested`` when given, else the most rows whose [R, K]
-    logits fit the platform's budget, a multiple of 16, at least 16 and at most N."""
+    logits fit the platform's budget (``cpu_bytes`` on a CPU), a multiple of 16, at least 16
+    and at most N."""
     if requested is not None:
         return max(1, min(requested, n_rows))
-    budget = HEAD_CHUNK_BYTES_CPU if on_cpu else HEAD_CHUNK_BYTES_ACCELERATOR
+    budget = cpu_bytes if on_cpu else HEAD_CHUNK_BYTES_ACCELERATOR
     r = budget // (itemsize * max(vocab, 1))
     r = max(16, (r // 16) * 16)
     return max(1, min(r, n_rows))

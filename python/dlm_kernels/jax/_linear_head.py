@@ -20,7 +20,8 @@ from jax.custom_derivatives import SymbolicZero
 
 from .. import _linear_head as base
 from .. import _stats_math as stats_math
-from .._linear_head import HIDDEN_MAJOR, VOCAB_MAJOR, is_head, row_chunk_for
+from .._linear_head import (HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, is_head,
+                            row_chunk_for)
 from .._rows import Rows
 from .._stats_math import Stats
 from ._ops import JaxOps
@@ -83,7 +84,7 @@ class _Sweep:
         like = z.hidden if is_head(z) else z
         on_cpu = jax.default_backend() == "cpu"
         self.r = row_chunk_for(self.n, k, jnp.dtype(like.dtype).itemsize, on_cpu,
-                               z.row_chunk if is_head(z) else None)
+                               z.row_chunk if is_head(z) else None, HEAD_CHUNK_BYTES_CPU_JAX)
         self.n_chunks = -(-self.n // self.r)
 
     def _chunk(self, start, fresh):
