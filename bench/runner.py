@@ -384,12 +384,15 @@ def plot(results, path, head=None, env=None, draw=None):
     if head_rows:
         s = head["shape"]
         extra.append((f"linear head: N = {s['n']}, D = {s['d']}, K = {s['k']}, {s['dtype']}, "
-                      "forward+backward", "linear head: peak memory beyond inputs and gradients",
+                      "forward+backward", "linear head: peak beyond inputs and gradients",
                       [f"{r['framework']} {r['backend']}" for r in head_rows], head_rows))
     if draw_rows:
-        shape_of = lambda r: f"N {r['n']} K {r['k']} {r['dtype']}"  # noqa: E731
-        extra.append(("denoising step: one draw", "denoising step: peak memory beyond the logits",
-                      [f"{r['variant']} ({shape_of(r)})" for r in draw_rows], draw_rows))
+        shape_of = lambda r: f"N = {r['n']}, K = {r['k']}, {r['dtype']}"  # noqa: E731
+        one = len({shape_of(r) for r in draw_rows}) == 1  # the shape in the title, else per bar
+        extra.append((f"denoising step: one draw{', ' + shape_of(draw_rows[0]) if one else ''}",
+                      "denoising step: peak beyond the logits",
+                      [r["variant"] if one else f"{r['variant']} ({shape_of(r)})"
+                       for r in draw_rows], draw_rows))
     for (ax_t, ax_m), (t_title, m_title, labels, bars) in zip(axes[len(objectives):], extra):
         ax_t.barh(labels, [r["ms"] for r in bars], color="tab:blue")
         ax_t.set_xscale("log")
@@ -409,7 +412,7 @@ def plot(results, path, head=None, env=None, draw=None):
             ax.grid(alpha=0.3, axis="x")
     if env is not None:
         fig.suptitle(f"dlm-kernels benchmark: {env['device']}, {env['date'][:10]}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.12 / n_rows))  # room for the suptitle
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
