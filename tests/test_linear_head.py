@@ -334,6 +334,36 @@ class TestTorchChunked(LinearHeadSuite):
     FW, BACKEND = "torch", "chunked"
 
 
+class TestTorchChunkedVocabBlocks(LinearHeadSuite):
+    """The gradient pass over vocabulary blocks (a 16-bit weight whose float32 dW would pass
+    ``HEAD_DW_ACC_BYTES``), forced at K = 301 by a budget of 128 weight rows: blocks of 128,
+    128 and 45 columns, each block's dW finished across the token chunks and rounded once."""
+
+    FW, BACKEND = "torch", "chunked"
+    HEAD_CASES = (("KD", "bfloat16"), ("DK", "bfloat16"))
+    CE_DTYPES = ("bfloat16",)
+    OPD_TERMS = (("total", "bfloat16"), ("both", "bfloat16"))
+
+    @pytest.fixture(autouse=True)
+    def _small_budget(self, monkeypatch):
+        from dlm_kernels import _linear_head
+        from dlm_kernels.torch import _linear_head as torch_head
+
+        monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
+        self.blocked_passes = []
+        run_blocked = torch_head._Sweep.run_blocked
+
+        def spy(sweep, stats, grads, need, blocks):
+            self.blocked_passes.append(blocks)
+            return run_blocked(sweep, stats, grads, need, blocks)
+
+        monkeypatch.setattr(torch_head._Sweep, "run_blocked", spy)
+
+    def test_weighted_cross_entropy(self, rng, ce_dtype):
+        super().test_weighted_cross_entropy(rng, ce_dtype)
+        assert self.blocked_passes == [[(0, 128), (128, 256), (256, 301)]], self.blocked_passes
+
+
 class TestJaxReference(LinearHeadSuite):
     FW, BACKEND = "jax", "reference"
     HEAD_CASES = (("DK", "bfloat16"),)
@@ -726,3 +756,32 @@ def test_torch_total_backward_twice(rng):
     assert_close(fw.numpy(first[1]), dz.T @ p.h.reshape(p.n, -1), "float32", "d weight",
                  slack=matmul_slack(np.abs(dz.T), np.zeros_like(dz.T), np.abs(p.h.reshape(p.n, -1)),
                                     "float32") + 2e-6)
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the Triton kernels run on CPU only under "
+                    "TRITON_INTERPRET=1")
+def test_triton_vocab_blocks_match_whole_vocabulary(rng, monkeypatch):
+    """The Triton backend's gradient pass over vocabulary blocks (its backward at each
+    block's column offset) gives the gradients of the pass over the whole vocabulary."""
+    import torch
+
+    from dlm_kernels import _linear_head
+
+    fw, p = framework("torch"), HeadProblem(rng, rows=(3, 7), teacher=False)
+    api = fw.api
+    y = fw.array(p.y)
+    batch = api.DiffusionTokenBatch.create(model_inputs={"input_tokens": y}, target_ids=y,
+                                           loss_weights=fw.array(p.active.astype(np.float32)))
+
+    def grads():
+        h, w, b = (fw.array(a, "bfloat16").requires_grad_(True) for a in (p.h, p.w, p.b))
+        lp, ent = api.per_token_logps(api.LinearHead(h, w, b, row_chunk=8), batch,
+                                      stop_gradient=False, return_entropy=True,
+                                      backend="triton")
+        return torch.autograd.grad((lp * 0.7).sum() + ent.sum(), (h, w, b))
+
+    whole = grads()
+    monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)  # blocks of 128
+    blocked = grads()
+    for name, g1, g2 in zip(("hidden", "weight", "bias"), whole, blocked):
+        assert_close(fw.numpy(g2.float()), fw.numpy(g1.float()), "bfloat16", f"d {name}")

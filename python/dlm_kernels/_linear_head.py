@@ -51,6 +51,22 @@ HEAD_CHUNK_BYTES_ACCELERATOR = 512 * 1024 * 1024
 HEAD_VOCAB_CHUNK_BYTES_CPU = 4 * 1024 * 1024
 
 
+# A 16-bit weight's gradient is accumulated in float32 across token chunks; past this many
+# bytes of float32 accumulator (DiffusionGemma: K 262144 x D 2560 x 4 = 2.7 GB) the gradient
+# pass runs over vocabulary blocks instead, each block's float32 dW finished across all token
+# chunks and rounded before the next (``dw_blocks``).
+HEAD_DW_ACC_BYTES = 256 * 1024 * 1024
+
+
+def dw_blocks(vocab: int, width: int, acc_itemsize: int = 4):
+    """[(b0, b1)] vocabulary blocks whose float32 dW fits HEAD_DW_ACC_BYTES (a multiple of
+    128 rows), or None when the whole accumulator does."""
+    if vocab * width * acc_itemsize <= HEAD_DW_ACC_BYTES:
+        return None
+    kb = max(128, (HEAD_DW_ACC_BYTES // (width * acc_itemsize)) // 128 * 128)
+    return [(b0, min(b0 + kb, vocab)) for b0 in range(0, vocab, kb)]
+
+
 def head_vocab_chunk(r: int, vocab: int) -> int:
     """Columns of the chunked backend's vocabulary chunk inside a CPU head's [R, K] token
     chunk: one float32 [R, C] buffer within HEAD_VOCAB_CHUNK_BYTES_CPU, a multiple of 128."""

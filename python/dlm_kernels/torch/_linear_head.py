@@ -23,14 +23,20 @@ class LinearHead(base.LinearHead):
     DEFAULT_LAYOUT = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
 
 
-def head_logits(head, r0=None, r1=None):
-    """The logits of rows [r0, r1) of ``head`` (all rows, any leading shape, when None), in
-    the head's dtype (the matmul accumulates in float32)."""
+def head_logits(head, r0=None, r1=None, cols=None):
+    """The logits of rows [r0, r1) of ``head`` (all rows, any leading shape, when None) and
+    of the columns [b0, b1) = ``cols`` (all when None), in the head's dtype (the matmul
+    accumulates in float32)."""
     h = head.hidden if r0 is None else head.hidden[r0:r1]
+    w, b = head.weight, head.bias
+    if cols is not None:
+        b0, b1 = cols
+        w = w[b0:b1] if head.weight_layout == VOCAB_MAJOR else w[:, b0:b1]
+        b = None if b is None else b[b0:b1]
     if head.weight_layout == VOCAB_MAJOR:
-        return F.linear(h, head.weight, head.bias)  # [.., D] x [K, D]ᵀ
-    z = h @ head.weight  # [.., D] x [D, K]
-    return z if head.bias is None else z + head.bias
+        return F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
+    z = h @ w  # [.., D] x [D, K]
+    return z if b is None else z + b
 
 
 def _mm_f32(a, b, out, accumulate):
@@ -52,13 +58,17 @@ class _HeadGrads:
     """The gradients of one head being formed chunk by chunk: dH [N, D], dW and db
     accumulated in float32 (float64 for a float64 head), rounded once in ``result``."""
 
-    def __init__(self, head, need):  # need: (hidden, weight, bias) booleans
-        self.head, self.need = head, need
+    def __init__(self, head, need, blocked=False):  # need: (hidden, weight, bias) booleans
+        self.head, self.need, self.blocked = head, need, blocked
         acc = torch.promote_types(head.dtype, torch.float32)
         self.dh = torch.zeros(head.hidden.shape, dtype=acc, device=head.hidden.device) \
             if need[0] else None
-        self.dw = torch.zeros(head.weight.shape, dtype=acc, device=head.weight.device) \
-            if need[1] else None
+        # blocked: dW in the weight's own dtype, each vocabulary block finished in a float32
+        # block accumulator (open_block .. close_block) and rounded once
+        self.dw = (torch.empty if blocked else torch.zeros)(
+            head.weight.shape, dtype=head.weight.dtype if blocked else acc,
+            device=head.weight.device) if need[1] else None
+        self.dw_block = None
         self.db = torch.zeros(head.bias.shape, dtype=acc, device=head.bias.device) \
             if need[2] and head.bias is not None else None
 
@@ -73,6 +83,34 @@ class _HeadGrads:
             _mm_f32(dz.t(), h, self.dw, True) if major else _mm_f32(h.t(), dz, self.dw, True)
         if self.db is not None:
             self.db += dz.sum(0, dtype=self.db.dtype)
+
+    def _w_cols(self, x, b0, b1):  # the rows (KD) or columns (DK) of a vocabulary block
+        return x[b0:b1] if self.head.weight_layout == VOCAB_MAJOR else x[:, b0:b1]
+
+    def open_block(self, b0, b1):
+        if self.dw is not None:
+            like = self._w_cols(self.dw, b0, b1)
+            self.dw_block = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+
+    def add_block(self, dz, r0, r1, b0, b1):
+        # dz: [R, K_b] gradient of rows [r0, r1)'s logits in columns [b0, b1)
+        head = self.head
+        w, h = self._w_cols(head.weight, b0, b1), head.hidden[r0:r1]
+        major = head.weight_layout == VOCAB_MAJOR
+        if self.dh is not None:  # every block adds into the same rows of dH
+            _mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=True)
+        if self.dw_block is not None:
+            if major:
+                _mm_f32(dz.t(), h, self.dw_block, True)
+            else:
+                _mm_f32(h.t(), dz, self.dw_block, True)
+        if self.db is not None:
+            self.db[b0:b1] += dz.sum(0, dtype=self.db.dtype)
+
+    def close_block(self, b0, b1):
+        if self.dw_block is not None:
+            self._w_cols(self.dw, b0, b1).copy_(self.dw_block)  # one rounding per element
+            self.dw_block = None
 
     def reduce(self, group):
         """Vocabulary-parallel: each rank saw its own columns, so dH is a sum over ranks
@@ -119,11 +157,54 @@ class _Sweep:
         if on_cpu and impl.name == "chunked" and cfg.chunk_size is None:
             self.cfg = dataclasses.replace(cfg, chunk_size=base.head_vocab_chunk(self.r, k))
 
-    def _chunk(self, r0, r1):
+    def _chunk(self, r0, r1, cols=None):
         rows = self.rows
-        part = lambda x: None if x is None else (
-            head_logits(x, r0, r1) if is_head(x) else x[r0:r1])
-        return Rows(*(part(x) for x in rows))
+
+        def part(x):  # logits or teacher: rows [r0, r1), columns ``cols`` (all when None)
+            if x is None:
+                return None
+            if is_head(x):
+                return head_logits(x, r0, r1, cols)
+            return x[r0:r1] if cols is None else x[r0:r1, cols[0]:cols[1]]
+
+        return Rows(part(rows.logits), part(rows.teacher), *(
+            None if x is None else x[r0:r1] for x in rows[2:]))
+
+    def blocks(self, need):
+        """The vocabulary blocks of the gradient pass (``dw_blocks``), or None for token
+        chunks over the whole vocabulary: blocks when a 16-bit student head's weight needs
+        its gradient and the float32 accumulator would pass HEAD_DW_ACC_BYTES, outside a
+        vocabulary-parallel group, with no teacher head needing a gradient, on a backend
+        whose backward takes a column offset (``vocab_shards``)."""
+        z, u = self.rows.logits, self.rows.teacher
+        if (self.group is not None or not is_head(z) or not need[0][1]
+                or not self.impl.capabilities.vocab_shards
+                or z.weight.dtype in (torch.float32, torch.float64)
+                or (is_head(u) and self.cfg.teacher_grad)):
+            return None
+        return base.dw_blocks(z.vocab, z.width)
+
+    def run_blocked(self, stats, grads, need, blocks):
+        """The gradient pass over vocabulary blocks (outer) and token chunks (inner): each
+        block's logits [R, K_b] and d(logits) from the row statistics as for a vocabulary
+        shard at its offset; dH accumulates across blocks, each block's dW is finished
+        before the next."""
+        rows, cfg = self.rows, self.cfg
+        n = rows.targets.shape[0]
+        acc = _Accumulators(rows, need, cfg, blocked=True)
+        for b0, b1 in blocks:
+            acc.student.open_block(b0, b1)
+            for r0, r1 in row_chunks(n, self.r):
+                rc = self._chunk(r0, r1, (b0, b1))
+                sc = Stats(*(s[r0:r1] for s in stats))
+                kw = {"inplace": True} if self.impl.capabilities.inplace_grad else {}
+                dz, du = self.impl.backward(rc, sc, tuple(g[r0:r1] for g in grads), cfg,
+                                            offset=b0, **kw)
+                acc.student.add_block(dz, r0, r1, b0, b1)
+                if isinstance(acc.teacher, torch.Tensor):
+                    acc.teacher[r0:r1, b0:b1] = du
+            acc.student.close_block(b0, b1)
+        return stats, acc
 
     def _stats(self, rc):
         if self.group is None:
@@ -138,6 +219,9 @@ class _Sweep:
         booleans; an array: one)."""
         rows, cfg = self.rows, self.cfg
         n = rows.targets.shape[0]
+        blocks = None if grads is None or stats is None else self.blocks(need)
+        if blocks is not None:
+            return self.run_blocked(stats, grads, need, blocks)
         acc = None if grads is None else _Accumulators(rows, need, cfg)
         parts = []
         for r0, r1 in row_chunks(n, self.r):
@@ -171,16 +255,16 @@ class _Sweep:
 class _Accumulators:
     """The gradients of the student (head or array) and of the teacher (when teacher_grad)."""
 
-    def __init__(self, rows, need, cfg):
-        def make(x, needed):
+    def __init__(self, rows, need, cfg, blocked=False):
+        def make(x, needed, blocked):
             if x is None or not any(needed):
                 return None
             if is_head(x):
-                return _HeadGrads(x, needed)
+                return _HeadGrads(x, needed, blocked)
             return empty(x.shape, x.dtype, x.device)
 
-        self.student = make(rows.logits, need[0])
-        self.teacher = make(rows.teacher, need[1]) if cfg.teacher_grad else None
+        self.student = make(rows.logits, need[0], blocked)
+        self.teacher = make(rows.teacher, need[1], False) if cfg.teacher_grad else None
 
     def add(self, dz, du, r0, r1):
         for acc, g in ((self.student, dz), (self.teacher, du)):
@@ -276,7 +360,10 @@ def _flat_grads(parts, acc, scale=None, inplace=False):
     return out
 
 
-_SPENT = object()  # ctx.planned once its gradients were handed out in place
+# ctx.planned when the total's gradient comes from recomputation in the backward: after the
+# planned gradients were handed out in place (a second backward through a retained graph),
+# or when none were planned because the gradient pass runs over vocabulary blocks
+_RECOMPUTE = object()
 
 
 class _LinearHeadFunction(torch.autograd.Function):
@@ -290,13 +377,15 @@ class _LinearHeadFunction(torch.autograd.Function):
         sweep = _Sweep(impl, cfg, rows, group)
         needs = _needs(spec[0], ctx.needs_input_grad[4:])
         plan = coefficients is not None and any(any(n) for n in needs)
-        grads = _cotangents(coefficients, rows.targets) if plan else None
+        blocked = plan and sweep.blocks(needs) is not None
+        grads = _cotangents(coefficients, rows.targets) if plan and not blocked else None
         stats, acc = sweep.run(grads=grads, need=needs)
         total = None
         if coefficients is not None:
             total = base.planned_total(TorchOps, stats, coefficients)
         ctx.impl, ctx.cfg, ctx.group, ctx.spec, ctx.needs = impl, cfg, group, spec, needs
-        ctx.planned = acc  # float32 gradients of ``total`` (None: nothing needs one)
+        # float32 gradients of ``total`` (None: nothing needs one)
+        ctx.planned = _RECOMPUTE if blocked else acc
         ctx.save_for_backward(*tensors, *stats)
         return stats.lse, stats.logp, stats.entropy, stats.kl, total
 
@@ -308,10 +397,10 @@ class _LinearHeadFunction(torch.autograd.Function):
         parts = ctx.spec[0]
         planned = ctx.planned if g_total is not None else None
         row_cts = (g_lse, g_lp, g_h, g_kl)
-        if planned is _SPENT:
-            # a second backward through the graph (retain_graph): the first handed the
-            # planned gradients out in place, so the total's share is recomputed from its
-            # coefficients, as the row cotangents are
+        if planned is _RECOMPUTE:
+            # the total's share recomputed from its coefficients, as the row cotangents are
+            # (a second backward after the planned gradients were handed out in place, or a
+            # gradient pass over vocabulary blocks, which needs every row's statistics first)
             rows, coefficients = _unpack(ctx.spec, tensors)
             scaled = [c * g_total.float() for c in _cotangents(coefficients, rows.targets)]
             row_cts = tuple(c if g is None else g.float() + c for g, c in zip(row_cts, scaled))
@@ -330,7 +419,7 @@ class _LinearHeadFunction(torch.autograd.Function):
             out = _flat_grads(parts, acc)
         elif planned is not None:  # scaled in place: no second copy of the gradients
             out = _flat_grads(parts, planned, g_total.float(), inplace=True)
-            ctx.planned = _SPENT
+            ctx.planned = _RECOMPUTE
         if out is None:
             out = [None] * (2 * _PART)
         return (None, None, None, None, *out, *([None] * (len(tensors) - 2 * _PART)))
