@@ -13,6 +13,10 @@ Three kernels, each the token-statistics math of ``token_stats`` (``fwd_body``,
   dW, db    grid (K/BK vocabulary "parallel", N/BN rows "arbitrary"): z, dz, then
             dW[BK, D] += dzᵀ·h and db += Σ_rows dz in the output blocks (2 matmuls)
 
+The teacher, when there is one, is a second stream of logits tiles: read from HBM (teacher
+logits, whose gradient the dH kernel can write) or made on the MXU beside the student's (a
+teacher head of its own width and layout, a constant); ``Part`` says which.
+
 So a forward and backward costs 5 matmuls of 2·N·K·D FLOPs (the token-chunked path does 3 or
 4, but it writes and reads [R, K] logits per chunk). dz enters the gradient matmuls rounded to
 the inputs' dtype, as the logits path's gradient would; products accumulate in float32
@@ -44,6 +48,23 @@ from . import token_stats as ts
 
 VMEM_BUDGET = 12 * 1024 * 1024
 VOCAB_MAJOR, HIDDEN_MAJOR = "KD", "DK"
+
+
+class Part(NamedTuple):
+    """How one stream of logits reaches a kernel: a head (``layout`` "KD" or "DK", hidden
+    width ``width``, with or without a bias) or a logits array (``layout`` None), its arrays
+    of ``itemsize`` bytes per element."""
+
+    layout: Optional[str]
+    width: int = 0
+    has_bias: bool = False
+    itemsize: int = 4
+
+    @property
+    def is_head(self):
+        return self.layout is not None
+
+
 def vmem_bytes(kind, bn, bk, d, itemsize, teacher=None):
     """VMEM estimate of one grid step of ``kind`` ("forward", "dh" or "dw"); ``teacher`` a
     Part (logits tiles, or a head's hidden and weight blocks) or None."""
@@ -100,20 +121,6 @@ def _zero_past(x, axis, start, limit):
     """x with its entries whose index along ``axis`` (plus ``start``) reaches ``limit`` at 0."""
     ids = start + jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
     return jnp.where(ids < limit, x, jnp.zeros_like(x))
-
-
-class Part(NamedTuple):
-    """How one stream of logits reaches a kernel: a head (``layout`` "KD" or "DK", hidden
-    width ``width``, with or without a bias) or a logits array (``layout`` None)."""
-
-    layout: Optional[str]
-    width: int = 0
-    has_bias: bool = False
-    itemsize: int = 4
-
-    @property
-    def is_head(self):
-        return self.layout is not None
 
 
 def _take(refs, part):
