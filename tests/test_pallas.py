@@ -78,7 +78,8 @@ def test_tpu_lowering(monkeypatch, n, k, dtype, teacher, entropy):
 def test_tpu_lowering_linear_head(monkeypatch, objective):
     """A linear head at N = 8192, D = 2560, K = 262144, bf16 lowers for TPU as the three fused
     Mosaic kernels (statistics, dH, dW: every logits tile made on the MXU in VMEM), for
-    weighted CE and for per-token log-probs with entropy; no [N, K] array in the program."""
+    weighted CE and for per-token log-probs with entropy; no [N, K] array in the program and
+    no float32 copy of the weight's or the hidden states' gradient."""
     import jax
     import jax.numpy as jnp
 
@@ -105,6 +106,8 @@ def test_tpu_lowering_linear_head(monkeypatch, objective):
         assert text.count(kernel) >= 1, f"{kernel} not in the program"
     assert text.count("tpu_custom_call") == 3, "exactly the three fused kernels expected"
     assert f"{n}x{k}x" not in text and f"{k}x{n}x" not in text, "an [N, K] array was built"
+    # dW and dH leave the kernels in bf16, summed in float32 VMEM: no float32 copy of either
+    assert f"{d}x{k}xf32" not in text and f"1x{n}x{d}xf32" not in text, "a float32 gradient"
 
 
 def test_vmem_budget_and_blocks():

@@ -7,11 +7,12 @@ Three kernels, each the token-statistics math of ``token_stats`` (``fwd_body``,
 
   forward   grid (N/BN rows "parallel", K/BK vocabulary "arbitrary"): z = h·Wᵀ per tile, the
             online row statistics in VMEM scratch across the vocabulary axis (1 matmul)
-  dH        the same grid: z again, dz, then dH[BN, D] += dz·W, accumulated in the output
-            block, which stays in VMEM across the vocabulary axis (2 matmuls); a teacher
-            given as logits gets its gradient tile here
+  dH        the same grid: z again, dz, then dH[BN, D] += dz·W in a float32 VMEM
+            accumulator across the vocabulary axis, written once in h's dtype (2 matmuls);
+            a teacher given as logits gets its gradient tile here
   dW, db    grid (K/BK vocabulary "parallel", N/BN rows "arbitrary"): z, dz, then
-            dW[BK, D] += dzᵀ·h and db += Σ_rows dz in the output blocks (2 matmuls)
+            dW[BK, D] += dzᵀ·h and db += Σ_rows dz in float32 VMEM accumulators across the
+            rows, written once in the weight's dtype (2 matmuls): no float32 [K, D] in HBM
 
 The teacher, when there is one, is a second stream of logits tiles: read from HBM (teacher
 logits, whose gradient the dH kernel can write) or made on the MXU beside the student's (a
@@ -73,7 +74,9 @@ def vmem_bytes(kind, bn, bk, d, itemsize, teacher=None):
         width = bn * bk if not teacher.is_head else (bn + bk) * teacher.width
         inputs += 2 * width * teacher.itemsize
     temporaries = bn * bk * 4 * 8
-    outputs = {"forward": 2 * bn * 128 * 4, "dh": 2 * bn * d * 4, "dw": 2 * (bk * d + bk) * 4}
+    # output blocks (double-buffered, the inputs' dtype) and the float32 accumulators
+    outputs = {"forward": 2 * bn * 128 * 4, "dh": bn * d * (2 * itemsize + 4),
+               "dw": (bk * d + bk) * (2 * itemsize + 4)}
     if kind == "dh" and teacher is not None and not teacher.is_head:
         outputs["dh"] += 2 * bn * bk * teacher.itemsize  # the teacher logits' gradient
     scratch = bn * 10 * 128 * 4 if kind == "forward" else 0
@@ -190,12 +193,12 @@ def _grad(h, w, b_ref, load_u, ints_ref, floats_ref, kb, layout, statics):
 
 def _dh_kernel(*refs, student, teacher, teacher_grad, n, **statics):
     (h_ref, w_ref, b_ref), load_u, rest = _streams(refs, student, teacher)
-    ints_ref, floats_ref, dh_ref, *du = rest
+    ints_ref, floats_ref, dh_ref, *du, acc = rest  # acc: (BN, D) float32 VMEM scratch
     kb, layout = pl.program_id(1), student.layout
 
     @pl.when(kb == 0)
     def _init():
-        dh_ref[...] = jnp.zeros(dh_ref.shape, dh_ref.dtype)
+        acc[...] = jnp.zeros(acc.shape, acc.dtype)
 
     w = w_ref[...]
     dz, dt = _grad(h_ref[...], w, b_ref, load_u, ints_ref, floats_ref, kb, layout,
@@ -203,20 +206,25 @@ def _dh_kernel(*refs, student, teacher, teacher_grad, n, **statics):
     # W's rows past K are padding: zero them, so 0 · NaN does not reach dH
     w = _zero_past(w, 0 if layout == VOCAB_MAJOR else 1, kb * statics["bk"], statics["vocab"])
     dz = dz.astype(w.dtype)
-    dh_ref[...] += _dot(dz, w, ((1,), (0,)) if layout == VOCAB_MAJOR else ((1,), (1,)))
+    acc[...] += _dot(dz, w, ((1,), (0,)) if layout == VOCAB_MAJOR else ((1,), (1,)))
     if teacher_grad:
         du[0][...] = dt.astype(du[0].dtype)
+
+    @pl.when(kb == pl.num_programs(1) - 1)
+    def _write():  # rounded once, to the hidden states' dtype
+        dh_ref[...] = acc[...].astype(dh_ref.dtype)
 
 
 def _dw_kernel(*refs, student, teacher, n, **statics):
     (h_ref, w_ref, b_ref), load_u, rest = _streams(refs, student, teacher)
-    ints_ref, floats_ref, dw_ref, *db = rest
+    outs, accs = rest[2:2 + len(rest[2:]) // 2], rest[2 + len(rest[2:]) // 2:]
+    ints_ref, floats_ref = rest[:2]
+    (dw_ref, *db), (dw_acc, *db_acc) = outs, accs  # float32 VMEM accumulators of each
     kb, rb = pl.program_id(0), pl.program_id(1)
 
     @pl.when(rb == 0)
     def _init():
-        dw_ref[...] = jnp.zeros(dw_ref.shape, dw_ref.dtype)
-        for ref in db:
+        for ref in accs:
             ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
     bn = h_ref.shape[0]
@@ -226,11 +234,16 @@ def _dw_kernel(*refs, student, teacher, n, **statics):
     dz = _zero_past(dz, 0, rb * bn, n)
     g = dz.astype(h.dtype)
     if student.layout == VOCAB_MAJOR:  # [BK, D] += dzᵀ·h
-        dw_ref[...] += _dot(g, h, ((0,), (0,)))
+        dw_acc[...] += _dot(g, h, ((0,), (0,)))
     else:  # [D, BK] += hᵀ·dz
-        dw_ref[...] += _dot(h, g, ((0,), (0,)))
+        dw_acc[...] += _dot(h, g, ((0,), (0,)))
     if db:
-        db[0][...] += jnp.sum(dz, axis=0, keepdims=True)
+        db_acc[0][...] += jnp.sum(dz, axis=0, keepdims=True)
+
+    @pl.when(rb == pl.num_programs(1) - 1)
+    def _write():  # rounded once, to the weight's (and bias's) dtype
+        for ref, a in zip(outs, accs):
+            ref[...] = a[...].astype(ref.dtype)
 
 
 def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
@@ -289,8 +302,9 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
                   inv_t_kl, softcap, has_shift, separate_ce, teacher_grad, entropy, block_k=None,
                   block_n=None, interpret=False, detect_races=False,
                   vocab_limit=NO_VOCAB_LIMIT):
-    """-> (dh [N, D], dw in w's layout, db [K] or None: float32; du [N, K] in the teacher
-    logits' dtype or None); arguments as ``head_forward``, floats [N, 16] as
+    """-> (dh [N, D], dw in w's layout, db [K] or None, each in its input's dtype, summed in
+    float32 VMEM and rounded once; du [N, K] in the teacher logits' dtype or None); arguments
+    as ``head_forward``, floats [N, 16] as
     ``token_stats.stats_backward``. ``teacher_grad`` needs the teacher as logits."""
     h, w, b = head
     n, d = h.shape
@@ -310,7 +324,7 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
     blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
-    out_shape = [ts._out_struct((n, d), jnp.float32, operands)]
+    out_shape = [ts._out_struct((n, d), h.dtype, operands)]
     out_specs = [row(d)]
     if teacher_grad:
         out_shape.append(ts._out_struct(teacher.shape, teacher.dtype, operands))
@@ -320,6 +334,7 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
                           n=n, **stat(bk=bk)),
         out_shape=out_shape, grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
         in_specs=specs + [row(ts.N_INTS), row(ts.BWD_FLOATS)], out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((bn, d), jnp.float32)],
         compiler_params=params, name="dlm_linear_head_dh", **mode,
     )(*operands)
     dh, du = outs[0], (outs[1] if teacher_grad else None)
@@ -330,16 +345,18 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
     row = lambda width: pl.BlockSpec((bn, width), lambda j, i: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
     dw_shape = (k, d) if layout == VOCAB_MAJOR else (d, k)
-    out_shape = [ts._out_struct(dw_shape, jnp.float32, operands)]
+    out_shape = [ts._out_struct(dw_shape, w.dtype, operands)]
     out_specs = [_w_spec(layout, bk, d, lambda j, i: j)]
+    scratch = [pltpu.VMEM((bk, d) if layout == VOCAB_MAJOR else (d, bk), jnp.float32)]
     if b is not None:
-        out_shape.append(ts._out_struct((1, k), jnp.float32, operands))
+        out_shape.append(ts._out_struct((1, k), b.dtype, operands))
         out_specs.append(pl.BlockSpec((1, bk), lambda j, i: (0, j)))
+        scratch.append(pltpu.VMEM((1, bk), jnp.float32))
     outs = pl.pallas_call(
         functools.partial(_dw_kernel, student=student, teacher=tpart, n=n, **stat(bk=bk)),
         out_shape=out_shape, grid=(pl.cdiv(k, bk), pl.cdiv(n, bn)),
         in_specs=specs + [row(ts.N_INTS), row(ts.BWD_FLOATS)], out_specs=out_specs,
-        compiler_params=params, name="dlm_linear_head_dw", **mode,
+        scratch_shapes=scratch, compiler_params=params, name="dlm_linear_head_dw", **mode,
     )(*operands)
     dw, db = outs[0], (outs[1][0] if b is not None else None)
     return dh, dw, db, du

@@ -142,10 +142,17 @@ class _Sweep:
         db = None if db is None else db + jnp.sum(g, axis=0, dtype=db.dtype)
         return (dh, dw, db)
 
+    @property
+    def fused(self):
+        """The backend's fused head kernels when they take these rows (else None): they
+        return gradients already in the inputs' dtypes."""
+        fused = getattr(self.impl, "fused_head", None)
+        return fused if fused is not None and fused.takes(self.rows, self.cfg, self.axis) else None
+
     def run(self, stats=None, grads=None):
         """-> (Stats [N] f32 fields, accumulators or None)."""
-        fused = getattr(self.impl, "fused_head", None)
-        if fused is not None and fused.takes(self.rows, self.cfg, self.axis):  # one kernel per pass
+        fused = self.fused
+        if fused is not None:  # one kernel per pass
             if stats is None:
                 stats = fused.forward(self.rows, self.cfg)
             return stats, (None if grads is None else
@@ -257,16 +264,30 @@ def _head_total_fwd(impl, cfg, axis, rows, coefficients):
     rows = jax.tree_util.tree_map(value, rows)
     coefficients = jax.tree_util.tree_map(value, coefficients)
     n = rows.targets.shape[0]
-    stats, acc = _Sweep(impl, cfg, rows, axis).run(grads=_row_grads(coefficients, n))
+    sweep = _Sweep(impl, cfg, rows, axis)
+    if sweep.fused is not None:
+        # fused kernels round their gradients once, to the inputs' dtypes, so scaling them
+        # afterwards would round twice: the total's gradient is recomputed in the backward
+        # (5 matmuls either way)
+        stats, acc = sweep.run()[0], None
+    else:
+        stats, acc = sweep.run(grads=_row_grads(coefficients, n))
     total = base.planned_total(JaxOps, stats, coefficients)
-    return (*stats[:4], total), (rows, stats, acc)
+    return (*stats[:4], total), (rows, stats, acc, coefficients)
 
 
 def _head_total_bwd(impl, cfg, axis, residuals, cotangents):
-    rows, stats, acc = residuals
+    rows, stats, acc, coefficients = residuals
     *row_cts, g_total = cotangents
+    n = rows.targets.shape[0]
+    planned = not isinstance(g_total, SymbolicZero)
+    if planned and acc is None:  # nothing formed in the forward: fold the total in, recompute
+        g = g_total.astype(jnp.float32)
+        row_cts = [c * g if isinstance(r, SymbolicZero) else r.astype(jnp.float32) + c * g
+                   for r, c in zip(row_cts, _row_grads(coefficients, n))]
+        planned = False
     out = None
-    if not isinstance(g_total, SymbolicZero):
+    if planned:
         out = _cotangent(rows, acc, g_total.astype(jnp.float32))
     if any(not isinstance(g, SymbolicZero) for g in row_cts):  # the recompute schedule
         grads = _row_grads(row_cts, rows.targets.shape[0])
