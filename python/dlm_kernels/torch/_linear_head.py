@@ -56,10 +56,11 @@ def _mm_f32(a, b, out, accumulate):
 
 class _HeadGrads:
     """The gradients of one head being formed chunk by chunk: dH [N, D], dW and db
-    accumulated in float32 (float64 for a float64 head), rounded once in ``result``."""
+    accumulated in float32 (float64 for a float64 head), rounded once in ``result``; with
+    ``blocked``, dW is rounded block by block instead (``open_block`` .. ``close_block``)."""
 
     def __init__(self, head, need, blocked=False):  # need: (hidden, weight, bias) booleans
-        self.head, self.need, self.blocked = head, need, blocked
+        self.head, self.need = head, need
         acc = torch.promote_types(head.dtype, torch.float32)
         self.dh = torch.zeros(head.hidden.shape, dtype=acc, device=head.hidden.device) \
             if need[0] else None
