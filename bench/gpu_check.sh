@@ -2,31 +2,31 @@
 # One prepared GPU check, for a machine with an NVIDIA GPU:  bench/gpu_check.sh [OUTDIR [SECONDS]]
 # (default OUTDIR bench/results/gpu-<date>, SECONDS 560: the whole script's time budget). Installs nothing from
 # the network: the package installs from this checkout without build isolation, and optional
-# wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder was carried along.
-# Writes everything under $OUT (default bench/results/gpu-<date>): device info, JUnit XML of
+# wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder exists.
+# Writes everything under OUTDIR (or GPU_CHECK_OUT; default bench/results/gpu-<date>): device info, JUnit XML of
 # the GPU parity suites, the benchmark JSON/Markdown/PNG, the launch-plan sweep JSON.
-# Optional wheels (prepared on a networked machine, then carried as .whl). jax-triton 0.3.1
+# Optional wheels (downloaded on a machine with network access, then copied into ./.whl). jax-triton 0.3.1
 # is the release for the H200 image's Triton 3.6 and jax 0.11 (0.4 needs Triton >= 3.7):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_27_x86_64 \
 #       -d .whl "jax-triton==0.3.1" absl-py liger-kernel
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-${OUT:-bench/results/gpu-$(date +%F)}}
-mkdir -p "$OUT"
+OUTDIR=${1:-${GPU_CHECK_OUT:-bench/results/gpu-$(date +%F)}}
+mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
-log() { echo "== $*" | tee -a "$OUT/gpu_check.log"; }
+log() { echo "== $*" | tee -a "$OUTDIR/gpu_check.log"; }
 # On exit the JUnit XMLs and the device line go into one archive beside the log and the
 # benchmark's and sweep's own files (a handful of files to copy off the machine).
-pack() { (cd "$OUT" && ls *.xml device.csv >/dev/null 2>&1 && tar czf gpu_tests.tgz *.xml device.csv \
-  && rm -f *.xml device.csv); ls -l "$OUT"; }
+pack() { (cd "$OUTDIR" && ls *.xml device.csv >/dev/null 2>&1 && tar czf gpu_tests.tgz *.xml device.csv \
+  && rm -f *.xml device.csv); ls -l "$OUTDIR"; }
 trap pack EXIT
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUTDIR/device.csv" 2>&1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT/gpu_check.log" 2>&1; then
+if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUTDIR/gpu_check.log" 2>&1; then
   # no usable setuptools: run from the checkout, mapping dlm_kernels.kernels by a link
   ln -sfn ../../kernels python/dlm_kernels/kernels
   export PYTHONPATH=$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -52,7 +52,7 @@ later() { local s=0 step; for step in "$@"; do want "${step%:*}" && s=$(( s + ${
 gpu_pytest() {  # gpu_pytest SECONDS XML TESTS...
   local t=$1 xml=$2; shift 2
   JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout "$t" python3 -m pytest -q \
-    "$@" --junitxml="$OUT/$xml" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
+    "$@" --junitxml="$OUTDIR/$xml" 2>&1 | tail -15 | tee -a "$OUTDIR/gpu_check.log"
 }
 
 if want parity; then
@@ -65,14 +65,14 @@ if want bench; then
   log "benchmark (target shape first; stops starting cases after the budget)"
   t=$(left "$(later jax:150 sweep:60 sampling:90)")  # all that is left when it runs alone (the whole grid)
   # --no-sampling: the denoising step has a step of its own below (all four GPU shapes)
-  TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --no-sampling --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUT" 2>&1 \
-    | tail -60 | tee -a "$OUT/gpu_check.log"
+  TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --no-sampling --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUTDIR" 2>&1 \
+    | tail -60 | tee -a "$OUTDIR/gpu_check.log"
 fi
 
 if want jax; then
-  log "JAX through jax-triton (skips without the carried jax-triton wheel)"
+  log "JAX through jax-triton (skips without a jax-triton wheel in ./.whl)"
   python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
-jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu_check.log"
+jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUTDIR/gpu_check.log"
   t=$(left "$(later sweep:60 sampling:90)"); [ "$t" -gt 150 ] && t=150
   gpu_pytest "$t" gpu_jax_tests.xml "tests/test_gpu.py::test_jax_triton_parity" "tests/test_gpu.py::TestJaxTritonGpu"
 fi
@@ -80,15 +80,15 @@ fi
 if want sweep; then
   log "launch-plan sweep of the streaming kernels (CE, N = 16384, K = 262144, bf16)"
   t=$(left "$(later sampling:90 suites:60)"); [ "$t" -gt 90 ] && t=90
-  TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUT" 2>&1 \
-    | tail -15 | tee -a "$OUT/gpu_check.log"
+  TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUTDIR" 2>&1 \
+    | tail -15 | tee -a "$OUTDIR/gpu_check.log"
   # the same with a teacher stream (OPD) at N = 4096, if the time allows
   t=$(left "$(later sampling:90 suites:60)")
   if [ "$t" -gt 40 ]; then
     [ "$t" -gt 90 ] && t=90
     log "launch-plan sweep, distillation (two streams), N = 4096"
     TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --teacher --n 4096 --reps 8 \
-      --out "$OUT" 2>&1 | tail -15 | tee -a "$OUT/gpu_check.log"
+      --out "$OUTDIR" 2>&1 | tail -15 | tee -a "$OUTDIR/gpu_check.log"
   fi
 fi
 
@@ -102,7 +102,7 @@ if want sampling; then
   gpu_pytest "$tests_s" gpu_sampling_tests.xml "tests/test_sampling.py::TestTorchTriton" \
     "tests/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
   TRITON_INTERPRET=0 timeout "$bench_s" python3 -m bench.sampling \
-    --json "$OUT/sampling.json" --md "$OUT/sampling.md" 2>&1 | tail -20 | tee -a "$OUT/gpu_check.log"
+    --json "$OUTDIR/sampling.json" --md "$OUTDIR/sampling.md" 2>&1 | tail -20 | tee -a "$OUTDIR/gpu_check.log"
 fi
 
 t=$(left 5)
