@@ -193,15 +193,25 @@ def target_logit(xp, rows: Rows, cfg: StatsConfig, offset=0):
     for whether it does. Summed over vocabulary shards, found == 1 exactly when the target is
     in range.
     """
-    z, targets, shift_ids, shift = rows.logits, rows.targets, rows.shift_ids, rows.shift
-    c = z.shape[-1]
+    z = rows.logits
+    found, idx = target_column(xp, rows.targets, z.shape[-1], offset, cfg)
+    return shifted_target(xp, xp.gather_cols(z, idx), found, rows, cfg)
+
+
+def target_column(xp, targets, c, offset, cfg: StatsConfig):
+    """(found [N] bool, local column [N], 0 where not found) of each target in the block of
+    columns [offset, offset + c)."""
     local = targets - offset
     found = (local >= 0) & (local < c)
     if cfg.vocab_size is not None:
         found = found & (targets < cfg.vocab_size)
-    idx = xp.where(found, local, 0)
-    zy = xp.gather_cols(z, idx)[:, None]  # [N, 1]
-    r = shifted_logits(xp, zy, targets[:, None], shift_ids, shift, cfg)[:, 0]
+    return found, xp.where(found, local, 0)
+
+
+def shifted_target(xp, z_y, found, rows: Rows, cfg: StatsConfig):
+    """(r_y, found) as ``target_logit`` returns them, from the raw target logits z_y [N]."""
+    r = shifted_logits(xp, z_y[:, None], rows.targets[:, None], rows.shift_ids, rows.shift,
+                       cfg)[:, 0]
     return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 

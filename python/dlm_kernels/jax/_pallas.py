@@ -185,19 +185,14 @@ class FusedHead:
     @staticmethod
     def _target_logit(rows, cfg):
         """(r_y, found) [N] from one gathered weight row per token: h·W[y] (+ b[y])."""
-        head, y = rows.logits, rows.targets
-        k = head.vocab
-        found = (y >= 0) & (y < k)
-        if cfg.vocab_size is not None:
-            found = found & (y < cfg.vocab_size)
-        idx = jnp.where(found, y, 0).astype(jnp.int32)
+        head = rows.logits
+        found, idx = stats_math.target_column(JaxOps, rows.targets, head.vocab, 0, cfg)
+        idx = idx.astype(jnp.int32)
         w_y = head.weight[idx] if head.weight_layout == VOCAB_MAJOR else head.weight[:, idx].T
         z_y = jnp.sum(head.hidden.astype(jnp.float32) * w_y.astype(jnp.float32), axis=1)
         if head.bias is not None:
             z_y = z_y + head.bias[idx].astype(jnp.float32)
-        r = stats_math.shifted_logits(JaxOps, z_y[:, None], y[:, None], rows.shift_ids,
-                                      rows.shift, cfg)[:, 0]
-        return jnp.where(found, r, 0.0), jnp.where(found, 1.0, 0.0)
+        return stats_math.shifted_target(JaxOps, z_y, found, rows, cfg)
 
     @classmethod
     def forward(cls, rows, cfg):
