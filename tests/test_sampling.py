@@ -105,14 +105,17 @@ class SamplingSuite:
         out = fw.api.sample_tokens(fw.array(z, dtype), backend=self.BACKEND, **kw)
         return [np.asarray(fw.numpy(x)) for x in out]
 
-    def check(self, got, want, dtype="float32"):
+    def check(self, got, want, dtype="float32", scale=None):
+        """Tokens exactly, the statistics to float32 accuracy; ``scale``: the size of the
+        scaled logits where it passes 1 (log-probabilities are differences s - lse of float32
+        values that large, so their rounding grows with it)."""
         for name, g, w in zip(("token", "logp", "argmax", "top1", "top2", "entropy"), got, want):
             g = g.reshape(-1)
             if name in ("token", "argmax"):
                 bad = np.flatnonzero(g != w)
                 assert bad.size == 0, f"{name}: {bad.size} rows differ, first {bad[0]}: {g[bad[0]]} vs {w[bad[0]]}"
             else:
-                assert_close(g, w, "float32", name)
+                assert_close(g, w, "float32", name, scale=scale)
 
     @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (0.7, None), (1.3, 5), (0.0, 3)])
     def test_matches_oracle(self, rng, dtype, temperature, top_k):
@@ -177,7 +180,10 @@ class SamplingSuite:
         got = self.sample(z[:3], temperature=1.0, seed=2, chunk_size=8)
         assert got[0][0] == 11 and got[1][0] == 0.0 and got[5][0] == 0.0
         assert got[4][0] == -np.inf
-        self.check(got, oracle(z[:3], temperature=1.0, seed=2))
+        # row 1's logits are about 1e4: float32 spacing there is 2^-10, and its log-probs are
+        # differences of such values (one row in a few drew a 5e-4 rounding of lse)
+        big = float(np.max(np.abs(z[:3][np.isfinite(z[:3])])))
+        self.check(got, oracle(z[:3], temperature=1.0, seed=2), scale=big)
         empty = self.sample(z[3:], temperature=1.0)  # nothing finite: token -1, NaN statistics
         assert empty[0][0] == -1 and np.isnan(empty[1][0]) and np.isnan(empty[5][0])
 
