@@ -217,8 +217,8 @@ def _dh_kernel(*refs, student, teacher, teacher_grad, n, **statics):
 
 def _dw_kernel(*refs, student, teacher, n, **statics):
     (h_ref, w_ref, b_ref), load_u, rest = _streams(refs, student, teacher)
-    outs, accs = rest[2:2 + len(rest[2:]) // 2], rest[2 + len(rest[2:]) // 2:]
-    ints_ref, floats_ref = rest[:2]
+    ints_ref, floats_ref, *tail = rest  # then the outputs (dW, db), one accumulator each
+    outs, accs = tail[:len(tail) // 2], tail[len(tail) // 2:]
     (dw_ref, *db), (dw_acc, *db_acc) = outs, accs  # float32 VMEM accumulators of each
     kb, rb = pl.program_id(0), pl.program_id(1)
 

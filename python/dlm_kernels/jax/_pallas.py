@@ -75,10 +75,8 @@ class PallasJax:
 
     @staticmethod
     def _run_forward(rows, active, cfg, offset, partial):
-        z, u, y, x, d = rows.logits, rows.teacher, rows.targets, rows.shift_ids, rows.shift
-        n = z.shape[0]
-        shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
-        floats = jnp.stack([shift, active.astype(jnp.float32)], axis=1)  # [N, 2]
+        z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
+        floats = _forward_floats(rows, active)  # [N, 2]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
@@ -142,10 +140,18 @@ class PallasJax:
         return sampling.finalize(JaxOps, st, keys, cfg)
 
 
+def _shift(rows):  # [N] float32: the shift of each row (0 without one)
+    d = rows.shift
+    return jnp.zeros(rows.targets.shape, jnp.float32) if d is None else d.astype(jnp.float32)
+
+
+def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels' F_* columns)
+    return jnp.stack([_shift(rows), active.astype(jnp.float32)], axis=1)
+
+
 def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the backward kernels
-    n, d = rows.targets.shape[0], rows.shift
-    shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
-    cols = [shift, rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
+    n = rows.targets.shape[0]
+    cols = [_shift(rows), rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
             stats.lse_ce, stats.lse_u, *grads]
     return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),
                      axis=1)
@@ -198,11 +204,8 @@ class FusedHead:
     def forward(cls, rows, cfg):
         """-> Stats of [N] f32 (one kernel: 1 matmul)."""
         head, teacher, statics = cls._args(rows, cfg)
-        n, d = rows.targets.shape[0], rows.shift
-        shift = jnp.zeros((n,), jnp.float32) if d is None else d.astype(jnp.float32)
-        floats = jnp.stack([shift, rows.active.astype(jnp.float32)], axis=1)
         out = head_kernels.head_forward(head, teacher, _ints(rows.targets, rows.shift_ids),
-                                        floats, **statics)
+                                        _forward_floats(rows, rows.active), **statics)
         stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         r_y, found = cls._target_logit(rows, cfg)
         logp = stats_math.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
