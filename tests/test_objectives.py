@@ -326,6 +326,42 @@ class ObjectivesSuite:
         assert_close(grad.reshape(12, 41), dz_soft + dz_hard, dtype, "d student logits",
                      slack=slack)
 
+    def test_loss_weight_gradients(self, rng):
+        """d loss / d loss_weights through ``compute()`` of weighted_cross_entropy and of
+        opd_loss (both terms): (ℓ_i - loss) / Σw at active positions, where ℓ_i is the
+        position's weighted term; -loss / Σw where the weight is 0 (ℓ_i counts as 0 there:
+        those logits are never read)."""
+        fw = self.fw
+        batch, y, w = self.batch(rng)
+        student_batch = lambda w_: fw.api.DiffusionTokenBatch.create(
+            model_inputs=batch.model_inputs, target_ids=batch.target_ids, loss_weights=w_)
+        z64 = rng.normal(size=(2, 6, 41)) * 3
+        u64 = rng.normal(size=(2, 6, 41)) * 3
+        z, u = fw.array(z64, "float32"), fw.array(u64, "float32")
+        active, wf = (w != 0).reshape(-1), w.reshape(-1).astype(np.float64)
+        _, lp, _, _ = oracle.token_stats(z64.reshape(12, 41), y.reshape(-1), active)
+        _, _, _, kl = oracle.token_stats(z64.reshape(12, 41), y.reshape(-1), active,
+                                         u=u64.reshape(12, 41), T=1.7)
+        ce = fw.api.weighted_cross_entropy
+        opd = lambda z_, b: fw.api.opd_loss(
+            z_, fw.api.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=u),
+            temperature=1.7, soft_loss_weight=0.7, hard_loss_weight=0.4,
+            backend=self.BACKEND)[0]
+        cases = {"weighted_cross_entropy": (lambda z_, b: ce(z_, b, backend=self.BACKEND), -lp),
+                 "opd_loss": (opd, 0.7 * 1.7 ** 2 * kl - 0.4 * lp)}
+        # a linear head's total forms its gradient in the forward: the weights' share too
+        eye = fw.array(np.eye(41), "float32")  # hidden = z, weight = I: the head's logits are z
+        as_head = lambda z_: fw.api.LinearHead(z_, eye, weight_layout="KD")
+        for (name, (fn, term)), head in [(c, h) for c in cases.items() for h in (False, True)]:
+            call = (lambda z_, b, fn=fn: fn(as_head(z_), b)) if head else fn
+            (loss,), (_, dw) = fw.vjp(lambda z_, w_: (call(z_, student_batch(w_)).compute(),),
+                                      [z, fw.array(w)], [np.float32(1.0)])
+            name += " (LinearHead)" if head else ""
+            expected = ((wf * term).sum() / wf.sum())
+            assert_close(loss, expected, "float32", f"{name} loss")
+            assert_close(dw.reshape(-1), (np.where(active, term, 0.0) - expected) / wf.sum(),
+                         "float32", f"{name} d loss_weights")
+
     def test_opd_teacher_is_a_constant(self, rng):
         """opd_loss stops the teacher's gradient: differentiated with respect to the teacher
         logits, the total and both aux terms give exact zeros (and the student its own)."""

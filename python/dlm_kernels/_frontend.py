@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-from ._linear_head import is_head, planned_total
+from ._linear_head import is_head, planned_total, weighting_term
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
 
@@ -163,9 +163,10 @@ class TokenStatsFrontEnd:
             teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
             vocab_size=vocab_size)
         n = rows.targets.shape[0]
+        weighting = None  # the coefficients as given: differentiable (loss weights, times)
         if coefficients is not None:
-            coefficients = tuple(None if c is None else xp.stop_gradient(xp.f32(c)).reshape(n)
-                                 for c in coefficients)
+            weighting = tuple(None if c is None else xp.f32(c).reshape(n) for c in coefficients)
+            coefficients = tuple(None if c is None else xp.stop_gradient(c) for c in weighting)
         impl = self.registry.resolve(backend, xp.platform(_array_of(logits)))
         require_dtype(impl, logits)
         if rows.teacher is not None and not cfg.teacher_grad:
@@ -185,7 +186,9 @@ class TokenStatsFrontEnd:
         else:
             outs = impl.compute(rows, cfg)
         if coefficients is not None and total is None:
-            total = planned_total(xp, outs, coefficients)
+            total = planned_total(xp, outs, weighting)
+        elif total is not None:
+            total = total + weighting_term(xp, outs, weighting, coefficients)
         extent = None
         if rows.shift_ids is not None:  # the full vocabulary the shift ids index
             extent = self._extent(shard, cfg.vocab_size, rows.logits.shape[1])

@@ -213,6 +213,19 @@ def is_head(x) -> bool:
     return isinstance(x, LinearHead)
 
 
+def weighting_term(xp, stats, weighting, detached):
+    """Σ (c - sg(c))·sg(stat): exactly 0, with the gradient Σ stat·dc that a planned total
+    (whose coefficients enter its custom VJP as constants) owes its coefficients: loss
+    weights, time weights and whatever they were computed from. A non-finite statistic
+    counts as 0 here (the total itself is then non-finite already)."""
+    term = 0.0
+    for c, c0, s in zip(weighting, detached, stats):
+        if c is not None:
+            s = xp.stop_gradient(s)
+            term = term + xp.rowsum((c - c0) * xp.where(xp.isfinite(s), s, 0.0))
+    return term
+
+
 def planned_total(xp, stats, coefficients):
     """Σ_rows Σ_fields c·stat over [N] rows, for the fields whose coefficient is given: the
     one scalar a gradient-in-forward call reduces to (the same expression on every path)."""
