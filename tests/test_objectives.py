@@ -64,6 +64,26 @@ class ObjectivesSuite:
         assert_exact_zero(grad[-1], "d logits of the empty mask row")
 
     @pytest.mark.parametrize("variant", ALL_VARIANTS)
+    def test_sft_time_gradient(self, rng, variant):
+        """d loss / d t (the time weight and the LOO shift both depend on t) against central
+        differences of the float64 oracle."""
+        fw = self.fw
+        logits, x0, xt, t, mask = sft_inputs(rng)
+        z = fw.array(logits, "float32")
+        cot = rng.normal(size=3)
+        z64, t64, h = fw.numpy(z), t.astype(np.float64), 1e-6
+        loss = lambda t_: cot @ oracle.sft_loss(z64, x0, xt, t_, mask, variant, 37)
+        expected = [(loss(t64 + h * e) - loss(t64 - h * e)) / (2 * h) for e in np.eye(3)]
+        # from logits, and from a linear head whose logits are the same (hidden = z, W = I)
+        head = fw.api.LinearHead(z, fw.array(np.eye(37), "float32"), weight_layout="KD")
+        for name, logits_ in (("logits", z), ("LinearHead", head)):
+            fn = lambda t_: (fw.api.diffusion_sft_loss(logits_, fw.array(x0), fw.array(xt), t_,
+                                                       fw.array(mask), variant=variant,
+                                                       vocab_size=37, backend=self.BACKEND),)
+            _, (dt,) = fw.vjp(fn, [fw.array(t)], [cot.astype(np.float32)])
+            assert_close(dt, np.array(expected), "float32", f"d t ({variant}, {name})")
+
+    @pytest.mark.parametrize("variant", ALL_VARIANTS)
     def test_sft_logps_is_minus_loss_times_count(self, rng, variant):
         arrays = sft_inputs(rng)
         fw, z, loss_fn = self.sft("diffusion_sft_loss", arrays, "float32", variant=variant, vocab_size=37)

@@ -49,6 +49,15 @@ def _expected(z, u, y, x, d, w, g):
     return stats, dz, du, slack, du_scale
 
 
+def _expected_d_shift(z, u, y, x, d, w, g, h=1e-5):
+    """d(Σ g·stats)/d shift [N]: central differences of the float64 oracle."""
+    ora = dict(ORA, x=x, u=u[:, :K].astype(np.float64))
+    total = lambda d_: sum(np.nan_to_num(gi * si) for gi, si in zip(
+        g, oracle.token_stats(z[:, :K].astype(np.float64), y, w != 0, d=d_, **ora)))
+    d64 = d.astype(np.float64)
+    return (total(d64 + h) - total(d64 - h)) / (2 * h)
+
+
 # -- JAX ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("data,vocab,backend", [
@@ -85,12 +94,14 @@ def test_jax_sharded_parity(data, vocab, backend, monkeypatch, request):
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(tile, tile, row, row, row, row), out_specs=row)
 
-    def loss(z, u):
+    def loss(z, u, d):
         s = f(z, u, y, x, d, w)
         return sum(jnp.sum(gi * si) for gi, si in zip(g, s)), s
 
-    (_, stats), (dz, du) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(z, u)
+    (_, stats), (dz, du, dd) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2),
+                                                          has_aux=True))(z, u, d)
     e_stats, e_dz, e_du, slack, du_scale = _expected(z, u, y, x, d, w, g)
+    assert_close(np.asarray(dd), _expected_d_shift(z, u, y, x, d, w, g), "float32", "d shift")
     for name, got, exp in zip(("lse", "logp", "entropy", "kl"), stats, e_stats):
         assert_close(np.asarray(got), exp, "float32", name)
     assert_close(np.asarray(dz)[:, :K], e_dz, "float32", "d logits", slack=slack)
@@ -283,10 +294,13 @@ def _torch_rank(rank, world, backend, seed):
     cols = slice(rank * k_local, (rank + 1) * k_local)
     zl = torch.tensor(z[:, cols]).requires_grad_(True)
     ul = torch.tensor(u[:, cols]).requires_grad_(True)
+    dl = torch.tensor(d).requires_grad_(True)
     s = D.token_stats(zl, torch.tensor(y), torch.tensor(w), teacher_logits=ul, teacher_grad=True,
-                      shift_ids=torch.tensor(x), shift=torch.tensor(d), vocab_size=K,
+                      shift_ids=torch.tensor(x), shift=dl, vocab_size=K,
                       process_group=dist.group.WORLD, chunk_size=4, backend=backend, **KW)
-    dz, du = torch.autograd.grad(list(s), [zl, ul], [torch.tensor(gi) for gi in g])
+    dz, du, dd = torch.autograd.grad(list(s), [zl, ul, dl], [torch.tensor(gi) for gi in g])
+    assert_close(dd.numpy(), _expected_d_shift(z, u, y, x, d, w, g), "float32",
+                 f"rank {rank} d shift (every rank: the shift is replicated)")
     parts = {name: [torch.empty_like(t) for _ in range(world)] for name, t in (("dz", dz), ("du", du))}
     dist.all_gather(parts["dz"], dz.contiguous())
     dist.all_gather(parts["du"], du.contiguous())

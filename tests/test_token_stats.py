@@ -245,6 +245,52 @@ class TokenStatsSuite:
         assert_close(g_got.reshape(-1, k), dz, "float32", "d logits with a [B, L] shift", slack=slack)
         assert_close(g_got, g_ref, "float32", "d logits: fused vs materialised", slack=2 * slack.reshape(g_got.shape))
 
+    @pytest.mark.parametrize("feature", ["shift", "all"])
+    def test_shift_gradient(self, rng, feature):
+        """d shift (the LOO shift is differentiable: it carries the diffusion time) against
+        central differences of the float64 oracle, with every cotangent at once; rows where
+        the shifted column is the target, inactive rows (exact 0) and a vocab_size below K
+        included."""
+        fw = self.fw
+        rows, k = (3, 4), 37
+        case = make_case(fw, rng, rows, k, "float32", FEATURES[feature])
+        n, ora = case["n"], dict(case["ora_kw"])
+        # active targets below vocab_size (the last column is padding here)
+        y_np = np.where(case["active"], np.minimum(case["y_np"], k - 2), case["y_np"])
+        x = ora["x"].copy()
+        x[:3] = y_np[:3]  # shifted column = target (its δ[x = y] term)
+        x[3] = k - 1  # a column past vocab_size: no shift there, no gradient
+        ora["x"] = x
+        api_kw = dict(case["api_kw"], shift_ids=fw.array(x.reshape(rows)))
+        api_kw.pop("shift")
+        cots = [rng.normal(size=n) for _ in range(4)]
+        y_ora = np.where(y_np < k - 1, y_np, -1)
+
+        def fn(d):
+            st = fw.api.token_stats(case["z"], fw.array(y_np.reshape(rows)), case["w"], teacher_logits=case["u"],
+                                    shift=d, vocab_size=k - 1, backend=self.BACKEND, **api_kw)
+            return tuple(st)
+
+        d0 = ora["d"]
+        _, (grad,) = fw.vjp(fn, [fw.array(d0.reshape(rows).astype(np.float32))],
+                            [c.reshape(rows).astype(np.float32) for c in cots])
+
+        def objective(d):  # float64 Σ g·stats, the shift past vocab_size left out
+            kw = dict(ora, d=np.where(x < k - 1, d, 0.0))
+            stats = oracle.token_stats(case["z_np"][:, :k - 1], y_ora, case["active"],
+                                       **{**kw, "u": None if kw.get("u") is None
+                                          else kw["u"][:, :k - 1],
+                                          "x": np.where(x < k - 1, x, 0)})
+            return np.array([sum(np.nan_to_num(c[i] * v[i]) for c, v in zip(cots, stats))
+                             for i in range(n)])
+
+        h = 1e-5
+        expected = (objective(d0 + h) - objective(d0 - h)) / (2 * h)
+        expected[3] = 0.0
+        assert_close(grad.reshape(n), np.where(case["active"], expected, 0.0), "float32",
+                     "d shift")
+        assert_exact_zero(grad.reshape(n)[~case["active"]], "d shift of inactive rows")
+
     def test_shift_ids_out_of_range_give_nan_not_an_unshifted_row(self, rng):
         fw = self.fw
         k = 29

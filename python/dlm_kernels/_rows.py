@@ -26,7 +26,7 @@ class Rows(NamedTuple):
         """The same rows over a block of columns: ``logits`` / ``teacher`` are [N, C] slices."""
         return self._replace(logits=logits, teacher=teacher)
 
-    def gradients(self, d_logits, d_teacher) -> "Rows":
-        """The cotangent of a bundle: d(logits), d(teacher) (None: no gradient), None for
-        every other field (ids, masks and the shift get no gradient)."""
-        return Rows(d_logits, d_teacher)
+    def gradients(self, d_logits, d_teacher, d_shift=None) -> "Rows":
+        """The cotangent of a bundle: d(logits), d(teacher), d(shift) (None: no gradient),
+        None for every other field (ids and masks get no gradient)."""
+        return Rows(d_logits, d_teacher, shift=d_shift)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ._config import StatsConfig
+from ._linear_head import VOCAB_MAJOR, is_head
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
 
@@ -299,6 +300,63 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
         dz = xp.where(keep, dz, 0.0)
         du = None if du is None else xp.where(keep, du, 0.0)
     return dz, du
+
+
+def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
+    """d(Σ cotangent·stats) / d shift, [N] float32: the gradient dr of ``chunk_grads`` at
+    each row's shifted column x (the shift is added after the cap, so no cap' factor):
+
+      dr_x = [g_lse·p_x - g_H·p_x·(log p_x + H) + g_kl·(p_x - q_x)] / T
+             + g_lp·([x == y] - p'_x) / T_ce
+
+    columns: (z_x, u_x, found) of ``shift_columns``: [N] student and teacher logits at
+    column x (u_x None without a teacher), and [N] bool, x lies in these columns (a
+    vocabulary shard holds it, or not). The terms are those of ``chunk_grads`` for one
+    column per row; 0 where not found or inactive.
+    """
+    z_x, u_x, found = columns
+    x, targets = rows.shift_ids, rows.targets
+    r = shifted_logits(xp, z_x[:, None], x[:, None], x, rows.shift, cfg)  # [N, 1]
+    s = _scaled(r, cfg.temperature)
+    logp_k = s - stats.lse[:, None]
+    p = xp.exp(logp_k)
+    g_lse, g_lp, g_h, g_kl = (g[:, None] for g in grads)
+    inv_t = 1.0 / cfg.temperature
+    g_ce = g_lp * (1.0 / cfg.ce_temperature)
+    coef = g_lse * inv_t
+    if not cfg.separate_ce:
+        coef = coef - g_ce
+    if cfg.entropy:
+        coef = coef - g_h * inv_t * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
+    dr = p * coef
+    if cfg.has_teacher:
+        q = xp.exp(_scaled(xp.f32(u_x[:, None]), cfg.teacher_temperature)
+                   - stats.lse_u[:, None])
+        dr = dr + g_kl * inv_t * (p - q)
+    if cfg.separate_ce:
+        dr = dr - g_ce * xp.exp(_scaled(r, cfg.ce_temperature) - stats.lse_ce[:, None])
+    dr = dr[:, 0] + xp.where(x == targets, g_ce[:, 0], 0.0)
+    return xp.where(found & rows.active, dr, 0.0)
+
+
+def shift_columns(xp, rows: Rows, cfg: StatsConfig, offset=0):
+    """(z_x, u_x, found) for ``shift_grad`` from rows whose logits (and teacher) are
+    [N, K] arrays holding the columns [offset, offset + K): two gathers, O(N). Read them
+    before a backward writes its gradient over the logits (``inplace_grad``)."""
+    found, idx = target_column(xp, rows.shift_ids, rows.logits.shape[1], offset, cfg)
+    z_x = _column(xp, rows.logits, idx)
+    u_x = None if rows.teacher is None else _column(xp, rows.teacher, idx)
+    return z_x, u_x, found
+
+
+def _column(xp, x, idx):
+    """[N] float32: x[n, idx[n]] of [N, K] logits, or of a linear head's (one dot product
+    of D per row with the gathered row of the weight: O(N·D), no logits)."""
+    if not is_head(x):
+        return xp.f32(xp.gather_cols(x, idx))
+    w = x.weight if x.weight_layout == VOCAB_MAJOR else x.weight.T  # [K, D]
+    z = xp.rowsum(xp.f32(x.hidden) * xp.f32(w[idx]))
+    return z if x.bias is None else z + xp.f32(x.bias[idx])
 
 
 def reference_stats(xp, rows: Rows, cfg: StatsConfig):

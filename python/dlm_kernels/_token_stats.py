@@ -50,7 +50,8 @@ _TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differen
       shift_ids, shift: LOO shift; ``shift`` ([...] per row, e.g. [B, L] for per-position
         diffusion times, or a scalar; float) is added to the logit at column ``shift_ids``
         ([...] int) before the temperature. An active row whose shift id lies outside
-        [0, K) gets NaN in every statistic (never a silently unshifted row).
+        [0, K) gets NaN in every statistic (never a silently unshifted row). The shift is
+        differentiable (what it was computed from, e.g. the time t, gets its gradient).
       teacher_logits: [..., K] optional teacher logits u for ``kl``.
       teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
       teacher_grad: also differentiate with respect to ``teacher_logits``.

@@ -198,6 +198,23 @@ def _summed_like(g, primal):
     return lax.psum(g, tuple(sorted(extra))) if extra else g
 
 
+def _shift_grad(cfg, axis, rows, stats, grads):
+    """d shift [N] (None without a shift) of the rows' whole cotangent ``grads``: the
+    shifted column's logit is one dot product per row (``stats_math.shift_columns``),
+    summed over the vocabulary shards of ``axis`` (one of them holds each column)."""
+    if rows.shift_ids is None:
+        return None
+    k_local = rows.logits.shape[1]
+    offset = 0 if axis is None else lax.axis_index(axis) * k_local
+    columns = stats_math.shift_columns(JaxOps, rows, cfg, offset)
+    d_shift = stats_math.shift_grad(JaxOps, columns, rows, stats, grads, cfg)
+    return d_shift if axis is None else lax.psum(d_shift, axis)
+
+
+def _with_shift(cotangent, d_shift):
+    return cotangent if d_shift is None else cotangent._replace(shift=d_shift)
+
+
 def _cotangent(rows, acc, scale=None):
     """The Rows cotangent of the accumulators: gradients in the inputs' dtypes (zeros for a
     part without one), None for the ids, masks and shift."""
@@ -245,7 +262,7 @@ def _head_stats_bwd(impl, cfg, axis, residuals, cotangents):
     rows, stats = residuals
     grads = _row_grads(cotangents, rows.targets.shape[0])
     _, acc = _Sweep(impl, cfg, rows, axis).run(stats=stats, grads=grads)
-    return (_cotangent(rows, acc),)
+    return (_with_shift(_cotangent(rows, acc), _shift_grad(cfg, axis, rows, stats, grads)),)
 
 
 _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
@@ -296,6 +313,12 @@ def _head_total_bwd(impl, cfg, axis, residuals, cotangents):
         out = more if out is None else _add_trees(out, more)
     if out is None:
         out = _cotangent(rows, (None, None))
+    if rows.shift_ids is not None:  # the whole row cotangent, the total's share included
+        grads = _row_grads(cotangents[:4], n)
+        if not isinstance(g_total, SymbolicZero):
+            g = g_total.astype(jnp.float32)
+            grads = tuple(r + c * g for r, c in zip(grads, _row_grads(coefficients, n)))
+        out = _with_shift(out, _shift_grad(cfg, axis, rows, stats, grads))
     return out, None
 
 

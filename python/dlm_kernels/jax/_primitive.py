@@ -21,10 +21,22 @@ REGISTRY = Registry("jax")
 REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a JAX module
 
 
-def _cotangent(rows, dz, du):
+def _cotangent(rows, stats, grads, cfg, impl, offset=None, axis=None):
+    """The bundle's cotangent: the backend's d(logits), d(teacher), and d(shift) from the
+    shifted column (summed over the vocabulary shards of ``axis``: one of them holds it)."""
+    columns = None
+    if rows.shift_ids is not None:
+        columns = stats_math.shift_columns(JaxOps, rows, cfg, 0 if offset is None else offset)
+    kw = {} if offset is None else {"offset": offset}
+    dz, du = impl.backward(rows, stats, grads, cfg, **kw)
     if rows.teacher is not None and du is None:
         du = jnp.zeros_like(rows.teacher)  # the teacher is stop-gradient unless teacher_grad
-    return rows.gradients(dz, du)
+    d_shift = None
+    if columns is not None:
+        d_shift = stats_math.shift_grad(JaxOps, columns, rows, stats, grads, cfg)
+        if axis is not None:
+            d_shift = jax.lax.psum(d_shift, axis)
+    return rows.gradients(dz, du, d_shift)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -41,7 +53,7 @@ def _token_stats_fwd(impl, cfg, rows):
 def _token_stats_bwd(impl, cfg, residuals, cotangents):
     rows, stats = residuals
     grads = tuple(g.astype(jnp.float32) for g in cotangents)
-    return (_cotangent(rows, *impl.backward(rows, stats, grads, cfg)),)
+    return (_cotangent(rows, stats, grads, cfg, impl),)
 
 
 _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
@@ -66,7 +78,7 @@ def _vocab_parallel_fwd(impl, cfg, axis, rows):
 def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):
     rows, stats, offset = residuals
     grads = tuple(g.astype(jnp.float32) for g in cotangents)
-    return (_cotangent(rows, *impl.backward(rows, stats, grads, cfg, offset=offset)),)
+    return (_cotangent(rows, stats, grads, cfg, impl, offset, axis),)
 
 
 _vocab_parallel_vjp.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)

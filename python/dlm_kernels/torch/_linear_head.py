@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .. import _linear_head as base
 from .._linear_head import VOCAB_MAJOR, is_head, row_chunk_for, row_chunks
 from .._rows import Rows
+from .. import _stats_math as stats_math
 from .._stats_math import Stats
 from ._buffers import empty
 from ._ops import TorchOps
@@ -423,7 +424,33 @@ class _LinearHeadFunction(torch.autograd.Function):
             ctx.planned = _RECOMPUTE
         if out is None:
             out = [None] * (2 * _PART)
-        return (None, None, None, None, *out, *([None] * (len(tensors) - 2 * _PART)))
+        fields = [None] * (len(tensors) - 2 * _PART)
+        if ctx.needs_input_grad[4 + 2 * _PART + _ROW_FIELDS.index("shift")]:
+            fields[_ROW_FIELDS.index("shift")] = _shift_grad(ctx, tensors, stats, g_total,
+                                                             (g_lse, g_lp, g_h, g_kl))
+        return (None, None, None, None, *out, *fields)
+
+
+def _shift_grad(ctx, tensors, stats, g_total, row_cts):
+    """d shift of the rows' whole cotangent (the total's share folded in): the shifted
+    column's logit is one dot product per row (``stats_math.shift_columns``)."""
+    rows, coefficients = _unpack(ctx.spec, tensors)
+    grads = _cotangents(row_cts, rows.targets)
+    if g_total is not None:
+        scaled = [c * g_total.float() for c in _cotangents(coefficients, rows.targets)]
+        grads = tuple(g + c for g, c in zip(grads, scaled))
+    offset = 0
+    if ctx.group is not None:
+        import torch.distributed as dist
+
+        offset = dist.get_rank(ctx.group) * rows.logits.shape[1]
+    columns = stats_math.shift_columns(TorchOps, rows, ctx.cfg, offset)
+    d_shift = stats_math.shift_grad(TorchOps, columns, rows, stats, grads, ctx.cfg)
+    if ctx.group is not None:  # one shard holds each shifted column; the shift is replicated
+        import torch.distributed as dist
+
+        dist.all_reduce(d_shift, group=ctx.group)
+    return d_shift
 
 
 def apply_head(impl, cfg, rows, group, coefficients):

@@ -59,7 +59,7 @@ class _TokenStatsFunction(torch.autograd.Function):
             stats, offset = _vocab_parallel_stats(rows, impl, cfg, group)
             ctx.backward_kw["offset"] = offset
         ctx.save_for_backward(*rows, *stats)
-        ctx.impl, ctx.cfg = impl, cfg
+        ctx.impl, ctx.cfg, ctx.group = impl, cfg, group
         return stats.lse, stats.logp, stats.entropy, stats.kl
 
     @staticmethod
@@ -67,8 +67,20 @@ class _TokenStatsFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         rows, stats = Rows(*saved[:_N_FIELDS]), Stats(*saved[_N_FIELDS:])
         grads = tuple(g.float() for g in (g_lse, g_lp, g_h, g_kl))
+        columns = None
+        if rows.shift_ids is not None and ctx.needs_input_grad[4 + Rows._fields.index("shift")]:
+            # the shifted column, read before an in-place backward overwrites the logits
+            columns = stats_math.shift_columns(TorchOps, rows, ctx.cfg,
+                                               ctx.backward_kw.get("offset", 0))
         dz, du = ctx.impl.backward(rows, stats, grads, ctx.cfg, **ctx.backward_kw)
-        return (None, None, None, None, *rows.gradients(dz, du))
+        d_shift = None
+        if columns is not None:
+            d_shift = stats_math.shift_grad(TorchOps, columns, rows, stats, grads, ctx.cfg)
+            if ctx.group is not None:  # the shard holding x has it; the shift is replicated
+                import torch.distributed as dist
+
+                dist.all_reduce(d_shift, group=ctx.group)
+        return (None, None, None, None, *rows.gradients(dz, du, d_shift))
 
 
 class TorchVJP:
