@@ -174,6 +174,55 @@ class ObjectivesSuite:
             assert_close(got[[0, 2]], expected[variant][[0, 2]], "float32",
                          f"{variant}: the other sequences")
 
+    def test_bad_values_give_nan_where_values_cannot_be_read(self, rng, monkeypatch):
+        """A t outside [0, 1] or NaN, a negative or NaN loss_mask, negative or non-finite loss
+        weights: an error where values are readable; where they are not (simulated by giving
+        the checks no host values, as under jit or torch.compile), NaN in what they touch
+        (that sequence's loss, the weighted sums, those positions' log-probs), never a
+        plausible number; the other sequences keep their exact values."""
+        from dlm_kernels import _checks
+
+        fw = self.fw
+        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        good = self.sft_call("diffusion_sft_loss", (logits, x0, xt, t, mask), "reweighted-loo-ce")
+        good = fw.numpy(good)
+        bad_cases = {"t > 1": (np.array([t[0], 1.5, t[2]], np.float32), mask),
+                     "t < 0": (np.array([t[0], -0.25, t[2]], np.float32), mask),
+                     "t NaN": (np.array([t[0], np.nan, t[2]], np.float32), mask)}
+        for value in (-1.0, np.nan, np.inf):
+            m = mask.copy()
+            m[1, 2] = value
+            bad_cases[f"loss_mask {value}"] = (t, m)
+        for name, (t_bad, m_bad) in bad_cases.items():
+            with pytest.raises(ValueError):
+                self.sft_call("diffusion_sft_loss", (logits, x0, xt, t_bad, m_bad), "reweighted-loo-ce")
+        monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
+        for name, (t_bad, m_bad) in bad_cases.items():
+            for fn in ("diffusion_sft_loss", "diffusion_sft_logps"):
+                got = fw.numpy(self.sft_call(fn, (logits, x0, xt, t_bad, m_bad), "reweighted-loo-ce"))
+                assert np.isnan(got[1]), f"{fn} with {name}: {got}"
+                if fn == "diffusion_sft_loss":
+                    assert_close(got[[0, 2]], good[[0, 2]], "float32", f"{fn} with {name}")
+        batch, y, w = self.batch(rng)
+        z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        u = fw.array(rng.normal(size=(2, 6, 41)), "float32")
+        for value in (-0.5, np.nan, np.inf):
+            w_bad = w.copy()
+            w_bad[1, 3] = value
+            b = batch.replace(loss_weights=fw.array(w_bad))
+            db = fw.api.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=u)
+            ce = fw.api.weighted_cross_entropy(z, b, backend=self.BACKEND)
+            total, aux = fw.api.opd_loss(z, db, soft_loss_weight=0.5, hard_loss_weight=0.5,
+                                         backend=self.BACKEND)
+            for name, v in (("weighted_cross_entropy", ce.unreduced_sum),
+                            ("opd_loss", total.unreduced_sum),
+                            ("opd soft", aux["distill/soft_loss"].unreduced_sum),
+                            ("opd hard", aux["distill/hard_loss"].unreduced_sum)):
+                assert np.isnan(fw.numpy(v)), f"{name} with a loss weight of {value}: {v}"
+            logps = fw.numpy(fw.api.per_token_logps(z, b, backend=self.BACKEND))
+            assert np.isnan(logps[1, 3]), f"per_token_logps with a loss weight of {value}"
+            assert np.isfinite(np.delete(logps.reshape(-1), 9)).all(), logps
+
     def test_sync_checks_read_accelerator_arrays(self, rng, monkeypatch):
         """Outside sync_checks() an accelerator array's values are not read (NaN loss);
         inside, they are, and the bad id is an error. The accelerator is simulated by an ops

@@ -29,6 +29,23 @@ def _total(xp, x):  # [B, L] -> []
     return xp.rowsum(xp.rowsum(x))
 
 
+# Values the checks cannot read (under jit / torch.compile, or on an accelerator outside
+# ``sync_checks()``) are still never turned into a plausible number: what they touch is NaN.
+
+def _invalid_weights(xp, w):
+    """[..., L] float32 -> [..., L] bool: a weight or mask that is negative or not finite."""
+    return ~((w >= 0.0) & xp.isfinite(w))
+
+
+def _any(xp, bad):
+    """[..., L] bool -> [...] bool: any along the last axis."""
+    return xp.rowsum(xp.where(bad, 1.0, 0.0)) > 0.0
+
+
+def _nan_where(xp, bad, x):
+    return xp.where(bad, float("nan"), x)
+
+
 class Objectives:
     """The public objectives of one front end (see the module docstring)."""
 
@@ -146,6 +163,11 @@ class Objectives:
         if clip is not None:
             w = xp.clamp_max(w, clip)
         mask = xp.f32(loss_mask)
+        t32 = xp.as_f32(t)
+        # a t outside [0, 1] (NaN included) or a negative / non-finite mask: that sequence's
+        # loss is NaN where the checks above could not read the values
+        w = _nan_where(xp, ~((t32 >= 0.0) & (t32 <= 1.0)) | _any(xp, _invalid_weights(xp, mask)),
+                       w)
         if vocab_size < extent:  # ids in [vocab_size, K) are out of range too: NaN, not silent
             x0 = xp.where(x0 < vocab_size, x0, -1)
             xt = xp.where(xt < vocab_size, xt, -1) if loo else xt
@@ -209,7 +231,9 @@ class Objectives:
         stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
                                  temperature=temperature, entropy=bool(return_entropy),
                                  backend=backend)
-        logps, entropy = stats.logp, stats.entropy
+        bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))  # unread: NaN there
+        logps = _nan_where(self.xp, bad, stats.logp)
+        entropy = None if stats.entropy is None else _nan_where(self.xp, bad, stats.entropy)
         if stop_gradient:
             logps = self.xp.stop_gradient(logps)
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)
@@ -232,7 +256,9 @@ class Objectives:
         _, total = self.token_stats_total(logits, batch.target_ids, batch.loss_weights,
                                           (None, -w, None, None), entropy=False,
                                           backend=backend)
-        return self.WeightedSum(total, _total(self.xp, w))
+        xp = self.xp
+        total = _nan_where(xp, _any(xp, _any(xp, _invalid_weights(xp, w))), total)
+        return self.WeightedSum(total, _total(xp, w))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
                  hard_loss_weight=0.0, backend=None):
@@ -278,6 +304,8 @@ class Objectives:
         zero = denominator * 0.0
         soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
         hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
+        bad = _any(xp, _any(xp, _invalid_weights(xp, w)))  # unread negative weights: NaN
+        total, soft, hard = (_nan_where(xp, bad, v) for v in (total, soft, hard))
         aux = {
             "distill/soft_loss": self.WeightedSum(soft, denominator),
             "distill/hard_loss": self.WeightedSum(hard, denominator),
