@@ -356,6 +356,14 @@ class TokenStatsSuite:
             assert np.isnan(grad[i]).all(), (
                 f"d logits of the row with {kinds[i]}: {np.count_nonzero(~np.isnan(grad[i]))} of "
                 f"{k} not NaN")
+        # each statistic's own gradient too (the entropy's NaN must not hide another's)
+        for j, name in enumerate(("lse", "logp", "entropy", "kl")):
+            alone = lambda z_, j=j: (fn(z_)[j],)  # only this statistic is differentiated
+            _, (grad,) = fw.vjp(alone, [fw.array(z64, "float32")], [cots[j]])
+            for i in np.flatnonzero(~keep):
+                assert np.isnan(grad[i]).all(), (
+                    f"d {name} / d logits of the row with {kinds[i]}: "
+                    f"{np.count_nonzero(~np.isnan(grad[i]))} of {k} not NaN")
 
     def test_scalar_shift_equals_broadcast_shift(self, rng):
         fw = self.fw

@@ -371,10 +371,12 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     cols = xp.arange(k, z)
     z = xp.where(active[:, None], xp.f32(z), 0.0)
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
+    # a +inf logit leaves no distribution: every statistic of its row NaN and its whole
+    # gradient NaN, as the streaming backends give (inf - inf); r·NaN makes both so
+    plus_inf = xp.rowmax(xp.stop_gradient(r)) == float("inf")
+    r = r * xp.where(plus_inf, float("nan"), 1.0)[:, None]
     s = r * (1.0 / cfg.temperature)
     lse = xp.logsumexp(s)
-    # a +inf logit leaves no distribution: NaN, as the streaming backends give (inf - inf)
-    lse = xp.where(lse == float("inf"), float("nan"), lse)
     logp_all = s - lse[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
