@@ -223,6 +223,55 @@ class ObjectivesSuite:
             assert np.isnan(logps[1, 3]), f"per_token_logps with a loss weight of {value}"
             assert np.isfinite(np.delete(logps.reshape(-1), 9)).all(), logps
 
+    def test_extreme_loss_weights(self, rng, monkeypatch):
+        """Weights from denormal to 1e30: exact (vs the float64 oracle, gradients too) while
+        their sum is a normal float32 number; a sum below it (1/Σw overflows) or above it
+        raises naming loss_weights (the SFT loss_mask: a row sum that overflows), and is NaN
+        where the checks cannot read the values."""
+        from dlm_kernels import _checks
+
+        fw = self.fw
+        batch, y, w = self.batch(rng)
+        z = fw.array(rng.normal(size=(2, 6, 41)) * 3, "float32")
+        z64, active = fw.numpy(z).reshape(12, 41), (w != 0).reshape(-1)
+        _, lp, _, _ = oracle.token_stats(z64, y.reshape(-1), active)
+        for scale in (1e-30, 1e-20, 1e20, 1e30):
+            ws = (w * np.float32(scale)).astype(np.float32)
+            ws[0, 0] = np.float32(1e-45) * (w[0, 0] != 0)  # a denormal weight among them
+            b = batch.replace(loss_weights=fw.array(ws))
+            fn = lambda z_: (fw.api.weighted_cross_entropy(z_, b, backend=self.BACKEND).compute(),)
+            (loss,), (grad,) = fw.vjp(fn, [z], [np.float32(1.0)])
+            wf = ws.reshape(-1).astype(np.float64)
+            assert_close(loss, -(wf * lp).sum() / wf.sum(), "float32", f"loss at weights {scale}")
+            zeros = np.zeros(12)
+            g = (zeros, -wf / wf.sum(), zeros, zeros)
+            dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g)
+            assert_close(grad.reshape(12, 41), dz, "float32", f"d logits at weights {scale}",
+                         slack=oracle.saved_lse_slack(z64, y.reshape(-1), active, g))
+        for value in (1e-45, 1e-40, 1e38):
+            ws = np.where(w != 0, np.float32(value), 0).astype(np.float32)
+            with pytest.raises(ValueError, match="loss_weights must sum to 0 or to a normal float32"):
+                fw.api.DiffusionTokenBatch.create(model_inputs=batch.model_inputs,
+                                                  target_ids=batch.target_ids,
+                                                  loss_weights=fw.array(ws))
+        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        huge = mask.copy()
+        huge[0, :2] = np.float32(3e38)  # row 0's sum overflows float32
+        with pytest.raises(ValueError, match=r"loss_mask must sum to 0 or .* at row \(0,\)"):
+            self.sft_call("diffusion_sft_loss", (logits, x0, xt, t, huge), "base-sft")
+        monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
+        got = fw.numpy(self.sft_call("diffusion_sft_loss", (logits, x0, xt, t, huge), "base-sft"))
+        assert np.isnan(got[0]) and np.isfinite(got[1:]).all(), got
+        for value in (1e-45, 1e38):
+            ws = np.where(w != 0, np.float32(value), 0).astype(np.float32)
+            b = batch.replace(loss_weights=fw.array(ws))
+            loss = fw.numpy(fw.api.weighted_cross_entropy(z, b, backend=self.BACKEND).compute())
+            if fw.name == "jax" and value < _checks.F32_TINY:
+                # XLA on a CPU reads denormals as 0 (w != 0 is False): all weights are 0
+                assert loss == 0.0, f"weights of {value} read as 0: {loss}"
+            else:
+                assert np.isnan(loss), f"weights of {value}: {loss}"
+
     def test_sync_checks_read_accelerator_arrays(self, rng, monkeypatch):
         """Outside sync_checks() an accelerator array's values are not read (NaN loss);
         inside, they are, and the bad id is an error. The accelerator is simulated by an ops

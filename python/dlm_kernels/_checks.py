@@ -155,6 +155,29 @@ def check_unit_interval(xp, name, x, allow_sync=False):
         _raise_first(bad, v, f"{name} must lie in [0, 1]")
 
 
+#: the float32 range a sum of weights must lie in: a WeightedSum's gradient scales by
+#: 1 / Σ w, which overflows below the smallest normal number, and Σ w itself overflows above
+#: the largest
+F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def check_weight_sum(xp, name, x, per_row=False, allow_sync=False):
+    """Σ x (per row of the last axis with ``per_row``, else in all) is 0 or within float32's
+    normal range (``per_row``: only finite, for sums that divide as max(Σ, 1))."""
+    v = host_values(xp, x, allow_sync)
+    if v is None:
+        return
+    sums = v.sum(axis=-1) if per_row else v.sum()[None]  # float64: no overflow here
+    bad = (sums > F32_MAX) | ((sums > 0) & (sums < F32_TINY) & (not per_row))
+    if bad.any():
+        idx = np.argwhere(bad)[0]
+        where = f" at row {_index(idx)}" if per_row else ""
+        raise ValueError(
+            f"{name} must sum to 0 or to a normal float32 number (between {F32_TINY:.3g} and "
+            f"{F32_MAX:.3g}: the loss divides by the sum); got a sum of "
+            f"{float(sums[tuple(idx)]):.3g}{where}: rescale them")
+
+
 def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False):
     """ids in [0, high) (>= 0 when high is None) at the positions where ``where`` (an array
     whose non-zero entries select) is set, or everywhere when ``where`` is None; ``at`` says
@@ -246,6 +269,7 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allo
     host (an out-of-range active target still shows as a NaN log-prob, never silently).
     """
     check_nonnegative(xp, "loss_weights", loss_weights, allow_sync)
+    check_weight_sum(xp, "loss_weights", loss_weights, allow_sync=allow_sync)
     check_ids(xp, "target_ids", target_ids, vocab_size, where=loss_weights,
               at=" at active positions", allow_sync=allow_sync)
 

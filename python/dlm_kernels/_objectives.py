@@ -46,6 +46,14 @@ def _nan_where(xp, bad, x):
     return xp.where(bad, float("nan"), x)
 
 
+def _bad_weighted_sum(xp, w):
+    """[] bool: [B, L] weights a WeightedSum cannot hold: one negative or non-finite, or a
+    sum outside 0 and float32's normal range (``_checks.check_weight_sum``)."""
+    den = _total(xp, w)
+    return (_any(xp, _any(xp, _invalid_weights(xp, w))) | ~xp.isfinite(den)
+            | ((den > 0.0) & (den < checks.F32_TINY)))
+
+
 class Objectives:
     """The public objectives of one front end (see the module docstring)."""
 
@@ -153,6 +161,7 @@ class Objectives:
         loo = variant in LOO_VARIANTS
         # values, where they can be read without a device sync (see ``sync_checks``)
         checks.check_nonnegative(xp, "loss_mask", loss_mask)
+        checks.check_weight_sum(xp, "loss_mask", loss_mask, per_row=True)
         checks.check_unit_interval(xp, "t", t)
         checks.check_ids(xp, "x0", x0, vocab_size, where=loss_mask, at=" where loss_mask is set")
         if loo:
@@ -166,8 +175,8 @@ class Objectives:
         t32 = xp.as_f32(t)
         # a t outside [0, 1] (NaN included) or a negative / non-finite mask: that sequence's
         # loss is NaN where the checks above could not read the values
-        w = _nan_where(xp, ~((t32 >= 0.0) & (t32 <= 1.0)) | _any(xp, _invalid_weights(xp, mask)),
-                       w)
+        w = _nan_where(xp, ~((t32 >= 0.0) & (t32 <= 1.0)) | _any(xp, _invalid_weights(xp, mask))
+                       | ~xp.isfinite(xp.rowsum(mask)), w)
         if vocab_size < extent:  # ids in [vocab_size, K) are out of range too: NaN, not silent
             x0 = xp.where(x0 < vocab_size, x0, -1)
             xt = xp.where(xt < vocab_size, xt, -1) if loo else xt
@@ -257,7 +266,7 @@ class Objectives:
                                           (None, -w, None, None), entropy=False,
                                           backend=backend)
         xp = self.xp
-        total = _nan_where(xp, _any(xp, _any(xp, _invalid_weights(xp, w))), total)
+        total = _nan_where(xp, _bad_weighted_sum(xp, w), total)
         return self.WeightedSum(total, _total(xp, w))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
@@ -304,7 +313,7 @@ class Objectives:
         zero = denominator * 0.0
         soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
         hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
-        bad = _any(xp, _any(xp, _invalid_weights(xp, w)))  # unread negative weights: NaN
+        bad = _bad_weighted_sum(xp, w)  # what the checks could not read: NaN
         total, soft, hard = (_nan_where(xp, bad, v) for v in (total, soft, hard))
         aux = {
             "distill/soft_loss": self.WeightedSum(soft, denominator),
