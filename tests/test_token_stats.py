@@ -375,6 +375,17 @@ class TokenStatsSuite:
         for got, exp in zip(a, b):
             assert_close(fw.numpy(got), fw.numpy(exp), "float32", "scalar shift")
 
+    @pytest.mark.parametrize("rows", [(0,), (2, 0)])
+    def test_no_rows(self, rng, rows):
+        """Zero rows (an empty batch or length): empty statistics and empty gradients, every
+        feature on, as the reference gives; no kernel launches over an empty grid."""
+        fw = self.fw
+        case = make_case(fw, rng, rows, 37, "float32", FEATURES["all"])
+        outs, grads, _ = self.run_case(case, rng)
+        for name, got in zip(("lse", "logp", "entropy", "kl"), outs):
+            assert got.shape == rows, f"{name}: shape {got.shape}, expected {rows}"
+        assert [g.shape for g in grads] == [rows + (37,)] * 2, [g.shape for g in grads]
+
     def test_weights_none_means_all_active(self, rng):
         fw = self.fw
         z64 = rng.normal(size=(5, 33))

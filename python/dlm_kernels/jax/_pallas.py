@@ -76,6 +76,8 @@ class PallasJax:
     @staticmethod
     def _run_forward(rows, active, cfg, offset, partial):
         z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
+        if z.shape[0] == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
+            return jnp.zeros((0, max(len(ROW_STATS), len(PARTIAL_STATE))), jnp.float32)
         floats = _forward_floats(rows, active)  # [N, 2]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
         call = fold_vmap_into_rows(
@@ -104,6 +106,9 @@ class PallasJax:
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
         z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
+        if z.shape[0] == 0:  # no rows: nothing to launch
+            empty = lambda a: jnp.zeros(a.shape, a.dtype)
+            return empty(z), (empty(u) if u is not None and cfg.teacher_grad else None)
         floats = _backward_floats(rows, stats, grads)  # [N, 16]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
         call = fold_vmap_into_rows(
