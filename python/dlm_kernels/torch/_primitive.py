@@ -12,6 +12,7 @@ from .._frontend import token_stats_total as make_token_stats_total
 from .._token_stats import TOKEN_STATS_DOC
 from .._rows import Rows
 from .._stats_math import Stats
+from ._first_order import first_order_only
 from ._linear_head import apply_head
 from ._ops import TorchOps
 
@@ -67,7 +68,10 @@ class _TokenStatsFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         rows, stats = Rows(*saved[:_N_FIELDS]), Stats(*saved[_N_FIELDS:])
         grads = tuple(g.float() for g in (g_lse, g_lp, g_h, g_kl))
-        dz, du = ctx.impl.backward(rows, stats, grads, ctx.cfg, **ctx.backward_kw)
+        with torch.no_grad():  # first derivatives, never recorded (see ``_first_order``)
+            dz, du = ctx.impl.backward(rows, stats, grads, ctx.cfg, **ctx.backward_kw)
+        dz, du = first_order_only(ctx.impl.name, (dz, du),
+                                  (rows.logits, rows.teacher, g_lse, g_lp, g_h, g_kl))
         return (None, None, None, None, *rows.gradients(dz, du))
 
 
@@ -81,6 +85,16 @@ class TorchVJP:
         return _TokenStatsFunction.apply(impl, cfg, inplace, group, *rows)
 
     apply_head = staticmethod(apply_head)
+
+    @staticmethod
+    def check_shard(process_group, bound=True):
+        import torch.distributed as dist
+
+        group = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+        if group is None or not isinstance(process_group, group):
+            raise TypeError(
+                f"process_group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
+                f"dist.new_group(...)) or None; got {type(process_group).__name__}")
 
     @staticmethod
     def shards(process_group) -> int:
@@ -98,7 +112,7 @@ vocab_extent = _FRONT.vocab_extent
 def vocab_parallel(process_group, vocab_size=None):
     """Within this block every objective treats its logits as this rank's vocabulary shard
     of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
-    return _FRONT.vocab_parallel.within(process_group, vocab_size)
+    return _FRONT.within(process_group, vocab_size)
 
 
 token_stats = public_token_stats(_FRONT, "process_group", TOKEN_STATS_DOC)
