@@ -501,8 +501,10 @@ def test_merge_names_a_leaf_that_is_none_in_some_batches(fw_name):
 
     with_b, without_b = batch(2, np.ones((2, 3), np.int32)), batch(2, None)
     pattern = {"torch": r"^batches\[1\]\.model_inputs\['b'\] is {}, but batches\[0\]\."
-                        r"model_inputs\['b'\] is {}: a leaf must be None in every batch or in none$",
-               "jax": r"^batches\[1\]\.model_inputs has tree structure .*: they must match$"}[fw_name]
+                        r"model_inputs\['b'\] is {}: a leaf must be None in every batch or "
+                        r"in none$",
+               "jax": r"^batches\[1\]\.model_inputs has tree structure .*: they must "
+                      r"match$"}[fw_name]
     shape = r"an array of shape \[2, 3\]"
     with pytest.raises(ValueError, match=pattern.format(shape, "None")):
         fw.api.merge_diffusion_batches([without_b, with_b])
@@ -670,7 +672,8 @@ BOOLS_FOR_NUMBERS = [
     (lambda api, fw, b: api.token_stats(*_stats_args(fw), softcap=np.array(True)), "softcap"),
     (lambda api, fw, b: api.per_token_logps(_stats_args(fw)[0].reshape(2, 3, 11), b,
                                             temperature=True), "temperature"),
-    (lambda api, fw, b: api.diffusion_sft_loss(**{**sft_args(fw), "vocab_size": True}), "vocab_size"),
+    (lambda api, fw, b: api.diffusion_sft_loss(**{**sft_args(fw), "vocab_size": True}),
+     "vocab_size"),
     (lambda api, fw, b: api.diffusion_sft_loss(**sft_args(fw), diffusion_weight_clip=True),
      "diffusion_weight_clip"),
     (lambda api, fw, b: api.diffusion_sft_loss(**{**sft_args(fw), "t": True}), "t"),
@@ -714,7 +717,8 @@ def test_sft_takes_one_diffusion_time_for_every_sequence(fw_name, fn, rng):
     for bad in (1.5, np.float64(-0.5), float("nan")):
         with pytest.raises(ValueError, match=rf"^t must lie in \[0, 1\]; got {bad}$"):
             getattr(fw.api, fn)(**{**args, "t": bad})
-    with pytest.raises(ValueError, match=r"^t must be a float in \[0, 1\] or a \[B\] array; got '0.5'$"):
+    with pytest.raises(ValueError,
+                       match=r"^t must be a float in \[0, 1\] or a \[B\] array; got '0.5'$"):
         getattr(fw.api, fn)(**{**args, "t": "0.5"})
     # loo_to_denoiser_logits takes one alpha for every sequence alike
     z, xt = args["logits"], args["xt"]
@@ -782,9 +786,10 @@ def test_arrays_and_batches_of_the_other_framework_say_how_to_convert(fw_name):
     fw = framework(fw_name)
     other = framework("jax" if fw_name == "torch" else "torch")
     if fw_name == "torch":
-        expected = [(jnp.zeros((6, 11)), r"got a JAX Array: convert it with torch\.from_dlpack\(logits\)$"),
+        expected = [(jnp.zeros((6, 11)),
+                     r"got a JAX Array: convert it with torch\.from_dlpack\(logits\)$"),
                     (np.zeros((6, 11), np.float32),
-                     r"got a NumPy ndarray: convert it with torch\.from_numpy\(logits\)$")]
+                     r"got a NumPy ndarray: convert it with torch\.as_tensor\(logits\)$")]
         prefix = r"^logits must be a torch tensor \(dlm_kernels\.torch takes torch tensors\); "
     else:
         expected = [(torch.zeros((6, 11)), r"got a torch Tensor: convert it with "
@@ -798,7 +803,8 @@ def test_arrays_and_batches_of_the_other_framework_say_how_to_convert(fw_name):
         with pytest.raises(TypeError, match=prefix + pattern):
             fw.api.backend_for(logits)
     with pytest.raises(TypeError, match=r"^target_ids must be a .*; got a "):
-        fw.api.DiffusionTokenBatch.create(**{**good(fw), "target_ids": other.array(np.ones((2, 3), np.int32))})
+        fw.api.DiffusionTokenBatch.create(
+            **{**good(fw), "target_ids": other.array(np.ones((2, 3), np.int32))})
     if fw_name == "torch":  # the conversion the message gives works
         got = fw.api.token_stats(torch.from_dlpack(jnp.zeros((6, 11))), y)
         np.testing.assert_array_equal(fw.numpy(got.lse), np.log(11.0).astype(np.float32))

@@ -252,7 +252,7 @@ def test_backend_for_names_arrays_a_front_end_does_not_take():
     import dlm_kernels.torch as T
 
     with pytest.raises(TypeError, match=r"^logits must be a torch tensor .*; got a NumPy ndarray: "
-                                        r"convert it with torch\.from_numpy\(logits\)$"):
+                                        r"convert it with torch\.as_tensor\(logits\)$"):
         T.backend_for(np.zeros(3, np.float32))
     with pytest.raises(TypeError, match=r"^logits\.hidden must be a torch tensor .*got a NumPy"):
         T.backend_for(T.LinearHead(np.zeros((2, 3), np.float32), torch.zeros(5, 3)))
@@ -268,7 +268,7 @@ def test_backend_for_names_arrays_a_front_end_does_not_take():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.startswith("logits is a NumPy ndarray, which only dlm_kernels.jax takes, and "
                                  "it cannot be imported here ("), out
-    assert "convert it with torch.from_numpy(logits)" in out.stdout, out.stdout
+    assert "convert it with torch.as_tensor(logits)" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("fw_name", FWS)

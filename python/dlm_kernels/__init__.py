@@ -23,7 +23,7 @@ def backend_for(logits, backend=None) -> str:
             raise TypeError(
                 f"logits is a NumPy {type(array).__name__}, which only dlm_kernels.jax takes, "
                 f"and it cannot be imported here ({err}); for dlm_kernels.torch convert it with "
-                f"torch.from_numpy(logits)") from err
+                f"torch.as_tensor(logits)") from err
     else:
         raise TypeError(f"logits must be a torch tensor or a JAX array; got {type(logits).__name__}")
     return impl(logits, backend)

@@ -154,7 +154,7 @@ def _wrong_library(xp, name, x):
     got = {"torch": "a torch Tensor", "jax": "a JAX Array",
            "numpy": f"a NumPy {type(x).__name__}"}[library]
     if xp.framework == "torch":
-        convert = "torch.from_dlpack" if library == "jax" else "torch.from_numpy"
+        convert = "torch.from_dlpack" if library == "jax" else "torch.as_tensor"
         return (f"{name} must be a torch tensor (dlm_kernels.torch takes torch tensors); got "
                 f"{got}: convert it with {convert}({name})")
     return (f"{name} must be a JAX or NumPy array (dlm_kernels.jax takes JAX arrays); got "

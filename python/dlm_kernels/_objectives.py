@@ -9,10 +9,9 @@ around one primitive call, so autodiff flows through the primitive's VJP.
 from __future__ import annotations
 
 from . import _checks as checks
-from ._checks import shape_str
+from ._checks import flag, number, shape_str
 from ._linear_head import is_head
 from ._config import check_loss_weight, check_positive_float, check_vocab_size
-from ._checks import flag, number
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 
 
@@ -62,13 +61,13 @@ class Objectives:
         if not xp.is_array(value):
             if getattr(value, "shape", ()) != ():  # an array of another library: say which
                 checks.require_array(xp, name, value)
-            number_ = number(name, value, what)
-            if unit_interval and not 0.0 <= number_ <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1]; got {checks.plain(number_)}")
-            return xp.full((b,), number_, like)
-        if xp.is_real(value) and not (xp.is_int(value) or xp.is_float(value)):
-            raise TypeError(f"{name} must have an integer or floating dtype; got bool")
-        checks.require_real(xp, name, value, "an integer or floating dtype")
+            v = number(name, value, what)
+            if unit_interval and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1]; got {checks.plain(v)}")
+            return xp.full((b,), v, like)
+        if not (xp.is_int(value) or xp.is_float(value)):  # a bool too: 1 - t fails in torch
+            raise TypeError(f"{name} must have an integer or floating dtype; got "
+                            f"{checks.dtype_str(value)}")
         if tuple(value.shape) == ():
             return xp.broadcast_to(value, (b,))
         if tuple(value.shape) != (b,):
@@ -125,9 +124,10 @@ class Objectives:
         """LOO -> denoiser logits: logits [B, L, K] + delta at column xt [B, L]; float32.
 
         delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B], [B, 1] or
-        [B, L], or one number for every sequence. An xt outside [0, vocab_size) raises ValueError where its values can be read
-        without a device sync, else makes that position's logits NaN. Materialises a
-        [B, L, K] array; the losses apply the same shift inside the fused primitive instead.
+        [B, L], or one number for every sequence. An xt outside [0, vocab_size) raises
+        ValueError where its values can be read without a device sync, else makes that
+        position's logits NaN. Materialises a [B, L, K] array; the losses apply the same
+        shift inside the fused primitive instead.
         """
         xp = self.xp
         checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
@@ -207,10 +207,11 @@ class Objectives:
 
         loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
         tokens x0 [B, L], noisy tokens xt [B, L], times t [B] in [0, 1] (or one number for
-        every sequence) and loss_mask M [B, L] (finite, non-negative). ``alpha_fn(t)`` and
-        ``alpha_dot_fn(t)`` get t as [B] float32 or as given; in a reweighted variant each
-        returns [B] (or a number), in a LOO variant alpha may also be [B, 1] or [B, L]. ``variant`` picks the time weight w and the LOO shift
-        (``VARIANTS``); ``diffusion_weight_clip`` bounds w from above. ``vocab_size`` <= K.
+        every sequence) and loss_mask M [B, L] (finite, non-negative). ``variant`` picks
+        the time weight w and the LOO shift (``VARIANTS``); ``diffusion_weight_clip`` bounds
+        w from above. ``vocab_size`` <= K. ``alpha_fn`` and ``alpha_dot_fn`` get t as [B]
+        (a number broadcast, as float32); in a reweighted variant each returns [B] or a
+        number, in a LOO variant alpha may also be [B, 1] or [B, L].
 
         Bad values raise ValueError where they can be read without a device sync (CPU
         tensors, concrete host arrays; accelerator arrays inside ``sync_checks()``): an x0
@@ -265,8 +266,9 @@ class Objectives:
                                           stop_gradient=True, return_entropy=False,
                                           backend=None):
         """``per_token_logps(logits_fn(model, batch.model_inputs), batch, ...)``."""
-        check_positive_float("temperature", temperature)  # before the model runs
-        flag("stop_gradient", stop_gradient), flag("return_entropy", return_entropy)
+        check_positive_float("temperature", temperature)  # checked before the model runs
+        flag("stop_gradient", stop_gradient)
+        flag("return_entropy", return_entropy)
         checks.require_instance("batch", batch, self.DiffusionTokenBatch)
         logits = logits_fn(model, batch.model_inputs)
         return self.per_token_logps(logits, batch, temperature=temperature,
