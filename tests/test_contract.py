@@ -486,6 +486,34 @@ def test_merge_rejects_mismatched_trees_naming_field_and_leaf(fw_name, change, p
         fw.api.merge_diffusion_batches([batch(2), batch(3, change)])
 
 
+@pytest.mark.parametrize("fw_name", FWS)
+def test_merge_names_a_leaf_that_is_none_in_some_batches(fw_name):
+    """torch's pytrees hold None as a leaf, so {"b": None} and {"b": tensor} flatten alike
+    (merging them was a raw torch.cat error); JAX's differ in structure. Either way the
+    error names the field and leaf; a leaf None in every batch stays None."""
+    fw = framework(fw_name)
+
+    def batch(b, extra):
+        ids = fw.array(np.zeros((b, 3), np.int32))
+        return fw.api.DiffusionTokenBatch.create(
+            model_inputs={"a": ids, "b": None if extra is None else fw.array(extra)},
+            target_ids=ids, loss_weights=fw.array(np.ones((b, 3), np.float32)))
+
+    with_b, without_b = batch(2, np.ones((2, 3), np.int32)), batch(2, None)
+    pattern = {"torch": r"^batches\[1\]\.model_inputs\['b'\] is {}, but batches\[0\]\."
+                        r"model_inputs\['b'\] is {}: a leaf must be None in every batch or "
+                        r"in none$",
+               "jax": r"^batches\[1\]\.model_inputs has tree structure .*: they must "
+                      r"match$"}[fw_name]
+    shape = r"an array of shape \[2, 3\]"
+    with pytest.raises(ValueError, match=pattern.format(shape, "None")):
+        fw.api.merge_diffusion_batches([without_b, with_b])
+    with pytest.raises(ValueError, match=pattern.format("None", shape)):
+        fw.api.merge_diffusion_batches([with_b, without_b])
+    merged = fw.api.merge_diffusion_batches([without_b, batch(1, None)])
+    assert merged.model_inputs["b"] is None and tuple(merged.target_ids.shape) == (3, 3)
+
+
 def test_jax_merge_keeps_host_numpy_on_the_host_and_device_arrays_on_device():
     import jax
     import jax.numpy as jnp
@@ -587,6 +615,242 @@ def test_traced_or_odd_scalars_are_named_plainly(fw_name):
         dbatch = fw.api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=z)
         with pytest.raises(ValueError, match="soft_loss_weight must be a static Python number"):
             jax.jit(lambda s: fw.api.opd_loss(z, dbatch, soft_loss_weight=s))(1.0)
+
+
+# -- numbers, flags and arrays as users pass them ------------------------------------------------
+
+def _sft_oracle(fw, args, t, variant=None, clip=None):
+    """oracle.sft_loss of an sft_args call (float64 NumPy, independent of the package)."""
+    return oracle.sft_loss(fw.numpy(args["logits"]), fw.numpy(args["x0"]), fw.numpy(args["xt"]),
+                           np.asarray(t, np.float64), fw.numpy(args["loss_mask"]),
+                           variant or args["variant"], args["vocab_size"], clip)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_numpy_scalars_are_accepted_as_numbers(fw_name, rng):
+    """np.int64(13), np.float32(0.5) and 0-d arrays are the numbers they hold, wherever a
+    Python number is accepted (not "must be a positive int; got 13")."""
+    fw = framework(fw_name)
+    args = sft_args(fw, variant="reweighted-loo-ce")
+    args["logits"] = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    exp = _sft_oracle(fw, args, [0.25, 0.75], clip=2.0)
+    for vocab_size in (np.int64(11), np.int32(11), np.array(11)):
+        for clip in (np.float32(2.0), np.array(2.0), np.int64(2)):
+            got = fw.api.diffusion_sft_loss(**{**args, "vocab_size": vocab_size,
+                                               "diffusion_weight_clip": clip})
+            assert_close(fw.numpy(got), exp, "float32", f"vocab_size {vocab_size!r}, clip {clip!r}")
+    z = fw.array(rng.normal(size=(5, 301)), "float32")
+    u = fw.array(rng.normal(size=(5, 301)), "float32")
+    y = fw.array(rng.integers(0, 290, 5))
+    kw = dict(temperature=0.7, ce_temperature=1.3, teacher_temperature=0.9, softcap=20.0,
+              chunk_size=128, vocab_size=290)
+    ref = fw.api.token_stats(z, y, teacher_logits=u, **kw)
+    as_numpy = {k: (np.int64(v) if isinstance(v, int) else np.float32(v)) for k, v in kw.items()}
+    for got, exp in zip(fw.api.token_stats(z, y, teacher_logits=u, **as_numpy), ref):
+        np.testing.assert_array_equal(fw.numpy(got), fw.numpy(exp))
+    batch = fw.api.DiffusionDistillationBatch.create(
+        student_batch=fw.api.DiffusionTokenBatch.create(**good(fw)), teacher_logits=args["logits"])
+    for weights in ((np.float32(0.5), np.float64(0.25)), (np.array(0.5), np.int64(0))):
+        total, _ = fw.api.opd_loss(args["logits"], batch, temperature=np.float32(2.0),
+                                   soft_loss_weight=weights[0], hard_loss_weight=weights[1])
+        plain, _ = fw.api.opd_loss(args["logits"], batch, temperature=2.0,
+                                   soft_loss_weight=float(weights[0]),
+                                   hard_loss_weight=float(weights[1]))
+        np.testing.assert_array_equal(fw.numpy(total.compute()), fw.numpy(plain.compute()))
+    head = fw.api.LinearHead(fw.array(np.zeros((2, 3), np.float32)),
+                             fw.array(np.zeros((3, 5) if fw_name == "jax" else (5, 3), np.float32)),
+                             row_chunk=np.int64(16))
+    assert head.row_chunk == 16 and type(head.row_chunk) is int
+
+
+BOOLS_FOR_NUMBERS = [
+    # (call given an api, fw and batch, the argument named)
+    (lambda api, fw, b: api.token_stats(*_stats_args(fw), shift_ids=_stats_args(fw)[1], shift=True),
+     "shift"),
+    (lambda api, fw, b: api.token_stats(*_stats_args(fw), chunk_size=True), "chunk_size"),
+    (lambda api, fw, b: api.token_stats(*_stats_args(fw), vocab_size=np.bool_(True)), "vocab_size"),
+    (lambda api, fw, b: api.token_stats(*_stats_args(fw), softcap=np.array(True)), "softcap"),
+    (lambda api, fw, b: api.per_token_logps(_stats_args(fw)[0].reshape(2, 3, 11), b,
+                                            temperature=True), "temperature"),
+    (lambda api, fw, b: api.diffusion_sft_loss(**{**sft_args(fw), "vocab_size": True}),
+     "vocab_size"),
+    (lambda api, fw, b: api.diffusion_sft_loss(**sft_args(fw), diffusion_weight_clip=True),
+     "diffusion_weight_clip"),
+    (lambda api, fw, b: api.diffusion_sft_loss(**{**sft_args(fw), "t": True}), "t"),
+    (lambda api, fw, b: api.LinearHead(_stats_args(fw)[0], _stats_args(fw)[0], row_chunk=True),
+     "row_chunk"),
+]
+
+
+def _stats_args(fw):
+    return fw.array(np.zeros((6, 11), np.float32)), fw.array(np.zeros(6, np.int64))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("call,name", BOOLS_FOR_NUMBERS, ids=_case_ids(BOOLS_FOR_NUMBERS))
+def test_a_bool_is_not_a_number(fw_name, call, name):
+    """True is an int in Python; where a number is meant it is an error that says so (a
+    shift of True was silently 1.0)."""
+    fw = framework(fw_name)
+    batch = fw.api.DiffusionTokenBatch.create(**good(fw))
+    with pytest.raises(ValueError, match=rf"^{name} must be .*, not a bool; got True$"):
+        call(fw.api, fw, batch)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("fn", ["diffusion_sft_loss", "diffusion_sft_logps"])
+def test_sft_takes_one_diffusion_time_for_every_sequence(fw_name, fn, rng):
+    """t may be one number (Python, NumPy, a 0-d array) for the whole batch: broadcast to
+    [B]; out of [0, 1] it is an error naming the value."""
+    fw = framework(fw_name)
+    args = sft_args(fw, variant="reweighted-loo-ce")
+    args["logits"] = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    exp = _sft_oracle(fw, args, [0.25, 0.25])
+    if fn == "diffusion_sft_logps":
+        w, logp, _ = oracle.sft_parts(fw.numpy(args["logits"]), fw.numpy(args["x0"]),
+                                      fw.numpy(args["xt"]), np.full(2, 0.25),
+                                      fw.numpy(args["loss_mask"]), args["variant"], 11)
+        exp = w * np.sum(fw.numpy(args["loss_mask"]) * logp, axis=1)
+    for t in (0.25, np.float32(0.25), np.array(0.25), fw.array(np.float32(0.25))):
+        got = getattr(fw.api, fn)(**{**args, "t": t})
+        assert_close(fw.numpy(got), exp, "float32", f"{fn} with t = {t!r}")
+    for bad in (1.5, np.float64(-0.5), float("nan")):
+        with pytest.raises(ValueError, match=rf"^t must lie in \[0, 1\]; got {bad}$"):
+            getattr(fw.api, fn)(**{**args, "t": bad})
+    with pytest.raises(ValueError,
+                       match=r"^t must be a float in \[0, 1\] or a \[B\] array; got '0.5'$"):
+        getattr(fw.api, fn)(**{**args, "t": "0.5"})
+    # loo_to_denoiser_logits takes one alpha for every sequence alike
+    z, xt = args["logits"], args["xt"]
+    np.testing.assert_array_equal(
+        fw.numpy(fw.api.loo_to_denoiser_logits(z, xt, 0.75, 11)),
+        fw.numpy(fw.api.loo_to_denoiser_logits(z, xt, fw.array(np.full(2, 0.75, np.float32)), 11)))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_bool_diffusion_times_are_rejected_naming_t(fw_name):
+    """A bool t failed later in torch ("Subtraction ... with a bool tensor") and was taken as
+    0/1 in JAX; it is an error naming t and its dtype."""
+    fw = framework(fw_name)
+    args = sft_args(fw)
+    with pytest.raises(TypeError, match=r"^t must have an integer or floating dtype; got bool$"):
+        fw.api.diffusion_sft_loss(**{**args, "t": fw.array(np.array([True, False]))})
+
+
+FLAGS = [
+    # (call given an api, fw, batch and the bad value; the argument named)
+    (lambda api, fw, b, v: api.token_stats(*_stats_args(fw), inplace_grad=v), "inplace_grad"),
+    (lambda api, fw, b, v: api.token_stats(*_stats_args(fw), teacher_logits=_stats_args(fw)[0],
+                                           teacher_grad=v), "teacher_grad"),
+    (lambda api, fw, b, v: api.token_stats(*_stats_args(fw), entropy=v), "entropy"),
+    (lambda api, fw, b, v: api.per_token_logps(_stats_args(fw)[0].reshape(2, 3, 11), b,
+                                               stop_gradient=v), "stop_gradient"),
+    (lambda api, fw, b, v: api.per_token_logps(_stats_args(fw)[0].reshape(2, 3, 11), b,
+                                               return_entropy=v), "return_entropy"),
+    (lambda api, fw, b, v: api.compute_diffusion_per_token_logps(
+        fw, b, _model, return_entropy=v), "return_entropy"),
+]
+
+_MODEL_RUNS = []
+
+
+def _model(fw, inputs):  # zero logits [B, L, 11]
+    _MODEL_RUNS.append(inputs)
+    return fw.array(np.zeros(tuple(inputs.shape) + (11,), np.float32))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+@pytest.mark.parametrize("call,name", FLAGS, ids=_case_ids(FLAGS))
+def test_flags_must_be_bools(fw_name, call, name):
+    """An on/off argument given "no" or 1 was taken as True (inplace_grad="no" overwrote the
+    logits with their gradient); it is a TypeError naming the argument and the value."""
+    fw = framework(fw_name)
+    batch = fw.api.DiffusionTokenBatch.create(**good(fw))
+    _MODEL_RUNS.clear()
+    for bad, shown in (("no", "'no'"), (1, "1"), (None, "None")):
+        with pytest.raises(TypeError, match=rf"^{name} must be True or False; got {shown}$"):
+            call(fw.api, fw, batch, bad)
+    assert not _MODEL_RUNS, "the arguments are checked before the model runs"
+    if name != "inplace_grad" or fw_name == "torch":
+        call(fw.api, fw, batch, np.bool_(True))  # a NumPy bool is a bool
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_arrays_and_batches_of_the_other_framework_say_how_to_convert(fw_name):
+    """A JAX array in dlm_kernels.torch, a torch tensor (or in torch a NumPy array) in the
+    other, and a batch built by the other front end: the error names the argument, what was
+    given and the conversion, never "got Tensor" or "got DiffusionTokenBatch" alone."""
+    import jax.numpy as jnp
+    import torch
+
+    fw = framework(fw_name)
+    other = framework("jax" if fw_name == "torch" else "torch")
+    if fw_name == "torch":
+        expected = [(jnp.zeros((6, 11)),
+                     r"got a JAX Array: convert it with torch\.from_dlpack\(logits\)$"),
+                    (np.zeros((6, 11), np.float32),
+                     r"got a NumPy ndarray: convert it with torch\.as_tensor\(logits\)$")]
+        prefix = r"^logits must be a torch tensor \(dlm_kernels\.torch takes torch tensors\); "
+    else:
+        expected = [(torch.zeros((6, 11)), r"got a torch Tensor: convert it with "
+                     r"jnp\.from_dlpack\(logits\.detach\(\)\), or "
+                     r"jnp\.asarray\(logits\.detach\(\)\.cpu\(\)\.numpy\(\)\)$")]
+        prefix = r"^logits must be a JAX or NumPy array \(dlm_kernels\.jax takes JAX arrays\); "
+    y = fw.array(np.zeros(6, np.int64))
+    for logits, pattern in expected:
+        with pytest.raises(TypeError, match=prefix + pattern):
+            fw.api.token_stats(logits, y)
+        with pytest.raises(TypeError, match=prefix + pattern):
+            fw.api.backend_for(logits)
+    with pytest.raises(TypeError, match=r"^target_ids must be a .*; got a "):
+        fw.api.DiffusionTokenBatch.create(
+            **{**good(fw), "target_ids": other.array(np.ones((2, 3), np.int32))})
+    if fw_name == "torch":  # the conversion the message gives works
+        got = fw.api.token_stats(torch.from_dlpack(jnp.zeros((6, 11))), y)
+        np.testing.assert_array_equal(fw.numpy(got.lse), np.log(11.0).astype(np.float32))
+
+    foreign = other.api.DiffusionTokenBatch.create(**good(other))
+    own = fw.api.DiffusionTokenBatch.create(**good(fw))
+    z = fw.array(np.zeros((2, 3, 11), np.float32))
+    mine, theirs = fw.api.__name__, other.api.__name__
+    said = (rf"must be a DiffusionTokenBatch of {mine}; got {theirs}\.DiffusionTokenBatch: "
+            rf"build the batch with {mine}\.DiffusionTokenBatch\.create\(\.\.\.\)$")
+    for call, name in ((lambda: fw.api.per_token_logps(z, foreign), "batch"),
+                       (lambda: fw.api.weighted_cross_entropy(z, foreign), "batch"),
+                       (lambda: fw.api.validate_diffusion_logits(foreign, z), "batch"),
+                       (lambda: fw.api.DiffusionDistillationBatch.create(
+                           student_batch=foreign, teacher_logits=z), "student_batch"),
+                       (lambda: fw.api.merge_diffusion_batches([foreign, own]), r"batches\[0\]"),
+                       (lambda: fw.api.merge_diffusion_batches([own, foreign]), r"batches\[1\]")):
+        with pytest.raises(TypeError, match=rf"^{name} {said}"):
+            call()
+    with pytest.raises(TypeError, match=r"^batch must be a DiffusionDistillationBatch of .*; got "
+                                        rf"{theirs}\.DiffusionDistillationBatch"):
+        fw.api.opd_loss(z, other.api.DiffusionDistillationBatch.create(
+            student_batch=foreign, teacher_logits=other.array(np.zeros((2, 3, 11), np.float32))))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_schedule_functions_of_the_wrong_shape_are_named(fw_name, rng):
+    """alpha_fn / alpha_dot_fn returning [B, L] where the variant needs one value per
+    sequence was a raw broadcasting error; numbers from both give one weight for all."""
+    fw = framework(fw_name)
+    args = sft_args(fw, variant="reweighted-ce")
+    per_token = lambda t: t[:, None] + fw.array(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"^alpha_fn\(t\) must have shape \[B\] = \[2\] .*"
+                                         r"'reweighted-ce'.*; got \[2, 3\]$"):
+        fw.api.diffusion_sft_loss(**args, alpha_fn=lambda t: 1.0 - per_token(t))
+    with pytest.raises(ValueError, match=r"^alpha_dot_fn\(t\) must have shape \[B\] = \[2\] "
+                                         r".*; got \[2, 3\]$"):
+        fw.api.diffusion_sft_loss(**args, alpha_dot_fn=lambda t: 0.0 * per_token(t) - 1.0)
+    with pytest.raises(ValueError, match=r"^alpha_fn\(t\) must have shape \[B\], \[B, 1\] or "
+                                         r"\[B, L\] with \[B, L\] = \[2, 3\]; got \[2, 2\]$"):
+        fw.api.diffusion_sft_loss(**{**args, "variant": "loo-ce"},
+                                  alpha_fn=lambda t: fw.array(np.full((2, 2), 0.5, np.float32)))
+    args["logits"] = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    got = fw.api.diffusion_sft_loss(**args, alpha_fn=lambda t: 0.5, alpha_dot_fn=lambda t: -1.0)
+    assert_close(fw.numpy(got), _sft_oracle(fw, args, [0.5, 0.5]), "float32",
+                 "constant schedule functions")
 
 
 @pytest.mark.parametrize("fw_name", FWS)

@@ -240,3 +240,130 @@ def test_front_ends_export_the_same_public_names_bound_in_order(fw_name):
         assert hasattr(api, name), name
     for name in Objectives.NAMES:
         assert getattr(api, name).__name__ == name, (name, getattr(api, name))
+
+
+def test_backend_for_names_arrays_a_front_end_does_not_take():
+    """dlm_kernels.torch.backend_for(ndarray) was an AttributeError ('str' object has no
+    attribute 'type'); the root backend_for sends NumPy to dlm_kernels.jax, which takes it,
+    and says so plainly where JAX cannot be imported."""
+    import torch
+
+    import dlm_kernels.jax as J
+    import dlm_kernels.torch as T
+
+    with pytest.raises(TypeError, match=r"^logits must be a torch tensor .*; got a NumPy ndarray: "
+                                        r"convert it with torch\.as_tensor\(logits\)$"):
+        T.backend_for(np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match=r"^logits\.hidden must be a torch tensor .*got a NumPy"):
+        T.backend_for(T.LinearHead(np.zeros((2, 3), np.float32), torch.zeros(5, 3)))
+    with pytest.raises(TypeError, match=r"^logits must be a JAX or NumPy array .*; got a torch Tensor"):
+        J.backend_for(torch.zeros(3))
+    assert dlm_kernels.backend_for(np.zeros(3, np.float32)) == J.backend_for(np.zeros(3, np.float32))
+    code = ("import sys; sys.modules['jax'] = None\n"  # JAX cannot be imported
+            "import numpy as np, dlm_kernels\n"
+            "try:\n"
+            "    dlm_kernels.backend_for(np.zeros(3))\n"
+            "except TypeError as err:\n"
+            "    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.startswith("logits is a NumPy ndarray, which only dlm_kernels.jax takes, and "
+                                 "it cannot be imported here ("), out
+    assert "convert it with torch.as_tensor(logits)" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_vocab_parallel_takes_a_process_group_or_a_mesh_axis_name(fw_name):
+    """vocab_parallel(object()) failed at first use with an AttributeError (torch) or an
+    unbound-axis NameError (JAX); the argument is checked where it is given."""
+    fw = framework(fw_name)
+    z, y = fw.array(np.zeros((2, 5), np.float32)), fw.array(np.zeros(2, np.int64))
+    if fw_name == "torch":
+        bad = (r"^process_group must be a torch\.distributed ProcessGroup \(dist\.group\.WORLD, "
+               r"dist\.new_group\(\.\.\.\)\) or None; got object$")
+        keyword = "process_group"
+    else:
+        bad = (r"^vocab_axis must be a mesh axis name \(a str such as 'vocab', or a tuple of "
+               r"them\); got object$")
+        keyword = "vocab_axis"
+    with pytest.raises(TypeError, match=bad):
+        fw.api.vocab_parallel(object())
+    with pytest.raises(TypeError, match=bad):
+        fw.api.token_stats(z, y, **{keyword: object()})
+    with pytest.raises(ValueError, match=r"^vocab_size must be a positive int; got 0$"):
+        fw.api.vocab_parallel("vocab" if fw_name == "jax" else None, vocab_size=0)
+    if fw_name == "jax":  # a name, but no shard_map binds it here
+        with pytest.raises(ValueError, match=r"^vocab_axis 'vocab' is not an axis of the "
+                                             r"enclosing jax\.shard_map"):
+            fw.api.token_stats(z, y, vocab_axis="vocab")
+
+
+HIGHER_ORDER = (r"^backend '{}' gives first derivatives only: its custom VJP cannot be "
+                r"differentiated again \(.*\)\. Use backend='reference' for higher-order derivatives")
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["logits", "head"])
+def test_torch_double_backward_through_a_custom_vjp_raises(head):
+    """A gradient taken with create_graph=True from the chunked backend looked constant: a
+    backward through it silently left out the second-order terms. The first derivative is
+    unchanged; differentiating it raises. The reference backend (torch autograd) supports it."""
+    import torch
+
+    import dlm_kernels.torch as T
+
+    rng = np.random.default_rng(new_seed())
+    hidden = torch.tensor(rng.normal(size=(4, 5)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(rng.normal(size=(13, 5)), dtype=torch.float32, requires_grad=True)
+    y = torch.tensor(rng.integers(0, 13, 4))
+    teacher = torch.tensor(rng.normal(size=(4, 13)), dtype=torch.float32)
+    logits = lambda: T.LinearHead(hidden, weight) if head else hidden @ weight.T
+    for backend in ("chunked", "reference"):
+        s = T.token_stats(logits(), y, teacher_logits=teacher, backend=backend)
+        loss = s.logp.sum() + s.kl.sum()
+        (g,) = torch.autograd.grad(loss, hidden, create_graph=True)
+        s = T.token_stats(logits(), y, teacher_logits=teacher, backend=backend)
+        (plain,) = torch.autograd.grad(s.logp.sum() + s.kl.sum(), hidden)
+        assert torch.equal(g.detach(), plain)
+        second = (g * g).sum() + (hidden * hidden).sum()  # the silent case: another path too
+        if backend == "reference":
+            torch.autograd.grad(second, [hidden, weight])
+            continue
+        with pytest.raises(NotImplementedError, match=HIGHER_ORDER.format(backend)):
+            torch.autograd.grad(second, [hidden, weight])
+
+
+@pytest.mark.parametrize("backend", ["chunked", "pallas"])
+@pytest.mark.parametrize("head", [False, True], ids=["logits", "head"])
+def test_jax_grad_of_grad_through_a_custom_vjp_raises(backend, head, monkeypatch):
+    """jax.grad of jax.grad differentiated the custom VJP's own rules: the chunked backend's
+    second derivative was silently 0 for 16-bit logits on a CPU, Pallas failed with a bare
+    AssertionError. Every custom-VJP backend now says it gives first derivatives only; the
+    reference backend (JAX autodiff) supports it."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as J
+
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+    rng = np.random.default_rng(new_seed())
+    hidden = jnp.asarray(rng.normal(size=(2, 8, 5)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(5, 13)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 13, (2, 8)))
+    batch = J.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=jnp.ones((2, 8)))
+
+    def stats_loss(h, backend):
+        logits = J.LinearHead(h, weight) if head else h @ weight
+        return J.token_stats(logits, y, backend=backend).logp.sum()
+
+    def objective(h, backend):  # a planned total (its gradient formed in the forward)
+        logits = J.LinearHead(h, weight) if head else h @ weight
+        return J.weighted_cross_entropy(logits, batch, backend=backend).compute()
+
+    for loss in (stats_loss, objective):
+        grad = jax.grad(loss)
+        np.testing.assert_allclose(grad(hidden, backend), grad(hidden, "reference"),
+                                   atol=2e-6, rtol=2e-5)
+        jax.hessian(loss)(hidden, "reference")
+        for second in (jax.grad(lambda h: jnp.sum(grad(h, backend) ** 2)),
+                       lambda h: jax.hessian(loss)(h, backend)):
+            with pytest.raises(NotImplementedError, match=HIGHER_ORDER.format(backend)):
+                second(hidden)

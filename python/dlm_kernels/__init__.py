@@ -8,13 +8,22 @@ __version__ = "0.1.0"
 
 
 def backend_for(logits, backend=None) -> str:
-    """The backend name ``backend`` (None = auto) resolves to for this array or tensor."""
+    """The backend name ``backend`` (None = auto) resolves to for this array or tensor: a
+    torch tensor's in ``dlm_kernels.torch``, a JAX or NumPy array's in ``dlm_kernels.jax``."""
     array = getattr(logits, "hidden", logits)  # a LinearHead runs where its hidden states are
     kind = type(array).__module__.split(".")[0]
     if kind == "torch":
         from .torch import backend_for as impl
-    elif kind in ("jax", "jaxlib", "numpy"):
+    elif kind in ("jax", "jaxlib"):
         from .jax import backend_for as impl
+    elif kind == "numpy":  # only dlm_kernels.jax takes NumPy arrays (it runs them on JAX's device)
+        try:
+            from .jax import backend_for as impl
+        except ImportError as err:
+            raise TypeError(
+                f"logits is a NumPy {type(array).__name__}, which only dlm_kernels.jax takes, "
+                f"and it cannot be imported here ({err}); for dlm_kernels.torch convert it with "
+                f"torch.as_tensor(logits)") from err
     else:
         raise TypeError(f"logits must be a torch tensor or a JAX array; got {type(logits).__name__}")
     return impl(logits, backend)

@@ -62,7 +62,7 @@ def sync_checks(enabled: bool = True):
     accelerator is not checked and shows as a NaN loss (see the README). Arrays traced under
     ``jit`` or ``torch.compile`` have no values to check either way."""
     previous = _SyncChecks.enabled
-    _SyncChecks.enabled = bool(enabled)
+    _SyncChecks.enabled = flag("enabled", enabled)
     try:
         yield
     finally:
@@ -84,9 +84,101 @@ def dtype_str(x) -> str:
     return str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
 
 
+# -- Python-level arguments: numbers and flags --------------------------------------------
+
+def _static(name, value, what):
+    """The message for a traced value (a JAX tracer under jit, grad or vmap) given where a
+    static Python ``what`` configures the call, or None when ``value`` is not traced."""
+    if not any(cls.__name__ == "Tracer" for cls in type(value).__mro__):
+        return None
+    return (f"{name} must be a static Python {what}; got a traced value ({type(value).__name__}"
+            f"): under jax.jit pass it as a static argument (static_argnums / static_argnames) "
+            f"or close over it, rather than as a traced array")
+
+
+def number(name, value, what, *, integer=False):
+    """``value`` as a Python int (``integer``) or float, for every scalar argument of both
+    front ends (and the sampler's): a Python int or float, a NumPy integer or floating scalar
+    (``np.int64(13)``, ``np.float32(0.5)``) or a 0-d array of such a dtype (NumPy, or a
+    concrete 0-d tensor / JAX array) is accepted as the number it holds. A bool is not a
+    number here (``True == 1`` in Python), nor a float where an int is meant. Anything else
+    raises ValueError ``{name} must be {what}; got ...``; the range is the caller's to check.
+    """
+    item = value
+    if not isinstance(value, (int, float)):  # the common case, and all torch.compile traces
+        traced = _static(name, value, "number")
+        if traced:
+            raise ValueError(traced)
+        if getattr(value, "shape", None) == () and hasattr(value, "item"):
+            try:  # NumPy scalars and 0-d arrays: their Python number (bool, int, float, ...)
+                item = value.item()
+            except Exception:  # not a number
+                pass
+    if isinstance(item, bool):
+        raise ValueError(f"{name} must be {what}, not a bool; got {item}")
+    if isinstance(item, int):
+        return int(item) if integer else float(item)
+    if isinstance(item, float) and not integer:
+        return item
+    raise ValueError(f"{name} must be {what}; got {plain(value)}")
+
+
+def flag(name, value) -> bool:
+    """An on/off argument: True or False (a NumPy bool too). Anything else is a TypeError: a
+    truthy ``"no"`` or ``1`` would silently switch the option on."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    traced = _static(name, value, "bool")
+    raise TypeError(traced or f"{name} must be True or False; got {plain(value)}")
+
+
+# -- arrays ------------------------------------------------------------------------------
+
+_LIBRARIES = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "numpy": "numpy"}
+
+
+def array_library(x):
+    """"torch", "jax" or "numpy" for an array of that library, else None: read from the
+    type's module, so nothing is imported (``dlm_kernels.torch`` never imports JAX, nor
+    ``dlm_kernels.jax`` torch)."""
+    if not hasattr(x, "shape"):
+        return None
+    return _LIBRARIES.get(type(x).__module__.split(".")[0])
+
+
+def _wrong_library(xp, name, x):
+    """The message for an array of a library this front end does not take, or None."""
+    library = array_library(x)
+    if library is None or library == xp.framework:
+        return None
+    got = {"torch": "a torch Tensor", "jax": "a JAX Array",
+           "numpy": f"a NumPy {type(x).__name__}"}[library]
+    if xp.framework == "torch":
+        convert = "torch.from_dlpack" if library == "jax" else "torch.as_tensor"
+        return (f"{name} must be a torch tensor (dlm_kernels.torch takes torch tensors); got "
+                f"{got}: convert it with {convert}({name})")
+    return (f"{name} must be a JAX or NumPy array (dlm_kernels.jax takes JAX arrays); got "
+            f"{got}: convert it with jnp.from_dlpack({name}.detach()), or "
+            f"jnp.asarray({name}.detach().cpu().numpy())")
+
+
 def require_array(xp, name, x):
     if not xp.is_array(x):
-        raise TypeError(f"{name} must be an array/tensor; got {type(x).__name__}")
+        raise TypeError(_wrong_library(xp, name, x)
+                        or f"{name} must be an array/tensor; got {type(x).__name__}")
+
+
+def require_instance(name, value, cls):
+    """value a ``cls`` (a contract class of one front end); a same-named class of the other
+    front end is named with its module, and the class to build instead."""
+    if isinstance(value, cls):
+        return
+    got = type(value)
+    if got.__name__ == cls.__name__ and got.__module__ != cls.__module__:
+        raise TypeError(f"{name} must be a {cls.__name__} of {cls.__module__}; got "
+                        f"{got.__module__}.{got.__name__}: build the batch with "
+                        f"{cls.__module__}.{cls.__name__}.create(...)")
+    raise TypeError(f"{name} must be a {cls.__name__}; got {got.__name__}")
 
 
 def require_logits(xp, name, x):
@@ -224,6 +316,10 @@ def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_l
                     f"shift must be a scalar or have shape logits.shape[:-1] = {shape_str(rows)}; "
                     f"got {shape_str(shift.shape)}"
                 )
+        elif getattr(shift, "shape", ()) != ():  # an array of another library: say which
+            require_array(xp, "shift", shift)
+        else:  # a number (a NumPy scalar or a 0-d array too)
+            number("shift", shift, "a float or a floating array")
     if teacher_logits is not None:
         require_logits(xp, "teacher_logits", teacher_logits)
         require_float(xp, "teacher_logits", teacher_logits)

@@ -8,48 +8,40 @@ import dataclasses
 import math
 from typing import Optional
 
-from ._checks import is_real_scalar, plain
+from ._checks import flag, number, plain
+
 
 def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optional[float]:
-    """A finite, strictly positive Python scalar (bools are rejected)."""
+    """A finite, strictly positive number (``_checks.number``: NumPy scalars too, not bools)."""
     if value is None and allow_none:
         return None
-    _require_static(name, value)
-    if isinstance(value, bool) or not is_real_scalar(value):
-        raise ValueError(f"{name} must be a finite positive float; got {plain(value)}")
-    value = float(value)
+    value = number(name, value, "a finite positive float")
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a finite positive float; got {plain(value)}")
     return value
 
 
 def check_loss_weight(name: str, value) -> float:
-    """A finite, non-negative Python scalar (bools are rejected)."""
-    _require_static(name, value)
-    if isinstance(value, bool) or not is_real_scalar(value):
-        raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
-    value = float(value)
+    """A finite, non-negative number (``_checks.number``: NumPy scalars too, not bools)."""
+    value = number(name, value, "a finite non-negative float")
     if not math.isfinite(value) or value < 0.0:
         raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
     return value
 
 
+def check_positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:
+    """A positive int (``_checks.number``: NumPy integers too, not bools or floats)."""
+    if value is None and allow_none:
+        return None
+    what = "a positive int or None" if allow_none else "a positive int"
+    value = number(name, value, what, integer=True)
+    if value < 1:
+        raise ValueError(f"{name} must be {what}; got {value}")
+    return value
+
+
 def check_vocab_size(vocab_size) -> int:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int; got {plain(vocab_size)}")
-    return vocab_size
-
-
-def _require_static(name: str, value) -> None:
-    """A traced value (a JAX tracer under jit, grad or vmap) cannot configure a kernel: say so
-    rather than calling it a bad float."""
-    if isinstance(value, (int, float)):  # the common case, and all torch.compile traces
-        return
-    if any(cls.__name__ == "Tracer" for cls in type(value).__mro__):
-        raise ValueError(
-            f"{name} must be a static Python number; got a traced value ({type(value).__name__}"
-            f"): under jax.jit pass it as a static argument (static_argnums / static_argnames) "
-            f"or close over it, rather than as a traced array")
+    return check_positive_int("vocab_size", vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,23 +95,19 @@ def make_config(
         "teacher_temperature", teacher_temperature, allow_none=True
     )
     softcap = check_positive_float("softcap", softcap, allow_none=True)
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
+    chunk_size = check_positive_int("chunk_size", chunk_size, allow_none=True)
     if vocab_size is not None:
         vocab_size = check_vocab_size(vocab_size)
+    teacher_grad, entropy = flag("teacher_grad", teacher_grad), flag("entropy", entropy)
     if teacher_grad and not has_teacher:
         raise ValueError("teacher_grad=True needs teacher_logits")
-    if not isinstance(entropy, bool):
-        raise ValueError(f"entropy must be True or False; got {entropy!r}")
     return StatsConfig(
         temperature=temperature,
         ce_temperature=temperature if ce_temperature is None else ce_temperature,
         teacher_temperature=temperature if teacher_temperature is None else teacher_temperature,
         softcap=softcap,
         has_teacher=bool(has_teacher),
-        teacher_grad=bool(teacher_grad),
+        teacher_grad=teacher_grad,
         entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,

@@ -87,11 +87,7 @@ def make_contract(xp, module: str, vocab_extent=lambda logits: logits.shape[-1])
             return cls(student_batch=student_batch, teacher_logits=teacher_logits).validate()
 
         def validate(self):
-            if not isinstance(self.student_batch, DiffusionTokenBatch):
-                raise TypeError(
-                    f"student_batch must be a DiffusionTokenBatch; "
-                    f"got {type(self.student_batch).__name__}"
-                )
+            checks.require_instance("student_batch", self.student_batch, DiffusionTokenBatch)
             self.student_batch.validate()
             checks.check_logits_for_batch(xp, "teacher_logits", self.teacher_logits,
                                      self.student_batch.target_ids.shape)

@@ -110,6 +110,18 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run here; the message says why."""
 
 
+def higher_order_error(framework: str, backend: str) -> NotImplementedError:
+    """The error for differentiating a custom VJP's gradient: the backward formulas of
+    docs/design.md §2 are first derivatives, and nothing differentiates them again (a
+    NotImplementedError, so a RuntimeError too)."""
+    how = ("a backward through a gradient taken with create_graph=True" if framework == "torch"
+           else "jax.grad of jax.grad, jax.hessian, a jvp of a vjp")
+    return NotImplementedError(
+        f"backend {backend!r} gives first derivatives only: its custom VJP cannot be "
+        f"differentiated again ({how}). Use backend='reference' for higher-order derivatives "
+        f"(the framework's own autodiff over the full [N, K] logits in float32)")
+
+
 class Registry:
     """Implementations of the token-statistics primitive for one framework."""
 

@@ -15,6 +15,9 @@ Each framework supplies only what differs: its ops adapter (``xp``), its registr
       scalar with its gradient formed in the forward (``_linear_head``)
   inplace_grad: bool
       whether the framework can write a gradient into its logits (torch: yes; JAX: no)
+  check_shard(shard, bound) -> None
+      raises unless ``shard`` is a process group / mesh axis name (``bound``: also one the
+      call can use here, e.g. a JAX axis of the enclosing ``shard_map``)
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+from ._checks import flag, require_array
+from ._config import check_vocab_size
 from ._linear_head import is_head, planned_total, weighting_term
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
@@ -131,8 +136,18 @@ class TokenStatsFrontEnd:
         """The global vocabulary: the true ``vocab_size`` when given, else K_local x shards."""
         return vocab_size or k_local * self.vjp.shards(shard)
 
+    def within(self, shard, vocab_size):
+        """The ``vocab_parallel(shard, vocab_size)`` context, its arguments checked."""
+        if shard is not None:
+            self.vjp.check_shard(shard, bound=False)  # a JAX axis is bound only when traced
+        if vocab_size is not None:
+            vocab_size = check_vocab_size(vocab_size)
+        return self.vocab_parallel.within(shard, vocab_size)
+
     def backend_for(self, logits, backend=None) -> str:
-        return self.registry.resolve(backend, self.xp.platform(_array_of(logits))).name
+        array = _array_of(logits)
+        require_array(self.xp, "logits.hidden" if is_head(logits) else "logits", array)
+        return self.registry.resolve(backend, self.xp.platform(array)).name
 
     def token_stats(self, logits, targets, weights, **options):
         stats, _ = self.token_stats_total(logits, targets, weights, None, **options)
@@ -147,6 +162,7 @@ class TokenStatsFrontEnd:
         scalar an objective reduces to (``_linear_head.planned_total``). A linear head then
         forms its gradient in the forward (the module docstring of ``_linear_head``)."""
         xp = self.xp
+        inplace_grad = flag("inplace_grad", inplace_grad)
         if inplace_grad and not self.vjp.inplace_grad:
             raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate "
                              "the logits buffer to jit to let XLA reuse it instead)")
@@ -156,6 +172,8 @@ class TokenStatsFrontEnd:
                              "builds one (its chunks are always overwritten by their gradient)")
         shard, vocab_size, logits, teacher_logits = apply_vocab_parallel(
             shard, self.vocab_parallel.current, vocab_size, logits, teacher_logits)
+        if shard is not None:
+            self.vjp.check_shard(shard, bound=True)
         cfg, lead, rows = prepare(
             xp, logits, targets, weights, temperature=temperature,
             ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
@@ -182,7 +200,7 @@ class TokenStatsFrontEnd:
         if heads and impl.custom_vjp:
             *outs, total = self.vjp.apply_head(impl, cfg, rows, shard, coefficients)
         elif impl.custom_vjp:
-            outs = self.vjp.apply(impl, cfg, rows, bool(inplace_grad), shard)
+            outs = self.vjp.apply(impl, cfg, rows, inplace_grad, shard)
         else:
             outs = impl.compute(rows, cfg)
         if coefficients is not None and total is None:

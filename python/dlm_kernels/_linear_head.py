@@ -29,6 +29,7 @@ Two gradient schedules (chosen by the objective, never by guessing from the cota
 from __future__ import annotations
 
 from ._checks import require_array, require_float, shape_str
+from ._config import check_positive_int
 
 #: weight layouts: [K, D] (torch nn.Linear.weight, a tied nn.Embedding / nnx.Embed table)
 #: and [D, K] (a Flax linen/nnx Dense kernel)
@@ -119,9 +120,7 @@ class LinearHead:
         if layout not in LAYOUTS:
             raise ValueError(f"weight_layout must be one of {LAYOUTS} ('KD': weight [K, D], "
                              f"'DK': weight [D, K]); got {weight_layout!r}")
-        if row_chunk is not None and (isinstance(row_chunk, bool) or not isinstance(
-                row_chunk, int) or row_chunk < 1):
-            raise ValueError(f"row_chunk must be a positive int or None; got {row_chunk!r}")
+        row_chunk = check_positive_int("row_chunk", row_chunk, allow_none=True)
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.weight_layout, self.row_chunk = layout, row_chunk
 

@@ -9,7 +9,7 @@ around one primitive call, so autodiff flows through the primitive's VJP.
 from __future__ import annotations
 
 from . import _checks as checks
-from ._checks import shape_str
+from ._checks import flag, number, shape_str
 from ._linear_head import is_head
 from ._config import check_loss_weight, check_positive_float, check_vocab_size
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
@@ -78,17 +78,41 @@ class Objectives:
 
     # -- schedule -------------------------------------------------------------------------
 
-    def _loo_delta(self, alpha, vocab_size, bl):
-        """delta = log1p(K·alpha / max(1 - alpha, EPS)) as [B, L] float32, from alpha of shape
-        [B], [B, 1] or [B, L] (per-position signal retention: per-token diffusion times)."""
+    def _per_sequence(self, name, value, b, like, what, unit_interval=False):
+        """A per-sequence value given as a [B] array or as one number for every sequence
+        (a Python or NumPy scalar, a 0-d array): a [B] array, numbers as float32 on ``like``'s
+        device. ``what`` says what a number must be (``unit_interval``: in [0, 1])."""
         xp = self.xp
-        checks.require_array(xp, "alpha", alpha)
-        alpha = xp.as_f32(alpha)
+        if not xp.is_array(value):
+            if getattr(value, "shape", ()) != ():  # an array of another library: say which
+                checks.require_array(xp, name, value)
+            v = number(name, value, what)
+            if unit_interval and not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1]; got {checks.plain(v)}")
+            return xp.full((b,), v, like)
+        if not (xp.is_int(value) or xp.is_float(value)):  # a bool too: 1 - t fails in torch
+            raise TypeError(f"{name} must have an integer or floating dtype; got "
+                            f"{checks.dtype_str(value)}")
+        if tuple(value.shape) == ():
+            return xp.broadcast_to(value, (b,))
+        if tuple(value.shape) != (b,):
+            raise ValueError(f"{name} must have shape [B] = {shape_str((b,))} or be a scalar; "
+                             f"got {shape_str(value.shape)}")
+        return value
+
+    def _loo_delta(self, alpha, vocab_size, bl, like, name="alpha"):
+        """delta = log1p(K·alpha / max(1 - alpha, EPS)) as [B, L] float32, from alpha of shape
+        [B], [B, 1] or [B, L] (per-position signal retention: per-token diffusion times) or
+        one number for every sequence; ``name`` is alpha's name in the errors."""
+        xp = self.xp
         b, l = bl
+        if not xp.is_array(alpha) or tuple(alpha.shape) == ():
+            alpha = self._per_sequence(name, alpha, b, like, "a float or an array")
+        alpha = xp.as_f32(alpha)
         if tuple(alpha.shape) == (b,):
             alpha = alpha[:, None]
         elif tuple(alpha.shape) not in ((b, 1), (b, l)):
-            raise ValueError(f"alpha must have shape [B], [B, 1] or [B, L] with [B, L] = "
+            raise ValueError(f"{name} must have shape [B], [B, 1] or [B, L] with [B, L] = "
                              f"{shape_str(bl)}; got {shape_str(alpha.shape)}")
         delta = xp.log1p(vocab_size * alpha / xp.clamp_min(1.0 - alpha, EPS))
         return xp.broadcast_to(delta, bl)
@@ -104,6 +128,16 @@ class Objectives:
                              f"(logits.shape[-1]); got {vocab_size}")
         return vocab_size, extent
 
+    def _schedule_value(self, name, value, shapes, layout):
+        """What a schedule function returned: a number or an array of one of ``shapes``."""
+        xp = self.xp
+        if not xp.is_array(value):
+            if getattr(value, "shape", ()) != ():
+                checks.require_array(xp, name, value)
+            number(name, value, f"an array of shape {layout} or a float")
+        elif tuple(value.shape) not in shapes:
+            raise ValueError(f"{name} must have shape {layout}; got {shape_str(value.shape)}")
+
     def reweight(self, variant, t, alpha, alpha_dot):
         """Time weight [B]: -alpha_dot / max(alpha, EPS) for reweighted variants, else 1."""
         xp = self.xp
@@ -115,9 +149,10 @@ class Objectives:
         """LOO -> denoiser logits: logits [B, L, K] + delta at column xt [B, L]; float32.
 
         delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B], [B, 1] or
-        [B, L]. An xt outside [0, vocab_size) raises ValueError where its values can be read
-        without a device sync, else makes that position's logits NaN. Materialises a
-        [B, L, K] array; the losses apply the same shift inside the fused primitive instead.
+        [B, L], or one number for every sequence. An xt outside [0, vocab_size) raises
+        ValueError where its values can be read without a device sync, else makes that
+        position's logits NaN. Materialises a [B, L, K] array; the losses apply the same
+        shift inside the fused primitive instead.
         """
         xp = self.xp
         checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
@@ -128,7 +163,7 @@ class Objectives:
         checks.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
         checks.require_int(xp, "xt", xt)
         vocab_size, _ = self._check_vocab_size(vocab_size, logits)
-        delta = self._loo_delta(alpha, vocab_size, tuple(logits.shape[:2]))
+        delta = self._loo_delta(alpha, vocab_size, tuple(logits.shape[:2]), xt)
         checks.check_ids(xp, "xt", xt, vocab_size)
         cols = xp.arange(logits.shape[-1], logits)
         bump = xp.where(cols[None, None, :] == xt[:, :, None], delta[:, :, None], 0.0)
@@ -155,9 +190,8 @@ class Objectives:
         checks.require_array(xp, "loss_mask", loss_mask)
         checks.require_shape("loss_mask", loss_mask, bl, "logits.shape[:2] [B, L]")
         checks.require_real(xp, "loss_mask", loss_mask)
-        checks.require_array(xp, "t", t)
-        checks.require_shape("t", t, bl[:1], "[B]")
-        checks.require_real(xp, "t", t)
+        t = self._per_sequence("t", t, bl[0], x0, "a float in [0, 1] or a [B] array",
+                               unit_interval=True)
         loo = variant in LOO_VARIANTS
         # values, where they can be read without a device sync (see ``sync_checks``)
         checks.check_nonnegative(xp, "loss_mask", loss_mask)
@@ -167,7 +201,16 @@ class Objectives:
         if loo:
             checks.check_ids(xp, "xt", xt, vocab_size)
         alpha = alpha_fn(t)
-        w = self.reweight(variant, t, alpha, alpha_dot_fn(t))
+        if variant in REWEIGHTED_VARIANTS:  # w = -alpha'(t) / alpha(t): one per sequence
+            alpha_dot = alpha_dot_fn(t)
+            for name, value in (("alpha_fn(t)", alpha), ("alpha_dot_fn(t)", alpha_dot)):
+                self._schedule_value(name, value, ((), bl[:1]), f"[B] = {shape_str(bl[:1])} "
+                                     f"(like t; variant {variant!r} weights whole sequences)")
+            w = self.reweight(variant, t, alpha, alpha_dot)
+        else:
+            w = self.reweight(variant, t, alpha, None)
+        if tuple(w.shape) == ():  # numbers from both schedule functions: one w for all
+            w = w + xp.full(bl[:1], 0.0, t)
         checks.require_shape("the time weight from alpha_fn(t) and alpha_dot_fn(t)", w, bl[:1], "[B]")
         if clip is not None:
             w = xp.clamp_max(w, clip)
@@ -182,7 +225,7 @@ class Objectives:
             xt = xp.where(xt < vocab_size, xt, -1) if loo else xt
         shift_ids = shift = None
         if loo:
-            shift_ids, shift = xt, self._loo_delta(alpha, vocab_size, bl)
+            shift_ids, shift = xt, self._loo_delta(alpha, vocab_size, bl, t, "alpha_fn(t)")
         stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
                                  entropy=False, backend=backend)
         ce_sum = -xp.rowsum(mask * stats.logp)
@@ -194,9 +237,12 @@ class Objectives:
         """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
 
         loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
-        tokens x0 [B, L], noisy tokens xt [B, L], times t [B] in [0, 1] and loss_mask M
-        [B, L] (finite, non-negative). ``variant`` picks the time weight w and the LOO shift
-        (``VARIANTS``); ``diffusion_weight_clip`` bounds w from above. ``vocab_size`` <= K.
+        tokens x0 [B, L], noisy tokens xt [B, L], times t [B] in [0, 1] (or one number for
+        every sequence) and loss_mask M [B, L] (finite, non-negative). ``variant`` picks
+        the time weight w and the LOO shift (``VARIANTS``); ``diffusion_weight_clip`` bounds
+        w from above. ``vocab_size`` <= K. ``alpha_fn`` and ``alpha_dot_fn`` get t as [B]
+        (a number broadcast, as float32); in a reweighted variant each returns [B] or a
+        number, in a LOO variant alpha may also be [B, 1] or [B, L].
 
         Bad values raise ValueError where they can be read without a device sync (CPU
         tensors, concrete host arrays; accelerator arrays inside ``sync_checks()``): an x0
@@ -224,8 +270,7 @@ class Objectives:
         [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) when
         the arrays are concrete host arrays (no device sync, except inside ``sync_checks()``:
         elsewhere an out-of-range active target shows as a NaN log-prob)."""
-        if not isinstance(batch, self.DiffusionTokenBatch):
-            raise TypeError(f"batch must be a DiffusionTokenBatch; got {type(batch).__name__}")
+        checks.require_instance("batch", batch, self.DiffusionTokenBatch)
         checks.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
         checks.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
                                    self.vocab_extent(logits), allow_sync=False)
@@ -236,9 +281,11 @@ class Objectives:
         """Target log-probs [B, L] at ``temperature`` (and the entropy [B, L] when
         ``return_entropy``); exactly 0 at inactive positions; detached when ``stop_gradient``."""
         temperature = check_positive_float("temperature", temperature)
+        stop_gradient = flag("stop_gradient", stop_gradient)
+        return_entropy = flag("return_entropy", return_entropy)
         self.validate_diffusion_logits(batch, logits)
         stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
-                                 temperature=temperature, entropy=bool(return_entropy),
+                                 temperature=temperature, entropy=return_entropy,
                                  backend=backend)
         bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))  # unread: NaN there
         logps = _nan_where(self.xp, bad, stats.logp)
@@ -252,6 +299,10 @@ class Objectives:
                                           stop_gradient=True, return_entropy=False,
                                           backend=None):
         """``per_token_logps(logits_fn(model, batch.model_inputs), batch, ...)``."""
+        check_positive_float("temperature", temperature)  # checked before the model runs
+        flag("stop_gradient", stop_gradient)
+        flag("return_entropy", return_entropy)
+        checks.require_instance("batch", batch, self.DiffusionTokenBatch)
         logits = logits_fn(model, batch.model_inputs)
         return self.per_token_logps(logits, batch, temperature=temperature,
                                     stop_gradient=stop_gradient,
@@ -284,9 +335,7 @@ class Objectives:
         if soft_w == 0.0 and hard_w == 0.0:
             raise ValueError(
                 "soft_loss_weight and hard_loss_weight are both 0: nothing to optimise")
-        if not isinstance(batch, self.DiffusionDistillationBatch):
-            raise TypeError(
-                f"batch must be a DiffusionDistillationBatch; got {type(batch).__name__}")
+        checks.require_instance("batch", batch, self.DiffusionDistillationBatch)
         student = batch.student_batch
         checks.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
         teacher = None
@@ -330,12 +379,18 @@ class Objectives:
         if not batches:
             raise ValueError("batches must be a non-empty sequence of batches; got an empty one")
         kind = type(batches[0])
-        if kind not in (self.DiffusionTokenBatch, self.DiffusionDistillationBatch):
+        kinds = (self.DiffusionTokenBatch, self.DiffusionDistillationBatch)
+        if kind not in kinds:
+            for cls in kinds:  # a batch of the other front end: say so
+                if kind.__name__ == cls.__name__:
+                    checks.require_instance("batches[0]", batches[0], cls)
             raise TypeError(
                 f"batches[0] must be a DiffusionTokenBatch or DiffusionDistillationBatch; "
                 f"got {kind.__name__}")
         for i, b in enumerate(batches):
             if type(b) is not kind:
+                if type(b).__name__ == kind.__name__:
+                    checks.require_instance(f"batches[{i}]", b, kind)
                 raise TypeError(
                     f"batches[{i}] is a {type(b).__name__}, but batches[0] is a "
                     f"{kind.__name__}: all batches must have the same structure")
@@ -365,10 +420,20 @@ class Objectives:
             if other != treedef:
                 raise ValueError(f"batches[{i}].{field} has tree structure {other}; "
                                  f"batches[0].{field} has {treedef}: they must match")
-        paths = [path for path, _ in xp.leaves_with_paths(trees[0])]
-        leaves = [[leaf for leaf in leaves if leaf is not None] for leaves, _ in flat]
+        paths = xp.leaf_paths(trees[0])  # one per leaf of flat[i][0] (torch: None too)
         for j, path in enumerate(paths):
-            _same_trailing(field + path, [batch_leaves[j] for batch_leaves in leaves])
+            column = [leaves[j] for leaves, _ in flat]
+            present = [leaf is not None for leaf in column]
+            if all(present):
+                _same_trailing(field + path, column)
+            elif any(present):  # torch's pytrees hold None as a leaf: None in some only
+                i = present.index(not present[0])
+                got = lambda leaf: ("None" if leaf is None else
+                                    f"an array of shape {shape_str(leaf.shape)}")
+                raise ValueError(
+                    f"batches[{i}].{field}{path} is {got(column[i])}, but "
+                    f"batches[0].{field}{path} is {got(column[0])}: a leaf must be None in "
+                    f"every batch or in none")
         return treedef, [leaves for leaves, _ in flat]
 
     def _merge_apply(self, plan):

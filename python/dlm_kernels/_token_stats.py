@@ -229,7 +229,7 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
     if shift_ids is not None:
         if xp.is_array(shift):
             d = xp.broadcast_to(xp.f32(shift), lead).reshape(n)
-        else:  # a Python scalar: made on the rows' device
-            d = xp.full((n,), float(shift), y)
+        else:  # a Python or NumPy scalar: made on the rows' device
+            d = xp.full((n,), _checks.number("shift", shift, "a float or a floating array"), y)
         rows = rows._replace(shift_ids=shift_ids.reshape(n), shift=d)
     return cfg, lead, rows

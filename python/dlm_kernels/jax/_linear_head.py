@@ -24,6 +24,7 @@ from .._linear_head import (HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR,
                             row_chunk_for)
 from .._rows import Rows
 from .._stats_math import Stats
+from ._first_order import first_order
 from ._ops import JaxOps
 
 
@@ -254,11 +255,17 @@ def _head_stats(impl, cfg, axis, rows):
 
 
 def _head_stats_fwd(impl, cfg, axis, rows):
-    stats, _ = _Sweep(impl, cfg, rows, axis).run()
+    stats, _ = first_order(impl.name, lambda rows: _Sweep(impl, cfg, rows, axis).run(), rows)
     return tuple(stats[:4]), (rows, stats)
 
 
 def _head_stats_bwd(impl, cfg, axis, residuals, cotangents):
+    backward = lambda residuals, cotangents: _head_stats_backward(impl, cfg, axis, residuals,
+                                                                  cotangents)
+    return first_order(impl.name, backward, residuals, cotangents)
+
+
+def _head_stats_backward(impl, cfg, axis, residuals, cotangents):
     rows, stats = residuals
     grads = _row_grads(cotangents, rows.targets.shape[0])
     _, acc = _Sweep(impl, cfg, rows, axis).run(stats=stats, grads=grads)
@@ -280,6 +287,12 @@ def _head_total_fwd(impl, cfg, axis, rows, coefficients):
     value = lambda p: p.value
     rows = jax.tree_util.tree_map(value, rows)
     coefficients = jax.tree_util.tree_map(value, coefficients)
+    forward = lambda rows, coefficients: _head_total_forward(impl, cfg, axis, rows,
+                                                             coefficients)
+    return first_order(impl.name, forward, rows, coefficients)
+
+
+def _head_total_forward(impl, cfg, axis, rows, coefficients):
     n = rows.targets.shape[0]
     sweep = _Sweep(impl, cfg, rows, axis)
     if sweep.fused is not None:
@@ -294,6 +307,12 @@ def _head_total_fwd(impl, cfg, axis, rows, coefficients):
 
 
 def _head_total_bwd(impl, cfg, axis, residuals, cotangents):
+    backward = lambda residuals, cotangents: _head_total_backward(impl, cfg, axis, residuals,
+                                                                  cotangents)
+    return first_order(impl.name, backward, residuals, cotangents)
+
+
+def _head_total_backward(impl, cfg, axis, residuals, cotangents):
     rows, stats, acc, coefficients = residuals
     *row_cts, g_total = cotangents
     n = rows.targets.shape[0]

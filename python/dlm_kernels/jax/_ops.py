@@ -10,6 +10,8 @@ import numpy as np
 class JaxOps:
     """The few operations whose jax.numpy spelling differs from torch, as static methods."""
 
+    framework = 'jax'  # the arrays this front end takes (``_checks.require_array``)
+
     exp = staticmethod(jnp.exp)
     log = staticmethod(jnp.log)
     log1p = staticmethod(jnp.log1p)
@@ -182,6 +184,11 @@ class JaxOps:
     def leaves_with_paths(tree):  # -> [(path such as "['input_tokens']", leaf)]
         flat, _ = jax.tree_util.tree_flatten_with_path(tree)
         return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+    @staticmethod
+    def leaf_paths(tree):  # the path of every leaf tree_flatten gives
+        return [jax.tree_util.keystr(path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
     tree_flatten = staticmethod(jax.tree_util.tree_flatten)  # -> (leaves, treedef)
     tree_unflatten = staticmethod(jax.tree_util.tree_unflatten)

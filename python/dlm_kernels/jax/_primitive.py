@@ -13,6 +13,7 @@ from .. import _stats_math as stats_math
 from .._frontend import TokenStatsFrontEnd, public_token_stats
 from .._frontend import token_stats_total as make_token_stats_total
 from .._token_stats import TOKEN_STATS_DOC
+from ._first_order import first_order
 from ._linear_head import apply_head
 from ._ops import JaxOps
 
@@ -45,7 +46,7 @@ def _token_stats_vjp(impl, cfg, rows):
 
 
 def _token_stats_fwd(impl, cfg, rows):
-    stats = impl.forward(rows, cfg)
+    stats = first_order(impl.name, lambda rows: impl.forward(rows, cfg), rows)
     # Residuals: the row bundle plus seven [N] float32 row statistics, never [N, K].
     return tuple(stats[:4]), (rows, stats)
 
@@ -53,7 +54,8 @@ def _token_stats_fwd(impl, cfg, rows):
 def _token_stats_bwd(impl, cfg, residuals, cotangents):
     rows, stats = residuals
     grads = tuple(g.astype(jnp.float32) for g in cotangents)
-    return (_cotangent(rows, stats, grads, cfg, impl),)
+    rule = lambda rows, stats, grads: _cotangent(rows, stats, grads, cfg, impl)
+    return (first_order(impl.name, rule, rows, stats, grads),)
 
 
 _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
@@ -61,10 +63,15 @@ _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _vocab_parallel_vjp(impl, cfg, axis, rows):
-    return _vocab_parallel_fwd(impl, cfg, axis, rows)[0]
+    return _vocab_parallel_forward(impl, cfg, axis, rows)[0]
 
 
 def _vocab_parallel_fwd(impl, cfg, axis, rows):
+    return first_order(impl.name, lambda rows: _vocab_parallel_forward(impl, cfg, axis, rows),
+                       rows)
+
+
+def _vocab_parallel_forward(impl, cfg, axis, rows):
     # rows.logits: this device's vocabulary shard [N, K_local] of the mesh axis ``axis``
     offset = jax.lax.axis_index(axis) * rows.logits.shape[1]
     state, r_y, found = impl.forward_partial(rows, cfg, offset)
@@ -78,7 +85,9 @@ def _vocab_parallel_fwd(impl, cfg, axis, rows):
 def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):
     rows, stats, offset = residuals
     grads = tuple(g.astype(jnp.float32) for g in cotangents)
-    return (_cotangent(rows, stats, grads, cfg, impl, offset, axis),)
+    rule = lambda rows, stats, grads, offset: _cotangent(rows, stats, grads, cfg, impl, offset,
+                                                         axis)
+    return (first_order(impl.name, rule, rows, stats, grads, offset),)
 
 
 _vocab_parallel_vjp.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
@@ -96,6 +105,21 @@ class JaxVJP:
         return _token_stats_vjp(impl, cfg, rows)
 
     @staticmethod
+    def check_shard(axis, bound=True):
+        names = axis if isinstance(axis, tuple) else (axis,)
+        if not names or not all(isinstance(name, str) for name in names):
+            got = repr(axis) if isinstance(axis, tuple) else type(axis).__name__
+            raise TypeError(f"vocab_axis must be a mesh axis name (a str such as 'vocab', or a "
+                            f"tuple of them); got {got}")
+        if bound:
+            try:
+                jax.lax.axis_size(axis)
+            except NameError:
+                raise ValueError(
+                    f"vocab_axis {axis!r} is not an axis of the enclosing jax.shard_map: call "
+                    f"inside jax.shard_map over a mesh with that axis") from None
+
+    @staticmethod
     def shards(axis) -> int:
         return 1 if axis is None else jax.lax.axis_size(axis)
 
@@ -108,7 +132,7 @@ def vocab_parallel(vocab_axis, vocab_size=None):
     """Within this block (traced inside ``jax.shard_map``), every objective treats its logits
     as this device's shard of the mesh axis ``vocab_axis`` (as ``token_stats(...,
     vocab_axis=..., vocab_size=...)`` does)."""
-    return _FRONT.vocab_parallel.within(vocab_axis, vocab_size)
+    return _FRONT.within(vocab_axis, vocab_size)
 
 
 token_stats = public_token_stats(_FRONT, "vocab_axis", TOKEN_STATS_DOC)

@@ -16,6 +16,7 @@ from .._rows import Rows
 from .. import _stats_math as stats_math
 from .._stats_math import Stats
 from ._buffers import empty
+from ._first_order import first_order_only
 from ._ops import TorchOps
 
 
@@ -393,6 +394,13 @@ class _LinearHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lse, g_lp, g_h, g_kl, g_total):
+        with torch.no_grad():  # first derivatives, never recorded (see ``_first_order``)
+            grads = _LinearHeadFunction._backward(ctx, g_lse, g_lp, g_h, g_kl, g_total)
+        inputs = (*ctx.saved_tensors, g_lse, g_lp, g_h, g_kl, g_total)
+        return first_order_only(ctx.impl.name, grads, inputs)
+
+    @staticmethod
+    def _backward(ctx, g_lse, g_lp, g_h, g_kl, g_total):
         saved = ctx.saved_tensors
         n_in = len(saved) - len(Stats._fields)
         tensors, stats = saved[:n_in], Stats(*saved[n_in:])

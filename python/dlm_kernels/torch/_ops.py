@@ -9,6 +9,8 @@ import torch.utils._pytree as pytree
 class TorchOps:
     """The few operations whose torch spelling differs from jax.numpy, as static methods."""
 
+    framework = 'torch'  # the arrays this front end takes (``_checks.require_array``)
+
     exp = staticmethod(torch.exp)
     log = staticmethod(torch.log)
     log1p = staticmethod(torch.log1p)
@@ -167,6 +169,10 @@ class TorchOps:
         # None is an empty subtree, as in JAX (torch's pytree counts it as a leaf)
         flat, _ = pytree.tree_flatten_with_path(tree)
         return [(pytree.keystr(path), leaf) for path, leaf in flat if leaf is not None]
+
+    @staticmethod
+    def leaf_paths(tree):  # the path of every leaf tree_flatten gives, None leaves too
+        return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
 
     tree_flatten = staticmethod(pytree.tree_flatten)  # -> (leaves, TreeSpec)
     tree_unflatten = staticmethod(lambda spec, leaves: pytree.tree_unflatten(leaves, spec))

@@ -12,6 +12,7 @@ from .._frontend import token_stats_total as make_token_stats_total
 from .._token_stats import TOKEN_STATS_DOC
 from .._rows import Rows
 from .._stats_math import Stats
+from ._first_order import first_order_only
 from ._linear_head import apply_head
 from ._ops import TorchOps
 
@@ -72,14 +73,18 @@ class _TokenStatsFunction(torch.autograd.Function):
             # the shifted column, read before an in-place backward overwrites the logits
             columns = stats_math.shift_columns(TorchOps, rows, ctx.cfg,
                                                ctx.backward_kw.get("offset", 0))
-        dz, du = ctx.impl.backward(rows, stats, grads, ctx.cfg, **ctx.backward_kw)
         d_shift = None
-        if columns is not None:
-            d_shift = stats_math.shift_grad(TorchOps, columns, rows, stats, grads, ctx.cfg)
-            if ctx.group is not None:  # the shard holding x has it; the shift is replicated
-                import torch.distributed as dist
+        with torch.no_grad():  # first derivatives, never recorded (see ``_first_order``)
+            dz, du = ctx.impl.backward(rows, stats, grads, ctx.cfg, **ctx.backward_kw)
+            if columns is not None:
+                d_shift = stats_math.shift_grad(TorchOps, columns, rows, stats, grads, ctx.cfg)
+                if ctx.group is not None:  # one shard holds the column; the shift is replicated
+                    import torch.distributed as dist
 
-                dist.all_reduce(d_shift, group=ctx.group)
+                    dist.all_reduce(d_shift, group=ctx.group)
+        dz, du, d_shift = first_order_only(
+            ctx.impl.name, (dz, du, d_shift),
+            (rows.logits, rows.teacher, rows.shift, g_lse, g_lp, g_h, g_kl))
         return (None, None, None, None, *rows.gradients(dz, du, d_shift))
 
 
@@ -93,6 +98,16 @@ class TorchVJP:
         return _TokenStatsFunction.apply(impl, cfg, inplace, group, *rows)
 
     apply_head = staticmethod(apply_head)
+
+    @staticmethod
+    def check_shard(process_group, bound=True):
+        import torch.distributed as dist
+
+        group = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+        if group is None or not isinstance(process_group, group):
+            raise TypeError(
+                f"process_group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
+                f"dist.new_group(...)) or None; got {type(process_group).__name__}")
 
     @staticmethod
     def shards(process_group) -> int:
@@ -110,7 +125,7 @@ vocab_extent = _FRONT.vocab_extent
 def vocab_parallel(process_group, vocab_size=None):
     """Within this block every objective treats its logits as this rank's vocabulary shard
     of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
-    return _FRONT.vocab_parallel.within(process_group, vocab_size)
+    return _FRONT.within(process_group, vocab_size)
 
 
 token_stats = public_token_stats(_FRONT, "process_group", TOKEN_STATS_DOC)
