@@ -699,22 +699,35 @@ def test_commit_arguments_name_themselves(rng, name):
         assert np.array_equal(got, want), rule
 
 
-def test_commit_arguments_under_jit(rng):
-    """Traced k, threshold and budget cannot be checked: a sequence whose k is negative or
-    whose threshold or budget is NaN commits nothing; the others commit as the oracle does."""
-    import jax
+def _traced(name, fn):
+    """fn under jax.jit, or torch.compile(fullgraph=True): its arguments' values unreadable."""
+    if name == "jax":
+        import jax
 
-    fw = framework("jax")
+        return jax.jit(fn)
+    import torch
+
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_unreadable_arguments_commit_nothing(rng, name):
+    """Traced k, threshold and budget cannot be checked: a sequence whose k is negative or
+    whose threshold or budget is NaN commits nothing; the others commit as the oracle does.
+    A traced suppressed id outside [0, K) leaves every row without a valid draw (torch.compile
+    here; jax.jit on every JAX backend in the suites)."""
+    fw = framework(name)
     api = fw.api
     s, masked, sample = _commit_case(rng, fw)
     canvas = fw.array(np.zeros((4, 12), np.int32))
     conf = np.exp(sample[1])
-    step = jax.jit(lambda s, m, k, t, b: tuple(
+    step = _traced(name, lambda s, m, k, t, b: tuple(
         api.commit_tokens(canvas, s, m, rule=rule, **arg)[1]
         for rule, arg in (("topk", dict(k=k)), ("threshold", dict(threshold=t)),
                           ("entropy_budget", dict(budget=b)))))
     k, t, b = np.array([2, -1, 3, 1]), np.array([0.3, np.nan, 0.6, 0.9]), np.array([1.0, 2.0, np.nan, 0.5])
-    got = [np.asarray(x) for x in step(s, fw.array(masked), fw.array(k), fw.array(t), fw.array(b))]
+    got = [np.asarray(fw.numpy(x)) for x in step(s, fw.array(masked), fw.array(k), fw.array(t),
+                                                  fw.array(b))]
     wants = [_commit_oracle(conf, sample[5], masked, "topk", k=np.maximum(k, 0)),
              _commit_oracle(conf, sample[5], masked, "threshold", threshold=np.nan_to_num(t)),
              np.stack([_commit_oracle(conf, sample[5], masked, "entropy_budget", budget=v)[i]
@@ -723,6 +736,14 @@ def test_commit_arguments_under_jit(rng):
         w[bad] = False
         assert np.array_equal(g, w), rule
         assert masked[bad].any() and not g[bad].any(), rule
+    if name == "torch":
+        draw = _traced(name, lambda z, ids: api.sample_tokens(z, suppress_ids=ids,
+                                                              backend="reference"))
+        z = fw.array(rng.normal(size=(3, 20)), "float32")
+        ok, out = draw(z, fw.array(np.array([2, 5]))), draw(z, fw.array(np.array([2, 20])))
+        assert np.all(np.asarray(fw.numpy(ok.token)) >= 0) and ok.vocab_size == 20
+        assert np.all(np.asarray(fw.numpy(out.token)) == -1)
+        assert np.all(np.isnan(np.asarray(fw.numpy(out.logp))))
 
 
 @pytest.mark.parametrize("name", ["torch", "jax"])
