@@ -368,7 +368,8 @@ class SamplingSuite:
                 api.sample_tokens(z, suppress_ids=[7, 0], **kw).token))
             out = step(z, fw.array(np.array([7, 50])))
             assert np.all(np.asarray(out.token) == -1) and np.all(np.asarray(out.argmax) == -1)
-            assert np.all(np.isnan(np.asarray(out.logp))) and np.all(np.isnan(np.asarray(out.entropy)))
+            assert np.all(np.isnan(np.asarray(out.logp)))
+            assert np.all(np.isnan(np.asarray(out.entropy)))
 
 
 class HeadSampling:
@@ -725,7 +726,8 @@ def test_unreadable_arguments_commit_nothing(rng, name):
         api.commit_tokens(canvas, s, m, rule=rule, **arg)[1]
         for rule, arg in (("topk", dict(k=k)), ("threshold", dict(threshold=t)),
                           ("entropy_budget", dict(budget=b)))))
-    k, t, b = np.array([2, -1, 3, 1]), np.array([0.3, np.nan, 0.6, 0.9]), np.array([1.0, 2.0, np.nan, 0.5])
+    k, t = np.array([2, -1, 3, 1]), np.array([0.3, np.nan, 0.6, 0.9])
+    b = np.array([1.0, 2.0, np.nan, 0.5])
     got = [np.asarray(fw.numpy(x)) for x in step(s, fw.array(masked), fw.array(k), fw.array(t),
                                                   fw.array(b))]
     wants = [_commit_oracle(conf, sample[5], masked, "topk", k=np.maximum(k, 0)),

@@ -350,13 +350,13 @@ def reference_sample(xp, z, zu, keys, suppress, cfg):
 # -- checks -----------------------------------------------------------------------------------
 
 def _number(value, integral=False):
-    """value as a Python int (``integral``) or float when it is a real number -- a Python one
-    or a NumPy scalar such as np.int64(2) or np.float32(0.5); bools are not numbers. None for
-    anything else."""
+    """value as a Python int (``integral``: an integer) or float (a real number), from a Python
+    number or a NumPy scalar such as np.int64(2) or np.float32(0.5); bools are not numbers.
+    None for anything else."""
     if isinstance(value, (bool, np.bool_)):
         return None
     if isinstance(value, (int, np.integer)):
-        return int(value)
+        return int(value) if integral else float(value)
     if not integral and isinstance(value, (float, np.floating)):
         return float(value)
     return None
