@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -202,7 +203,7 @@ class SamplingSuite:
         api = fw.api
         with pytest.raises(ValueError, match="top_k must be None or an int in"):
             api.sample_tokens(z, top_k=65, backend=self.BACKEND)
-        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or in"):
             api.sample_tokens(z, temperature=-1.0, backend=self.BACKEND)
         with pytest.raises(ValueError, match="cfg_scale needs uncond_logits"):
             api.sample_tokens(z, cfg_scale=1.0, backend=self.BACKEND)
@@ -232,6 +233,143 @@ class SamplingSuite:
         got = self.sample(low, temperature=1.0, seed=seed, chunk_size=32,
                           suppress_ids=self.fw.array(np.arange(40)))  # chunk 0: all -inf
         self.check(got, oracle(low, temperature=1.0, seed=seed))
+
+    def test_rows_without_a_valid_draw(self, rng):
+        """Rows with a NaN logit, a +inf logit, or no finite logit (all -inf), among valid
+        rows, drawing with and without top-k and greedily: each gives token -1, argmax -1 and
+        NaN statistics (so a NaN confidence), the valid rows draw what the oracle draws, and
+        no commit rule ever commits such a row or ranks it above a valid one."""
+        b, l, k = 3, 8, 301
+        z = rng.normal(size=(b * l, k)) * 2
+        bad = {1: "nan", 5: "inf", 9: "-inf", 14: "nan+inf", 20: "inf"}
+        for row, what in bad.items():
+            if what == "-inf":
+                z[row] = -np.inf
+            if "nan" in what:
+                z[row, rng.integers(k)] = np.nan
+            if "inf" in what and what != "-inf":
+                z[row, rng.integers(k)] = np.inf
+        invalid = np.isin(np.arange(b * l), list(bad))
+        masked = np.ones((b, l), bool)
+        masked[1] = False
+        masked[1, [1, 6]] = True  # sequence 1: only rows without a draw are masked
+        masked[2, ::2] = False
+        seed = int(rng.integers(0, 2**31))
+        for temperature, top_k in ((0.8, None), (0.8, 3), (0.0, None)):
+            got = self.sample(z.reshape(b, l, k), temperature=temperature, top_k=top_k,
+                              seed=seed, chunk_size=64)
+            flat = [g.reshape(-1) for g in got]
+            where = f"T={temperature}, top_k={top_k}"
+            assert np.all(flat[0][invalid] == -1) and np.all(flat[2][invalid] == -1), where
+            for name, g in zip(("logp", "top1", "top2", "entropy"), flat[1:2] + flat[3:]):
+                assert np.all(np.isnan(g[invalid])), f"{where}: {name} {g[invalid]}"
+            want = oracle(np.where(invalid[:, None], 0.0, z), temperature=temperature,
+                          seed=seed, top_k=top_k)
+            self.check([g[~invalid] for g in flat], [w[~invalid] for w in want])
+            self.check_commits(got, masked, where)
+
+    def check_commits(self, got, masked, where):
+        """Every commit mode on this Sample against the oracle, which never commits a row
+        whose token is -1."""
+        fw = self.fw
+        api = fw.api
+        b, l = masked.shape
+        sample = api.Sample(*(fw.array(g) for g in got))
+        canvas = np.full((b, l), 300)
+        conf = {"probability": np.exp(got[1]), "margin": np.exp(got[3]) - np.exp(got[4]),
+                "neg_entropy": -got[5]}
+        kk = np.array([1, 2, 4])
+        modes = [("topk", dict(k=1), kind) for kind in conf]
+        modes += [("topk", dict(k=3), "probability"), ("topk", dict(k=l), "margin"),
+                  ("topk", dict(k=kk), "neg_entropy"),
+                  ("threshold", dict(threshold=0.3), "probability"),
+                  ("threshold", dict(threshold=2.0), "probability"),  # only the at-least-one
+                  ("threshold", dict(threshold=-0.5), "neg_entropy"),
+                  ("entropy_budget", dict(budget=1.5), "probability"),
+                  ("entropy_budget", dict(budget=0.0), "probability")]
+        for rule, arg, kind in modes:
+            arr = {n: fw.array(v) if isinstance(v, np.ndarray) else v for n, v in arg.items()}
+            new, committed = api.commit_tokens(fw.array(canvas), sample, fw.array(masked),
+                                               rule=rule, confidence=kind, **arr)
+            want = _commit_oracle(conf[kind], got[5], masked, rule, token=got[0], **arg)
+            new, committed = np.asarray(fw.numpy(new)), np.asarray(fw.numpy(committed))
+            case = f"{where}, {rule} {arg} {kind}"
+            assert np.array_equal(committed, want), f"{case}: committed\n{committed}\nwant\n{want}"
+            assert np.array_equal(new, np.where(want, got[0], canvas)), case
+            assert not np.any(new == -1), f"{case}: -1 written into the canvas"
+
+    def test_tiny_temperatures(self, rng):
+        """Down to MIN_TEMPERATURE the draw is right: the argmax where one logit leads (the
+        T -> 0 limit), one of the tied ids where several share the maximum, and every
+        statistic to float32 accuracy against the float64 oracle (tied rows: log-probability
+        -log 2 or -log 3, which a normaliser m + log a rounded at m = z / T would lose).
+        Below it, temperature raises; 0 is greedy."""
+        from dlm_kernels._sampling import MIN_TEMPERATURE
+
+        z = rng.uniform(-3.0, 3.0, size=(16, 301)).astype(np.float32)
+        z[:4, [3, 250]] = 4.5  # two tied maxima: s = 4.5 / T
+        z[4:6, [0, 64, 300]] = 4.5  # three, one in each end block
+        lead = rng.integers(0, 301, size=10)
+        z[np.arange(6, 16), lead] = 4.0  # one leader, 1000 nats above the rest at T = 1e-3
+        t = MIN_TEMPERATURE
+        seed = int(rng.integers(0, 2**31))
+        got = self.sample(z, temperature=t, seed=seed, chunk_size=64)
+        want = oracle(z, temperature=t, seed=seed)
+        assert np.array_equal(got[0][6:], lead), "a leading logit must be drawn as T -> 0"
+        assert np.all(np.isin(got[0][:4], [3, 250])) and np.all(np.isin(got[0][4:6], [0, 64, 300]))
+        assert np.all(got[2][:4] == 3) and np.all(got[2][4:6] == 0)
+        assert np.all(np.isfinite(np.stack(got[1:2] + got[3:])))
+        # each s = z / T is float32, 2^-24 of |s| ~ 4.5e3 off the oracle's: the differences
+        # s - m of the statistics carry that (the check's scale); tied maxima are equal in
+        # float32 too, so their log-probabilities, -log 2 and -log 3, are float32-exact (which
+        # tied id a row draws rests on keys s + g rounded to 2^-11 here: not compared)
+        self.check([g[6:] for g in got], [w[6:] for w in want], scale=4.5 / t)
+        for name, i in (("logp", 1), ("top1", 3), ("top2", 4), ("entropy", 5)):
+            assert_close(got[i][:6], want[i][:6], "float32", f"tied rows' {name}")
+        greedy = self.sample(z, temperature=0.0, chunk_size=64)
+        self.check(greedy, oracle(z, temperature=0.0))
+        fw = self.fw
+        for bad in (1e-6, 1e-8, t / 2, 1e-45, 1e39):
+            with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or in "
+                                                 r"\[0.001, .*\]; got " + re.escape(repr(bad))):
+                fw.api.sample_tokens(fw.array(z[:2], "float32"), temperature=bad,
+                                     backend=self.BACKEND)
+
+    def test_suppress_ids_forms_and_range(self, rng):
+        """suppress_ids as one int (Python or NumPy), a list or a tuple draws what the array
+        does; ids outside [0, K) raise, naming the argument, the id and K; under jax.jit,
+        where their values cannot be read, every row then has no valid draw."""
+        fw = self.fw
+        api = fw.api
+        z = fw.array(rng.normal(size=(6, 50)), "float32")
+        kw = dict(temperature=0.9, seed=int(rng.integers(0, 2**31)), chunk_size=16,
+                  backend=self.BACKEND)
+        for ids, same in ((7, [7]), (np.int64(7), [7]), ([7, 49], [7, 49]), ((0, 7), [0, 7]),
+                          (np.array([7, 0]), [7, 0]), ([], None)):
+            want = api.sample_tokens(z, suppress_ids=None if same is None else
+                                     fw.array(np.array(same)), **kw)
+            got = api.sample_tokens(z, suppress_ids=ids, **kw)
+            for name, g, w in zip(got._fields, got, want):
+                assert np.array_equal(np.asarray(fw.numpy(g)), np.asarray(fw.numpy(w))), (ids, name)
+        for ids, bad, at in ((50, 50, 0), (-1, -1, 0), ([3, 50], 50, 1),
+                             (fw.array(np.array([7, -3])), -3, 1)):
+            with pytest.raises(ValueError, match=r"suppress_ids must be token ids in \[0, K\) = "
+                                                 rf"\[0, 50\) \(K: the vocabulary size\); got "
+                                                 rf"{bad} at index {at}$"):
+                api.sample_tokens(z, suppress_ids=ids, **kw)
+        with pytest.raises(TypeError, match="suppress_ids must be integer token ids"):
+            api.sample_tokens(z, suppress_ids=[1.5], **kw)
+        if self.FW == "jax":
+            import jax
+
+            step = jax.jit(lambda z, ids: api.sample_tokens(z, suppress_ids=ids, **kw))
+            ok = step(z, fw.array(np.array([7, 0])))
+            assert np.array_equal(np.asarray(ok.token), np.asarray(
+                api.sample_tokens(z, suppress_ids=[7, 0], **kw).token))
+            out = step(z, fw.array(np.array([7, 50])))
+            assert np.all(np.asarray(out.token) == -1) and np.all(np.asarray(out.argmax) == -1)
+            assert np.all(np.isnan(np.asarray(out.logp)))
+            assert np.all(np.isnan(np.asarray(out.entropy)))
 
 
 class HeadSampling:
@@ -320,6 +458,10 @@ class TestJaxTritonEmulated:
         SamplingSuite.test_top_k_and_suppressed_ids_are_never_drawn)
     test_guidance_reads_both_arrays = SamplingSuite.test_guidance_reads_both_arrays
     test_no_rows = SamplingSuite.test_no_rows
+    test_rows_without_a_valid_draw = SamplingSuite.test_rows_without_a_valid_draw
+    check_commits = SamplingSuite.check_commits
+    test_tiny_temperatures = SamplingSuite.test_tiny_temperatures
+    test_suppress_ids_forms_and_range = SamplingSuite.test_suppress_ids_forms_and_range
 
 
 class TestJaxPallas(SamplingSuite):
@@ -433,11 +575,14 @@ def test_jax_sampler_under_jit_and_vmap(rng):
 
 # -- commit_tokens ----------------------------------------------------------------------------
 
-def _commit_oracle(conf, entropy, masked, rule, k=None, threshold=None, budget=None):
+def _commit_oracle(conf, entropy, masked, rule, k=None, threshold=None, budget=None,
+                   token=None):
+    """The positions a rule commits; a row whose token is -1 (no valid draw) never is."""
     b, l = conf.shape
     out = np.zeros((b, l), bool)
+    eligible = masked if token is None else masked & (token >= 0)
     for i in range(b):
-        idx = np.flatnonzero(masked[i])
+        idx = np.flatnonzero(eligible[i])
         if idx.size == 0:
             continue
         if rule == "topk":
@@ -445,7 +590,8 @@ def _commit_oracle(conf, entropy, masked, rule, k=None, threshold=None, budget=N
             order = idx[np.argsort(-conf[i, idx], kind="stable")]
             out[i, order[:kk]] = True
         elif rule == "threshold":
-            hit = idx[conf[i, idx] > threshold]
+            th = threshold[i] if np.ndim(threshold) else threshold
+            hit = idx[conf[i, idx] > th]
             out[i, hit if hit.size else idx[np.argmax(conf[i, idx])]] = True
         else:
             order = idx[np.argsort(entropy[i, idx], kind="stable")]
@@ -479,6 +625,166 @@ def test_commit_rules(rng, name, rule, kind):
     want = _commit_oracle(conf, sample[5], masked, rule, k=kk, threshold=threshold, budget=1.5)
     assert np.array_equal(np.asarray(fw.numpy(committed)), want)
     assert np.array_equal(np.asarray(fw.numpy(new)), np.where(want, sample[0], canvas))
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_numpy_scalars_are_numbers(rng, name):
+    """Every number argument of sample_tokens and commit_tokens takes a NumPy scalar as it
+    takes the Python number."""
+    fw = framework(name)
+    api = fw.api
+    z, zu = (fw.array(rng.normal(size=(2, 5, 40)), "float32") for _ in range(2))
+    py = dict(temperature=0.5, top_k=3, seed=5, step=2, cfg_scale=1.5, chunk_size=16)
+    npy = dict(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(5),
+               step=np.int32(2), cfg_scale=np.float64(1.5), chunk_size=np.int64(16))
+    want = api.sample_tokens(z, uncond_logits=zu, **py)
+    got = api.sample_tokens(z, uncond_logits=zu, **npy)
+    for f, g, w in zip(got._fields, got, want):
+        assert np.array_equal(np.asarray(fw.numpy(g)), np.asarray(fw.numpy(w))), f
+    canvas, masked = fw.array(np.zeros((2, 5), np.int32)), fw.array(np.ones((2, 5), bool))
+    for rule, a, b in (("topk", dict(k=2), dict(k=np.int64(2))),
+                       ("threshold", dict(threshold=0.3), dict(threshold=np.float32(0.3))),
+                       ("entropy_budget", dict(budget=1.0), dict(budget=np.float64(1.0)))):
+        want = api.commit_tokens(canvas, got, masked, rule=rule, **a)[1]
+        have = api.commit_tokens(canvas, got, masked, rule=rule, **b)[1]
+        assert np.array_equal(np.asarray(fw.numpy(have)), np.asarray(fw.numpy(want))), rule
+
+
+def _commit_case(rng, fw, b=4, l=12, k=30):
+    s = fw.api.sample_tokens(fw.array(rng.normal(size=(b, l, k)) * 2, "float32"),
+                             temperature=0.8, seed=3)
+    masked = rng.uniform(size=(b, l)) < 0.7
+    return s, masked, [np.asarray(fw.numpy(x)) for x in s]
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_commit_arguments_name_themselves(rng, name):
+    """Bad k, threshold and budget values raise, naming the argument and the value (and its
+    index) or the shape seen; a [B] threshold or budget is one per sequence, a 0-d k is every
+    sequence's."""
+    fw = framework(name)
+    api = fw.api
+    s, masked, sample = _commit_case(rng, fw)
+    canvas, m = fw.array(np.zeros((4, 12), np.int32)), fw.array(masked)
+    commit = lambda **kw: api.commit_tokens(canvas, s, m, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"k must be >= 0 \(positions to commit per sequence\); "
+                                         r"got -1 at index \(1,\)$"):
+        commit(rule="topk", k=fw.array(np.array([2, -1, 0, 3])))
+    with pytest.raises(ValueError, match=r"k must be >= 0 .*; got -2$"):
+        commit(rule="topk", k=np.int64(-2))
+    with pytest.raises(TypeError, match=r"k must be an int or an array of shape \[\] or \[B\] = "
+                                        r"\[4\]; got float"):
+        commit(rule="topk", k=1.5)
+    for arg, rule in (("threshold", "threshold"), ("budget", "entropy_budget")):
+        for bad in (float("nan"), np.float32("nan")):
+            with pytest.raises(ValueError, match=rf"{arg} must be a number \(not NaN\); got nan$"):
+                commit(rule=rule, **{arg: bad})
+        with pytest.raises(ValueError, match=rf"{arg} must be a number \(not NaN\); got nan at "
+                                             rf"index \(2,\)$"):
+            commit(rule=rule, **{arg: fw.array(np.array([0.5, 0.5, np.nan, 0.5]))})
+        with pytest.raises(ValueError, match=rf"{arg} must be a number or have shape \[\] or \[B\] "
+                                             rf"= \[4\] \(one per sequence\); got shape \[4, 12\]"):
+            commit(rule=rule, **{arg: fw.array(np.full((4, 12), 0.5))})
+    conf = np.exp(sample[1])
+    thresholds = np.array([0.2, 0.5, 0.9, 2.0])
+    budgets = np.array([0.5, 3.0, 0.0, 1.0])
+    for rule, arg, want in (
+            ("threshold", dict(threshold=fw.array(thresholds)),
+             _commit_oracle(conf, sample[5], masked, "threshold", threshold=thresholds)),
+            ("entropy_budget", dict(budget=fw.array(budgets)),
+             np.stack([_commit_oracle(conf, sample[5], masked, "entropy_budget", budget=v)[i]
+                       for i, v in enumerate(budgets)])),
+            ("topk", dict(k=fw.array(np.array(3))),
+             _commit_oracle(conf, sample[5], masked, "topk", k=3))):
+        got = np.asarray(fw.numpy(commit(rule=rule, **arg)[1]))
+        assert np.array_equal(got, want), rule
+
+
+def _traced(name, fn):
+    """fn under jax.jit, or torch.compile(fullgraph=True): its arguments' values unreadable."""
+    if name == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import torch
+
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_unreadable_arguments_commit_nothing(rng, name):
+    """Traced k, threshold and budget cannot be checked: a sequence whose k is negative or
+    whose threshold or budget is NaN commits nothing; the others commit as the oracle does.
+    A traced suppressed id outside [0, K) leaves every row without a valid draw (torch.compile
+    here; jax.jit on every JAX backend in the suites)."""
+    fw = framework(name)
+    api = fw.api
+    s, masked, sample = _commit_case(rng, fw)
+    canvas = fw.array(np.zeros((4, 12), np.int32))
+    conf = np.exp(sample[1])
+    step = _traced(name, lambda s, m, k, t, b: tuple(
+        api.commit_tokens(canvas, s, m, rule=rule, **arg)[1]
+        for rule, arg in (("topk", dict(k=k)), ("threshold", dict(threshold=t)),
+                          ("entropy_budget", dict(budget=b)))))
+    k, t = np.array([2, -1, 3, 1]), np.array([0.3, np.nan, 0.6, 0.9])
+    b = np.array([1.0, 2.0, np.nan, 0.5])
+    got = [np.asarray(fw.numpy(x)) for x in step(s, fw.array(masked), fw.array(k), fw.array(t),
+                                                  fw.array(b))]
+    wants = [_commit_oracle(conf, sample[5], masked, "topk", k=np.maximum(k, 0)),
+             _commit_oracle(conf, sample[5], masked, "threshold", threshold=np.nan_to_num(t)),
+             np.stack([_commit_oracle(conf, sample[5], masked, "entropy_budget", budget=v)[i]
+                       for i, v in enumerate(np.nan_to_num(b))])]
+    for rule, g, w, bad in zip(("topk", "threshold", "entropy_budget"), got, wants, (1, 1, 2)):
+        w[bad] = False
+        assert np.array_equal(g, w), rule
+        assert masked[bad].any() and not g[bad].any(), rule
+    if name == "torch":
+        draw = _traced(name, lambda z, ids: api.sample_tokens(z, suppress_ids=ids,
+                                                              backend="reference"))
+        z = fw.array(rng.normal(size=(3, 20)), "float32")
+        ok, out = draw(z, fw.array(np.array([2, 5]))), draw(z, fw.array(np.array([2, 20])))
+        assert np.all(np.asarray(fw.numpy(ok.token)) >= 0) and ok.vocab_size == 20
+        assert np.all(np.asarray(fw.numpy(out.token)) == -1)
+        assert np.all(np.isnan(np.asarray(fw.numpy(out.logp))))
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_canvas_must_hold_the_vocabulary(rng, name):
+    """A canvas whose dtype cannot hold ids up to K - 1 raises, naming canvas, its dtype and
+    K (at trace time under jax.jit; the Sample keeps K through jit and pytree maps), where it
+    would have wrapped an id (int8: 142 -> -114); a Sample built without vocab_size asks for
+    a canvas that holds int32."""
+    fw = framework(name)
+    api = fw.api
+    z = rng.normal(size=(2, 6, 300))
+    z[:, :, 142] = 50.0  # every position draws 142
+    s = api.sample_tokens(fw.array(z, "float32"), temperature=0.0)
+    masked = fw.array(np.ones((2, 6), bool))
+    canvas8 = fw.array(np.zeros((2, 6), np.int8))
+    message = (r"canvas \(int8\) cannot hold the vocabulary's ids: K = 300 \(ids up to 299\) but "
+               r"int8 holds at most 127")
+    with pytest.raises(ValueError, match=message):
+        api.commit_tokens(canvas8, s, masked, k=6)
+    assert s.vocab_size == 300
+    new, _ = api.commit_tokens(fw.array(np.zeros((2, 6), np.int16)), s, masked, k=6)
+    assert np.all(np.asarray(fw.numpy(new)) == 142)
+    small = api.sample_tokens(fw.array(z[:, :, :256], "float32"), temperature=0.0)
+    new, _ = api.commit_tokens(fw.array(np.zeros((2, 6), np.uint8)), small, masked, k=6)
+    assert np.all(np.asarray(fw.numpy(new)) == 142)
+    bare = api.Sample(*s)
+    assert bare.vocab_size is None and s._replace(token=s.argmax).vocab_size == 300
+    with pytest.raises(ValueError, match=r"canvas \(int16\) may not hold sample.token's int32 ids"):
+        api.commit_tokens(fw.array(np.zeros((2, 6), np.int16)), bare, masked, k=6)
+    if name == "jax":
+        import jax
+
+        with pytest.raises(ValueError, match=message):
+            jax.jit(lambda z, c: api.commit_tokens(c, api.sample_tokens(z), masked, k=2))(
+                fw.array(z, "float32"), canvas8)
+        out = jax.jit(lambda z: api.sample_tokens(z, temperature=0.0))(fw.array(z, "float32"))
+        assert out.vocab_size == 300 and jax.tree.map(lambda x: x, out).vocab_size == 300
+        with pytest.raises(ValueError, match=message):
+            api.commit_tokens(canvas8, out, masked, k=6)
 
 
 def test_examples_generate(tmp_path):

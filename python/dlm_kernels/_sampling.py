@@ -13,7 +13,9 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 and finalises: token = gi (i1 at T = 0: greedy), logp = log-probability of the token under
 the sampling distribution, argmax = i1, top1_logp / top2_logp, entropy. With ``top_k`` the
 sampling distribution is the softmax over the k largest (renormalised) and every statistic is
-taken under it. At T = 0 the statistics are those of softmax(z) (T = 1).
+taken under it. At T = 0 the statistics are those of softmax(z) (T = 1). A row whose whole
+m + log a is not finite (a NaN or +inf s, or none finite) has no valid draw: token and argmax
+-1, NaN statistics (``Sample``); the commit rules never pick it.
 
 Noise: g = -log(-log(u)), u = ((h >> 9) + 1/2)·2^-23 in (0, 1), h a 32-bit hash of
 (seed, step, row, column): ``row_key(seed, step, row)`` once per row, then
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._checks import (plain, require_array, require_float, require_int, require_logits,
-                      require_shape, shape_str)
+import numpy as np
+
+from ._checks import (dtype_str, host_values, plain, require_array, require_float,
+                      require_int, require_logits, require_real, require_shape, shape_str)
 from ._linear_head import is_head, row_chunk_for, row_chunks
 from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
@@ -37,25 +41,51 @@ MIX_STEPS = ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None))
 _STEP_SALT, _ROW_SALT = 0x9E3779B9, 0x85EBCA6B
 MAX_TOP_K = 64
 _F32_LOWEST = -3.4028234663852886e38  # the most negative finite float32
+_F32_MAX = 3.4028234663852886e38
+# The smallest temperature above 0 (docs/design.md §3): s = z / T is float32, and every
+# decision reads s + g rounded to an ulp of |s| (2^-23·|z| / T); at T >= 1e-3 that is below
+# 2^-7 nats for logits |z| < 2^6, and below it T = 0 (greedy) is the limit to use.
+MIN_TEMPERATURE = 1e-3
 
 
-class Sample(NamedTuple):
-    """Per-row outputs of :func:`sample_tokens`, each with the logits' leading shape.
-
-    token:     int32, the drawn token (greedy at temperature 0); -1 where the row has no
-               finite logit left.
-    logp:      float32, its log-probability under the sampling distribution.
-    argmax:    int32, the most likely token (ties: the lowest id).
-    top1_logp, top2_logp: float32, the two largest log-probabilities (-inf when K = 1).
-    entropy:   float32, the entropy of the sampling distribution.
-    """
-
+class _SampleFields(NamedTuple):
     token: object
     logp: object
     argmax: object
     top1_logp: object
     top2_logp: object
     entropy: object
+
+
+class Sample(_SampleFields):
+    """Per-row outputs of :func:`sample_tokens`, each with the logits' leading shape.
+
+    token:     int32, the drawn token (greedy at temperature 0).
+    logp:      float32, its log-probability under the sampling distribution.
+    argmax:    int32, the most likely token (ties: the lowest id).
+    top1_logp, top2_logp: float32, the two largest log-probabilities (-inf when K = 1).
+    entropy:   float32, the entropy of the sampling distribution.
+
+    A row with no valid draw -- a NaN or +inf scaled logit anywhere in it (with or without
+    top_k; an s = z / T that overflows float32 counts as +inf), or no finite one -- has
+    token -1 and argmax -1, and NaN logp, top1_logp, top2_logp and entropy, so every
+    confidence of ``commit_tokens`` is NaN there; ``commit_tokens`` never commits it.
+
+    ``vocab_size`` (an attribute, not a field: static under ``jit``, where the JAX front end
+    keeps it as pytree metadata) is K of the logits drawn from, or None when unknown (a Sample
+    built by hand without it); ``commit_tokens`` checks the canvas's dtype against it.
+    """
+
+    vocab_size = None
+
+    def __new__(cls, token, logp, argmax, top1_logp, top2_logp, entropy, vocab_size=None):
+        self = super().__new__(cls, token, logp, argmax, top1_logp, top2_logp, entropy)
+        if vocab_size is not None:
+            self.vocab_size = int(vocab_size)
+        return self
+
+    def _replace(self, **fields):
+        return Sample(*_SampleFields._replace(self, **fields), vocab_size=self.vocab_size)
 
 
 class SampleConfig(NamedTuple):
@@ -259,42 +289,55 @@ def merge_splits(xp, state, ids, top_v, top_i, cfg, k):
 
 
 def finalize(xp, st, keys, cfg):
-    """Sample of [N] fields from the merged state."""
-    neg_inf = float("-inf")
+    """Sample of [N] fields from the merged state. Log-probabilities are taken relative to
+    the row's largest s, (s - m) - log a: at a small temperature s and m are large and the
+    normaliser m + log a would round log a away (a two-way tie would get log-probability 0).
+    A row has a valid draw where the whole row's m + log a is finite (a NaN s makes a NaN,
+    a +inf s makes m = +inf and a NaN, a row with no finite s has a = 0): on every backend,
+    with or without top_k."""
+    nan = float("nan")
+    valid = xp.isfinite(st.m + xp.log(st.a))  # [N]
     if cfg.top_k is None:
-        lse = st.m + xp.log(st.a)
-        entropy = xp.log(st.a) - st.b / st.a
+        log_a = xp.log(st.a)
+        entropy = log_a - st.b / st.a
         token = st.i1 if cfg.temperature == 0.0 else st.gi
         s_token = st.v1 if cfg.temperature == 0.0 else st.gs
-        top1, top2 = st.v1 - lse, st.v2 - lse
+        logp = (s_token - st.m) - log_a
+        top1, top2 = (st.v1 - st.m) - log_a, (st.v2 - st.m) - log_a
     else:
         v, ids = st.topv, st.topi  # [N, k'] largest first
-        m = v[:, 0]
-        m_safe = xp.where(m == neg_inf, 0.0, m)
-        e = xp.exp(v - m_safe[:, None])
+        v = xp.where(valid[:, None], v, 0.0)  # a row without a valid draw: no NaN or inf below
+        m = v[:, 0]  # finite
+        d = v - m[:, None]
+        e = xp.exp(d)
         a = xp.rowsum(e)
-        lse = m_safe + xp.log(a)
-        logq = v - lse[:, None]
+        logq = d - xp.log(a)[:, None]
         entropy = -xp.rowsum(xp.where(e > 0, e / a[:, None] * logq, 0.0))
         top1 = logq[:, 0]
-        top2 = logq[:, 1] if v.shape[1] > 1 else top1 * 0.0 + neg_inf
+        top2 = logq[:, 1] if v.shape[1] > 1 else top1 * 0.0 + float("-inf")
         if cfg.temperature == 0.0:
-            token, s_token = ids[:, 0], v[:, 0]
+            token, logp = ids[:, 0], logq[:, 0]
         else:
             g = gumbel(xp, keys, ids)  # [N, k'] noise of the k columns
             key = v + g
             best = xp.rowmax(key)
             pos = xp.rowmin(xp.where(key == best[:, None], xp.arange(v.shape[1], v)[None, :],
                                      2 ** 31 - 1))
-            token, s_token = xp.gather_cols(ids, pos), xp.gather_cols(v, pos)
+            token, logp = xp.gather_cols(ids, pos), xp.gather_cols(logq, pos)
         st = st._replace(i1=ids[:, 0])
-    empty = ~(lse > neg_inf)  # no finite logit left (or NaN)
+    fix = lambda x: xp.where(valid, x, nan)  # noqa: E731
+    return Sample(xp.i32(xp.where(valid, token, -1)), fix(logp),
+                  xp.i32(xp.where(valid, st.i1, -1)), fix(top1), fix(top2), fix(entropy))
+
+
+def no_draw_where(xp, sample, bad):
+    """sample with every row marked as having no valid draw where ``bad`` (a bool scalar)."""
     nan = float("nan")
-    token = xp.where(empty, -1, token)
-    argmax = xp.where(empty, -1, st.i1)
-    fix = lambda x: xp.where(empty, nan, x)
-    return Sample(xp.i32(token), fix(s_token - lse), xp.i32(argmax), fix(top1), fix(top2),
-                  fix(entropy))
+    ints = lambda x: xp.where(bad, -1, x)  # noqa: E731
+    floats = lambda x: xp.where(bad, nan, x)  # noqa: E731
+    return Sample(ints(sample.token), floats(sample.logp), ints(sample.argmax),
+                  floats(sample.top1_logp), floats(sample.top2_logp), floats(sample.entropy),
+                  vocab_size=sample.vocab_size)
 
 
 def reference_sample(xp, z, zu, keys, suppress, cfg):
@@ -306,41 +349,138 @@ def reference_sample(xp, z, zu, keys, suppress, cfg):
 
 # -- checks -----------------------------------------------------------------------------------
 
-def make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logits, cfg_scale,
-                       chunk_size):
+def _number(value, integral=False):
+    """value as a Python int (``integral``: an integer) or float (a real number), from a Python
+    number or a NumPy scalar such as np.int64(2) or np.float32(0.5); bools are not numbers.
+    None for anything else."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value) if integral else float(value)
+    if not integral and isinstance(value, (float, np.floating)):
+        return float(value)
+    return None
+
+
+def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale, chunk_size):
     require_logits(xp, "logits", logits)
     require_float(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
                          f"{shape_str(logits.shape)}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            temperature >= 0.0) or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy); got "
-                         f"{plain(temperature)}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or not 1 <= top_k <= MAX_TOP_K):
+    t = _number(temperature)
+    if t is None or not (t == 0.0 or MIN_TEMPERATURE <= t <= _F32_MAX):
+        raise ValueError(
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got "
+            f"{plain(temperature)} (s = z / T is float32: below {MIN_TEMPERATURE} its "
+            f"rounding swamps the noise, and temperature=0 is the exact T -> 0 limit)")
+    k = None if top_k is None else _number(top_k, integral=True)
+    if top_k is not None and (k is None or not 1 <= k <= MAX_TOP_K):
         raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}] (a running top-k "
                          f"per row is merged in the one pass); got {plain(top_k)}")
-    if suppress_ids is not None:
-        require_array(xp, "suppress_ids", suppress_ids)
-        require_int(xp, "suppress_ids", suppress_ids)
-        if len(suppress_ids.shape) != 1:
-            raise ValueError(f"suppress_ids must have shape [S]; got "
-                             f"{shape_str(suppress_ids.shape)}")
     if uncond_logits is not None:
         require_logits(xp, "uncond_logits", uncond_logits)
         require_float(xp, "uncond_logits", uncond_logits)
         require_shape("uncond_logits", uncond_logits, logits.shape, "logits.shape")
-    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or not (
-            abs(cfg_scale) < float("inf")):
+    c = _number(cfg_scale)
+    if c is None or not abs(c) < float("inf"):
         raise ValueError(f"cfg_scale must be a finite number; got {plain(cfg_scale)}")
-    if cfg_scale != 0.0 and uncond_logits is None:
+    if c != 0.0 and uncond_logits is None:
         raise ValueError("cfg_scale needs uncond_logits (the unconditional logits)")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
-            chunk_size, int) or chunk_size < 1):
+    chunk = None if chunk_size is None else _number(chunk_size, integral=True)
+    if chunk_size is not None and (chunk is None or chunk < 1):
         raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
-    return SampleConfig(float(temperature), top_k, float(cfg_scale), uncond_logits is not None,
-                        chunk_size)
+    return SampleConfig(t, k, c, uncond_logits is not None, chunk)
+
+
+def suppressed_ids(xp, ids, vocab, like):
+    """``suppress_ids`` (an integer array, a list, or one int; NumPy ones too) as (an [S]
+    integer array on ``like``'s device or None, None or a bool scalar ``bad``). Ids outside
+    [0, K) raise where their values can be read here (``_checks.host_values``); where they
+    cannot (traced, or on an accelerator outside ``sync_checks()``) ``bad`` says whether any
+    is, and the caller marks every row as having no valid draw."""
+    if ids is None:
+        return None, None
+    if xp.is_array(ids):
+        require_int(xp, "suppress_ids", ids)
+        host = host_values(xp, ids)
+    else:
+        host = np.asarray(ids)
+        if host.size == 0:
+            host = host.astype(np.int64)
+        if host.dtype == object or not np.issubdtype(host.dtype, np.integer):
+            raise TypeError(f"suppress_ids must be integer token ids (an array, a list or an "
+                            f"int); got {type(ids).__name__} of {host.dtype}")
+    if len(ids.shape if xp.is_array(ids) else host.shape) > 1:
+        raise ValueError(f"suppress_ids must have shape [S] (or be one id); got "
+                         f"{shape_str(ids.shape if xp.is_array(ids) else host.shape)}")
+    if host is not None:
+        out = (host < 0) | (host >= vocab)
+        if out.any():
+            i = int(np.argwhere(out.reshape(-1))[0][0])
+            raise ValueError(f"suppress_ids must be token ids in [0, K) = [0, {vocab}) (K: the "
+                             f"vocabulary size); got {plain(host.reshape(-1)[i])} at index {i}")
+    if not xp.is_array(ids):
+        ids = xp.from_host(host.reshape(-1).astype(np.int32), like)
+    ids = ids.reshape(-1)
+    if ids.shape[0] == 0:
+        return None, None
+    if host is not None:
+        return ids, None
+    return ids, xp.rowsum(xp.f32((ids < 0) | (ids >= vocab))) > 0
+
+
+def _per_sequence(xp, name, value, b, integral):
+    """A per-sequence argument of commit_tokens: a number (Python or NumPy), or an array of
+    shape [] or [B]; (value ready to broadcast against [B, L], its host values or None)."""
+    if not xp.is_array(value):
+        number = _number(value, integral)
+        if number is None:
+            kind = "an int" if integral else "a number"
+            raise TypeError(f"{name} must be {kind} or an array of shape [] or [B] = [{b}]; got "
+                            f"{type(value).__name__}")
+        return number, np.asarray(number)
+    (require_int if integral else require_real)(xp, name, value)
+    if tuple(value.shape) not in ((), (b,)):
+        raise ValueError(f"{name} must be a number or have shape [] or [B] = [{b}] (one per "
+                         f"sequence); got shape {shape_str(value.shape)}")
+    return (value[:, None] if len(value.shape) == 1 else value), host_values(xp, value)
+
+
+def _raise_at(name, bad, values, rule):
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(np.atleast_1d(bad))[0])
+        where = f" at index {idx}" if values.ndim else ""
+        raise ValueError(f"{name} must be {rule}; got {plain(np.atleast_1d(values)[idx])}{where}")
+
+
+def commit_arguments(xp, canvas, sample, k, threshold, budget):
+    """Checked (k, threshold, budget) of commit_tokens for a canvas [B, L] (each None when not
+    given), after checking that the canvas's dtype holds every id of the vocabulary."""
+    top = xp.int_max(canvas)
+    vocab = sample.vocab_size
+    if vocab is not None and vocab - 1 > top:
+        raise ValueError(f"canvas ({dtype_str(canvas)}) cannot hold the vocabulary's ids: K = "
+                         f"{vocab} (ids up to {vocab - 1}) but {dtype_str(canvas)} holds at most "
+                         f"{top}; use a wider integer dtype")
+    if vocab is None and top < 2**31 - 1:
+        raise ValueError(f"canvas ({dtype_str(canvas)}) may not hold sample.token's int32 ids: "
+                         f"the vocabulary size is not known (sample.vocab_size is None: a Sample "
+                         f"not made by sample_tokens) and {dtype_str(canvas)} holds at most {top}; "
+                         f"give Sample(..., vocab_size=K) or use an int32 canvas")
+    b = canvas.shape[0]
+    if k is not None:
+        k, host = _per_sequence(xp, "k", k, b, integral=True)
+        if host is not None:
+            _raise_at("k", host < 0, host, ">= 0 (positions to commit per sequence)")
+    out = [k]
+    for name, value in (("threshold", threshold), ("budget", budget)):
+        if value is not None:
+            value, host = _per_sequence(xp, name, value, b, integral=False)
+            if host is not None:
+                _raise_at(name, np.isnan(host), host, "a number (not NaN)")
+        out.append(value)
+    return tuple(out)
 
 
 # -- choosing what to commit ([B, L] math) -------------------------------------------------------
@@ -361,43 +501,51 @@ def confidence(xp, sample, kind):
     raise ValueError(f"confidence must be one of {CONFIDENCES}; got {kind!r}")
 
 
-def _commit_topk(xp, conf, masked, k):
-    """The k most confident masked positions per sequence (ties: the lower position)."""
-    neg = xp.where(masked, conf, float("-inf"))
+def _commit_topk(xp, conf, eligible, k):
+    """The k most confident eligible positions per sequence (ties: the lower position)."""
+    neg = xp.where(eligible, conf, float("-inf"))
     rank = xp.scatter_rank(xp.argsort_desc(neg))  # [B, L]: 0 = most confident
-    k = k if not xp.is_array(k) else k[:, None]
-    return masked & (rank < k)
+    return eligible & (rank < k)
 
 
-def _at_least_one(xp, commit, conf, masked):
-    """commit, plus each sequence's most confident masked position where it commits none."""
-    neg = xp.where(masked, conf, float("-inf"))
+def _at_least_one(xp, commit, conf, eligible):
+    """commit, plus each sequence's most confident eligible position where it commits none."""
+    neg = xp.where(eligible, conf, float("-inf"))
     first = xp.scatter_rank(xp.argsort_desc(neg)) == 0
     none = xp.rowsum(xp.f32(commit)) == 0
-    return commit | (first & masked & none[:, None])
+    return commit | (first & eligible & none[:, None])
+
+
+def _unless_nan(xp, commit, value):
+    """commit, and nothing in a sequence whose (traced) threshold or budget is NaN."""
+    return commit & (value == value) if xp.is_array(value) else commit
 
 
 def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind):
-    """[B, L] bool: the masked positions the rule commits (see ``commit_tokens``)."""
+    """[B, L] bool: the masked positions the rule commits (see ``commit_tokens``); a row with
+    no valid draw (token -1) is never one of them, nor ranked above one that is."""
+    eligible = masked & (sample.token >= 0)
     if rule == "topk":
         if k is None:
             raise ValueError("rule='topk' needs k (an int, or [B] ints from a schedule)")
-        return _commit_topk(xp, confidence(xp, sample, kind), masked, k)
+        return _commit_topk(xp, confidence(xp, sample, kind), eligible, k)
     if rule == "threshold":
         if threshold is None:
             raise ValueError("rule='threshold' needs threshold")
         conf = confidence(xp, sample, kind)
-        return _at_least_one(xp, masked & (conf > threshold), conf, masked)
+        commit = _at_least_one(xp, eligible & (conf > threshold), conf, eligible)
+        return _unless_nan(xp, commit, threshold)
     if rule == "entropy_budget":
         if budget is None:
             raise ValueError("rule='entropy_budget' needs budget (nats per sequence)")
-        ent = xp.where(masked, sample.entropy, float("inf"))
+        ent = xp.where(eligible, sample.entropy, float("inf"))
         order = xp.argsort_desc(-ent)  # ascending entropy, ties: the lower position
         rank = xp.scatter_rank(order)
         sorted_ent = xp.take_rows(ent, order)
         within = xp.cumsum(xp.where(sorted_ent < float("inf"), sorted_ent, 0.0)) <= budget
         keep = xp.take_rows(within, rank)  # back in position order
-        return _at_least_one(xp, masked & keep, -sample.entropy, masked)
+        commit = _at_least_one(xp, eligible & keep, -sample.entropy, eligible)
+        return _unless_nan(xp, commit, budget)
     raise ValueError(f"rule must be one of {RULES}; got {rule!r}")
 
 
@@ -411,15 +559,22 @@ SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabular
         ``LinearHead(hidden, weight)`` in their place is read in token chunks of its
         ``row_chunk`` rows (one [R, K] logits chunk at a time, never [N, K]); so may
         ``uncond_logits`` be.
-      temperature: T >= 0 of softmax(z / T); 0 is greedy (the argmax, ties to the lowest id;
-        the statistics are then those of softmax(z)).
-      seed, step: ints (or integer scalars, traced is fine) keying the counter-based noise
+      temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
+        statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]
+        (``MIN_TEMPERATURE``; a Python number or a NumPy scalar). s = z / T is float32 and
+        every decision reads s + g rounded to an ulp of |s|, 2^-23·|z| / T: below 1e-3 that
+        rounding would swamp the noise (ties would go to the lowest id, not at random), so a
+        smaller T raises; 0 is the exact T -> 0 limit.
+      seed, step: ints (Python or NumPy, or integer scalar arrays, traced is fine) keying the
+        counter-based noise
         with the row index and the column: the same (seed, step) draws the same tokens on
         every backend; change ``step`` every denoising step.
       top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
         statistic is taken under that distribution).
-      suppress_ids: [S] int ids never drawn (e.g. the mask token): their logits count as
-        -inf.
+      suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer array, a
+        list, or one int; their logits count as -inf. An id outside [0, K) raises where its
+        value can be read (not traced; an accelerator array only inside ``sync_checks()``);
+        where it cannot, every row of the result has no valid draw (below).
       uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
         read in the same pass (an array or a ``LinearHead``).
       chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
@@ -434,24 +589,36 @@ SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabular
 
     Returns:
       Sample(token, logp, argmax, top1_logp, top2_logp, entropy) with the logits' leading
-      shape (margin = exp(top1_logp) - exp(top2_logp)).
+      shape (margin = exp(top1_logp) - exp(top2_logp)); ``Sample.vocab_size`` = K. A row
+      with no valid draw -- a NaN or +inf logit after guidance, suppression and the
+      temperature (an s = z / T past the float32 range counts as +inf), or no finite one --
+      has token -1, argmax -1 and NaN logp, top1_logp, top2_logp and entropy, with or
+      without top_k: every confidence is NaN there, and ``commit_tokens`` never commits it.
     """
 
 COMMIT_DOC = """Commit the surest masked positions of a canvas: ([B, L] new canvas, [B, L]
     bool committed).
 
     Args:
-      canvas: [B, L] int tokens; sample: the ``Sample`` of this step's logits.
+      canvas: [B, L] int tokens whose dtype holds every id of the vocabulary (ids up to
+        ``sample.vocab_size - 1``; else a ValueError at trace time, never a wrapped id);
+        sample: the ``Sample`` of this step's logits.
       masked: [B, L] bool, the positions still masked (and, for block-wise semi-autoregressive
         decoding, inside the current block: the caller passes the intersection).
       rule: "topk" (LLaDA's low-confidence remasking: the ``k`` most confident masked positions
-        per sequence, ``k`` an int or [B] ints from a schedule), "threshold" (Fast-dLLM: every
-        masked position with confidence > ``threshold``, at least the most confident one), or
-        "entropy_budget" (the most certain masked positions, lowest entropy first, while their
-        entropies sum to at most ``budget`` nats; at least one).
+        per sequence), "threshold" (Fast-dLLM: every masked position with confidence >
+        ``threshold``, at least the most confident one), or "entropy_budget" (the most certain
+        masked positions, lowest entropy first, while their entropies sum to at most ``budget``
+        nats; at least one).
+      k, threshold, budget: each a number (Python or NumPy) or an array of shape [] or [B]
+        (per sequence, e.g. from a schedule); ``k`` an int >= 0, ``threshold`` and ``budget``
+        not NaN. Bad values raise where they can be read (not traced; an accelerator array
+        only inside ``sync_checks()``); where they cannot, a sequence with a negative k or a
+        NaN threshold or budget commits nothing.
       confidence: "probability" (of the drawn token), "margin" (p1 - p2) or "neg_entropy";
         the entropy-budget rule always ranks by entropy. Ties go to the lower position.
-    A sequence with no masked position commits nothing.
+    A row with no valid draw (token -1, NaN confidence: see ``Sample``) is never committed and
+    never ranks above a valid one; a sequence with no masked valid row commits nothing.
     """
 
 
@@ -478,18 +645,11 @@ def make_sampling_api(xp, registry):
     def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
                       backend=None):
-        cfg = make_sample_config(xp, logits, temperature, top_k, suppress_ids, uncond_logits,
-                                 cfg_scale, chunk_size)
-        for name, value in (("seed", seed), ("step", step)):
-            if xp.is_array(value):
-                require_int(xp, name, value)
-                if len(value.shape) != 0:
-                    raise ValueError(f"{name} must be an int or an integer scalar; got shape "
-                                     f"{shape_str(value.shape)}")
-            elif isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int or an integer scalar; got "
-                                f"{type(value).__name__}")
+        cfg = make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
+                                 chunk_size)
+        seed, step = (_seed_arg(name, value) for name, value in (("seed", seed), ("step", step)))
         like = logits.hidden if is_head(logits) else logits  # an array on the device
+        suppress_ids, unseen_bad = suppressed_ids(xp, suppress_ids, logits.shape[-1], like)
         impl = registry.resolve(backend, xp.platform(like))
         if not impl.capabilities.sampling:
             raise BackendUnavailableError(f"backend {impl.name!r} has no sampler")
@@ -508,7 +668,21 @@ def make_sampling_api(xp, registry):
             parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
                                  suppress_ids, cfg) for r0, r1 in row_chunks(n, r)]
             out = Sample(*(xp.concat(list(f)) for f in zip(*parts)))
-        return Sample(*(f.reshape(lead) for f in out))
+        out = Sample(*(f.reshape(lead) for f in out), vocab_size=k)
+        return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)
+
+    def _seed_arg(name, value):
+        if xp.is_array(value):
+            require_int(xp, name, value)
+            if len(value.shape) != 0:
+                raise ValueError(f"{name} must be an int or an integer scalar; got shape "
+                                 f"{shape_str(value.shape)}")
+            return value
+        number = _number(value, integral=True)
+        if number is None:
+            raise TypeError(f"{name} must be an int or an integer scalar; got "
+                            f"{type(value).__name__}")
+        return number
 
     sample_tokens.__doc__ = SAMPLE_DOC.replace("{backends}", backends_doc())
 
@@ -526,11 +700,7 @@ def make_sampling_api(xp, registry):
         require_shape("masked", masked, canvas.shape, "canvas.shape [B, L]")
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}; got {confidence!r}")
-        if xp.is_array(k):
-            require_int(xp, "k", k)
-            require_shape("k", k, canvas.shape[:1], "[B]")
-        elif k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ValueError(f"k must be a non-negative int or [B] ints; got {plain(k)}")
+        k, threshold, budget = commit_arguments(xp, canvas, sample, k, threshold, budget)
         masked = masked != 0
         commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence)
         return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit

@@ -35,6 +35,14 @@ for _cls in (WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch):
     JaxOps, token_stats, token_stats_total, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
     vocab_extent).exports()
 
+# a Sample's fields are its leaves and its vocab_size static metadata (kept through jit, vmap)
+_jax.tree_util.register_pytree_with_keys(
+    Sample,
+    lambda s: (tuple((_jax.tree_util.GetAttrKey(f), x) for f, x in zip(Sample._fields, s)),
+               s.vocab_size),
+    lambda vocab_size, fields: Sample(*fields, vocab_size=vocab_size),
+    flatten_func=lambda s: (tuple(s), s.vocab_size))
+
 sample_tokens, commit_tokens = make_sampling_api(JaxOps, REGISTRY)
 
 __all__ = list(PUBLIC_API)

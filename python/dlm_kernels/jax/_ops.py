@@ -158,6 +158,14 @@ class JaxOps:
     def cumsum(x):
         return jnp.cumsum(x, axis=-1)
 
+    @staticmethod
+    def int_max(x):  # the largest value x's integer dtype holds
+        return int(jnp.iinfo(x.dtype).max)
+
+    @staticmethod
+    def from_host(a, like):  # a NumPy array as a JAX array
+        return jnp.asarray(a)
+
     # -- objectives -----------------------------------------------------------
     @staticmethod
     def clamp_min(x, v):

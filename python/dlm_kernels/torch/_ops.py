@@ -142,6 +142,14 @@ class TorchOps:
     def cumsum(x):
         return torch.cumsum(x, dim=-1)
 
+    @staticmethod
+    def int_max(x):  # the largest value x's integer dtype holds
+        return torch.iinfo(x.dtype).max
+
+    @staticmethod
+    def from_host(a, like):  # a NumPy array as a tensor on like's device
+        return torch.as_tensor(a, device=like.device)
+
     # -- objectives -----------------------------------------------------------
     @staticmethod
     def clamp_min(x, v):
