@@ -68,8 +68,9 @@ def token_stats(z, y, active, **kw):
     return parts["lse"], parts["logp"], parts["entropy"], parts["kl"]
 
 
-def token_stats_vjp(z, y, active, grads, *, softcap=None, **kw):
-    """(dz, du) float64 [N, K] for cotangents grads = (g_lse, g_logp, g_entropy, g_kl)."""
+def token_stats_vjp(z, y, active, grads, *, softcap=None, with_shift=False, **kw):
+    """(dz, du) float64 [N, K] for cotangents grads = (g_lse, g_logp, g_entropy, g_kl);
+    with ``with_shift`` also d shift [N] (dr at each row's shifted column x)."""
     g_lse, g_lp, g_h, g_kl = (np.asarray(g, np.float64) for g in grads)
     P = stats_parts(z, y, active, softcap=softcap, **kw)
     n, k = P["z"].shape
@@ -83,11 +84,15 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, **kw):
             du = g_kl[:, None] * np.where(q > 0, q * (np.where(q > 0, lq, 0) - la - P["kl"][:, None]), 0.0) / P["T_kl"]
         onehot = (np.arange(k)[None, :] == y[:, None]).astype(np.float64)
         dr = ds / P["T"] + g_lp[:, None] * (onehot - P["p_ce"]) / P["T_ce"]
+        x = kw.get("x")
+        d_shift = None if x is None else dr[np.arange(n), x]  # the shift adds to r: no cap'
         if softcap:
             dr = dr * (1.0 - np.tanh(P["z"] / softcap) ** 2)
     act = active.astype(bool)[:, None]
     dz = np.where(act, dr, 0.0)
     du = None if du is None else np.where(act, du, 0.0)
+    if with_shift:
+        return dz, du, np.where(act[:, 0], d_shift, 0.0)
     return dz, du
 
 

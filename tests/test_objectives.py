@@ -238,11 +238,20 @@ class ObjectivesSuite:
         for scale in (1e-30, 1e-20, 1e20, 1e30):
             ws = (w * np.float32(scale)).astype(np.float32)
             ws[0, 0] = np.float32(1e-45) * (w[0, 0] != 0)  # a denormal weight among them
-            b = batch.replace(loss_weights=fw.array(ws))
-            fn = lambda z_: (fw.api.weighted_cross_entropy(z_, b, backend=self.BACKEND).compute(),)
-            (loss,), (grad,) = fw.vjp(fn, [z], [np.float32(1.0)])
+            make = lambda ws_: fw.api.DiffusionTokenBatch.create(
+                model_inputs=batch.model_inputs, target_ids=batch.target_ids, loss_weights=ws_)
+            fn = lambda z_, ws_: (fw.api.weighted_cross_entropy(z_, make(ws_),
+                                                                backend=self.BACKEND).compute(),)
+            (loss,), (grad, d_ws) = fw.vjp(fn, [z, fw.array(ws)], [np.float32(1.0)])
             wf = ws.reshape(-1).astype(np.float64)
-            assert_close(loss, -(wf * lp).sum() / wf.sum(), "float32", f"loss at weights {scale}")
+            expected = -(wf * lp).sum() / wf.sum()
+            assert_close(loss, expected, "float32", f"loss at weights {scale}")
+            # d/dw = (CE_i - loss) / Σw: 1e30 at weights of 1e-30 (autodiff's loss / (Σw)²
+            # would underflow to an infinite gradient)
+            # XLA on a CPU reads a denormal weight as 0: that position is inactive there
+            read = active & ((np.abs(wf) >= np.finfo(np.float32).tiny) | (fw.name != "jax"))
+            d_expected = (np.where(read, -lp, 0.0) - expected) / wf.sum()
+            assert_close(d_ws.reshape(-1), d_expected, "float32", f"d weights at {scale}")
             zeros = np.zeros(12)
             g = (zeros, -wf / wf.sum(), zeros, zeros)
             dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g)
@@ -255,6 +264,15 @@ class ObjectivesSuite:
                                                   target_ids=batch.target_ids,
                                                   loss_weights=fw.array(ws))
         logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        # a mask of 1e30 with a time weight of 1e6: w·Σ M·CE would overflow before / Σ M
+        t_late = np.array([1.0 - 1e-6, 0.5, 0.25], np.float32)
+        m30 = (mask * np.float32(1e30)).astype(np.float32)
+        got = fw.numpy(self.sft_call("diffusion_sft_loss", (logits, x0, xt, t_late, m30),
+                                     "reweighted-ce"))
+        z32 = logits.astype(np.float32).astype(np.float64)
+        assert_close(got, oracle.sft_loss(z32, x0, xt, t_late.astype(np.float64), m30,
+                                          "reweighted-ce", 37), "float32",
+                     "SFT loss with a mask of 1e30 and t near 1")
         huge = mask.copy()
         huge[0, :2] = np.float32(3e38)  # row 0's sum overflows float32
         with pytest.raises(ValueError, match=r"loss_mask must sum to 0 or .* at row \(0,\)"):

@@ -253,7 +253,7 @@ class Objectives:
         w, ce_sum, count = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
                                            diffusion_weight_clip, alpha_fn, alpha_dot_fn,
                                            backend)
-        return w * ce_sum / self.xp.clamp_min(count, 1.0)
+        return w * (ce_sum / self.xp.clamp_min(count, 1.0))  # no w·Σ M·CE overflow
 
     def diffusion_sft_logps(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                             diffusion_weight_clip=None, alpha_fn=rf_alpha,
