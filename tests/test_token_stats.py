@@ -48,18 +48,28 @@ FEATURES = {
 MASKS = {"finfo.min": float(np.finfo(np.float32).min), "-inf": -np.inf}
 MASK_TEMPERATURES = (0.5, 1.0, 2.0, 1e3, 1e4)
 MASK_K = 1271  # = 31 x 41: unaligned to every block size, divided by a chunk of 41
+WHERE_MASKED = ("student and teacher", "teacher")
+MASKED_SPANS = tuple((mask, where, T) for mask in MASKS for where in WHERE_MASKED
+                     for T in MASK_TEMPERATURES)
+STUDENT_MASKS = tuple((mask, T) for mask in MASKS for T in MASK_TEMPERATURES)
+# An interpreted kernel's cases (seconds each): finfo.min (finite, or -inf at T < 1) at every
+# temperature, -inf at one
+KERNEL_MASKED_SPANS = tuple((mask, where, T) for mask, where, T in MASKED_SPANS
+                            if mask == "finfo.min" or T == 2.0)
+KERNEL_STUDENT_MASKS = (("finfo.min", 0.5), ("finfo.min", 2.0), ("finfo.min", 1e4), ("-inf", 1.0))
 
 
 def masked_columns(k=MASK_K):
-    """[K] bool: [0, 100) and [384, 1152) of K = 1271. They cover whole vocabulary chunks at
-    every block size the suites run: the first chunk of 41 and of 100, middle blocks of 128,
-    whole lanes of a Triton block, and the second and third of the four Triton vocabulary
-    splits at blocks of 128 (splits of 384 columns); the columns left hold the targets."""
+    """[K] bool: [0, 130) and [384, 1152) of K = 1271. They cover whole vocabulary chunks at
+    every block size the suites run: the first ones of 41, 100 and 128 columns (a running
+    state that starts masked), middle blocks of 128, whole lanes of a Triton block, and the
+    second and third of the four Triton vocabulary splits at blocks of 128 (splits of 384
+    columns); the columns left hold the targets."""
     cols = np.arange(k)
-    return (cols < 100) | ((cols >= 384) & (cols < 1152))
+    return (cols < 130) | ((cols >= 384) & (cols < 1152))
 
 
-def mask_case(fw, rng, temperature, mask, student, teacher, *, teacher_grad=True):
+def masked_case(fw, rng, temperature, mask, student, teacher, *, teacher_grad=True):
     """A (2, 3)-row case of K = MASK_K at T = T_kl = ``temperature`` whose active rows hold
     logits of unit size and ``mask`` in the ``masked_columns`` of the student and/or the
     teacher (inactive rows keep make_case's poison); active targets lie in unmasked columns.
@@ -196,7 +206,7 @@ class TokenStatsSuite:
             assert_exact_zero(grads[1].reshape(n, k)[inactive], "d teacher of inactive rows")
 
     def check_masked(self, case, rng, chunk_size):
-        """Every statistic and gradient of a ``mask_case`` against the oracle. The KL is
+        """Every statistic and gradient of a ``masked_case`` against the oracle. The KL is
         compared as distillation's T²·KL (T >= 1): at T = 1e4 the KL itself is about 1e-7,
         below the absolute floor. d teacher's cancellation scale counts the teacher's
         unmasked columns (where q can be non-zero)."""
@@ -220,47 +230,47 @@ class TokenStatsSuite:
         assert_exact_zero(grads[0].reshape(n, k)[~act], "d logits of inactive rows")
         assert_exact_zero(grads[1].reshape(n, k)[~act], "d teacher of inactive rows")
 
-    #: the block sizes of the masked-span tests (default CHUNK_SIZES)
+    #: the block sizes of the masked-span tests (default CHUNK_SIZES); their cases, (mask,
+    #: where, T) and (mask, T) (conftest's pytest_generate_tests)
     MASK_CHUNK_SIZES = None
+    MASKED_SPANS = MASKED_SPANS
+    STUDENT_MASKS = STUDENT_MASKS
 
-    @pytest.mark.parametrize("mask", list(MASKS))
-    @pytest.mark.parametrize("where", ["student and teacher", "teacher"])
-    def test_masked_spans_match_the_oracle(self, rng, mask, where):
+    def test_masked_spans_match_the_oracle(self, rng, masked_span):
         """Spans of the vocabulary masked with finfo.min or -inf (``masked_columns``: whole
         chunks, blocks, lanes and vocabulary splits), in the student and the teacher alike or
         in the teacher alone: a masked column has probability 0 and adds exactly nothing, so
         every statistic and gradient is the oracle's, at T = 0.5 (finfo.min / T is -inf),
         1, 2, 1e3 and 1e4. (A part of the vocabulary whose maximum is finfo.min once merged as
         0 · -inf = NaN: entropy, KL and their gradients.)"""
-        for temperature in MASK_TEMPERATURES:
-            case = mask_case(self.fw, rng, temperature, mask, student=where != "teacher",
-                             teacher=True)
-            for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
-                self.check_masked(case, rng, chunk_size)
+        mask, where, temperature = masked_span
+        case = masked_case(self.fw, rng, temperature, mask, student=where != "teacher",
+                           teacher=True)
+        for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
+            self.check_masked(case, rng, chunk_size)
 
-    @pytest.mark.parametrize("mask", list(MASKS))
-    def test_student_masked_where_the_teacher_is_not(self, rng, mask):
+    def test_student_masked_where_the_teacher_is_not(self, rng, student_mask):
         """Student columns masked where the teacher's probability is not 0: KL(q || p) is
         +inf for -inf (q > 0 where p = 0), and of order q·|finfo.min| / T for finfo.min, which
         float32 holds only for a large T (else +inf). Every backend returns +inf or that
         value (above 1e30), never NaN; lse, logp, entropy and d logits (g·(p - q) / T,
         finite) are the oracle's. (d teacher is not checked: it is not finite where the KL
         is infinite, and is of order |finfo.min| / T otherwise.)"""
-        for temperature in MASK_TEMPERATURES:
-            case = mask_case(self.fw, rng, temperature, mask, student=True, teacher=False,
-                             teacher_grad=False)
-            n, k, act = case["n"], case["k"], case["active"]
-            args = (case["z_np"], case["y_np"], act)
-            expected = oracle.token_stats(*args, **case["ora_kw"])
-            for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
-                outs, grads, cots = self.run_case(case, rng, chunk_size)
-                for name, got, exp in zip(("lse", "logp", "entropy"), outs, expected):
-                    assert_close(got.reshape(n), exp, "float32", name)
-                kl = outs[3].reshape(n)
-                assert (kl[act] > 1e30).all() and (kl[~act] == 0).all(), (temperature, kl)
-                dz, _ = oracle.token_stats_vjp(*args, cots, **case["ora_kw"])
-                assert_close(grads[0].reshape(n, k), dz, "float32", "d logits",
-                             slack=oracle.saved_lse_slack(*args, cots, **case["ora_kw"]))
+        mask, temperature = student_mask
+        case = masked_case(self.fw, rng, temperature, mask, student=True, teacher=False,
+                           teacher_grad=False)
+        n, k, act = case["n"], case["k"], case["active"]
+        args = (case["z_np"], case["y_np"], act)
+        expected = oracle.token_stats(*args, **case["ora_kw"])
+        for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
+            outs, grads, cots = self.run_case(case, rng, chunk_size)
+            for name, got, exp in zip(("lse", "logp", "entropy"), outs, expected):
+                assert_close(got.reshape(n), exp, "float32", name)
+            kl = outs[3].reshape(n)
+            assert (kl[act] > 1e30).all() and (kl[~act] == 0).all(), (chunk_size, kl)
+            dz, _ = oracle.token_stats_vjp(*args, cots, **case["ora_kw"])
+            assert_close(grads[0].reshape(n, k), dz, "float32", "d logits",
+                         slack=oracle.saved_lse_slack(*args, cots, **case["ora_kw"]))
 
     #: (K, chunk sizes) of test_kl_at_large_temperatures
     LARGE_T_SHAPES = ((1271, None), (2**17, (None,)))
