@@ -6,7 +6,9 @@ the same buffers from them, so no buffer size or row index is written as a bare 
 
 PARTIAL_STATE: the streaming state of one row over a block of columns (docs/design.md §2), one
   float32 each: running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m) (entropy), the max and sum for the
-  separate CE temperature, and the teacher's max, Σ e^{t-mu}, Σ e^{t-mu}(t - s).
+  separate CE temperature, and the teacher's max, Σ e^{t-mu}, Σ e^{t-mu}·y and
+  Σ e^{t-mu}·psi(y) with y = (t - mu) - (s - m) and psi(y) = y - 1 + e^{-y} (the KL's terms:
+  dlm_kernels._stats_math).
   Triton's partial buffer is [len(PARTIAL_STATE), S, N] (S vocabulary splits); Pallas's
   partial output is [N, len(PARTIAL_STATE)].
 ROW_STATS: the finished statistics of a row, float32: the four public outputs, then the three
@@ -20,7 +22,7 @@ SAMPLE_STATE / SAMPLE_IDS: the sampler's streaming state of one row over a block
 NO_VOCAB_LIMIT: the kernels' vocabulary limit when every column is real (int32 max).
 """
 
-PARTIAL_STATE = ("m", "a", "b", "m2", "a2", "mu", "au", "cu")
+PARTIAL_STATE = ("m", "a", "b", "m2", "a2", "mu", "au", "cu", "fu")
 ROW_STATS = ("lse", "logp", "entropy", "kl", "lse_ce", "lse_u", "kl_shift")
 SAMPLE_STATE = ("m", "a", "b", "v1", "v2", "gv", "gs")
 SAMPLE_IDS = ("i1", "gi")

@@ -12,7 +12,8 @@ pytest.importorskip("jax.experimental.pallas.tpu")
 from dlm_kernels.testing import pallas_race_detection  # noqa: E402
 from harness import framework  # noqa: E402
 from test_objectives import KernelObjectivesSuite  # noqa: E402
-from test_token_stats import (FEATURES, ROTATED_SHAPE_DTYPES, TokenStatsSuite,  # noqa: E402
+from test_token_stats import (FEATURES, KERNEL_MASKED_SPANS,  # noqa: E402
+                              KERNEL_STUDENT_MASKS, ROTATED_SHAPE_DTYPES, TokenStatsSuite,
                               check_jit_grad_vmap, make_case)
 
 
@@ -24,6 +25,7 @@ def _interpret(monkeypatch):
 class TestJaxPallas(TokenStatsSuite):
     FW, BACKEND = "jax", "pallas"
     SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
+    MASKED_SPANS, STUDENT_MASKS = KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS
     CHUNK_SIZES = (None, 128)  # the budgeted blocks, and many ragged vocabulary steps
     SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many steps (the budget: the features)
 

@@ -42,6 +42,58 @@ FEATURES = {
 }
 
 
+# Masked vocabulary columns (an attention-style mask, a padded vocabulary): the standard
+# finfo.min idiom and -inf, at temperatures where finfo.min / T overflows to -inf (0.5) and
+# where it stays finite (the rest); T = 1e3 and 1e4 are distillation's large temperatures.
+MASKS = {"finfo.min": float(np.finfo(np.float32).min), "-inf": -np.inf}
+MASK_TEMPERATURES = (0.5, 1.0, 2.0, 1e3, 1e4)
+MASK_K = 1271  # = 31 x 41: unaligned to every block size, divided by a chunk of 41
+WHERE_MASKED = ("student and teacher", "teacher")
+MASKED_SPANS = tuple((mask, where, T) for mask in MASKS for where in WHERE_MASKED
+                     for T in MASK_TEMPERATURES)
+STUDENT_MASKS = tuple((mask, T) for mask in MASKS for T in MASK_TEMPERATURES)
+# An interpreted kernel's cases (seconds each): finfo.min (finite, or -inf at T < 1) at every
+# temperature, -inf at one
+KERNEL_MASKED_SPANS = tuple((mask, where, T) for mask, where, T in MASKED_SPANS
+                            if mask == "finfo.min" or T == 2.0)
+KERNEL_STUDENT_MASKS = (("finfo.min", 0.5), ("finfo.min", 2.0), ("finfo.min", 1e4), ("-inf", 1.0))
+
+
+def masked_columns(k=MASK_K):
+    """[K] bool: [0, 130) and [384, 1152) of K = 1271. They cover whole vocabulary chunks at
+    every block size the suites run: the first ones of 41, 100 and 128 columns (a running
+    state that starts masked), middle blocks of 128, whole lanes of a Triton block, and the
+    second and third of the four Triton vocabulary splits at blocks of 128 (splits of 384
+    columns); the columns left hold the targets."""
+    cols = np.arange(k)
+    return (cols < 130) | ((cols >= 384) & (cols < 1152))
+
+
+def masked_case(fw, rng, temperature, mask, student, teacher, *, teacher_grad=True):
+    """A (2, 3)-row case of K = MASK_K at T = T_kl = ``temperature`` whose active rows hold
+    logits of unit size and ``mask`` in the ``masked_columns`` of the student and/or the
+    teacher (inactive rows keep make_case's poison); active targets lie in unmasked columns.
+    (Unit size: at T = 0.5 logits of size 3 make rows with q near 1, where the reference
+    backend's autodiff teacher gradient carries lse_u's float32 rounding times |t - s|,
+    more than the cancellation floor of ``cancellation_scale`` allows.)"""
+    feat = dict(teacher=True, teacher_grad=teacher_grad, temperature=temperature)
+    case = make_case(fw, rng, (2, 3), MASK_K, "float32", feat)
+    cols = masked_columns()
+    act = case["active"]
+    z, u, y = case["z_np"].copy(), case["ora_kw"]["u"].copy(), case["y_np"].copy()
+    z[act], u[act] = z[act] / 3, u[act] / 3
+    z, u = (a.astype(np.float32).astype(np.float64) for a in (z, u))  # what the call sees
+    for arr, on in ((z, student), (u, teacher)):
+        if on:
+            arr[np.ix_(act, cols)] = MASKS[mask]
+    y[act] = rng.choice(np.flatnonzero(~cols), act.sum())
+    shape = case["rows"] + (MASK_K,)
+    case.update(z=fw.array(z.reshape(shape), "float32"), z_np=z, y_np=y,
+                y=fw.array(y.reshape(case["rows"])), u=fw.array(u.reshape(shape), "float32"))
+    case["ora_kw"]["u"] = u
+    return case
+
+
 def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True):
     """Framework kwargs, oracle kwargs and float64 copies of what the framework sees."""
     n = math.prod(rows)
@@ -152,6 +204,99 @@ class TokenStatsSuite:
                          scale=cancellation_scale(cots[3], t, s,
                                                   temperature=ora["T_kl"] or ora["T"]))
             assert_exact_zero(grads[1].reshape(n, k)[inactive], "d teacher of inactive rows")
+
+    def check_masked(self, case, rng, chunk_size):
+        """Every statistic and gradient of a ``masked_case`` against the oracle. The KL is
+        compared as distillation's T²·KL (T >= 1): at T = 1e4 the KL itself is about 1e-7,
+        below the absolute floor. d teacher's cancellation scale counts the teacher's
+        unmasked columns (where q can be non-zero)."""
+        n, k, T = case["n"], case["k"], case["ora_kw"]["T"]
+        outs, grads, cots = self.run_case(case, rng, chunk_size)
+        args = (case["z_np"], case["y_np"], case["active"])
+        expected = oracle.token_stats(*args, **case["ora_kw"])
+        for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs, expected):
+            scale = max(1.0, T * T) if name == "kl" else 1.0
+            assert_close(got.reshape(n) * scale, exp * scale, "float32",
+                         f"{name} (x T²)" if scale != 1.0 else name)
+        dz, du = oracle.token_stats_vjp(*args, cots, **case["ora_kw"])
+        assert_close(grads[0].reshape(n, k), dz, "float32", "d logits",
+                     slack=oracle.saved_lse_slack(*args, cots, **case["ora_kw"]))
+        act = case["active"]
+        u, z = case["ora_kw"]["u"][act], case["z_np"][act]
+        live = u > np.finfo(np.float32).min  # the teacher's unmasked columns
+        scale = cancellation_scale(cots[3], np.where(live, u, 0) / T, np.where(live, z, 0) / T,
+                                   temperature=T)
+        assert_close(grads[1].reshape(n, k), du, "float32", "d teacher_logits", scale=scale)
+        assert_exact_zero(grads[0].reshape(n, k)[~act], "d logits of inactive rows")
+        assert_exact_zero(grads[1].reshape(n, k)[~act], "d teacher of inactive rows")
+
+    #: the block sizes of the masked-span tests (default CHUNK_SIZES); their cases, (mask,
+    #: where, T) and (mask, T) (conftest's pytest_generate_tests)
+    MASK_CHUNK_SIZES = None
+    MASKED_SPANS = MASKED_SPANS
+    STUDENT_MASKS = STUDENT_MASKS
+
+    def test_masked_spans_match_the_oracle(self, rng, masked_span):
+        """Spans of the vocabulary masked with finfo.min or -inf (``masked_columns``: whole
+        chunks, blocks, lanes and vocabulary splits), in the student and the teacher alike or
+        in the teacher alone: a masked column has probability 0 and adds exactly nothing, so
+        every statistic and gradient is the oracle's, at T = 0.5 (finfo.min / T is -inf),
+        1, 2, 1e3 and 1e4. (A part of the vocabulary whose maximum is finfo.min once merged as
+        0 · -inf = NaN: entropy, KL and their gradients.)"""
+        mask, where, temperature = masked_span
+        case = masked_case(self.fw, rng, temperature, mask, student=where != "teacher",
+                           teacher=True)
+        for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
+            self.check_masked(case, rng, chunk_size)
+
+    def test_student_masked_where_the_teacher_is_not(self, rng, student_mask):
+        """Student columns masked where the teacher's probability is not 0: KL(q || p) is
+        +inf for -inf (q > 0 where p = 0), and of order q·|finfo.min| / T for finfo.min, which
+        float32 holds only for a large T (else +inf). Every backend returns +inf or that
+        value (above 1e30), never NaN; lse, logp, entropy and d logits (g·(p - q) / T,
+        finite) are the oracle's. (d teacher is not checked: it is not finite where the KL
+        is infinite, and is of order |finfo.min| / T otherwise.)"""
+        mask, temperature = student_mask
+        case = masked_case(self.fw, rng, temperature, mask, student=True, teacher=False,
+                           teacher_grad=False)
+        n, k, act = case["n"], case["k"], case["active"]
+        args = (case["z_np"], case["y_np"], act)
+        expected = oracle.token_stats(*args, **case["ora_kw"])
+        for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
+            outs, grads, cots = self.run_case(case, rng, chunk_size)
+            for name, got, exp in zip(("lse", "logp", "entropy"), outs, expected):
+                assert_close(got.reshape(n), exp, "float32", name)
+            kl = outs[3].reshape(n)
+            assert (kl[act] > 1e30).all() and (kl[~act] == 0).all(), (chunk_size, kl)
+            dz, _ = oracle.token_stats_vjp(*args, cots, **case["ora_kw"])
+            assert_close(grads[0].reshape(n, k), dz, "float32", "d logits",
+                         slack=oracle.saved_lse_slack(*args, cots, **case["ora_kw"]))
+
+    #: (K, chunk sizes) of test_kl_at_large_temperatures
+    LARGE_T_SHAPES = ((1271, None), (2**17, (None,)))
+
+    @pytest.mark.parametrize("temperature", [1.0, 10.0, 1e3, 1e4])
+    def test_kl_at_large_temperatures(self, rng, temperature):
+        """Distillation reports T²·KL, and at a large T the KL is O(1/T²) while the sums it
+        comes from are of the size of log K: it must be accurate relative to itself. T²·KL
+        within the float32 tolerance of the oracle (and KL >= 0) for logits of size 1, 3 and
+        30, and a teacher within 0.1 of the student, at K = 1271 and 2^17. (Formed as
+        E_q[t - s] - lse_u + lse it came out 1e-2 off at T = 1e3 and negative at 1e4.)"""
+        fw, T = self.fw, temperature
+        for k, chunk_sizes in self.LARGE_T_SHAPES:
+            z = rng.normal(size=(4, k)) * np.array([1.0, 3.0, 30.0, 3.0])[:, None]
+            u = rng.normal(size=(4, k)) * np.array([1.0, 3.0, 30.0, 0.0])[:, None]
+            u[3] = z[3] + 0.1 * rng.normal(size=k)
+            z, u = z.astype(np.float32), u.astype(np.float32)
+            y = rng.integers(0, k, 4)
+            exp = oracle.token_stats(z, y, np.ones(4, bool), u=u, T=T)[3]
+            for chunk_size in chunk_sizes or self.CHUNK_SIZES:
+                st = fw.api.token_stats(fw.array(z), fw.array(y), teacher_logits=fw.array(u),
+                                        temperature=T, chunk_size=chunk_size,
+                                        backend=self.BACKEND)
+                kl = fw.numpy(st.kl)
+                assert (kl >= 0).all(), kl
+                assert_close(kl * T * T, exp * T * T, "float32", f"T²·KL at K={k}")
 
     def test_parity_shapes_dtypes(self, rng, shape_dtype):
         rows, k, dtype = shape_dtype
@@ -423,6 +568,7 @@ def check_jit_grad_vmap(backend):
 class ChunkedSuite(TokenStatsSuite):
     BACKEND = "chunked"
     CHUNK_SIZES = (None, 100)  # one chunk, and many ragged ones
+    MASK_CHUNK_SIZES = (None, 100, 41)  # and chunks that divide K
 
 
 class TorchBufferChecks:

@@ -14,9 +14,10 @@ triton = pytest.importorskip("triton")
 
 from harness import assert_close, framework, new_seed  # noqa: E402
 from test_objectives import KernelObjectivesSuite  # noqa: E402
-from test_token_stats import (FEATURES, ROTATED_SHAPE_DTYPES, TokenStatsSuite,  # noqa: E402
-                              TorchCompileChecks,
-                              TorchInplaceChecks, check_jit_grad_vmap, make_case)
+from test_token_stats import (FEATURES, KERNEL_MASKED_SPANS,  # noqa: E402
+                              KERNEL_STUDENT_MASKS, ROTATED_SHAPE_DTYPES, TokenStatsSuite,
+                              TorchCompileChecks, TorchInplaceChecks, check_jit_grad_vmap,
+                              make_case)
 
 ON_GPU = False
 try:
@@ -37,6 +38,7 @@ class TestTorchTriton(TorchInplaceChecks, TorchCompileChecks, TokenStatsSuite):
     CHUNK_SIZES = (None, 128)  # the launch heuristic, and many blocks with split-K
     SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many blocks (the heuristic: the features)
     SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
+    MASKED_SPANS, STUDENT_MASKS = KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS
 
     def test_peaked_rows_within_the_saved_lse_model(self):
         """A draw that once failed (DLM_TEST_SEED=217440587, temperature 0.7): in a row with
@@ -65,6 +67,8 @@ class TestJaxTritonEmulated(TokenStatsSuite):
 
     FW, BACKEND = "jax", "triton"
     SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
+    MASKED_SPANS, STUDENT_MASKS = KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS
+    LARGE_T_SHAPES = ((1271, None),)  # (K = 2^17 of the same kernels: TestTorchTriton's)
 
 
 @needs_interpreter

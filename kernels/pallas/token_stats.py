@@ -14,8 +14,8 @@ Blocks and VMEM budget
 Logits blocks are (BN, BK) with BN a multiple of 8 (sublanes) and BK a multiple of 128
 (lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 3] (target,
 shift column, global id of the shard's first column), floats [N, F] (shift, active, saved statistics, cotangents), and the
-forward writes stats [N, 8] (or, for a vocabulary shard, its 8 running sums); their blocks
-(BN, 3|F|8) use the full last dimension, which
+forward writes stats [N, 9] (or, for a vocabulary shard, its 9 running sums); their blocks
+(BN, 3|F|9) use the full last dimension, which
 Mosaic accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
 whose estimate fits ``VMEM_BUDGET`` = 12 MiB, under the 16 MiB default scoped VMEM limit of
 TPU v4/v5e (32 MiB on v6e):
@@ -32,7 +32,7 @@ before any reduction, and Pallas drops out-of-bounds stores), and every block of
 vocabulary shard (global ids >= vocab_size). Whole blocks run the bare math.
 
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
-and writes 32 (8 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
+and writes 36 (9 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
 Inactive rows are not cleaned before the math (a select per element): every reduction runs
 along a row, so NaN or inf there stays in that row's sums, and the row's outputs and
 gradient are replaced by exact zeros at the end; a row block with no active row skips the
@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+from ..series import PSI_COEFFS, PSI_SMALL
 
 NEG_INF = float("-inf")
 VMEM_BUDGET = 12 * 1024 * 1024
@@ -101,16 +102,67 @@ def _shifted(z, cols, x, d, softcap, has_shift):
     return r
 
 
+def _safe(m):
+    return jnp.where(m == NEG_INF, 0.0, m)  # a max with no finite entry yet: no inf - inf
+
+
 def _lse_update(m_ref, a_ref, s):
-    """Online (max, sum) update of (BN, 1) scratch with block s (BN, BK); returns e, m_safe."""
+    """Online (max, sum) update of (BN, 1) scratch with block s (BN, BK); returns
+    (e = e^{s - m}, m_safe, m_old, a_old, f = e^{m_old - m})."""
     m_old = m_ref[...]
     m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    m_safe = _safe(m_new)
     e = jnp.exp(s - m_safe)
     a_old = a_ref[...]
-    a_ref[...] = a_old * jnp.exp(m_old - m_safe) + jnp.sum(e, axis=1, keepdims=True)
+    f = jnp.exp(m_old - m_safe)
+    a_ref[...] = a_old * f + jnp.sum(e, axis=1, keepdims=True)
     m_ref[...] = m_new
-    return e, m_safe, m_old, a_old
+    return e, m_safe, m_old, a_old, f
+
+
+def _psi_series(y):
+    """S(y) = psi(y) / y² for |y| < PSI_SMALL (kernels/series.py), by Horner's rule."""
+    acc = PSI_COEFFS[-1]
+    for c in reversed(PSI_COEFFS[:-1]):
+        acc = acc * y + c
+    return acc
+
+
+def _teacher_terms(t, dt, ds, e, eu):
+    """This block's (cu, fu) terms summed over its columns, (BN, 1) each: e^{t-mu}·y and
+    e^{t-mu}·psi(y) with y = dt - ds = (t - mu) - (s - m) (the series where |y| is small, where
+    e^{t-mu}·y - e^{t-mu} + e^{s-m} cancels; dlm_kernels._stats_math.teacher_sums)."""
+    y = dt - ds
+    ct = jnp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
+    fk = jnp.where(jnp.abs(y) < PSI_SMALL, ct * y * _psi_series(y), ct + (e - eu))
+    return jnp.sum(ct, axis=1, keepdims=True), jnp.sum(fk, axis=1, keepdims=True)
+
+
+def _teacher_at(a_old, au_old, cu, fu, f, g, h):
+    """Running (cu, fu) re-expressed at new maxima (dlm_kernels._stats_math.teacher_at): the
+    student's max moved by a factor f = e^{m_old - m}, the teacher's by g = e^{mu_old - mu},
+    the centre mu - m by h."""
+    live = g > 0
+    cu_new = jnp.where(live, g * (cu - h * au_old), 0.0)
+    gap = cu - fu
+    near = live & (jnp.abs(h) < PSI_SMALL) & jnp.isfinite(gap)
+    fu_near = g * (fu - h * gap + a_old * h * h * _psi_series(-h))
+    fu_far = jnp.where(live, g * (fu - h * au_old - a_old), 0.0) + f * a_old
+    return cu_new, jnp.where(near, fu_near, fu_far)
+
+
+def _psi(y):
+    return jnp.where(jnp.abs(y) < PSI_SMALL, y * y * _psi_series(y), y - 1.0 + jnp.exp(-y))
+
+
+def _kl(a, au, cu, fu):
+    """KL(q || p) >= 0 from a row's sums (dlm_kernels._stats_math.kl_divergence)."""
+    e_far = jnp.log(au) - jnp.log(a)
+    x = (cu - fu) / a
+    near = (jnp.abs(e_far) <= 1.0) & (jnp.abs(x) < 2.0)
+    e = jnp.where(near, jnp.log1p(x), e_far)
+    kl = jnp.where(near, fu / au - _psi(e), cu / au - e_far)
+    return jnp.where(kl < 0, 0.0, kl)
 
 
 def _scaled(x, inv_t):
@@ -137,16 +189,17 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
              partial):
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
-    on the MXU by the linear head's kernels); the 8 scratch rows hold the running sums."""
+    on the MXU by the linear head's kernels); the scratch rows hold the running sums
+    (PARTIAL_STATE)."""
     has_teacher = load_u is not None
-    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc = scratch
+    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc, fu_sc = scratch
     last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
     def _init():
         for ref in (m_sc, m2_sc, mu_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
-        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc):
+        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, fu_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     ints = ints_ref[...]  # (BN, 3) int32: target, shift column, global id of column 0
@@ -170,11 +223,10 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         if masked:
             r = jnp.where(valid, r, NEG_INF)
         s = _scaled(r, inv_t)
-        e, m_safe, m_old, a_old = _lse_update(m_sc, a_sc, s)
-        if entropy:  # b relative to the running max (stays 0 without entropy)
-            b_old = jnp.where(a_old > 0,
-                              jnp.exp(m_old - m_safe) * (b_sc[...] + (m_old - m_sc[...]) * a_old),
-                              0.0)
+        e, m_safe, m_old, a_old, f = _lse_update(m_sc, a_sc, s)
+        if entropy:  # b relative to the running max (stays 0 without entropy; exactly 0 for
+            # a running part rescaled to 0, where (m_old - m)·a_old may be -inf)
+            b_old = jnp.where(f > 0, f * (b_sc[...] + (m_old - m_sc[...]) * a_old), 0.0)
             b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1,
                                         keepdims=True)
         if separate_ce:
@@ -184,9 +236,13 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
             if masked:
                 t = jnp.where(valid, t, NEG_INF)
             mu_old = mu_sc[...]
-            eu, mu_safe, _, _ = _lse_update(mu_sc, au_sc, t)
-            cu_sc[...] = (cu_sc[...] * jnp.exp(mu_old - mu_safe)
-                          + jnp.sum(jnp.where(eu > 0, eu * (t - s), 0.0), axis=1, keepdims=True))
+            au_old = au_sc[...]
+            eu, mu_safe, _, _, g = _lse_update(mu_sc, au_sc, t)
+            h = (mu_safe - _safe(mu_old)) - (m_safe - _safe(m_old))  # the centre's move
+            cu, fu = _teacher_at(a_old, au_old, cu_sc[...], fu_sc[...], f, g, h)
+            cu_blk, fu_blk = _teacher_terms(t, t - mu_safe, s - m_safe, e, eu)
+            cu_sc[...] = cu + cu_blk
+            fu_sc[...] = fu + fu_blk
 
     # Columns past the vocabulary: the ragged tail of the last block, or (a padded shard)
     # global ids >= vocab_limit, which any block may hold.
@@ -201,7 +257,8 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
     if partial:
         @pl.when(last)
         def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
-            state = dict(m=m_sc, a=a_sc, b=b_sc, m2=m2_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc)
+            state = dict(m=m_sc, a=a_sc, b=b_sc, m2=m2_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc,
+                         fu=fu_sc)
             for j, field in enumerate(PARTIAL_STATE):
                 out_ref[:, j:j + 1] = state[field][...]
         return
@@ -216,8 +273,9 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         kl, lse_u, kl_shift = zero, zero, zero
         if has_teacher:
             lse_u = mu_sc[...] + jnp.log(au_sc[...])
-            kl_shift = cu_sc[...] / au_sc[...]  # E_q[t - s]
-            kl = kl_shift - lse_u + lse
+            kl_shift = (mu_sc[...] - m_sc[...]) + cu_sc[...] / au_sc[...]  # E_q[t - s]
+            kl = _kl(a_sc[...], au_sc[...], cu_sc[...], fu_sc[...])
+            kl = jnp.where(jnp.isfinite(lse), kl, jnp.nan)  # no distribution p: no KL
         # logp (column 1) is left to the caller: r_y·/T_ce - lse_ce from one gathered logit
         # per row, instead of a compare, select and sum over every element here
         stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, lse_ce=lse_ce, lse_u=lse_u,
@@ -335,9 +393,9 @@ def _grid(z, has_teacher, backward, block_k):
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                   separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
                   vocab_limit=NO_VOCAB_LIMIT, partial=False):
-    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 8] f32 (N_STATS; the
+    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 9] f32 (N_STATS; the
     logp column is 0: the caller computes it from the target logit), or with ``partial`` the
-    running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
+    running state (PARTIAL_STATE) of this vocabulary shard."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
@@ -352,7 +410,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
         grid=grid,
         in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(FWD_FLOATS)],
         out_specs=per_row(N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(8)],
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in PARTIAL_STATE],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret, detect_races),
         name="dlm_token_stats_fwd",

@@ -4,8 +4,8 @@ Three kernels, no host code:
 
   stats_partial_kernel   grid (N, S): row n, vocabulary split s. One streaming pass over
                          its columns in BLOCK_K blocks (online softmax, float32, running sums
-                         per 16-byte lane, merged at the end), writing the 8 running sums of
-                         the split to part[8, S, N].
+                         per 16-byte lane, merged at the end), writing the 9 running sums of
+                         the split to part[9, S, N].
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
                          loads the target logit and writes out[7, N] = (lse, logp, entropy,
                          kl, lse_ce, lse_u, kl_shift).
@@ -13,7 +13,7 @@ Three kernels, no host code:
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
 
 Bytes per row (K columns, E bytes per logit): the partial pass reads K·E (plus K·E of teacher
-logits); the finalize pass reads 8·S·4 + E and writes 28; the gradient pass reads K·E and
+logits); the finalize pass reads 9·S·4 + E and writes 28; the gradient pass reads K·E and
 writes K·E (teacher: + 2·K·E with teacher gradients, + K·E without). Inactive rows (active
 == 0) read no logits at all: their loops run zero times and their gradient stores write
 zeros without a load.
@@ -39,16 +39,24 @@ import triton
 import triton.language as tl
 
 from ..layout import PARTIAL_STATE, ROW_STATS
+from ..series import PSI_COEFFS, PSI_COEFFS_BASE2, PSI_SMALL
 
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# Buffer rows (kernels/layout.py, which the host reads too): part[8, S, N] =
-# (m, a, b, m2, a2, mu, au, cu) per split; out[7, N] = (lse, logp, entropy, kl, lse_ce, lse_u,
-# kl_shift).
-P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU = (
-    tl.constexpr(PARTIAL_STATE.index(f)) for f in ("m", "a", "b", "m2", "a2", "mu", "au", "cu"))
+# Buffer rows (kernels/layout.py, which the host reads too): part[9, S, N] =
+# (m, a, b, m2, a2, mu, au, cu, fu) per split; out[7, N] = (lse, logp, entropy, kl, lse_ce,
+# lse_u, kl_shift).
+P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU, P_FU = (
+    tl.constexpr(PARTIAL_STATE.index(f))
+    for f in ("m", "a", "b", "m2", "a2", "mu", "au", "cu", "fu"))
+# psi(y) = y - 1 + e^{-y} = y²·S(y) for |y| < PSI_SMALL (kernels/series.py): S's coefficients
+# in natural units (per-lane and per-row terms) and in base 2 (per-logit terms, y2 = y·log2 e)
+PSI_SMALL_ = tl.constexpr(PSI_SMALL)
+PSI_SMALL2 = tl.constexpr(PSI_SMALL * 1.4426950408889634)
+S0, S1, S2, S3, S4 = (tl.constexpr(c) for c in PSI_COEFFS)
+B0, B1, B2, B3, B4 = (tl.constexpr(c) for c in PSI_COEFFS_BASE2)
 S_LSE, S_LOGP, S_ENTROPY, S_KL, S_LSE_CE, S_LSE_U, S_KL_SHIFT = (
     tl.constexpr(ROW_STATS.index(f))
     for f in ("lse", "logp", "entropy", "kl", "lse_ce", "lse_u", "kl_shift"))
@@ -80,6 +88,57 @@ def _tanh(x):
     e = _exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _safe(m):
+    return tl.where(m == NEG_INF, 0.0, m)  # a max with no finite entry yet: no inf - inf
+
+
+@triton.jit
+def _series(y):
+    """S(y) = psi(y) / y² for |y| < PSI_SMALL, natural units (Horner's rule)."""
+    return (((S4 * y + S3) * y + S2) * y + S1) * y + S0
+
+
+@triton.jit
+def _psi(y):
+    """psi(y) = y - 1 + e^{-y} >= 0 in natural units, without cancellation for small |y|."""
+    return tl.where(tl.abs(y) < PSI_SMALL_, y * y * _series(y), y - 1.0 + _exp(-y))
+
+
+@triton.jit
+def _teacher_at(a, au, cu, fu, f, g, h):
+    """Teacher sums (cu, fu) of parts (lanes, splits) re-expressed at new maxima, natural
+    units (dlm_kernels._stats_math.teacher_at): the student's max moved by a factor
+    f = e^{m_part - m}, the teacher's by g = e^{mu_part - mu}, the centre mu - m of y by h.
+    A part with g = 0 adds no teacher mass, one with f = 0 its teacher's mass where the
+    student's probability is 0."""
+    live = g > 0
+    cu_new = tl.where(live, g * (cu - h * au), 0.0)
+    gap = cu - fu  # Σ e^{t-mu} - e^{s-m} without cancellation (NaN for an infinite KL)
+    near = live & (tl.abs(h) < PSI_SMALL_) & (gap - gap == 0)
+    fu_near = g * (fu - h * gap + a * (h * h) * _series(-h))
+    fu_far = tl.where(live, g * (fu - h * au - a), 0.0) + f * a
+    return cu_new, tl.where(near, fu_near, fu_far)
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) accurate for small |x| (Goldberg's correction of the rounded 1 + x)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _kl(a, au, cu, fu):
+    """KL(q || p) >= 0 from a row's merged sums (dlm_kernels._stats_math.kl_divergence)."""
+    e_far = tl.log(au) - tl.log(a)
+    x = (cu - fu) / a
+    near = (tl.abs(e_far) <= 1.0) & (tl.abs(x) < 2.0)
+    e = tl.where(near, _log1p(x), e_far)
+    kl = tl.where(near, fu / au - _psi(e), cu / au - e_far)
+    return tl.where(kl < 0, 0.0, kl)
 
 
 @triton.jit
@@ -136,14 +195,15 @@ def _row_start(row, stride, ROWS_ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _online(m, a, s):
-    """Fold a block s [R, VEC] (base-2 units: s = log2 e · logit) into per-lane states
-    (max m [R], Σ 2^{s-m} = Σ e^{(s-m)·ln 2} a [R]); returns (m_new, a_new, e, m_safe). Each
-    lane is VEC contiguous columns held by one thread, so the reductions here never leave the
-    thread."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+def _online(m, a, x, c):
+    """Fold a block s = x·c [R, VEC] (base-2 units: c = log2 e / T, s = log2 e · logit / T)
+    into per-lane states (max m [R], Σ 2^{s-m} = Σ e^{(s-m)·ln 2} a [R]); returns
+    (m_new, a_new, e, m_safe). The max is taken of x and scaled (the same value, as c > 0, and
+    no multiply per element: s - m is one FMA). Each lane is VEC contiguous columns held by
+    one thread, so the reductions here never leave the thread."""
+    m_new = tl.maximum(m, tl.max(x, axis=1) * c)
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
-    e = tl.exp2(s - m_safe[:, None])
+    e = tl.exp2(x * c - m_safe[:, None])
     a_new = a * tl.exp2(m - m_safe) + tl.sum(e, axis=1)
     return m_new, a_new, e, m_safe
 
@@ -159,11 +219,12 @@ def _merge_lanes(m, a):
 
 @triton.jit
 def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
-                softcap, m, a, b, m2, a2, mu, au, cu, MASKED: tl.constexpr,
+                softcap, m, a, b, m2, a2, mu, au, cu, fu, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
                 SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr):
-    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R],
-    all in base-2 units (c_* = log2 e / T_*; b stays 0 without HAS_ENTROPY)."""
+    """Fold the columns ``cols`` [R, VEC] of one row into the 9 running per-lane sums [R],
+    in base-2 units (c_* = log2 e / T_*; b stays 0 without HAS_ENTROPY) but for the KL's cu
+    and fu, natural (PARTIAL_STATE)."""
     mask = cols < k_valid
     gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
     # read BLOCK_K·E bytes of student logits
@@ -177,24 +238,37 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
     s = r * c_t  # log2 e · r / T
     m_old = m
     a_old = a
-    m, a, e, m_safe = _online(m_old, a_old, s)
+    m, a, e, m_safe = _online(m_old, a_old, r, c_t)
+    f = tl.exp2(m_old - m_safe)  # the old sums' rescale (0 for a lane masked so far)
     if HAS_ENTROPY:  # about a third of the CE loop's instructions (bench/NOTES.md)
-        # b is kept relative to the running max: rescale the old sum, then add this block.
-        b_old = tl.where(a_old > 0, tl.exp2(m_old - m_safe) * (b + (m_old - m) * a_old), 0.0)
+        # b is kept relative to the running max: rescale the old sum, then add this block
+        # (exactly nothing of an old sum rescaled to 0, where (m_old - m)·a_old may be -inf).
+        b_old = tl.where(f > 0, f * (b + (m_old - m) * a_old), 0.0)
         b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe[:, None]), 0.0), axis=1)
     if SEPARATE_CE:
-        m2, a2, e2, m2_safe = _online(m2, a2, r * c_ce)
+        m2, a2, e2, m2_safe = _online(m2, a2, r, c_ce)
     if HAS_TEACHER:
         # read BLOCK_K·E bytes of teacher logits
         if MASKED:
             u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
-            t = tl.where(mask, u * c_kl, NEG_INF)
+            u = tl.where(mask, u, NEG_INF)
         else:
-            t = tl.load(u_row + cols).to(tl.float32) * c_kl
+            u = tl.load(u_row + cols).to(tl.float32)
+        t = u * c_kl  # log2 e · u / T_kl
         mu_old = mu
-        mu, au, eu, mu_safe = _online(mu_old, au, t)
-        cu = cu * tl.exp2(mu_old - mu_safe) + tl.sum(tl.where(eu > 0, eu * (t - s), 0.0), axis=1)
-    return m, a, b, m2, a2, mu, au, cu
+        au_old = au
+        mu, au, eu, mu_safe = _online(mu_old, au_old, u, c_kl)
+        # the old (cu, fu) at the new maxima, then this block's terms (_stats_math.teacher_sums):
+        # y2 = (t - mu) - (s - m) in base 2; e^{t-mu}·psi(y) by its series where |y| is small
+        h = ((mu_safe - _safe(mu_old)) - (m_safe - _safe(m_old))) * LN2
+        cu, fu = _teacher_at(a_old, au_old, cu, fu, f, tl.exp2(mu_old - mu_safe), h)
+        y2 = (t - mu_safe[:, None]) - (s - m_safe[:, None])
+        ct = tl.where(eu > 0, eu * y2, 0.0)  # (y2 may be ±inf or NaN where q = 0)
+        series = ct * y2 * ((((B4 * y2 + B3) * y2 + B2) * y2 + B1) * y2 + B0)
+        fk = tl.where(tl.abs(y2) < PSI_SMALL2, series, ct * LN2 + (e - eu))
+        cu += tl.sum(ct, axis=1) * LN2
+        fu += tl.sum(fk, axis=1)
+    return m, a, b, m2, a2, mu, au, cu, fu
 
 
 @triton.jit
@@ -228,8 +302,9 @@ def stats_partial_kernel(
     # at the end.
     # The loop works in base 2: s = log2 e · r / T, so every exponential is one exp2 with no
     # multiply (the scale rides on the one multiply by 1/T every logit needs anyway). Sums of
-    # 2^{s - m} equal the natural Σ e^{·}; maxima and the b, cu sums (linear in s) convert to
-    # natural units once per program, by a factor ln 2, before they are stored.
+    # 2^{s - m} equal the natural Σ e^{·}; maxima and the b sum (linear in s) convert to
+    # natural units once per program, by a factor ln 2, before they are stored (the KL's cu
+    # and fu are kept in natural units).
     c_t, c_ce, c_kl = inv_t * LOG2E, inv_t_ce * LOG2E, inv_t_kl * LOG2E
     R: tl.constexpr = BLOCK_K // VEC
     offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [R, VEC]
@@ -240,28 +315,35 @@ def stats_partial_kernel(
     a2 = tl.zeros([R], tl.float32)
     mu = tl.full([R], NEG_INF, tl.float32)  # running max of t = log2 e · u / T_kl (HAS_TEACHER)
     au = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}
-    cu = tl.zeros([R], tl.float32)  # Σ 2^{t - mu} (t - s)
+    cu = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}·y, y = ((t - mu) - (s - m))·ln 2
+    fu = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}·psi(y)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
-        m, a, b, m2, a2, mu, au, cu = _fold_block(
+        m, a, b, m2, a2, mu, au, cu, fu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
-            m, a, b, m2, a2, mu, au, cu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            m, a, b, m2, a2, mu, au, cu, fu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
     for k0 in range(k_full, k_valid, BLOCK_K):  # the ragged tail: at most one block
-        m, a, b, m2, a2, mu, au, cu = _fold_block(
+        m, a, b, m2, a2, mu, au, cu, fu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
-            m, a, b, m2, a2, mu, au, cu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            m, a, b, m2, a2, mu, au, cu, fu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
 
     # merge the lanes (docs/design.md §2's merge, within the row)
     m_row, a_row, f = _merge_lanes(m, a)
     b_row = 0.0
     if HAS_ENTROPY:
-        b_row = tl.sum(tl.where(a > 0, f * (b + (m - m_row) * a), 0.0), axis=0)
+        b_row = tl.sum(tl.where(f > 0, f * (b + (m - m_row) * a), 0.0), axis=0)
     m2_row, a2_row, _ = _merge_lanes(m2, a2)
-    mu_row, au_row, fu = _merge_lanes(mu, au)
-    cu_row = tl.sum(fu * cu, axis=0)
+    mu_row, au_row, g = _merge_lanes(mu, au)
+    cu_row = 0.0
+    fu_row = 0.0
+    if HAS_TEACHER:
+        h = ((_safe(mu_row) - _safe(mu)) - (_safe(m_row) - _safe(m))) * LN2
+        cu, fu = _teacher_at(a, au, cu, fu, f, g, h)
+        cu_row = tl.sum(cu, axis=0)
+        fu_row = tl.sum(fu, axis=0)
 
-    # write 8 x 4 bytes of partial state, in natural units
+    # write 9 x 4 bytes of partial state, in natural units
     base = part_ptr + split * N + row
     stride_p = n_splits * N
     tl.store(base + P_M * stride_p, m_row * LN2)
@@ -271,7 +353,8 @@ def stats_partial_kernel(
     tl.store(base + P_A2 * stride_p, a2_row)
     tl.store(base + P_MU * stride_p, mu_row * LN2)
     tl.store(base + P_AU * stride_p, au_row)
-    tl.store(base + P_CU * stride_p, cu_row * LN2)
+    tl.store(base + P_CU * stride_p, cu_row)
+    tl.store(base + P_FU * stride_p, fu_row)
 
 
 @triton.jit
@@ -307,7 +390,7 @@ def stats_finalize_kernel(
     p_off = splits[:, None] * N + rows[None, :]
     stride_p = S * N
 
-    # read 8·S·4 bytes of partial state per row
+    # read 9·S·4 bytes of partial state per row
     m_s = tl.load(part_ptr + P_M * stride_p + p_off, mask=pmask, other=NEG_INF)
     a_s = tl.load(part_ptr + P_A * stride_p + p_off, mask=pmask, other=0.0)
     m, a, f = _merge_max_sum(m_s, a_s, pmask)
@@ -315,7 +398,7 @@ def stats_finalize_kernel(
     entropy = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ENTROPY:
         b_s = tl.load(part_ptr + P_B * stride_p + p_off, mask=pmask, other=0.0)
-        b = tl.sum(tl.where(a_s > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
+        b = tl.sum(tl.where(f > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
         entropy = tl.log(a) - b / a
     lse_ce = lse
     if SEPARATE_CE:
@@ -330,11 +413,15 @@ def stats_finalize_kernel(
         mu_s = tl.load(part_ptr + P_MU * stride_p + p_off, mask=pmask, other=NEG_INF)
         au_s = tl.load(part_ptr + P_AU * stride_p + p_off, mask=pmask, other=0.0)
         cu_s = tl.load(part_ptr + P_CU * stride_p + p_off, mask=pmask, other=0.0)
-        mu, au, fu = _merge_max_sum(mu_s, au_s, pmask)
-        cu = tl.sum(fu * cu_s, axis=0)
+        fu_s = tl.load(part_ptr + P_FU * stride_p + p_off, mask=pmask, other=0.0)
+        mu, au, g = _merge_max_sum(mu_s, au_s, pmask)
+        h = (_safe(mu)[None, :] - _safe(mu_s)) - (_safe(m)[None, :] - _safe(m_s))
+        cu_s, fu_s = _teacher_at(a_s, au_s, cu_s, fu_s, f, g, h)
+        cu = tl.sum(cu_s, axis=0)
         lse_u = mu + tl.log(au)
-        kl_shift = cu / au  # E_q[t - s]
-        kl = kl_shift - lse_u + lse
+        kl_shift = (mu - m) + cu / au  # E_q[t - s]
+        kl = _kl(a, au, cu, tl.sum(fu_s, axis=0))
+        kl = tl.where(lse - lse == 0, kl, float("nan"))  # no distribution p: no KL
 
     # the target logit: read E bytes per active row
     is_active = (tl.load(active_ptr + rows, mask=rmask, other=0) != 0) & rmask

@@ -11,11 +11,17 @@ Notation (per row): ``z`` student logits, ``r = cap(z) + d·[k == x]`` the shift
 ``s = r / T``, ``p = softmax(s)``; ``s' = r / T_ce`` for the ``logp`` term;
 ``t = u / T_kl`` and ``q = softmax(t)`` for the teacher. All math is float32.
 
-The streaming state of a row is ``(m, a, b, m2, a2, mu, au, cu)``:
+The streaming state of a row is ``(m, a, b, m2, a2, mu, au, cu, fu)``:
   m, a, b     running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m)  (b relative to m: no cancellation
               between lse and Σ p s in the entropy; b = 0 when cfg.entropy is False)
   m2, a2      the same max and sum for s' (only when T_ce != T)
-  mu, au, cu  running max of t, Σ e^{t-mu}, Σ e^{t-mu}(t - s)   (teacher)
+  mu, au      running max of t, Σ e^{t-mu}   (teacher)
+  cu, fu      Σ e^{t-mu}·y and Σ e^{t-mu}·psi(y) with y = (t - mu) - (s - m), the log-ratio
+              log(q/p) up to a constant, and psi(y) = y - 1 + e^{-y} >= 0 (kernels/series.py):
+              the KL without cancellation (docs/design.md §2, "The KL")
+Parts are merged at the larger maxima; a part whose rescale factor e^{m_i - m} is 0 (its
+logits all so far below the others that their probabilities are 0 in float32, such as
+columns masked with finfo.min) adds exactly nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ._config import StatsConfig
 from ._linear_head import VOCAB_MAJOR, is_head
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
+from .kernels.series import PSI_COEFFS, PSI_SMALL
 
 NEG_INF = float("-inf")
 
@@ -80,18 +87,59 @@ def _scaled(x, temperature):
     return x if temperature == 1.0 else x * (1.0 / temperature)
 
 
-def _row_lse_parts(xp, s, with_b=True):
-    """Chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m), else 0, over the last axis of
-    s: [N, C]."""
+def _safe(xp, m):
+    """A running max with -inf (no finite entry yet) replaced by 0, so that no inf - inf forms."""
+    return xp.where(m == NEG_INF, 0.0, m)
+
+
+def _row_lse_terms(xp, s, with_b=True):
+    """(m, a, b, d, e) of s: [N, C]: the chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m),
+    else 0, over the last axis, and the [N, C] d = s - m and e = e^d they came from."""
     m = xp.rowmax(s)
-    ms = xp.where(m == NEG_INF, 0.0, m)
-    d = s - ms[:, None]  # [N, C], shared by e and b (one pass less in eager frameworks)
+    d = s - _safe(xp, m)[:, None]  # [N, C], shared by e and b (one pass less in eager frameworks)
     e = xp.exp(d)
     a = xp.rowsum(e)
     if not with_b:
-        return m, a, xp.zeros_like(a)
+        return m, a, xp.zeros_like(a), d, e
     b = xp.rowsum(xp.where(e > 0, e * d, 0.0))
-    return m, a, b
+    return m, a, b, d, e
+
+
+def _row_lse_parts(xp, s, with_b=True):
+    """Chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m), else 0, over the last axis of
+    s: [N, C]."""
+    return _row_lse_terms(xp, s, with_b)[:3]
+
+
+def _psi_series(y):
+    """S(y) = psi(y) / y² for |y| < PSI_SMALL (kernels/series.py), by Horner's rule."""
+    acc = PSI_COEFFS[-1]
+    for c in reversed(PSI_COEFFS[:-1]):
+        acc = acc * y + c
+    return acc
+
+
+def _psi(xp, y):
+    """psi(y) = y - 1 + e^{-y} >= 0, without cancellation for small |y|."""
+    return xp.where(abs(y) < PSI_SMALL, y * y * _psi_series(y), y - 1.0 + xp.exp(-y))
+
+
+def teacher_sums(xp, t, ds, w):
+    """(mu, au, cu, fu) [N] of the teacher over a block of columns: t [N, C] the scaled
+    teacher logits, ds = s - m and w = e^{ds} [N, C] the student's (relative to its max m).
+
+    With y = (t - mu) - (s - m): au = Σ e^{t-mu}, cu = Σ e^{t-mu}·y and
+    fu = Σ e^{t-mu}·psi(y) = Σ (e^{t-mu}·y - e^{t-mu} + e^{s-m}), the last by the series where
+    |y| is small (there the three terms cancel to e^{t-mu}·y²/2). A column with q = 0 (t at
+    -inf, or so far below the teacher's max that e^{t-mu} is 0) adds e^{s-m} to fu and nothing
+    else; one with p = 0 where q > 0 makes cu and fu +inf (or of order |s|: an infinite KL)."""
+    mu = xp.rowmax(t)
+    dt = t - _safe(xp, mu)[:, None]
+    eu = xp.exp(dt)
+    y = dt - ds
+    ct = xp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
+    f = xp.where(abs(y) < PSI_SMALL, ct * y * _psi_series(y), ct + (w - eu))
+    return mu, xp.rowsum(eu), xp.rowsum(ct), xp.rowsum(f)
 
 
 def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
@@ -106,28 +154,51 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
     s = _scaled(r, cfg.temperature)
-    m, a, b = _row_lse_parts(xp, s, cfg.entropy)
+    m, a, b, ds, e = _row_lse_terms(xp, s, cfg.entropy)
     zero = xp.zeros_like(a)
     m2, a2 = m, a
     if cfg.separate_ce:
         m2, a2, _ = _row_lse_parts(xp, _scaled(r, cfg.ce_temperature), False)
-    mu, au, cu = m, zero, zero
+    mu, au, cu, fu = m, zero, zero, zero
     if cfg.has_teacher:
         t = _scaled(xp.f32(u), cfg.teacher_temperature)
         if valid is not None:
             t = xp.where(valid[None, :], t, NEG_INF)
-        mu = xp.rowmax(t)
-        mus = xp.where(mu == NEG_INF, 0.0, mu)
-        eu = xp.exp(t - mus[:, None])
-        au = xp.rowsum(eu)
-        cu = xp.rowsum(xp.where(eu > 0, eu * (t - s), 0.0))
-    return State(m, a, b, m2, a2, mu, au, cu)
+        mu, au, cu, fu = teacher_sums(xp, t, ds, e)
+    return State(m, a, b, m2, a2, mu, au, cu, fu)
 
 
 def _rescale(xp, m_part, m):
     """e^{m_part - m} with an all -inf row guarded (gives 0 for an empty part)."""
-    ms = xp.where(m == NEG_INF, 0.0, m)
-    return xp.exp(m_part - ms)
+    return xp.exp(m_part - _safe(xp, m))
+
+
+def _b_at(xp, st: State, f, m):
+    """A part's entropy sum b relative to the merged max m: f·(b_i + (m_i - m)·a_i), and exactly
+    0 where the part's rescale f = e^{m_i - m} is 0 (where (m_i - m)·a_i may be -inf)."""
+    return xp.where(f > 0, f * (st.b + (st.m - m) * st.a), 0.0)
+
+
+def teacher_at(xp, st: State, f, m, mu):
+    """(au, cu, fu) of a part's teacher sums re-expressed at the merged maxima m and mu (the
+    part's own are st.m, st.mu; f = e^{st.m - m}). The centre mu - m of y moves by
+    h = (mu - st.mu) - (m - st.m), and with g = e^{st.mu - mu} = f·e^{-h}:
+
+        au' = g·au,  cu' = g·(cu - h·au),  fu' = g·(fu - h·au - a) + f·a
+            = g·(fu - h·(cu - fu) + a·h²·S(-h))      (|h| small: no cancellation)
+
+    A part with g = 0 adds no teacher mass (its g-terms are exactly 0); one with f = 0 adds
+    the teacher's mass where the student's probability is 0 (fu and cu of order -h·au)."""
+    g = _rescale(xp, st.mu, mu)
+    h = (_safe(xp, mu) - _safe(xp, st.mu)) - (_safe(xp, m) - _safe(xp, st.m))
+    live = g > 0
+    au = g * st.au
+    cu = xp.where(live, g * (st.cu - h * st.au), 0.0)
+    gap = st.cu - st.fu  # Σ e^{t-mu} - e^{s-m}, formed without cancellation
+    near = live & (abs(h) < PSI_SMALL) & xp.isfinite(gap)
+    fu_near = g * (st.fu - h * gap + st.a * h * h * _psi_series(-h))
+    fu_far = xp.where(live, g * (st.fu - h * st.au - st.a), 0.0) + f * st.a
+    return au, cu, xp.where(near, fu_near, fu_far)
 
 
 def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
@@ -138,38 +209,38 @@ def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
     b = xp.zeros_like(a)
     if cfg.entropy:
         # b is relative to the running max: Σ e^{s-m}(s-m) = f·(b_i + (m_i - m)·a_i).
-        b1 = xp.where(s1.a > 0, f1 * (s1.b + (s1.m - m) * s1.a), 0.0)
-        b2 = xp.where(s2.a > 0, f2 * (s2.b + (s2.m - m) * s2.a), 0.0)
-        b = b1 + b2
+        b = _b_at(xp, s1, f1, m) + _b_at(xp, s2, f2, m)
     m2, a2 = m, a
     if cfg.separate_ce:
         m2 = xp.maximum(s1.m2, s2.m2)
         a2 = _rescale(xp, s1.m2, m2) * s1.a2 + _rescale(xp, s2.m2, m2) * s2.a2
-    mu, au, cu = m, a * 0.0, a * 0.0
+    mu, au, cu, fu = m, a * 0.0, a * 0.0, a * 0.0
     if cfg.has_teacher:
         mu = xp.maximum(s1.mu, s2.mu)
-        g1, g2 = _rescale(xp, s1.mu, mu), _rescale(xp, s2.mu, mu)
-        au = g1 * s1.au + g2 * s2.au
-        cu = g1 * s1.cu + g2 * s2.cu
-    return State(m, a, b, m2, a2, mu, au, cu)
+        (au1, cu1, fu1), (au2, cu2, fu2) = (teacher_at(xp, st, f, m, mu)
+                                            for st, f in ((s1, f1), (s2, f2)))
+        au, cu, fu = au1 + au2, cu1 + cu2, fu1 + fu2
+    return State(m, a, b, m2, a2, mu, au, cu, fu)
 
 
 def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
-    ``pmax`` of the three running maxima, then one ``psum`` of the rescaled sums and of
-    ``extra_sums`` (docs/design.md §2): 3 + 5 + len(extra_sums) floats per row in all.
-    ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
+    ``pmax`` of the three running maxima, then one ``psum`` of the sums re-expressed at those
+    maxima and of ``extra_sums`` (docs/design.md §2): 3 + 6 + len(extra_sums) floats per row
+    in all. ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
     Returns (merged State, summed extra_sums)."""
     m, m2, mu = pmax([state.m, state.m2, state.mu])
     f = _rescale(xp, state.m, m)
     a = f * state.a
     b = state.b  # 0 without entropy
     if cfg.entropy:
-        b = xp.where(state.a > 0, f * (state.b + (state.m - m) * state.a), 0.0)
+        b = _b_at(xp, state, f, m)
     a2 = _rescale(xp, state.m2, m2) * state.a2
-    fu = _rescale(xp, state.mu, mu)
-    a, b, a2, au, cu, *extra = psum([a, b, a2, fu * state.au, fu * state.cu, *extra_sums])
-    return State(m, a, b, m2, a2, mu, au, cu), extra
+    au, cu, fu = state.au, state.cu, state.fu  # zeros without a teacher
+    if cfg.has_teacher:
+        au, cu, fu = teacher_at(xp, state, f, m, mu)
+    a, b, a2, au, cu, fu, *extra = psum([a, b, a2, au, cu, fu, *extra_sums])
+    return State(m, a, b, m2, a2, mu, au, cu, fu), extra
 
 
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
@@ -185,7 +256,24 @@ Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
 Stats.__doc__ = """Per-row outputs and residuals, all [N] float32: lse = logsumexp(s),
 logp = s'_y - lse_ce, entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher),
 lse_ce = logsumexp(s') (== lse when T_ce == T), lse_u = logsumexp(t) (0 without a teacher),
-kl_shift = E_q[t - s] = cu / au (so d(teacher) needs no lse cancellation)."""
+kl_shift = E_q[t - s] = (mu - m) + cu / au (so d(teacher) needs no lse cancellation)."""
+
+
+def kl_divergence(xp, a, au, cu, fu):
+    """KL(q || p) [N] from a row's merged sums (module docstring), >= 0 (docs/design.md §2,
+    "The KL"). With x = (cu - fu) / a = au / a - 1 and e = log(au / a) = lse_u - lse - (mu - m):
+
+        KL = fu / au - psi(e)      where |e| <= 1: a sum of terms >= 0 less a term of the
+                                   size of (E_p[y])²/2, no first-order cancellation
+        KL = cu / au - e           elsewhere (the teacher's mass and the student's far apart:
+                                   a large KL, whose terms are first order anyway)
+    """
+    e_far = xp.log(au) - xp.log(a)
+    x = (cu - fu) / a
+    near = (abs(e_far) <= 1.0) & (abs(x) < 2.0)  # (False where x is NaN: inf - inf)
+    e = xp.where(near, xp.log1p(x), e_far)
+    kl = xp.where(near, fu / au - _psi(xp, e), cu / au - e_far)
+    return xp.where(kl < 0, 0.0, kl)  # rounding can leave -ulps; NaN stays NaN
 
 
 def target_logit(xp, rows: Rows, cfg: StatsConfig, offset=0):
@@ -243,8 +331,9 @@ def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     kl, lse_u, kl_shift = zero, zero, zero
     if cfg.has_teacher:
         lse_u = state.mu + xp.log(state.au)
-        kl_shift = state.cu / state.au
-        kl = kl_shift - lse_u + lse
+        kl_shift = (state.mu - state.m) + state.cu / state.au
+        kl = kl_divergence(xp, state.a, state.au, state.cu, state.fu)
+        kl = xp.where(xp.isfinite(lse), kl, float("nan"))  # no distribution p: no KL
     outs = [xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)]
     return Stats(*outs)
 
@@ -398,7 +487,20 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
         q = xp.exp(t - lse_u[:, None])
         qpos = q > 0
         # KL = E_q[t - s] - lse_u + lse: the same value as Σ q (log q - log p), but its
-        # autodiff gradient q·((t - s) - E_q[t - s]) avoids cancelling lse terms.
+        # autodiff gradient q·((t - s) - E_q[t - s]) avoids cancelling lse terms. Its value
+        # cancels (E_q[t - s] and lse_u - lse agree to first order: the T² of distillation
+        # at a large T magnifies that), so the value is the form every backend computes.
         diff = xp.where(qpos, t, 0.0) - xp.where(qpos, s, 0.0)
-        kl = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - lse_u + lse
+        kl_grad = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - lse_u + lse
+        kl = _row_kl(xp, xp.stop_gradient(s), xp.stop_gradient(t), lse)
+        kl = xp.where(xp.isfinite(kl_grad), kl + (kl_grad - xp.stop_gradient(kl_grad)), kl_grad)
     return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))
+
+
+def _row_kl(xp, s, t, lse):
+    """KL(softmax(t) || softmax(s)) [N] of whole rows s, t [N, K] as the streaming backends
+    compute it (``teacher_sums`` over one chunk, ``kl_divergence``); NaN where lse is not
+    finite (no distribution)."""
+    m, a, _, ds, e = _row_lse_terms(xp, s, False)
+    _, au, cu, fu = teacher_sums(xp, t, ds, e)
+    return xp.where(xp.isfinite(lse), kl_divergence(xp, a, au, cu, fu), float("nan"))

@@ -145,7 +145,7 @@ def _partial(z, u, active, x, d, offsets, cfg):
         kernels.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT, *_scalars(cfg)),
-        jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 32·S B/row
+        jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 36·S B/row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=kernels.rows_aligned(k),
         **_flags(cfg, x is not None))

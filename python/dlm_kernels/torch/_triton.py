@@ -95,7 +95,7 @@ def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entro
     the heuristic's plan (bench/launch_sweep.py)."""
     n, k = z.shape
     cfg = cfg or plan(z, u, block_k)
-    part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
+    part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 36·S B/row
     if n > 0:
         dummy = z
         kernels.stats_partial_kernel[(n, cfg["splits"])](
