@@ -260,6 +260,25 @@ class ObjectivesSuite:
             dz, _ = oracle.token_stats_vjp(z64, y.reshape(-1), active, g)
             assert_close(grad.reshape(12, 41), dz, "float32", f"d logits at weights {scale}",
                          slack=oracle.saved_lse_slack(z64, y.reshape(-1), active, g))
+        # a 16-bit linear head forms its planned gradient w·dstats in its own dtype: weights of
+        # 1e-30 and 1e30 must give the gradient of weights of 1 (the loss is scale-free)
+        h = fw.array(rng.integers(-2, 3, (2, 6, 8)) / 4, "float16")
+        wt = fw.array(rng.integers(-2, 3, (41, 8)) / 4, "float16")
+
+        def d_hidden(scale):
+            ws = (w * np.float32(scale)).astype(np.float32)
+            b = batch.replace(loss_weights=fw.array(ws))
+            fn = lambda h_: (fw.api.weighted_cross_entropy(
+                fw.api.LinearHead(h_, wt, weight_layout="KD"), b,
+                backend=self.BACKEND).compute(),)
+            return fw.vjp(fn, [h], [np.float32(1.0)])[1][0]
+
+        unit = d_hidden(1.0)
+        assert np.isfinite(unit).all() and np.abs(unit).max() > 0
+        for scale in (1e-30, 1e30):
+            assert_close(d_hidden(scale), unit, "float16",
+                         f"float16 head's d hidden at weights x {scale}", slack=2 ** -11 *
+                         np.abs(unit))
         for value in (1e-45, 1e-40, 2e38):  # sums below 1.18e-38 and (two or more) past 3.4e38
             ws = np.where(w != 0, np.float32(value), 0).astype(np.float32)
             with pytest.raises(ValueError, match="loss_weights must sum to 0 or to a normal float32"):

@@ -116,6 +116,24 @@ def _array_of(logits):
     return logits.hidden if is_head(logits) else logits
 
 
+def unit_coefficients(xp, coefficients):
+    """(unit, coefficients / unit) with unit = the largest |c| (1 when all are 0), a
+    constant: a linear head forms its planned gradient c·dstats in the head's dtype, where
+    the coefficients' own scale (loss weights of 1e-30 or 1e30) would underflow or overflow a
+    16-bit dZ; the total times ``unit`` carries that scale in its cotangent instead."""
+    if coefficients is None:
+        return None, None
+    unit = None
+    for c in coefficients:
+        if c is not None:
+            top = xp.rowmax(abs(c)) if c.shape[0] else xp.rowsum(c)  # [N] -> []
+            unit = top if unit is None else xp.maximum(unit, top)
+    if unit is None:
+        return None, coefficients
+    unit = xp.stop_gradient(xp.where(unit > 0, unit, 1.0))
+    return unit, tuple(None if c is None else c / unit for c in coefficients)
+
+
 class TokenStatsFrontEnd:
     """``token_stats``, ``vocab_extent`` and ``backend_for`` of one framework."""
 
@@ -198,7 +216,10 @@ class TokenStatsFrontEnd:
                              "use 'chunked' or 'triton'")
         total = None
         if heads and impl.custom_vjp:
-            *outs, total = self.vjp.apply_head(impl, cfg, rows, shard, coefficients)
+            unit, planned = unit_coefficients(xp, coefficients)
+            *outs, total = self.vjp.apply_head(impl, cfg, rows, shard, planned)
+            if unit is not None:
+                total = total * unit
         elif impl.custom_vjp:
             outs = self.vjp.apply(impl, cfg, rows, inplace_grad, shard)
         else:
