@@ -291,7 +291,7 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
         grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
         in_specs=specs + [row(ts.N_INTS), row(ts.FWD_FLOATS)],
         out_specs=row(ts.N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(8)],
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in ts.PARTIAL_STATE],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=ts._interpret_arg(interpret, detect_races),
         name="dlm_linear_head_fwd",

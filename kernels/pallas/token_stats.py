@@ -13,10 +13,10 @@ Blocks and VMEM budget
 ----------------------
 Logits blocks are (BN, BK) with BN a multiple of 8 (sublanes) and BK a multiple of 128
 (lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 3] (target,
-shift column, global id of the shard's first column), floats [N, F] (shift, active, saved statistics, cotangents), and the
-forward writes stats [N, 8] (or, for a vocabulary shard, its 8 running sums); their blocks
-(BN, 3|F|8) use the full last dimension, which
-Mosaic accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
+shift column, global id of the shard's first column), floats [N, F] (shift, active, saved
+statistics, cotangents), and the forward writes stats [N, 10] (or, for a vocabulary shard,
+its 7 running sums); their blocks (BN, 3|F|10) use the full last dimension, which Mosaic
+accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
 whose estimate fits ``VMEM_BUDGET`` = 12 MiB, under the 16 MiB default scoped VMEM limit of
 TPU v4/v5e (32 MiB on v6e):
 
@@ -32,7 +32,7 @@ before any reduction, and Pallas drops out-of-bounds stores), and every block of
 vocabulary shard (global ids >= vocab_size). Whole blocks run the bare math.
 
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
-and writes 32 (8 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
+and writes 40 (10 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
 Inactive rows are not cleaned before the math (a select per element): every reduction runs
 along a row, so NaN or inf there stays in that row's sums, and the row's outputs and
 gradient are replaced by exact zeros at the end; a row block with no active row skips the
@@ -40,7 +40,10 @@ forward's arithmetic. The forward leaves logp to the caller, which gathers one t
 per row (a compare, select and sum over every element otherwise). The gradient gathers its
 per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels._stats_math``). With
 ``entropy=False`` the entropy's running sum and its gradient term are left out (the entropy
-column is then 0).
+column is then 0). Every exponent is a difference of logits scaled afterwards, (r - m)/T,
+with m the running maximum of the logits themselves (docs/design.md §2): the forward keeps
+m in logit units, and the backward forms p = e^{(r - m)/T}·e^{-la} from the saved m and
+log-sum la, exact at any temperature down to 2^-102 (``MIN_TEMPERATURE``).
 
 TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
 to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
@@ -54,15 +57,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+from ..softcap import TANH_SERIES, TANH_SERIES_BOUND
 
 NEG_INF = float("-inf")
 VMEM_BUDGET = 12 * 1024 * 1024
 BLOCK_K = 2048
 MAX_BLOCK_N = 256
 
-# Column layout of the packed per-row float inputs.
-(F_SHIFT, F_ACTIVE, F_LSE, F_ENT, F_KL_SHIFT, F_LSE_CE, F_LSE_U, F_GLSE, F_GLP, F_GH,
- F_GKL) = range(11)
+# Column layout of the packed per-row float inputs (the saved statistics: ROW_STATS's
+# residuals, kernels/layout.py).
+(F_SHIFT, F_ACTIVE, F_M, F_LA, F_ENT, F_KL_SHIFT, F_LA_CE, F_MU, F_LA_U, F_GLSE, F_GLP, F_GH,
+ F_GKL) = range(13)
 N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
@@ -91,7 +96,16 @@ def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
 
 
 def _cap(z, softcap):
-    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+    """c·tanh(z/c), as the host computes it (``_stats_math.softcap``, kernels/softcap.py):
+    below the series bound z·(1 + u·Q(u)), u = (z/c)², so z itself where z/c underflows."""
+    if softcap is None:
+        return z
+    x = z * (1.0 / softcap)
+    u = x * x
+    q = TANH_SERIES[-1]
+    for coef in TANH_SERIES[-2::-1]:
+        q = q * u + coef
+    return jnp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q), jnp.tanh(x) * softcap)
 
 
 def _shifted(z, cols, x, d, softcap, has_shift):
@@ -101,16 +115,30 @@ def _shifted(z, cols, x, d, softcap, has_shift):
     return r
 
 
-def _lse_update(m_ref, a_ref, s):
-    """Online (max, sum) update of (BN, 1) scratch with block s (BN, BK); returns e, m_safe."""
+def _max_update(m_ref, v):
+    """Fold the row maxima of a block v (BN, BK) of logits into the (BN, 1) scratch m_ref;
+    returns (d, shift): v - m_safe (BN, BK) and m_old - m_safe (BN, 1) (-inf for an empty
+    old state), the logit differences every exponent is formed from."""
     m_old = m_ref[...]
-    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    e = jnp.exp(s - m_safe)
-    a_old = a_ref[...]
-    a_ref[...] = a_old * jnp.exp(m_old - m_safe) + jnp.sum(e, axis=1, keepdims=True)
+    m_new = jnp.maximum(m_old, jnp.max(v, axis=1, keepdims=True))
     m_ref[...] = m_new
-    return e, m_safe, m_old, a_old
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
+    return v - m_safe, m_old - m_safe
+
+
+def _sum_update(a_ref, d, shift, inv_t):
+    """a_ref = a_ref·e^{shift/T} + Σ e^{d/T} (BN, 1); returns (x = d/T, e = e^x, the old
+    sum, its rescale e^{shift/T}, shift/T)."""
+    x, delta = _scaled(d, inv_t), _scaled(shift, inv_t)
+    e, f = jnp.exp(x), jnp.exp(delta)
+    a_old = a_ref[...]
+    a_ref[...] = a_old * f + jnp.sum(e, axis=1, keepdims=True)
+    return x, e, a_old, f, delta
+
+
+def _moved(f, delta, a, b):
+    """f·(b + δ·a), 0 where a = 0: a running Σ e^x·x moved to a new maximum (x + δ)."""
+    return jnp.where(a > 0, f * (b + delta * a), 0.0)
 
 
 def _scaled(x, inv_t):
@@ -137,14 +165,15 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
              partial):
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
-    on the MXU by the linear head's kernels); the 8 scratch rows hold the running sums."""
+    on the MXU by the linear head's kernels); the 7 scratch rows hold the running state
+    (PARTIAL_STATE: maxima in logit units)."""
     has_teacher = load_u is not None
-    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc = scratch
+    m_sc, a_sc, b_sc, a2_sc, mu_sc, au_sc, cu_sc = scratch
     last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
     def _init():
-        for ref in (m_sc, m2_sc, mu_sc):
+        for ref in (m_sc, mu_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
         for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
@@ -169,24 +198,23 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         r = _shifted(load_z(), cols, x, d, softcap, has_shift)
         if masked:
             r = jnp.where(valid, r, NEG_INF)
-        s = _scaled(r, inv_t)
-        e, m_safe, m_old, a_old = _lse_update(m_sc, a_sc, s)
+        dr, shift = _max_update(m_sc, r)
+        xs, e, a_old, f, delta = _sum_update(a_sc, dr, shift, inv_t)
         if entropy:  # b relative to the running max (stays 0 without entropy)
-            b_old = jnp.where(a_old > 0,
-                              jnp.exp(m_old - m_safe) * (b_sc[...] + (m_old - m_sc[...]) * a_old),
-                              0.0)
-            b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1,
-                                        keepdims=True)
-        if separate_ce:
-            _lse_update(m2_sc, a2_sc, _scaled(r, inv_t_ce))
+            b_sc[...] = _moved(f, delta, a_old, b_sc[...]) + jnp.sum(
+                jnp.where(e > 0, e * xs, 0.0), axis=1, keepdims=True)
+        if separate_ce:  # the same maximum, exponents (r - m)/T_ce
+            _sum_update(a2_sc, dr, shift, inv_t_ce)
         if has_teacher:
-            t = _scaled(load_u(), inv_t_kl)
+            u = load_u()
             if masked:
-                t = jnp.where(valid, t, NEG_INF)
-            mu_old = mu_sc[...]
-            eu, mu_safe, _, _ = _lse_update(mu_sc, au_sc, t)
-            cu_sc[...] = (cu_sc[...] * jnp.exp(mu_old - mu_safe)
-                          + jnp.sum(jnp.where(eu > 0, eu * (t - s), 0.0), axis=1, keepdims=True))
+                u = jnp.where(valid, u, NEG_INF)
+            du, shift_u = _max_update(mu_sc, u)
+            cu_old = cu_sc[...]
+            xu, eu, au_old, fu, delta_u = _sum_update(au_sc, du, shift_u, inv_t_kl)
+            # Σ e^{x_u}·(x_u - x) relative to both maxima: x_u - x moves by δ_u - δ
+            cu_sc[...] = _moved(fu, delta_u - delta, au_old, cu_old) + jnp.sum(
+                jnp.where(eu > 0, eu * (xu - xs), 0.0), axis=1, keepdims=True)
 
     # Columns past the vocabulary: the ragged tail of the last block, or (a padded shard)
     # global ids >= vocab_limit, which any block may hold.
@@ -201,27 +229,27 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
     if partial:
         @pl.when(last)
         def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
-            state = dict(m=m_sc, a=a_sc, b=b_sc, m2=m2_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc)
+            state = dict(m=m_sc, a=a_sc, b=b_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc)
             for j, field in enumerate(PARTIAL_STATE):
                 out_ref[:, j:j + 1] = state[field][...]
         return
 
     @pl.when(last)
     def _finalize():
-        log_a = jnp.log(a_sc[...])
-        lse = m_sc[...] + log_a
-        ent = log_a - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
-        lse_ce = m2_sc[...] + jnp.log(a2_sc[...]) if separate_ce else lse
+        m, la = m_sc[...], jnp.log(a_sc[...])
+        lse = _scaled(m, inv_t) + la
+        ent = la - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
+        la_ce = jnp.log(a2_sc[...]) if separate_ce else la
         zero = jnp.zeros_like(lse)
-        kl, lse_u, kl_shift = zero, zero, zero
+        kl, mu, la_u, kl_shift = zero, zero, zero, zero
         if has_teacher:
-            lse_u = mu_sc[...] + jnp.log(au_sc[...])
-            kl_shift = cu_sc[...] / au_sc[...]  # E_q[t - s]
-            kl = kl_shift - lse_u + lse
-        # logp (column 1) is left to the caller: r_y·/T_ce - lse_ce from one gathered logit
-        # per row, instead of a compare, select and sum over every element here
-        stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, lse_ce=lse_ce, lse_u=lse_u,
-                     kl_shift=kl_shift)
+            mu, la_u = mu_sc[...], jnp.log(au_sc[...])
+            kl_shift = cu_sc[...] / au_sc[...]  # E_q[x_u - x]
+            kl = kl_shift - la_u + la
+        # logp (column 1) is left to the caller: (r_y - m)/T_ce - la_ce from one gathered
+        # logit per row, instead of a compare, select and sum over every element here
+        stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, kl_shift=kl_shift, m=m, la=la,
+                     la_ce=la_ce, mu=mu, la_u=la_u)
         values = [stats[field] for field in ROW_STATS] + [zero] * (N_STATS - len(ROW_STATS))
         for j, v in enumerate(values):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
@@ -256,8 +284,8 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     y, x, offset = ints[:, 0:1], ints[:, 1:2], ints[:, 2:3]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
-    lse, ent, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
-    kl_shift = col(F_KL_SHIFT)
+    m, la, ent, la_ce = col(F_M), col(F_LA), col(F_ENT), col(F_LA_CE)
+    mu, la_u, kl_shift = col(F_MU), col(F_LA_U), col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z.shape[0]
     iota = jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
@@ -265,16 +293,18 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     # Per-row factors first, so each element costs as few vector operations as the math
     # allows (chunk_grads in _stats_math has the same form):
     #   dr = p·coef + (g_kl/T)·(p - q) - (g_lp/T_ce)·p' + [k == y]·g_lp/T_ce
+    # with p = e^x·e^{-la}, x = (r - m)/T: the row factor e^{-la} joins coef
     g_ce = g_lp * inv_t_ce
     coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_ce  # (BN, 1)
+    inv_a = jnp.exp(-la)  # (BN, 1): 1 / Σ e^x
     # Inactive rows are not cleaned first: their gradient is replaced by zeros at the end.
     r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
-    s = _scaled(r, inv_t)
-    logp_k = s - lse
-    p = jnp.exp(logp_k)
+    d = r - m  # logit differences
+    xs = _scaled(d, inv_t)
+    e = jnp.exp(xs)  # p·Σ e^x
     if entropy:  # (without it g_h is the cotangent of nothing)
-        coef = coef - g_h * inv_t * jnp.where(p > 0, logp_k + ent, 0.0)
-    dr = p * coef
+        coef = coef - g_h * inv_t * jnp.where(e > 0, xs - la + ent, 0.0)
+    dr = e * (coef * inv_a)
     keep = active  # and a padded shard's padding columns get exact zeros
     if vocab_limit < NO_VOCAB_LIMIT:
         keep = keep & (cols < vocab_limit)
@@ -282,15 +312,16 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
         keep = keep & (kb * bk + iota < vocab)
     du = None
     if load_u is not None:
-        t = _scaled(load_u(), inv_t_kl)
-        q = jnp.exp(t - lse_u)
-        dr = dr + g_kl * inv_t * (p - q)  # float32 p - q
+        xu = _scaled(load_u() - mu, inv_t_kl)
+        q = jnp.exp(xu - la_u)
+        dr = dr + g_kl * inv_t * (e * inv_a - q)  # float32 p - q
         if teacher_grad:
-            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
-            du = g_kl * jnp.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
+            # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of
+            # log-normalisers
+            du = g_kl * jnp.where(q > 0, q * ((xu - xs) - kl_shift), 0.0) * inv_t_kl
             du = jnp.where(keep, du, 0.0)
     if separate_ce:
-        dr = dr - g_ce * jnp.exp(_scaled(r, inv_t_ce) - lse_ce)
+        dr = dr - g_ce * jnp.exp(_scaled(d, inv_t_ce) - la_ce)
     # the target column (compared in block-local ids: one per-row subtraction, not one per element)
     dr = dr + jnp.where(iota == y - offset - kb * bk, g_ce, 0.0)
     if softcap is not None:
@@ -335,9 +366,9 @@ def _grid(z, has_teacher, backward, block_k):
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                   separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
                   vocab_limit=NO_VOCAB_LIMIT, partial=False):
-    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 8] f32 (N_STATS; the
-    logp column is 0: the caller computes it from the target logit), or with ``partial`` the
-    running state (m, a, b, m2, a2, mu, au, cu) of this vocabulary shard."""
+    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, N_STATS] f32
+    (ROW_STATS; the logp column is 0: the caller computes it from the target logit), or with
+    ``partial`` the running state (PARTIAL_STATE) of this vocabulary shard."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
@@ -352,7 +383,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
         grid=grid,
         in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(FWD_FLOATS)],
         out_specs=per_row(N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(8)],
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in PARTIAL_STATE],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret, detect_races),
         name="dlm_token_stats_fwd",

@@ -11,11 +11,20 @@ Notation (per row): ``z`` student logits, ``r = cap(z) + d·[k == x]`` the shift
 ``s = r / T``, ``p = softmax(s)``; ``s' = r / T_ce`` for the ``logp`` term;
 ``t = u / T_kl`` and ``q = softmax(t)`` for the teacher. All math is float32.
 
-The streaming state of a row is ``(m, a, b, m2, a2, mu, au, cu)``:
-  m, a, b     running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m)  (b relative to m: no cancellation
-              between lse and Σ p s in the entropy; b = 0 when cfg.entropy is False)
-  m2, a2      the same max and sum for s' (only when T_ce != T)
-  mu, au, cu  running max of t, Σ e^{t-mu}, Σ e^{t-mu}(t - s)   (teacher)
+Every exponent is a difference of logits scaled afterwards: with ``m`` the row's largest r,
+``x = (r - m) / T`` (and ``x' = (r - m) / T_ce``, ``x_u = (u - mu) / T_kl``). A difference of
+two scaled logits, s - lse, would carry an absolute error of an ulp of |s| = |r| / T (64 at
+|r| / T = 1e9, |r| = 10 at T = 1e-8), and a compiler that contracts r·(1/T) - lse into one FMA rounds it
+differently in the forward and the backward; (r - m) is exact near the maximum and its
+scaled value has a relative error of an ulp. So the residuals are m and the log of the sum
+relative to it, ``la`` (lse = m / T + la), never lse itself.
+
+The streaming state of a row is ``(m, a, b, a2, mu, au, cu)``:
+  m, a, b     running max of r, Σ e^x, Σ e^x·x  (b relative to m: no cancellation between lse
+              and Σ p s in the entropy; b = 0 when cfg.entropy is False)
+  a2          Σ e^{x'} (only when T_ce != T; the max is m)
+  mu, au, cu  running max of u, Σ e^{x_u}, Σ e^{x_u}·(x_u - x)   (teacher; x_u - x is
+              t - s less the constant mu / T_kl - m / T: no cancellation of sizes |u| / T_kl)
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import NamedTuple
 from ._config import StatsConfig
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
+from .kernels.softcap import TANH_SERIES, TANH_SERIES_BOUND
 
 NEG_INF = float("-inf")
 
@@ -62,8 +72,20 @@ def _capped(xp, z, cfg: StatsConfig):
     """cap(z) in float32 (z itself when it is float32 and there is no softcap)."""
     r = xp.f32(z)
     if cfg.softcap is not None:
-        r = xp.tanh(r * (1.0 / cfg.softcap)) * cfg.softcap
+        r = softcap(xp, r, cfg.softcap)
     return r
+
+
+def softcap(xp, z, c):
+    """c·tanh(z / c) of float32 z, accurate for every c > 0 (kernels/softcap.py): below
+    |z / c| = TANH_SERIES_BOUND as z·(1 + u·Q(u)), u = (z / c)², so z to float32 where z / c
+    underflows; beyond, c·tanh(z / c) (saturating to ±c, also where z / c overflows)."""
+    x = z * (1.0 / c)
+    u = x * x
+    q = TANH_SERIES[-1]
+    for coef in TANH_SERIES[-2::-1]:
+        q = q * u + coef
+    return xp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q), xp.tanh(x) * c)
 
 
 def _add_at(xp, x, ids, col0, vals):
@@ -79,18 +101,19 @@ def _scaled(x, temperature):
     return x if temperature == 1.0 else x * (1.0 / temperature)
 
 
-def _row_lse_parts(xp, s, with_b=True):
-    """Chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m), else 0, over the last axis of
-    s: [N, C]."""
-    m = xp.rowmax(s)
-    ms = xp.where(m == NEG_INF, 0.0, m)
-    d = s - ms[:, None]  # [N, C], shared by e and b (one pass less in eager frameworks)
-    e = xp.exp(d)
+def _row_sums(xp, x, with_b=True):
+    """Σ e^x and (with_b) Σ e^x·x, else 0, over the last axis of x: [N, C] (x <= 0)."""
+    e = xp.exp(x)
     a = xp.rowsum(e)
     if not with_b:
-        return m, a, xp.zeros_like(a)
-    b = xp.rowsum(xp.where(e > 0, e * d, 0.0))
-    return m, a, b
+        return a, xp.zeros_like(a)
+    return a, xp.rowsum(xp.where(e > 0, e * x, 0.0))
+
+
+def _safe_max(xp, v):
+    """The row max of v [N, C], and the same with an all -inf row's max at 0 (no inf - inf)."""
+    m = xp.rowmax(v)
+    return m, xp.where(m == NEG_INF, 0.0, m)
 
 
 def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
@@ -104,71 +127,75 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
-    s = _scaled(r, cfg.temperature)
-    m, a, b = _row_lse_parts(xp, s, cfg.entropy)
+    m, ms = _safe_max(xp, r)
+    d = r - ms[:, None]  # [N, C] logit differences, shared by every sum below
+    x = _scaled(d, cfg.temperature)
+    a, b = _row_sums(xp, x, cfg.entropy)
     zero = xp.zeros_like(a)
-    m2, a2 = m, a
+    a2 = a
     if cfg.separate_ce:
-        m2, a2, _ = _row_lse_parts(xp, _scaled(r, cfg.ce_temperature), False)
+        a2, _ = _row_sums(xp, _scaled(d, cfg.ce_temperature), False)
     mu, au, cu = m, zero, zero
     if cfg.has_teacher:
-        t = _scaled(xp.f32(u), cfg.teacher_temperature)
+        u = xp.f32(u)
         if valid is not None:
-            t = xp.where(valid[None, :], t, NEG_INF)
-        mu = xp.rowmax(t)
-        mus = xp.where(mu == NEG_INF, 0.0, mu)
-        eu = xp.exp(t - mus[:, None])
+            u = xp.where(valid[None, :], u, NEG_INF)
+        mu, mus = _safe_max(xp, u)
+        xu = _scaled(u - mus[:, None], cfg.teacher_temperature)
+        eu = xp.exp(xu)
         au = xp.rowsum(eu)
-        cu = xp.rowsum(xp.where(eu > 0, eu * (t - s), 0.0))
-    return State(m, a, b, m2, a2, mu, au, cu)
+        cu = xp.rowsum(xp.where(eu > 0, eu * (xu - x), 0.0))
+    return State(m, a, b, a2, mu, au, cu)
 
 
-def _rescale(xp, m_part, m):
-    """e^{m_part - m} with an all -inf row guarded (gives 0 for an empty part)."""
+def _rescale(xp, m_part, m, temperature):
+    """(e^δ, δ) with δ = (m_part - m) / T, the move of a part's exponents to the merged
+    maximum m, an all -inf row guarded (e^δ = 0 for an empty part)."""
     ms = xp.where(m == NEG_INF, 0.0, m)
-    return xp.exp(m_part - ms)
+    delta = _scaled(m_part - ms, temperature)
+    return xp.exp(delta), delta
+
+
+def _moved(xp, f, delta, a, b):
+    """f·(b + δ·a), 0 where a = 0: a sum Σ e^x·x moved to another maximum (b_i relative to
+    the part's maximum: Σ e^{x+δ}(x + δ) = e^δ·(b_i + δ·a_i))."""
+    return xp.where(a > 0, f * (b + delta * a), 0.0)
+
+
+def _moved_parts(xp, state: State, m, mu, cfg: StatsConfig):
+    """The sums of ``state`` relative to the maxima m and mu: (a, b, a2, au, cu)."""
+    f, delta = _rescale(xp, state.m, m, cfg.temperature)
+    a, b, a2 = f * state.a, state.b, f * state.a  # b: 0 without entropy; a2 = a at T_ce = T
+    if cfg.entropy:
+        b = _moved(xp, f, delta, state.a, state.b)
+    if cfg.separate_ce:
+        a2 = _rescale(xp, state.m, m, cfg.ce_temperature)[0] * state.a2
+    au, cu = state.au, state.cu  # 0 without a teacher
+    if cfg.has_teacher:
+        fu, delta_u = _rescale(xp, state.mu, mu, cfg.teacher_temperature)
+        au = fu * state.au
+        cu = _moved(xp, fu, delta_u - delta, state.au, state.cu)  # x_u - x moves by δ_u - δ
+    return a, b, a2, au, cu
 
 
 def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
     """Associative merge of two partial states (chunks, split-K blocks or vocab shards)."""
     m = xp.maximum(s1.m, s2.m)
-    f1, f2 = _rescale(xp, s1.m, m), _rescale(xp, s2.m, m)
-    a = f1 * s1.a + f2 * s2.a
-    b = xp.zeros_like(a)
-    if cfg.entropy:
-        # b is relative to the running max: Σ e^{s-m}(s-m) = f·(b_i + (m_i - m)·a_i).
-        b1 = xp.where(s1.a > 0, f1 * (s1.b + (s1.m - m) * s1.a), 0.0)
-        b2 = xp.where(s2.a > 0, f2 * (s2.b + (s2.m - m) * s2.a), 0.0)
-        b = b1 + b2
-    m2, a2 = m, a
-    if cfg.separate_ce:
-        m2 = xp.maximum(s1.m2, s2.m2)
-        a2 = _rescale(xp, s1.m2, m2) * s1.a2 + _rescale(xp, s2.m2, m2) * s2.a2
-    mu, au, cu = m, a * 0.0, a * 0.0
-    if cfg.has_teacher:
-        mu = xp.maximum(s1.mu, s2.mu)
-        g1, g2 = _rescale(xp, s1.mu, mu), _rescale(xp, s2.mu, mu)
-        au = g1 * s1.au + g2 * s2.au
-        cu = g1 * s1.cu + g2 * s2.cu
-    return State(m, a, b, m2, a2, mu, au, cu)
+    mu = xp.maximum(s1.mu, s2.mu) if cfg.has_teacher else m
+    p1, p2 = _moved_parts(xp, s1, m, mu, cfg), _moved_parts(xp, s2, m, mu, cfg)
+    a, b, a2, au, cu = (v1 + v2 for v1, v2 in zip(p1, p2))
+    return State(m, a, b, a2, mu, au, cu)
 
 
 def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
-    ``pmax`` of the three running maxima, then one ``psum`` of the rescaled sums and of
-    ``extra_sums`` (docs/design.md §2): 3 + 5 + len(extra_sums) floats per row in all.
+    ``pmax`` of the two running maxima, then one ``psum`` of the rescaled sums and of
+    ``extra_sums`` (docs/design.md §2): 2 + 5 + len(extra_sums) floats per row in all.
     ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
     Returns (merged State, summed extra_sums)."""
-    m, m2, mu = pmax([state.m, state.m2, state.mu])
-    f = _rescale(xp, state.m, m)
-    a = f * state.a
-    b = state.b  # 0 without entropy
-    if cfg.entropy:
-        b = xp.where(state.a > 0, f * (state.b + (state.m - m) * state.a), 0.0)
-    a2 = _rescale(xp, state.m2, m2) * state.a2
-    fu = _rescale(xp, state.mu, mu)
-    a, b, a2, au, cu, *extra = psum([a, b, a2, fu * state.au, fu * state.cu, *extra_sums])
-    return State(m, a, b, m2, a2, mu, au, cu), extra
+    m, mu = pmax([state.m, state.mu])
+    a, b, a2, au, cu, *extra = psum([*_moved_parts(xp, state, m, mu, cfg), *extra_sums])
+    return State(m, a, b, a2, mu, au, cu), extra
 
 
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
@@ -177,14 +204,15 @@ def merge_splits(xp, parts, cfg: StatsConfig) -> State:
     keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
     state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
                                 cfg)
-    return state._replace(m=state.m[:, 0], m2=state.m2[:, 0], mu=state.mu[:, 0])
+    return state._replace(m=state.m[:, 0], mu=state.mu[:, 0])
 
 
 Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
 Stats.__doc__ = """Per-row outputs and residuals, all [N] float32: lse = logsumexp(s),
-logp = s'_y - lse_ce, entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher),
-lse_ce = logsumexp(s') (== lse when T_ce == T), lse_u = logsumexp(t) (0 without a teacher),
-kl_shift = E_q[t - s] = cu / au (so d(teacher) needs no lse cancellation)."""
+logp = s'_y - logsumexp(s'), entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher);
+the residuals: kl_shift = E_q[x_u - x] = cu / au (so d(teacher) needs no cancellation of
+log-normalisers), m = max r, la = log Σ e^x (lse = m / T + la), la_ce = log Σ e^{x'}
+(== la when T_ce == T), mu = max u and la_u = log Σ e^{x_u} (0 without a teacher)."""
 
 
 def target_logit(xp, rows: Rows, cfg: StatsConfig, offset=0):
@@ -215,10 +243,11 @@ def shifted_target(xp, z_y, found, rows: Rows, cfg: StatsConfig):
     return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 
-def target_logp(xp, r_y, found, lse_ce, cfg: StatsConfig):
-    """logp = r_y / T_ce - lse_ce, [N] f32; NaN where the target was not found (out of range:
-    loud, never silently wrong)."""
-    return xp.where(found > 0, r_y * (1.0 / cfg.ce_temperature) - lse_ce, float("nan"))
+def target_logp(xp, r_y, found, m, la_ce, cfg: StatsConfig):
+    """logp = (r_y - m) / T_ce - la_ce, [N] f32 (m the row's largest logit, la_ce the log of
+    the sum relative to it); NaN where the target was not found (out of range: loud, never
+    silently wrong)."""
+    return xp.where(found > 0, _scaled(r_y - m, cfg.ce_temperature) - la_ce, float("nan"))
 
 
 def column_mask(xp, cols, cfg: StatsConfig, valid=None):
@@ -232,20 +261,21 @@ def column_mask(xp, cols, cfg: StatsConfig, valid=None):
 def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     """Row statistics from a merged state; logp is NaN where the target was not found
     (out of range: loud, never silently wrong); inactive rows give exact zeros."""
-    lse = state.m + xp.log(state.a)
-    entropy = xp.log(state.a) - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
-    lse_ce = lse
-    if cfg.separate_ce:
-        lse_ce = state.m2 + xp.log(state.a2)
-    logp = target_logp(xp, r_y, found, lse_ce, cfg)
+    la = xp.log(state.a)
+    lse = _scaled(state.m, cfg.temperature) + la
+    entropy = la - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
+    la_ce = xp.log(state.a2) if cfg.separate_ce else la
+    logp = target_logp(xp, r_y, found, state.m, la_ce, cfg)
     zero = xp.zeros_like(lse)
-    kl, lse_u, kl_shift = zero, zero, zero
+    kl, la_u, kl_shift = zero, zero, zero
     if cfg.has_teacher:
-        lse_u = state.mu + xp.log(state.au)
-        kl_shift = state.cu / state.au
-        kl = kl_shift - lse_u + lse
-    outs = [xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)]
-    return Stats(*outs)
+        la_u = xp.log(state.au)
+        kl_shift = state.cu / state.au  # E_q[x_u - x]
+        kl = kl_shift - la_u + la
+    mu = state.mu if cfg.has_teacher else zero
+    stats = dict(lse=lse, logp=logp, entropy=entropy, kl=kl, kl_shift=kl_shift, m=state.m,
+                 la=la, la_ce=la_ce, mu=mu, la_u=la_u)
+    return Stats(*(xp.where(active, stats[field], 0.0) for field in ROW_STATS))
 
 
 def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
@@ -256,7 +286,9 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
       dr_k = [g_lse·p_k - g_H·p_k·(log p_k + H) + g_kl·(p_k - q_k)] / T
              + g_lp·([k == y] - p'_k) / T_ce
       dz_k = dr_k·cap'(z_k);   du_k = g_kl·q_k·(log q_k - log p_k - kl) / T_kl
-    with log q_k - log p_k - kl computed as (t_k - s_k) - E_q[t - s] (stats.kl_shift).
+    with log p_k = (r_k - m)/T - la (the saved row max and log-sum: no difference of scaled
+    logits) and log q_k - log p_k - kl computed as (x_u - x)_k - E_q[x_u - x]
+    (stats.kl_shift).
     Terms with p_k = 0 (or q_k = 0) contribute exactly 0. Inactive rows give exact zeros.
     ``cols`` are contiguous global ids. Written as few [N, C] passes as the math allows (each
     is a pass over memory in an eager framework): the per-row factors of p are gathered into
@@ -264,8 +296,9 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
     """
     z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
-    s = _scaled(r, cfg.temperature)
-    logp_k = s - stats.lse[:, None]
+    d = r - stats.m[:, None]  # [N, C] logit differences
+    x = _scaled(d, cfg.temperature)
+    logp_k = x - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
     inv_t = 1.0 / cfg.temperature
@@ -280,15 +313,15 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
     dr = p * coef
     du = None
     if cfg.has_teacher:
-        t = _scaled(xp.f32(u), cfg.teacher_temperature)
-        q = xp.exp(t - stats.lse_u[:, None])
+        xu = _scaled(xp.f32(u) - stats.mu[:, None], cfg.teacher_temperature)
+        q = xp.exp(xu - stats.la_u[:, None])
         dr = dr + (g_kl * inv_t)[:, None] * (p - q)  # float32 p - q: no cancellation trap
         if cfg.teacher_grad:
-            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation between lse terms
-            du = g_kl[:, None] * xp.where(q > 0, q * ((t - s) - stats.kl_shift[:, None]), 0.0)
+            # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of log-normalisers
+            du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
     if cfg.separate_ce:
-        dr = dr - g_ce[:, None] * xp.exp(_scaled(r, cfg.ce_temperature) - stats.lse_ce[:, None])
+        dr = dr - g_ce[:, None] * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
     dr = _add_at(xp, dr, targets, cols[0], g_ce)  # the target's column, when in this chunk
     if cfg.softcap is not None:
         th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
@@ -299,6 +332,12 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
         dz = xp.where(keep, dz, 0.0)
         du = None if du is None else xp.where(keep, du, 0.0)
     return dz, du
+
+
+def _finite_max(xp, v):
+    """The row max of v [N, K] as a constant (no gradient), 0 where it is not finite."""
+    m = xp.stop_gradient(xp.rowmax(v))
+    return xp.where(xp.isfinite(m), m, 0.0)
 
 
 def reference_stats(xp, rows: Rows, cfg: StatsConfig):
@@ -313,32 +352,37 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     cols = xp.arange(k, z)
     z = xp.where(active[:, None], xp.f32(z), 0.0)
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
-    s = r * (1.0 / cfg.temperature)
-    lse = xp.logsumexp(s)
+    # exponents as differences of logits scaled afterwards (module docstring): x = (r - m)/T
+    # with m the row max, a constant to autodiff (lse's gradient does not depend on it)
+    m = _finite_max(xp, r)
+    d = r - m[:, None]
+    x = d * (1.0 / cfg.temperature)
     # a +inf logit leaves no distribution: NaN, as the streaming backends give (inf - inf)
-    lse = xp.where(lse == float("inf"), float("nan"), lse)
-    logp_all = s - lse[:, None]
+    no_inf = lambda v: xp.where(v == float("inf"), float("nan"), v)  # noqa: E731
+    la = no_inf(xp.logsumexp(x))
+    lse = m * (1.0 / cfg.temperature) + la
+    logp_all = x - la[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
     entropy = -xp.rowsum(xp.where(pos, p * xp.where(pos, logp_all, 0.0), 0.0))
     # no distribution (NaN, +inf or an all -inf row): no entropy either, not the empty sum 0
     entropy = xp.where(xp.isfinite(lse), entropy, float("nan"))
-    s_ce = r * (1.0 / cfg.ce_temperature)
-    lse_ce = xp.logsumexp(s_ce) if cfg.separate_ce else lse
+    x_ce = d * (1.0 / cfg.ce_temperature)
+    la_ce = no_inf(xp.logsumexp(x_ce)) if cfg.separate_ce else la
     in_range = (targets >= 0) & (targets < k)
     y = xp.where(in_range, targets, 0)
-    logp = xp.where(in_range, xp.gather_cols(s_ce, y) - lse_ce, float("nan"))
+    logp = xp.where(in_range, xp.gather_cols(x_ce, y) - la_ce, float("nan"))
     kl = xp.zeros_like(lse)
     if cfg.has_teacher:
         u = xp.where(active[:, None], xp.f32(u), 0.0)
         if not cfg.teacher_grad:
             u = xp.stop_gradient(u)
-        t = u * (1.0 / cfg.teacher_temperature)
-        lse_u = xp.logsumexp(t)
-        q = xp.exp(t - lse_u[:, None])
+        xu = (u - _finite_max(xp, u)[:, None]) * (1.0 / cfg.teacher_temperature)
+        la_u = xp.logsumexp(xu)
+        q = xp.exp(xu - la_u[:, None])
         qpos = q > 0
-        # KL = E_q[t - s] - lse_u + lse: the same value as Σ q (log q - log p), but its
-        # autodiff gradient q·((t - s) - E_q[t - s]) avoids cancelling lse terms.
-        diff = xp.where(qpos, t, 0.0) - xp.where(qpos, s, 0.0)
-        kl = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - lse_u + lse
+        # KL = E_q[x_u - x] - la_u + la: the same value as Σ q (log q - log p), but its
+        # autodiff gradient q·((x_u - x) - E_q[x_u - x]) avoids cancelling log-normalisers.
+        diff = xp.where(qpos, xu, 0.0) - xp.where(qpos, x, 0.0)
+        kl = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - la_u + la
     return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))
