@@ -7,6 +7,8 @@ makes a round trip through z / c, so cap(z) is z to float32 wherever z / c is ti
 or flushed to 0 (c up to the float32 maximum); and a tanh formed as (1 - e)/(1 + e),
 e = e^{-2|x|}, which cancels for small |x|, is used only beyond the bound. There cap(z) is
 c·tanh(z / c) (the framework's tanh on the host and in Pallas; the Triton kernels' own).
+(Past c = 2^126, 1/c is subnormal, 0 where subnormals flush: there logits past
+0.625·2^126, about 5e37, are capped inaccurately or not at all; all others are z.)
 
 Q: a least-squares fit, reweighted towards minimax, of (tanh(x)/x - 1)/x² over |x| <= 0.625;
 relative error of x + x·u·Q(u) below 5e-9 (0.07 float32 ulps), within 0.75 ulp of tanh when

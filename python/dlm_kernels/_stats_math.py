@@ -14,10 +14,10 @@ Notation (per row): ``z`` student logits, ``r = cap(z) + d·[k == x]`` the shift
 Every exponent is a difference of logits scaled afterwards: with ``m`` the row's largest r,
 ``x = (r - m) / T`` (and ``x' = (r - m) / T_ce``, ``x_u = (u - mu) / T_kl``). A difference of
 two scaled logits, s - lse, would carry an absolute error of an ulp of |s| = |r| / T (64 at
-|r| / T = 1e9, |r| = 10 at T = 1e-8), and a compiler that contracts r·(1/T) - lse into one FMA rounds it
-differently in the forward and the backward; (r - m) is exact near the maximum and its
-scaled value has a relative error of an ulp. So the residuals are m and the log of the sum
-relative to it, ``la`` (lse = m / T + la), never lse itself.
+|r| / T = 1e9: |r| = 10 at T = 1e-8), and a compiler that contracts r·(1/T) - lse into one
+FMA rounds it differently in the forward and the backward; (r - m) is exact near the
+maximum and its scaled value has a relative error of an ulp. So the residuals are m and the
+log of the sum relative to it, ``la`` (lse = m / T + la), never lse itself.
 
 The streaming state of a row is ``(m, a, b, a2, mu, au, cu)``:
   m, a, b     running max of r, Σ e^x, Σ e^x·x  (b relative to m: no cancellation between lse
