@@ -80,7 +80,7 @@ _TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differen
       process_group (torch) / vocab_axis (JAX): vocabulary parallelism. The logits are this
         rank's (or this shard_map device's) contiguous shard of the vocabulary; targets and
         shift ids are global ids. Partial states merge with two all-reduces of per-row
-        floats (44 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
+        floats (40 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
         same to every objective inside a ``with`` block.
       backend: {backends}.
 
