@@ -2,8 +2,8 @@
 
 ``python -m bench.comm`` (its own process: it asks XLA for 8 host devices) compiles the JAX
 vocab-parallel forward+backward on a 1 x 8 mesh for a few (N, K) and prints one JSON line:
-all-reduce bytes per row read off the optimised HLO, next to the analytic 44 bytes per row
-(a MAX of 3 floats and a SUM of 8). The torch path sends the same two all-reduces.
+all-reduce bytes per row read off the optimised HLO, next to the analytic 40 bytes per row
+(a MAX of 2 floats and a SUM of 8). The torch path sends the same two all-reduces.
 """
 
 import json
@@ -38,7 +38,7 @@ def measure(n, k, shards=8, teacher=True):
     per_op = allreduce_bytes(hlo)
     return dict(n=n, k=k, shards=shards, teacher=teacher, allreduce_ops=len(per_op),
                 allreduce_bytes=sum(per_op), bytes_per_row=sum(per_op) / n,
-                analytic_bytes_per_row=44, logits_bytes_per_row=2 * k)
+                analytic_bytes_per_row=40, logits_bytes_per_row=2 * k)
 
 
 def main():

@@ -5,14 +5,18 @@ the host code (``dlm_kernels._stats_math.State`` / ``Stats``, the launchers) siz
 the same buffers from them, so no buffer size or row index is written as a bare number.
 
 PARTIAL_STATE: the streaming state of one row over a block of columns (docs/design.md §2), one
-  float32 each: running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m) (entropy), the max and sum for the
-  separate CE temperature, and the teacher's max, Σ e^{t-mu}, Σ e^{t-mu}·y and
-  Σ e^{t-mu}·psi(y) with y = (t - mu) - (s - m) and psi(y) = y - 1 + e^{-y} (the KL's terms:
-  dlm_kernels._stats_math).
+  float32 each: the running max m of the (capped, shifted) logits r, with x = (r - m)/T: Σ e^x,
+  Σ e^x·x (entropy), Σ e^{x'} for the separate CE temperature (x' = (r - m)/T_ce); the
+  teacher's running max mu of its logits u, with x_u = (u - mu)/T_kl: Σ e^{x_u},
+  Σ e^{x_u}·y and Σ e^{x_u}·psi(y) with y = x_u - x and psi(y) = y - 1 + e^{-y} >= 0 (the
+  KL's terms without cancellation: dlm_kernels._stats_math).
   Triton's partial buffer is [len(PARTIAL_STATE), S, N] (S vocabulary splits); Pallas's
   partial output is [N, len(PARTIAL_STATE)].
-ROW_STATS: the finished statistics of a row, float32: the four public outputs, then the three
-  residuals the backward pass reads. Triton's is [len(ROW_STATS), N].
+ROW_STATS: the finished statistics of a row, float32: the four public outputs, then the
+  residuals the backward pass reads: E_q[x_u - x], the row maxima m and mu (in logit units)
+  and the logs of the sums relative to them (la, la_ce, la_u: lse = m/T + la, ...), so that
+  the backward forms log p = (r - m)/T - la from differences of logits, never from two
+  scaled logits of size |r|/T. Triton's is [len(ROW_STATS), N].
 SAMPLE_STATE / SAMPLE_IDS: the sampler's streaming state of one row over a block of columns
   (``dlm_kernels._sampling.StreamState``): float32 m (the running max of s, 0 while every s is
   -inf), Σ e^{s-m}, Σ e^{s-m}(s-m), the largest and second largest s, the largest s + g
@@ -22,8 +26,8 @@ SAMPLE_STATE / SAMPLE_IDS: the sampler's streaming state of one row over a block
 NO_VOCAB_LIMIT: the kernels' vocabulary limit when every column is real (int32 max).
 """
 
-PARTIAL_STATE = ("m", "a", "b", "m2", "a2", "mu", "au", "cu", "fu")
-ROW_STATS = ("lse", "logp", "entropy", "kl", "lse_ce", "lse_u", "kl_shift")
+PARTIAL_STATE = ("m", "a", "b", "a2", "mu", "au", "cu", "fu")
+ROW_STATS = ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u")
 SAMPLE_STATE = ("m", "a", "b", "v1", "v2", "gv", "gs")
 SAMPLE_IDS = ("i1", "gi")
 NO_VOCAB_LIMIT = 2**31 - 1

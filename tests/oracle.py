@@ -111,26 +111,62 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, with_shift=False, **kw
 
 def saved_lse_slack(z, y, active, grads, *, ulps=2.0, softcap=None, **kw):
     """[N, K] float64: how far a float32 implementation's d logits may lie from
-    ``token_stats_vjp`` because its backward reads the log-normalisers (lse, lse_ce, lse_u)
-    as saved float32 numbers (docs/design.md §2's O(N) residuals). p = exp(s - lse) takes an
-    error e in lse as a relative error e, so each gradient term g·p moves by |g|·p·e (the entropy's
-    p·(log p + H) by |g_h|·p·(|log p + H + 1| + 1)·e, the saved H being a difference of
-    terms of size |lse| with an error of its own); e is ``ulps`` float32 ulps of |lse| (the
-    rounding of the saved value and of the forward's own sums). The tolerance's absolute floor
-    is for unit-size terms: with |lse| about 17 (logits of size 12 at T = 0.7) this is the
-    larger allowance where p is close to 1, and it vanishes where p is small."""
+    ``token_stats_vjp``. Its backward recomputes log p_k = (r_k - m)/T - log Σ from saved
+    float32 row statistics (docs/design.md §2: the row's largest logit m and the log of the
+    sum relative to it; alike for p' at T_ce and for q), so log p_k carries
+
+    - ``ulps`` float32 ulps of max(1, |log Σ|, |s_k - max s|): the saved log-sum, the scaled
+      difference and the exponential, each rounded at its own size (never at the size of
+      lse, which may be |z|/T ~ 1e9); and
+    - the rounding of the logits the implementation computes itself (under a softcap every
+      r_j, with a LOO shift r_x = z_x + d): an error δ_j of ``ulps`` ulps of |s_j| moves
+      log p_k by δ_k - Σ_j p_j·δ_j, at most (1 - p_k)·|δ_k| + Σ_{j≠k} p_j·|δ_j| (nothing
+      where p = 1).
+
+    With e_k that error, each gradient term g·p_k moves by |g|·p_k·e_k, and the entropy's
+    p_k·(log p_k + H) by p_k·(|log p_k + H + 1|·e_k + e_H), where the saved H is off by
+    e_H = Σ_j p_j·|log p_j + H|·e_j plus ``ulps`` ulps of max(1, |H|). The tolerance's
+    absolute floor is for unit-size terms: this is larger where terms of size |g|·p/T cancel
+    (small T) or the logits are large, and it vanishes where p is small or 1."""
     g_lse, g_lp, g_h, g_kl = (np.abs(np.asarray(g, np.float64))[:, None] for g in grads)
     P = stats_parts(z, y, active, softcap=softcap, **kw)
+    n, k = P["z"].shape
+    x, d = kw.get("x"), kw.get("d")
+    rounded = np.full((n, k), bool(softcap))  # logits the implementation rounds itself
+    if x is not None:
+        rounded = rounded | (np.arange(k)[None, :] == x[:, None])
+    r = _shifted(P["z"], x, d, softcap)
 
-    def err(lse):  # [N, 1]: ``ulps`` float32 ulps of each row's |lse|
-        return ulps * np.spacing(np.abs(lse).astype(np.float32)).astype(np.float64)[:, None]
+    def ulp32(v):
+        return np.spacing(np.abs(v).astype(np.float32)).astype(np.float64)
 
-    p, la = P["p"], np.where(P["p"] > 0, P["logp_all"], 0.0)
-    entropy_term = p * (np.abs(la + P["entropy"][:, None] + 1.0) + 1.0)
-    slack = err(P["lse_all"]) * ((g_lse + g_kl) * p + g_h * entropy_term) / P["T"]
-    slack = slack + err(P["lse_ce"]) * g_lp * P["p_ce"] / P["T_ce"]
-    if P["q"] is not None:
-        slack = slack + err(P["lse_u"]) * g_kl * P["q"] / P["T"]
+    def log_p_error(s, p, logp, inputs_rounded):  # [N, K]: e_k above, 0 where p = 0
+        pos = p > 0
+        top = np.max(np.where(pos, s, -np.inf), axis=1, keepdims=True)
+        log_sum = -np.max(np.where(pos, logp, -np.inf), axis=1, keepdims=True)
+        size = np.maximum(1.0, np.maximum(np.abs(log_sum), np.abs(np.where(pos, s - top, 0))))
+        e = ulps * ulp32(size)
+        if inputs_rounded is not None:
+            delta = np.where(pos & inputs_rounded, ulps * ulp32(np.where(pos, s, 0.0)), 0.0)
+            mean = np.sum(p * delta, axis=1, keepdims=True)
+            e = e + delta + mean - 2 * p * delta
+        return np.where(pos, e, 0.0)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p, logp, ent = P["p"], P["logp_all"], P["entropy"][:, None]
+        e = log_p_error(r / P["T"], p, logp, rounded)
+        pos = p > 0
+        lp = np.where(pos, logp, 0.0)
+        e_h = (np.sum(np.where(pos, p * np.abs(lp + ent) * e, 0.0), axis=1, keepdims=True)
+               + ulps * ulp32(np.maximum(1.0, np.abs(ent))))
+        entropy_term = np.where(pos, p * (np.abs(lp + ent + 1.0) * e + e_h), 0.0)
+        slack = ((g_lse + g_kl) * p * e + g_h * entropy_term) / P["T"]
+        p_ce = P["p_ce"]
+        e_ce = log_p_error(r / P["T_ce"], p_ce, np.log(p_ce), rounded)
+        slack = slack + g_lp * p_ce * e_ce / P["T_ce"]
+        if P["q"] is not None:
+            e_u = log_p_error(P["logq"] + P["lse_u"][:, None], P["q"], P["logq"], None)
+            slack = slack + g_kl * P["q"] * e_u / P["T"]
     return np.where(np.asarray(active, bool)[:, None], slack, 0.0)
 
 

@@ -129,6 +129,7 @@ BAD_SCALARS = [
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
     (dict(temperature=True), "temperature"),
+    (dict(temperature=2.0 ** -103), "temperature must be at least"),  # MIN_TEMPERATURE / 2
     (dict(soft_loss_weight=-0.5), "soft_loss_weight"),
     (dict(hard_loss_weight=float("nan")), "hard_loss_weight"),
     (dict(soft_loss_weight=True), "soft_loss_weight"),
@@ -152,7 +153,7 @@ def test_per_token_logps_temperature_validation(fw_name):
     fw = framework(fw_name)
     batch = fw.api.DiffusionTokenBatch.create(**good(fw))
     z = fw.array(np.zeros((2, 3, 11), np.float32))
-    for bad in (0.0, -2.0, float("nan"), False):
+    for bad in (0.0, -2.0, float("nan"), False, 1e-31):
         with pytest.raises(ValueError, match="temperature"):
             fw.api.per_token_logps(z, batch, temperature=bad)
 

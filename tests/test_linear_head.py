@@ -420,6 +420,19 @@ class TestJaxPallas(LinearHeadSuite):
         another width (constant) runs the three fused kernels (no logits kernel, no [N, K]
         logits): 45 rows in blocks of 16 and K = 301 in blocks of 128 (both ragged), bias,
         every feature on; values and gradients vs the float64 oracle."""
+        self.check_fused(rng, layout, dtype, teacher, KW)
+
+    @pytest.mark.parametrize("temperature,softcap", [(1e-8, 6.0), (1e-4, None), (0.7, 1e38),
+                                                     (0.7, 1e-3)], ids=str)
+    def test_fused_kernels_temperature_and_softcap(self, rng, temperature, softcap):
+        """The fused kernels at small temperatures (T_ce = 1.5 T, T_kl = 1.25 T; logits up to
+        8 make the rows one-hot, or uniform over tied maxima, with lse near 8e8) and at both
+        ends of the softcap (saturated; c past 2^126, where z / c is not a normal float32)."""
+        kw = dict(temperature=temperature, ce_temperature=1.5 * temperature, softcap=softcap,
+                  teacher_temperature=1.25 * temperature)
+        self.check_fused(rng, "KD", "float32", "logits", kw)
+
+    def check_fused(self, rng, layout, dtype, teacher, kw):
         import jax
 
         fw, p = self.fw, HeadProblem(rng, teacher=teacher == "head")
@@ -436,7 +449,7 @@ class TestJaxPallas(LinearHeadSuite):
             s = fw.api.token_stats(self.head(h, w, b, layout, 16), y, act, shift_ids=x,
                                    shift=d.astype(fw.jnp.float32), teacher_logits=t,
                                    teacher_grad=grad_u, backend=self.BACKEND, chunk_size=128,
-                                   **KW)
+                                   **kw)
             return s.lse, s.logp, s.entropy, s.kl
 
         primals = (arr(p.h.reshape(p.n, -1), dtype), _weight(fw, p.w, layout, dtype),
@@ -448,8 +461,9 @@ class TestJaxPallas(LinearHeadSuite):
             assert kernel in jaxpr, f"{kernel} not launched"
         assert "dlm_token_stats" not in jaxpr, "the head fell back to materialised logits"
         outs, (gh, gw, gb, gu) = fw.vjp(fn, primals, cot)
-        okw = dict(x=p.x.reshape(-1), d=p.d.reshape(-1), u=u, T=0.7, T_ce=1.3, T_kl=1.5,
-                   softcap=6.0)
+        okw = dict(x=p.x.reshape(-1), d=p.d.reshape(-1), u=u, T=kw["temperature"],
+                   T_ce=kw["ce_temperature"], T_kl=kw["teacher_temperature"],
+                   softcap=kw["softcap"])
         active, ys = p.active.reshape(-1) != 0, p.y.reshape(-1)
         for name, got, exp in zip(("lse", "logp", "entropy", "kl"), outs,
                                   oracle.token_stats(p.z(), ys, active, **okw)):
@@ -463,7 +477,9 @@ class TestJaxPallas(LinearHeadSuite):
         assert_close(gb, dz.sum(0), dtype, "d bias",
                      slack=matmul_slack(dz.T, dz_err.T, np.ones((p.n, 1)), dtype)[:, 0])
         if grad_u:  # (a teacher head's arrays are constants here: fn builds it inside)
-            scale = cancellation_scale(cot[3], p.z() / 0.7, u / 1.5, temperature=1.5)
+            t_kl = kw["teacher_temperature"]
+            scale = cancellation_scale(cot[3], p.z() / kw["temperature"], u / t_kl,
+                                       temperature=t_kl)
             assert_close(gu, du, "float32", "d teacher logits", scale=scale)
 
 

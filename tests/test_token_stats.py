@@ -94,10 +94,11 @@ def masked_case(fw, rng, temperature, mask, student, teacher, *, teacher_grad=Tr
     return case
 
 
-def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True):
-    """Framework kwargs, oracle kwargs and float64 copies of what the framework sees."""
+def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True, scale=1.0):
+    """Framework kwargs, oracle kwargs and float64 copies of what the framework sees.
+    ``scale`` multiplies the logits, the shift and the teacher logits (drawn at unit size)."""
     n = math.prod(rows)
-    z64 = rng.normal(size=rows + (k,)) * 3.0
+    z64 = rng.normal(size=rows + (k,)) * 3.0 * scale
     active = rng.uniform(size=rows) < active_frac
     if n > 1:
         active.reshape(-1)[0] = True
@@ -118,11 +119,11 @@ def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True):
                 active=active.reshape(n), u=None)
     if feat.get("shift"):
         x = rng.integers(0, k, size=rows)
-        d = rng.uniform(0.0, 6.0, size=rows).astype(np.float32)
+        d = (rng.uniform(0.0, 6.0, size=rows) * scale).astype(np.float32)
         api_kw.update(shift_ids=fw.array(x), shift=fw.array(d))
         ora_kw.update(x=x.reshape(n), d=d.reshape(n).astype(np.float64))
     if feat.get("teacher"):
-        u64 = rng.normal(size=rows + (k,)) * 3.0
+        u64 = rng.normal(size=rows + (k,)) * 3.0 * scale
         if poison:  # inactive rows: NaN/inf teacher logits too
             flat_u = u64.reshape(n, k)
             for i in np.flatnonzero(~active.reshape(n)):
@@ -317,6 +318,55 @@ class TokenStatsSuite:
         case = make_case(self.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
         for chunk_size in self.CHUNK_SIZES:
             self.check(case, rng, dtype, chunk_size, entropy=False)
+
+    # (temperature, size of the logits): logits of size T put the scaled logits at unit size
+    # (a spread-out distribution); unit-size logits put |z| / T near 1e9 at T = 1e-8 (p close
+    # to one-hot, lse as large)
+    SMALL_TEMPERATURE_CASES = tuple((t, size) for size in ("T", "unit")
+                                    for t in (1e-2, 1e-4, 1e-6, 1e-8))
+
+    @pytest.mark.parametrize("temperature,size", SMALL_TEMPERATURE_CASES, ids=str)
+    def test_small_temperatures(self, rng, temperature, size):
+        """Every output and gradient at temperatures down to 1e-8 (T_ce = 1.5 T, T_kl =
+        1.25 T, a LOO shift, a softcap, teacher gradients). With unit-size logits p is close
+        to one-hot and |lse| near 1e9: the statistics must still be the oracle's to float32
+        precision (the saved statistics' slack is of the size of log Σ, not of lse, and
+        nothing where p = 1)."""
+        scale = temperature if size == "T" else 1.0
+        feat = dict(temperature=temperature, ce_temperature=1.5 * temperature,
+                    teacher_temperature=1.25 * temperature, softcap=30.0 * scale, shift=True,
+                    teacher=True, teacher_grad=True)
+        case = make_case(self.fw, rng, (4, 3), 301, "float32", feat, scale=scale)
+        for chunk_size in self.CHUNK_SIZES:
+            self.check(case, rng, "float32", chunk_size)
+
+    def test_minimum_temperature(self, rng):
+        """At the smallest temperature accepted (``MIN_TEMPERATURE`` = 2^-102), logits of size
+        T (gaps between them of 2^-109 and less, none subnormal) give the oracle's statistics
+        and gradients; every temperature argument below it is a ValueError that names it."""
+        from dlm_kernels._config import MIN_TEMPERATURE
+
+        t = MIN_TEMPERATURE
+        feat = dict(temperature=t, ce_temperature=1.5 * t, teacher_temperature=1.25 * t,
+                    shift=True, teacher=True, teacher_grad=True)
+        case = make_case(self.fw, rng, (4, 3), 301, "float32", feat, scale=t)
+        self.check(case, rng, "float32")
+        below = float(np.nextafter(np.float64(t), 0.0))
+        for name in ("temperature", "ce_temperature", "teacher_temperature"):
+            with pytest.raises(ValueError, match=f"^{name} must be at least"):
+                self.fw.api.token_stats(case["z"], case["y"], teacher_logits=case["u"],
+                                        backend=self.BACKEND, **{name: below})
+
+    @pytest.mark.parametrize("softcap", [1e-3, 1.0, 30.0, 1e4, 1e6, 1e30, 1e38], ids=str)
+    def test_softcap_range(self, rng, softcap):
+        """cap(z) = c·tanh(z / c) and its derivative 1 - tanh²(z / c) as the oracle computes
+        them for every c: saturated (c = 1e-3, where z / c overflows for |z| past 3.4e35),
+        and c so large that z / c is tiny or, past 2^126, not even a normal float32 (cap(z)
+        = z to float32 there, never 0)."""
+        case = make_case(self.fw, rng, (4, 3), 301, "float32",
+                         dict(FEATURES["all"], softcap=softcap))
+        for chunk_size in self.CHUNK_SIZES:
+            self.check(case, rng, "float32", chunk_size)
 
     def test_all_rows_inactive_give_exact_zeros(self, rng):
         case = make_case(self.fw, rng, (2, 3), 50, "float32", FEATURES["all"], active_frac=0.0)

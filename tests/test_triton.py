@@ -44,8 +44,9 @@ class TestTorchTriton(TorchInplaceChecks, TorchCompileChecks, TokenStatsSuite):
         """A draw that once failed (DLM_TEST_SEED=217440587, temperature 0.7): in a row with
         p = 0.99 at one column and lse = 16.7 the kernel's d logits lay 4.2e-6 from the
         oracle, past the float32 floor for unit-size terms (reference and chunked: 1.1e-6 and
-        1.8e-6 at the same element). Every backend's backward reads lse as a saved float32,
-        about an ulp of 16.7 (1.9e-6) off; ``oracle.saved_lse_slack`` allows for that."""
+        1.8e-6 at the same element): every backend's backward then read lse as a saved
+        float32, about an ulp of 16.7 (1.9e-6) off. It now reads the row maximum and log Σ
+        (docs/design.md §2), whose errors ``oracle.saved_lse_slack`` models."""
         rng = np.random.default_rng(217440587)
         case = make_case(self.fw, rng, (4, 3), 301, "float32", FEATURES["temperature"])
         for chunk_size in self.CHUNK_SIZES:

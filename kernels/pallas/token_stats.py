@@ -13,10 +13,10 @@ Blocks and VMEM budget
 ----------------------
 Logits blocks are (BN, BK) with BN a multiple of 8 (sublanes) and BK a multiple of 128
 (lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 3] (target,
-shift column, global id of the shard's first column), floats [N, F] (shift, active, saved statistics, cotangents), and the
-forward writes stats [N, 9] (or, for a vocabulary shard, its 9 running sums); their blocks
-(BN, 3|F|9) use the full last dimension, which
-Mosaic accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
+shift column, global id of the shard's first column), floats [N, F] (shift, active, saved
+statistics, cotangents), and the forward writes stats [N, 10] (or, for a vocabulary shard,
+its 8 running sums); their blocks (BN, 3|F|10) use the full last dimension, which Mosaic
+accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
 whose estimate fits ``VMEM_BUDGET`` = 12 MiB, under the 16 MiB default scoped VMEM limit of
 TPU v4/v5e (32 MiB on v6e):
 
@@ -32,7 +32,7 @@ before any reduction, and Pallas drops out-of-bounds stores), and every block of
 vocabulary shard (global ids >= vocab_size). Whole blocks run the bare math.
 
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
-and writes 36 (9 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
+and writes 40 (10 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
 Inactive rows are not cleaned before the math (a select per element): every reduction runs
 along a row, so NaN or inf there stays in that row's sums, and the row's outputs and
 gradient are replaced by exact zeros at the end; a row block with no active row skips the
@@ -40,7 +40,10 @@ forward's arithmetic. The forward leaves logp to the caller, which gathers one t
 per row (a compare, select and sum over every element otherwise). The gradient gathers its
 per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels._stats_math``). With
 ``entropy=False`` the entropy's running sum and its gradient term are left out (the entropy
-column is then 0).
+column is then 0). Every exponent is a difference of logits scaled afterwards, (r - m)/T,
+with m the running maximum of the logits themselves (docs/design.md §2): the forward keeps
+m in logit units, and the backward forms p = e^{(r - m)/T}·e^{-la} from the saved m and
+log-sum la, exact at any temperature down to 2^-102 (``MIN_TEMPERATURE``).
 
 TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
 to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
@@ -55,15 +58,17 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
 from ..series import PSI_COEFFS, PSI_SMALL
+from ..softcap import TANH_SERIES, TANH_SERIES_BOUND
 
 NEG_INF = float("-inf")
 VMEM_BUDGET = 12 * 1024 * 1024
 BLOCK_K = 2048
 MAX_BLOCK_N = 256
 
-# Column layout of the packed per-row float inputs.
-(F_SHIFT, F_ACTIVE, F_LSE, F_ENT, F_KL_SHIFT, F_LSE_CE, F_LSE_U, F_GLSE, F_GLP, F_GH,
- F_GKL) = range(11)
+# Column layout of the packed per-row float inputs (the saved statistics: ROW_STATS's
+# residuals, kernels/layout.py).
+(F_SHIFT, F_ACTIVE, F_M, F_LA, F_ENT, F_KL_SHIFT, F_LA_CE, F_MU, F_LA_U, F_GLSE, F_GLP, F_GH,
+ F_GKL) = range(13)
 N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
@@ -92,7 +97,16 @@ def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
 
 
 def _cap(z, softcap):
-    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+    """c·tanh(z/c), as the host computes it (``_stats_math.softcap``, kernels/softcap.py):
+    below the series bound z·(1 + u·Q(u)), u = (z/c)², so z itself where z/c underflows."""
+    if softcap is None:
+        return z
+    x = z * (1.0 / softcap)
+    u = x * x
+    q = TANH_SERIES[-1]
+    for coef in TANH_SERIES[-2::-1]:
+        q = q * u + coef
+    return jnp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q), jnp.tanh(x) * softcap)
 
 
 def _shifted(z, cols, x, d, softcap, has_shift):
@@ -102,22 +116,31 @@ def _shifted(z, cols, x, d, softcap, has_shift):
     return r
 
 
-def _safe(m):
-    return jnp.where(m == NEG_INF, 0.0, m)  # a max with no finite entry yet: no inf - inf
-
-
-def _lse_update(m_ref, a_ref, s):
-    """Online (max, sum) update of (BN, 1) scratch with block s (BN, BK); returns
-    (e = e^{s - m}, m_safe, m_old, a_old, f = e^{m_old - m})."""
+def _max_update(m_ref, v):
+    """Fold the row maxima of a block v (BN, BK) of logits into the (BN, 1) scratch m_ref;
+    returns (d, shift): v - m_safe (BN, BK) and m_old - m_safe (BN, 1) (-inf for an empty
+    old state), the logit differences every exponent is formed from."""
     m_old = m_ref[...]
-    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-    m_safe = _safe(m_new)
-    e = jnp.exp(s - m_safe)
-    a_old = a_ref[...]
-    f = jnp.exp(m_old - m_safe)
-    a_ref[...] = a_old * f + jnp.sum(e, axis=1, keepdims=True)
+    m_new = jnp.maximum(m_old, jnp.max(v, axis=1, keepdims=True))
     m_ref[...] = m_new
-    return e, m_safe, m_old, a_old, f
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
+    return v - m_safe, m_old - m_safe
+
+
+def _sum_update(a_ref, d, shift, inv_t):
+    """a_ref = a_ref·e^{shift/T} + Σ e^{d/T} (BN, 1); returns (x = d/T, e = e^x, the old
+    sum, its rescale e^{shift/T}, shift/T)."""
+    x, delta = _scaled(d, inv_t), _scaled(shift, inv_t)
+    e, f = jnp.exp(x), jnp.exp(delta)
+    a_old = a_ref[...]
+    a_ref[...] = a_old * f + jnp.sum(e, axis=1, keepdims=True)
+    return x, e, a_old, f, delta
+
+
+def _moved(f, delta, a, b):
+    """f·(b + δ·a): a running Σ e^x·x moved to a new maximum (x + δ), and exactly 0 where
+    the rescale f = e^δ is 0 (where δ·a may be -inf: columns masked with finfo.min)."""
+    return jnp.where(f > 0, f * (b + delta * a), 0.0)
 
 
 def _psi_series(y):
@@ -128,11 +151,11 @@ def _psi_series(y):
     return acc
 
 
-def _teacher_terms(t, dt, ds, e, eu):
-    """This block's (cu, fu) terms summed over its columns, (BN, 1) each: e^{t-mu}·y and
-    e^{t-mu}·psi(y) with y = dt - ds = (t - mu) - (s - m) (the series where |y| is small, where
-    e^{t-mu}·y - e^{t-mu} + e^{s-m} cancels; dlm_kernels._stats_math.teacher_sums)."""
-    y = dt - ds
+def _teacher_terms(xu, xs, e, eu):
+    """This block's (cu, fu) terms summed over its columns, (BN, 1) each: e^{x_u}·y and
+    e^{x_u}·psi(y) with y = x_u - x (the series where |y| is small, where
+    e^{x_u}·y - e^{x_u} + e^x cancels; dlm_kernels._stats_math.teacher_sums)."""
+    y = xu - xs
     ct = jnp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
     fk = jnp.where(jnp.abs(y) < PSI_SMALL, ct * y * _psi_series(y), ct + (e - eu))
     return jnp.sum(ct, axis=1, keepdims=True), jnp.sum(fk, axis=1, keepdims=True)
@@ -140,8 +163,8 @@ def _teacher_terms(t, dt, ds, e, eu):
 
 def _teacher_at(a_old, au_old, cu, fu, f, g, h):
     """Running (cu, fu) re-expressed at new maxima (dlm_kernels._stats_math.teacher_at): the
-    student's max moved by a factor f = e^{m_old - m}, the teacher's by g = e^{mu_old - mu},
-    the centre mu - m by h."""
+    student's exponents moved by δ (f = e^δ), the teacher's by δ_u (g = e^{δ_u}), and
+    y = x_u - x by -h, h = δ - δ_u."""
     live = g > 0
     cu_new = jnp.where(live, g * (cu - h * au_old), 0.0)
     gap = cu - fu
@@ -158,9 +181,9 @@ def _psi(y):
 def _kl(a, au, cu, fu):
     """KL(q || p) >= 0 from a row's sums (dlm_kernels._stats_math.kl_divergence)."""
     e_far = jnp.log(au) - jnp.log(a)
-    x = (cu - fu) / a
-    near = (jnp.abs(e_far) <= 1.0) & (jnp.abs(x) < 2.0)
-    e = jnp.where(near, jnp.log1p(x), e_far)
+    v = (cu - fu) / a
+    near = (jnp.abs(e_far) <= 1.0) & (jnp.abs(v) < 2.0)
+    e = jnp.where(near, jnp.log1p(v), e_far)
     kl = jnp.where(near, fu / au - _psi(e), cu / au - e_far)
     return jnp.where(kl < 0, 0.0, kl)
 
@@ -189,15 +212,15 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
              partial):
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
-    on the MXU by the linear head's kernels); the scratch rows hold the running sums
-    (PARTIAL_STATE)."""
+    on the MXU by the linear head's kernels); the scratch rows hold the running state
+    (PARTIAL_STATE: maxima in logit units)."""
     has_teacher = load_u is not None
-    m_sc, a_sc, b_sc, m2_sc, a2_sc, mu_sc, au_sc, cu_sc, fu_sc = scratch
+    m_sc, a_sc, b_sc, a2_sc, mu_sc, au_sc, cu_sc, fu_sc = scratch
     last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
     def _init():
-        for ref in (m_sc, m2_sc, mu_sc):
+        for ref in (m_sc, mu_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
         for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, fu_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
@@ -222,25 +245,23 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         r = _shifted(load_z(), cols, x, d, softcap, has_shift)
         if masked:
             r = jnp.where(valid, r, NEG_INF)
-        s = _scaled(r, inv_t)
-        e, m_safe, m_old, a_old, f = _lse_update(m_sc, a_sc, s)
-        if entropy:  # b relative to the running max (stays 0 without entropy; exactly 0 for
-            # a running part rescaled to 0, where (m_old - m)·a_old may be -inf)
-            b_old = jnp.where(f > 0, f * (b_sc[...] + (m_old - m_sc[...]) * a_old), 0.0)
-            b_sc[...] = b_old + jnp.sum(jnp.where(e > 0, e * (s - m_safe), 0.0), axis=1,
-                                        keepdims=True)
-        if separate_ce:
-            _lse_update(m2_sc, a2_sc, _scaled(r, inv_t_ce))
+        dr, shift = _max_update(m_sc, r)
+        xs, e, a_old, f, delta = _sum_update(a_sc, dr, shift, inv_t)
+        if entropy:  # b relative to the running max (stays 0 without entropy)
+            b_sc[...] = _moved(f, delta, a_old, b_sc[...]) + jnp.sum(
+                jnp.where(e > 0, e * xs, 0.0), axis=1, keepdims=True)
+        if separate_ce:  # the same maximum, exponents (r - m)/T_ce
+            _sum_update(a2_sc, dr, shift, inv_t_ce)
         if has_teacher:
-            t = _scaled(load_u(), inv_t_kl)
+            u = load_u()
             if masked:
-                t = jnp.where(valid, t, NEG_INF)
-            mu_old = mu_sc[...]
-            au_old = au_sc[...]
-            eu, mu_safe, _, _, g = _lse_update(mu_sc, au_sc, t)
-            h = (mu_safe - _safe(mu_old)) - (m_safe - _safe(m_old))  # the centre's move
-            cu, fu = _teacher_at(a_old, au_old, cu_sc[...], fu_sc[...], f, g, h)
-            cu_blk, fu_blk = _teacher_terms(t, t - mu_safe, s - m_safe, e, eu)
+                u = jnp.where(valid, u, NEG_INF)
+            du, shift_u = _max_update(mu_sc, u)
+            xu, eu, au_old, g, delta_u = _sum_update(au_sc, du, shift_u, inv_t_kl)
+            # the old (cu, fu) at the new maxima (y = x_u - x moves by δ_u - δ), then this
+            # block's terms
+            cu, fu = _teacher_at(a_old, au_old, cu_sc[...], fu_sc[...], f, g, delta - delta_u)
+            cu_blk, fu_blk = _teacher_terms(xu, xs, e, eu)
             cu_sc[...] = cu + cu_blk
             fu_sc[...] = fu + fu_blk
 
@@ -257,7 +278,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
     if partial:
         @pl.when(last)
         def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
-            state = dict(m=m_sc, a=a_sc, b=b_sc, m2=m2_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc,
+            state = dict(m=m_sc, a=a_sc, b=b_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc,
                          fu=fu_sc)
             for j, field in enumerate(PARTIAL_STATE):
                 out_ref[:, j:j + 1] = state[field][...]
@@ -265,21 +286,21 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
 
     @pl.when(last)
     def _finalize():
-        log_a = jnp.log(a_sc[...])
-        lse = m_sc[...] + log_a
-        ent = log_a - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
-        lse_ce = m2_sc[...] + jnp.log(a2_sc[...]) if separate_ce else lse
+        m, la = m_sc[...], jnp.log(a_sc[...])
+        lse = _scaled(m, inv_t) + la
+        ent = la - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
+        la_ce = jnp.log(a2_sc[...]) if separate_ce else la
         zero = jnp.zeros_like(lse)
-        kl, lse_u, kl_shift = zero, zero, zero
+        kl, mu, la_u, kl_shift = zero, zero, zero, zero
         if has_teacher:
-            lse_u = mu_sc[...] + jnp.log(au_sc[...])
-            kl_shift = (mu_sc[...] - m_sc[...]) + cu_sc[...] / au_sc[...]  # E_q[t - s]
+            mu, la_u = mu_sc[...], jnp.log(au_sc[...])
+            kl_shift = cu_sc[...] / au_sc[...]  # E_q[x_u - x]
             kl = _kl(a_sc[...], au_sc[...], cu_sc[...], fu_sc[...])
             kl = jnp.where(jnp.isfinite(lse), kl, jnp.nan)  # no distribution p: no KL
-        # logp (column 1) is left to the caller: r_y·/T_ce - lse_ce from one gathered logit
-        # per row, instead of a compare, select and sum over every element here
-        stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, lse_ce=lse_ce, lse_u=lse_u,
-                     kl_shift=kl_shift)
+        # logp (column 1) is left to the caller: (r_y - m)/T_ce - la_ce from one gathered
+        # logit per row, instead of a compare, select and sum over every element here
+        stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, kl_shift=kl_shift, m=m, la=la,
+                     la_ce=la_ce, mu=mu, la_u=la_u)
         values = [stats[field] for field in ROW_STATS] + [zero] * (N_STATS - len(ROW_STATS))
         for j, v in enumerate(values):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
@@ -314,8 +335,8 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     y, x, offset = ints[:, 0:1], ints[:, 1:2], ints[:, 2:3]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
-    lse, ent, lse_ce, lse_u = col(F_LSE), col(F_ENT), col(F_LSE_CE), col(F_LSE_U)
-    kl_shift = col(F_KL_SHIFT)
+    m, la, ent, la_ce = col(F_M), col(F_LA), col(F_ENT), col(F_LA_CE)
+    mu, la_u, kl_shift = col(F_MU), col(F_LA_U), col(F_KL_SHIFT)
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z.shape[0]
     iota = jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
@@ -323,16 +344,18 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     # Per-row factors first, so each element costs as few vector operations as the math
     # allows (chunk_grads in _stats_math has the same form):
     #   dr = p·coef + (g_kl/T)·(p - q) - (g_lp/T_ce)·p' + [k == y]·g_lp/T_ce
+    # with p = e^x·e^{-la}, x = (r - m)/T: the row factor e^{-la} joins coef
     g_ce = g_lp * inv_t_ce
     coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_ce  # (BN, 1)
+    inv_a = jnp.exp(-la)  # (BN, 1): 1 / Σ e^x
     # Inactive rows are not cleaned first: their gradient is replaced by zeros at the end.
     r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
-    s = _scaled(r, inv_t)
-    logp_k = s - lse
-    p = jnp.exp(logp_k)
+    d = r - m  # logit differences
+    xs = _scaled(d, inv_t)
+    e = jnp.exp(xs)  # p·Σ e^x
     if entropy:  # (without it g_h is the cotangent of nothing)
-        coef = coef - g_h * inv_t * jnp.where(p > 0, logp_k + ent, 0.0)
-    dr = p * coef
+        coef = coef - g_h * inv_t * jnp.where(e > 0, xs - la + ent, 0.0)
+    dr = e * (coef * inv_a)
     keep = active  # and a padded shard's padding columns get exact zeros
     if vocab_limit < NO_VOCAB_LIMIT:
         keep = keep & (cols < vocab_limit)
@@ -340,15 +363,16 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
         keep = keep & (kb * bk + iota < vocab)
     du = None
     if load_u is not None:
-        t = _scaled(load_u(), inv_t_kl)
-        q = jnp.exp(t - lse_u)
-        dr = dr + g_kl * inv_t * (p - q)  # float32 p - q
+        xu = _scaled(load_u() - mu, inv_t_kl)
+        q = jnp.exp(xu - la_u)
+        dr = dr + g_kl * inv_t * (e * inv_a - q)  # float32 p - q
         if teacher_grad:
-            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation of lse terms
-            du = g_kl * jnp.where(q > 0, q * ((t - s) - kl_shift), 0.0) * inv_t_kl
+            # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of
+            # log-normalisers
+            du = g_kl * jnp.where(q > 0, q * ((xu - xs) - kl_shift), 0.0) * inv_t_kl
             du = jnp.where(keep, du, 0.0)
     if separate_ce:
-        dr = dr - g_ce * jnp.exp(_scaled(r, inv_t_ce) - lse_ce)
+        dr = dr - g_ce * jnp.exp(_scaled(d, inv_t_ce) - la_ce)
     # the target column (compared in block-local ids: one per-row subtraction, not one per element)
     dr = dr + jnp.where(iota == y - offset - kb * bk, g_ce, 0.0)
     if softcap is not None:
@@ -393,9 +417,9 @@ def _grid(z, has_teacher, backward, block_k):
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                   separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
                   vocab_limit=NO_VOCAB_LIMIT, partial=False):
-    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, 9] f32 (N_STATS; the
-    logp column is 0: the caller computes it from the target logit), or with ``partial`` the
-    running state (PARTIAL_STATE) of this vocabulary shard."""
+    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, N_STATS] f32
+    (ROW_STATS; the logp column is 0: the caller computes it from the target logit), or with
+    ``partial`` the running state (PARTIAL_STATE) of this vocabulary shard."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)

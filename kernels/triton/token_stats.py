@@ -4,16 +4,16 @@ Three kernels, no host code:
 
   stats_partial_kernel   grid (N, S): row n, vocabulary split s. One streaming pass over
                          its columns in BLOCK_K blocks (online softmax, float32, running sums
-                         per 16-byte lane, merged at the end), writing the 9 running sums of
-                         the split to part[9, S, N].
+                         per 16-byte lane, merged at the end), writing the 8 running sums of
+                         the split to part[8, S, N].
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
-                         loads the target logit and writes out[7, N] = (lse, logp, entropy,
-                         kl, lse_ce, lse_u, kl_shift).
+                         loads the target logit and writes out[10, N] = (lse, logp, entropy,
+                         kl, kl_shift, m, la, la_ce, mu, la_u).
   stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
 
 Bytes per row (K columns, E bytes per logit): the partial pass reads K·E (plus K·E of teacher
-logits); the finalize pass reads 9·S·4 + E and writes 28; the gradient pass reads K·E and
+logits); the finalize pass reads 8·S·4 + E and writes 40; the gradient pass reads K·E and
 writes K·E (teacher: + 2·K·E with teacher gradients, + K·E without). Inactive rows (active
 == 0) read no logits at all: their loops run zero times and their gradient stores write
 zeros without a load.
@@ -30,9 +30,17 @@ two: whole blocks of real vocabulary with no masks (so Triton can prove 16-byte 
 and contiguity and vectorise the accesses; a mask against an unaligned bound such as the
 vocabulary limit would force 2-byte scalar loads), then the ragged tail and any padding
 columns with masks (``_row_span`` gives the bounds). Softcap c (HAS_SOFTCAP) maps z to
-c·tanh(z/c); the LOO shift adds d at column x (HAS_SHIFT) before the temperature. Without
-HAS_ENTROPY the entropy's running sum and its gradient term are compiled out (the entropy
-row of ``out`` is then 0; the caller asked for no entropy).
+c·tanh(z/c) (``_cap``); the LOO shift adds d at column x (HAS_SHIFT) before the temperature.
+Without HAS_ENTROPY the entropy's running sum and its gradient term are compiled out (the
+entropy row of ``out`` is then 0; the caller asked for no entropy).
+
+Temperatures: every exponent is a difference of logits scaled afterwards, (r - m)·(1/T) with
+m the running maximum of the logits r themselves (docs/design.md §2), never r·(1/T) minus a
+maximum or lse of size |r|/T; the kernels keep m in logit units and store it so, with the
+log of the sum relative to it, and the gradient pass forms log p = (r - m)/T - la from them.
+So the base-2 scale log2(e)/T multiplies a difference, exact at any T down to 2^-102
+(``MIN_TEMPERATURE``; a maximum or lse of size |r|/T would carry an absolute error of an
+ulp of it, about 60 at |r| = 10, T = 1e-8).
 """
 
 import triton
@@ -40,26 +48,29 @@ import triton.language as tl
 
 from ..layout import PARTIAL_STATE, ROW_STATS
 from ..series import PSI_COEFFS, PSI_COEFFS_BASE2, PSI_SMALL
+from ..softcap import TANH_SERIES, TANH_SERIES_BOUND
 
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# Buffer rows (kernels/layout.py, which the host reads too): part[9, S, N] =
-# (m, a, b, m2, a2, mu, au, cu, fu) per split; out[7, N] = (lse, logp, entropy, kl, lse_ce,
-# lse_u, kl_shift).
-P_M, P_A, P_B, P_M2, P_A2, P_MU, P_AU, P_CU, P_FU = (
-    tl.constexpr(PARTIAL_STATE.index(f))
-    for f in ("m", "a", "b", "m2", "a2", "mu", "au", "cu", "fu"))
+# Buffer rows (kernels/layout.py, which the host reads too): part[8, S, N] =
+# (m, a, b, a2, mu, au, cu, fu) per split; out[10, N] = (lse, logp, entropy, kl, kl_shift, m,
+# la, la_ce, mu, la_u).
+P_M, P_A, P_B, P_A2, P_MU, P_AU, P_CU, P_FU = (
+    tl.constexpr(PARTIAL_STATE.index(f)) for f in ("m", "a", "b", "a2", "mu", "au", "cu", "fu"))
+S_LSE, S_LOGP, S_ENTROPY, S_KL, S_KL_SHIFT, S_M, S_LA, S_LA_CE, S_MU, S_LA_U = (
+    tl.constexpr(ROW_STATS.index(f))
+    for f in ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u"))
+# tanh(x) = x + x·u·Q(u), u = x², below |x| = TANH_BOUND (kernels/softcap.py)
+TANH_BOUND2 = tl.constexpr(TANH_SERIES_BOUND * TANH_SERIES_BOUND)
+Q0, Q1, Q2, Q3, Q4 = (tl.constexpr(c) for c in TANH_SERIES)
 # psi(y) = y - 1 + e^{-y} = y²·S(y) for |y| < PSI_SMALL (kernels/series.py): S's coefficients
 # in natural units (per-lane and per-row terms) and in base 2 (per-logit terms, y2 = y·log2 e)
 PSI_SMALL_ = tl.constexpr(PSI_SMALL)
 PSI_SMALL2 = tl.constexpr(PSI_SMALL * 1.4426950408889634)
 S0, S1, S2, S3, S4 = (tl.constexpr(c) for c in PSI_COEFFS)
 B0, B1, B2, B3, B4 = (tl.constexpr(c) for c in PSI_COEFFS_BASE2)
-S_LSE, S_LOGP, S_ENTROPY, S_KL, S_LSE_CE, S_LSE_U, S_KL_SHIFT = (
-    tl.constexpr(ROW_STATS.index(f))
-    for f in ("lse", "logp", "entropy", "kl", "lse_ce", "lse_u", "kl_shift"))
 
 
 @triton.jit
@@ -83,16 +94,34 @@ def _f32(x):
 
 
 @triton.jit
-def _tanh(x):
-    # tanh from one exp, stable for any |x| (including inf): sign(x)·(1 - e)/(1 + e), e = e^{-2|x|}
+def _tanh_series(u):
+    """Q(u) of tanh(x) = x + x·u·Q(u), u = x² below TANH_BOUND2 (kernels/softcap.py)."""
+    return (((Q4 * u + Q3) * u + Q2) * u + Q1) * u + Q0
+
+
+@triton.jit
+def _tanh_exp(x):
+    """tanh(x) from one exp, for |x| >= TANH_SERIES_BOUND (it cancels below; 1 at ±inf):
+    sign(x)·(1 - e)/(1 + e), e = e^{-2|x|}."""
     e = _exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
 
 @triton.jit
-def _safe(m):
-    return tl.where(m == NEG_INF, 0.0, m)  # a max with no finite entry yet: no inf - inf
+def _tanh(x):
+    """tanh(x) within about 2 float32 ulps for every x: the series below the bound."""
+    u = x * x
+    return tl.where(u < TANH_BOUND2, x + x * (u * _tanh_series(u)), _tanh_exp(x))
+
+
+@triton.jit
+def _cap(z, softcap, inv_c):
+    """c·tanh(z/c) (inv_c = 1/c), as the host computes it (``_stats_math.softcap``): below
+    the series bound z·(1 + u·Q(u)), so z itself to float32 where z/c underflows."""
+    x = z * inv_c
+    u = x * x
+    return tl.where(u < TANH_BOUND2, z + z * (u * _tanh_series(u)), softcap * _tanh_exp(x))
 
 
 @triton.jit
@@ -110,13 +139,13 @@ def _psi(y):
 @triton.jit
 def _teacher_at(a, au, cu, fu, f, g, h):
     """Teacher sums (cu, fu) of parts (lanes, splits) re-expressed at new maxima, natural
-    units (dlm_kernels._stats_math.teacher_at): the student's max moved by a factor
-    f = e^{m_part - m}, the teacher's by g = e^{mu_part - mu}, the centre mu - m of y by h.
-    A part with g = 0 adds no teacher mass, one with f = 0 its teacher's mass where the
+    units (dlm_kernels._stats_math.teacher_at): the student's exponents moved by δ
+    (f = e^δ), the teacher's by δ_u (g = e^{δ_u}), and y = x_u - x by -h, h = δ - δ_u. A
+    part with g = 0 adds no teacher mass, one with f = 0 its teacher's mass where the
     student's probability is 0."""
     live = g > 0
     cu_new = tl.where(live, g * (cu - h * au), 0.0)
-    gap = cu - fu  # Σ e^{t-mu} - e^{s-m} without cancellation (NaN for an infinite KL)
+    gap = cu - fu  # Σ e^{x_u} - e^x without cancellation (NaN for an infinite KL)
     near = live & (tl.abs(h) < PSI_SMALL_) & (gap - gap == 0)
     fu_near = g * (fu - h * gap + a * (h * h) * _series(-h))
     fu_far = tl.where(live, g * (fu - h * au - a), 0.0) + f * a
@@ -134,9 +163,9 @@ def _log1p(x):
 def _kl(a, au, cu, fu):
     """KL(q || p) >= 0 from a row's merged sums (dlm_kernels._stats_math.kl_divergence)."""
     e_far = tl.log(au) - tl.log(a)
-    x = (cu - fu) / a
-    near = (tl.abs(e_far) <= 1.0) & (tl.abs(x) < 2.0)
-    e = tl.where(near, _log1p(x), e_far)
+    v = (cu - fu) / a
+    near = (tl.abs(e_far) <= 1.0) & (tl.abs(v) < 2.0)
+    e = tl.where(near, _log1p(v), e_far)
     kl = tl.where(near, fu / au - _psi(e), cu / au - e_far)
     return tl.where(kl < 0, 0.0, kl)
 
@@ -146,7 +175,7 @@ def _shifted(z, cols, x, d, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.co
     # r = cap(z) + d·[col == x]   (float32)
     r = z
     if HAS_SOFTCAP:
-        r = softcap * _tanh(z / softcap)
+        r = _cap(z, softcap, 1.0 / softcap)
     if HAS_SHIFT:
         r = r + tl.where(cols == x, d, 0.0)
     return r
@@ -195,36 +224,42 @@ def _row_start(row, stride, ROWS_ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _online(m, a, x, c):
-    """Fold a block s = x·c [R, VEC] (base-2 units: c = log2 e / T, s = log2 e · logit / T)
-    into per-lane states (max m [R], Σ 2^{s-m} = Σ e^{(s-m)·ln 2} a [R]); returns
-    (m_new, a_new, e, m_safe). The max is taken of x and scaled (the same value, as c > 0, and
-    no multiply per element: s - m is one FMA). Each lane is VEC contiguous columns held by
-    one thread, so the reductions here never leave the thread."""
-    m_new = tl.maximum(m, tl.max(x, axis=1) * c)
+def _online(m, v):
+    """The per-lane running max of a block v [R, VEC] of logits folded into m [R]: (m_new,
+    m_safe, d, shift) with d = v - m_safe [R, VEC] and shift = m - m_safe [R] (-inf for an
+    empty old state), the logit differences every exponent of the block and the rescale of
+    the old sums are formed from. Each lane is VEC contiguous columns held by one thread, so
+    the reductions here never leave the thread."""
+    m_new = tl.maximum(m, tl.max(v, axis=1))
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # an all -inf prefix: no inf - inf
-    e = tl.exp2(x * c - m_safe[:, None])
-    a_new = a * tl.exp2(m - m_safe) + tl.sum(e, axis=1)
-    return m_new, a_new, e, m_safe
+    return m_new, m_safe, v - m_safe[:, None], m - m_safe
 
 
 @triton.jit
-def _merge_lanes(m, a):
-    """Merge per-lane (max, sum) states [R] (base 2) into the row's: (m, a, f), f [R] each
-    lane's rescale (the one cross-thread reduction of a program)."""
+def _moved(f, delta, a, b):
+    """f·(b + δ·a): a running Σ 2^x·x moved to a new maximum (x + δ), and exactly 0 where
+    the rescale f = 2^δ is 0 (where δ·a may be -inf: columns masked with finfo.min)."""
+    return tl.where(f > 0, f * (b + delta * a), 0.0)
+
+
+@triton.jit
+def _lane_shift(m):
+    """(m_row, dm): the row's maximum of the per-lane maxima m [R] and each lane's difference
+    to it (-inf for an empty lane), which moves the lane's exponents by dm·c (the one
+    cross-thread reduction of a program)."""
     m_row = tl.max(m, axis=0)
-    f = tl.exp2(m - tl.where(m_row == NEG_INF, 0.0, m_row))
-    return m_row, tl.sum(f * a, axis=0), f
+    return m_row, m - tl.where(m_row == NEG_INF, 0.0, m_row)
 
 
 @triton.jit
 def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
-                softcap, m, a, b, m2, a2, mu, au, cu, fu, MASKED: tl.constexpr,
+                softcap, m, a, b, a2, mu, au, cu, fu, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
                 SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr):
-    """Fold the columns ``cols`` [R, VEC] of one row into the 9 running per-lane sums [R],
-    in base-2 units (c_* = log2 e / T_*; b stays 0 without HAS_ENTROPY) but for the KL's cu
-    and fu, natural (PARTIAL_STATE)."""
+    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R]:
+    maxima m, mu in logit units, sums in base-2 units (exponents (r - m)·c_t, c_* =
+    log2 e / T_*; b stays 0 without HAS_ENTROPY) but for the KL's cu and fu, natural
+    (PARTIAL_STATE)."""
     mask = cols < k_valid
     gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
     # read BLOCK_K·E bytes of student logits
@@ -235,18 +270,17 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
     r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
     if MASKED:
         r = tl.where(mask, r, NEG_INF)
-    s = r * c_t  # log2 e · r / T
-    m_old = m
+    m, m_safe, dr, shift = _online(m, r)
+    xs = dr * c_t  # log2 e · (r - m) / T
+    e = tl.exp2(xs)
+    f = tl.exp2(shift * c_t)  # the old sums' rescale
     a_old = a
-    m, a, e, m_safe = _online(m_old, a_old, r, c_t)
-    f = tl.exp2(m_old - m_safe)  # the old sums' rescale (0 for a lane masked so far)
+    a = a * f + tl.sum(e, axis=1)
     if HAS_ENTROPY:  # about a third of the CE loop's instructions (bench/NOTES.md)
-        # b is kept relative to the running max: rescale the old sum, then add this block
-        # (exactly nothing of an old sum rescaled to 0, where (m_old - m)·a_old may be -inf).
-        b_old = tl.where(f > 0, f * (b + (m_old - m) * a_old), 0.0)
-        b = b_old + tl.sum(tl.where(e > 0, e * (s - m_safe[:, None]), 0.0), axis=1)
-    if SEPARATE_CE:
-        m2, a2, e2, m2_safe = _online(m2, a2, r, c_ce)
+        # b is kept relative to the running max: rescale the old sum, then add this block.
+        b = _moved(f, shift * c_t, a_old, b) + tl.sum(tl.where(e > 0, e * xs, 0.0), axis=1)
+    if SEPARATE_CE:  # the same maximum, exponents (r - m)·c_ce
+        a2 = a2 * tl.exp2(shift * c_ce) + tl.sum(tl.exp2(dr * c_ce), axis=1)
     if HAS_TEACHER:
         # read BLOCK_K·E bytes of teacher logits
         if MASKED:
@@ -254,21 +288,23 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
             u = tl.where(mask, u, NEG_INF)
         else:
             u = tl.load(u_row + cols).to(tl.float32)
-        t = u * c_kl  # log2 e · u / T_kl
-        mu_old = mu
-        au_old = au
-        mu, au, eu, mu_safe = _online(mu_old, au_old, u, c_kl)
-        # the old (cu, fu) at the new maxima, then this block's terms (_stats_math.teacher_sums):
-        # y2 = (t - mu) - (s - m) in base 2; e^{t-mu}·psi(y) by its series where |y| is small
-        h = ((mu_safe - _safe(mu_old)) - (m_safe - _safe(m_old))) * LN2
-        cu, fu = _teacher_at(a_old, au_old, cu, fu, f, tl.exp2(mu_old - mu_safe), h)
-        y2 = (t - mu_safe[:, None]) - (s - m_safe[:, None])
+        mu, mu_safe, du, shift_u = _online(mu, u)
+        xu = du * c_kl
+        eu = tl.exp2(xu)
+        g = tl.exp2(shift_u * c_kl)
+        # the old (cu, fu) at the new maxima (y = x_u - x moves by δ_u - δ, natural units),
+        # then this block's terms (_stats_math.teacher_sums): y2 = xu - xs in base 2;
+        # e^{x_u}·psi(y) by its series where |y| is small
+        h = (shift * c_t - shift_u * c_kl) * LN2
+        cu, fu = _teacher_at(a_old, au, cu, fu, f, g, h)
+        y2 = xu - xs
         ct = tl.where(eu > 0, eu * y2, 0.0)  # (y2 may be ±inf or NaN where q = 0)
         series = ct * y2 * ((((B4 * y2 + B3) * y2 + B2) * y2 + B1) * y2 + B0)
         fk = tl.where(tl.abs(y2) < PSI_SMALL2, series, ct * LN2 + (e - eu))
         cu += tl.sum(ct, axis=1) * LN2
         fu += tl.sum(fk, axis=1)
-    return m, a, b, m2, a2, mu, au, cu, fu
+        au = au * g + tl.sum(eu, axis=1)
+    return m, a, b, a2, mu, au, cu, fu
 
 
 @triton.jit
@@ -300,89 +336,100 @@ def stats_partial_kernel(
     # A block is R lanes of VEC contiguous columns (one 16-byte load each); every lane keeps
     # its own running sums, so the loops carry no cross-thread reduction; the lanes merge once
     # at the end.
-    # The loop works in base 2: s = log2 e · r / T, so every exponential is one exp2 with no
-    # multiply (the scale rides on the one multiply by 1/T every logit needs anyway). Sums of
-    # 2^{s - m} equal the natural Σ e^{·}; maxima and the b sum (linear in s) convert to
-    # natural units once per program, by a factor ln 2, before they are stored (the KL's cu
+    # The sums are in base 2: exponents (r - m)·c_t with c_t = log2 e / T, so every
+    # exponential is one exp2 (the scale rides on the one multiply by 1/T every difference
+    # needs anyway). Sums of 2^x equal the natural Σ e^{·}; the b sum (linear in x) converts
+    # to natural units once per program, by a factor ln 2, before it is stored (the KL's cu
     # and fu are kept in natural units).
     c_t, c_ce, c_kl = inv_t * LOG2E, inv_t_ce * LOG2E, inv_t_kl * LOG2E
     R: tl.constexpr = BLOCK_K // VEC
     offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [R, VEC]
-    m = tl.full([R], NEG_INF, tl.float32)  # running max of s = log2 e · r / T
-    a = tl.zeros([R], tl.float32)  # Σ 2^{s - m}
-    b = tl.zeros([R], tl.float32)  # Σ 2^{s - m} (s - m)   (HAS_ENTROPY)
-    m2 = tl.full([R], NEG_INF, tl.float32)  # running max of s' = log2 e · r / T_ce (SEPARATE_CE)
-    a2 = tl.zeros([R], tl.float32)
-    mu = tl.full([R], NEG_INF, tl.float32)  # running max of t = log2 e · u / T_kl (HAS_TEACHER)
-    au = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}
-    cu = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}·y, y = ((t - mu) - (s - m))·ln 2
-    fu = tl.zeros([R], tl.float32)  # Σ 2^{t - mu}·psi(y)
+    m = tl.full([R], NEG_INF, tl.float32)  # running max of r (logit units)
+    a = tl.zeros([R], tl.float32)  # Σ 2^x, x = (r - m)·c_t
+    b = tl.zeros([R], tl.float32)  # Σ 2^x·x   (HAS_ENTROPY)
+    a2 = tl.zeros([R], tl.float32)  # Σ 2^{(r - m)·c_ce}   (SEPARATE_CE)
+    mu = tl.full([R], NEG_INF, tl.float32)  # running max of u (HAS_TEACHER)
+    au = tl.zeros([R], tl.float32)  # Σ 2^xu, xu = (u - mu)·c_kl
+    cu = tl.zeros([R], tl.float32)  # Σ 2^xu·y, y = (xu - x)·ln 2 (natural units)
+    fu = tl.zeros([R], tl.float32)  # Σ 2^xu·psi(y)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
-        m, a, b, m2, a2, mu, au, cu, fu = _fold_block(
+        m, a, b, a2, mu, au, cu, fu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
-            m, a, b, m2, a2, mu, au, cu, fu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            m, a, b, a2, mu, au, cu, fu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
     for k0 in range(k_full, k_valid, BLOCK_K):  # the ragged tail: at most one block
-        m, a, b, m2, a2, mu, au, cu, fu = _fold_block(
+        m, a, b, a2, mu, au, cu, fu = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
-            m, a, b, m2, a2, mu, au, cu, fu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            m, a, b, a2, mu, au, cu, fu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
             SEPARATE_CE, HAS_ENTROPY)
 
     # merge the lanes (docs/design.md §2's merge, within the row)
-    m_row, a_row, f = _merge_lanes(m, a)
+    m_row, dm = _lane_shift(m)
+    delta = dm * c_t
+    f = tl.exp2(delta)
+    a_row = tl.sum(f * a, axis=0)
     b_row = 0.0
     if HAS_ENTROPY:
-        b_row = tl.sum(tl.where(f > 0, f * (b + (m - m_row) * a), 0.0), axis=0)
-    m2_row, a2_row, _ = _merge_lanes(m2, a2)
-    mu_row, au_row, g = _merge_lanes(mu, au)
+        b_row = tl.sum(_moved(f, delta, a, b), axis=0)
+    a2_row = a_row
+    if SEPARATE_CE:
+        a2_row = tl.sum(tl.exp2(dm * c_ce) * a2, axis=0)
+    mu_row, dmu = _lane_shift(mu)
+    delta_u = dmu * c_kl
+    g = tl.exp2(delta_u)
+    au_row = tl.sum(g * au, axis=0)
     cu_row = 0.0
     fu_row = 0.0
     if HAS_TEACHER:
-        h = ((_safe(mu_row) - _safe(mu)) - (_safe(m_row) - _safe(m))) * LN2
-        cu, fu = _teacher_at(a, au, cu, fu, f, g, h)
+        cu, fu = _teacher_at(a, au, cu, fu, f, g, (delta - delta_u) * LN2)
         cu_row = tl.sum(cu, axis=0)
         fu_row = tl.sum(fu, axis=0)
 
-    # write 9 x 4 bytes of partial state, in natural units
+    # write 8 x 4 bytes of partial state: maxima in logit units, sums in natural units
     base = part_ptr + split * N + row
     stride_p = n_splits * N
-    tl.store(base + P_M * stride_p, m_row * LN2)
+    tl.store(base + P_M * stride_p, m_row)
     tl.store(base + P_A * stride_p, a_row)
     tl.store(base + P_B * stride_p, b_row * LN2)
-    tl.store(base + P_M2 * stride_p, m2_row * LN2)
     tl.store(base + P_A2 * stride_p, a2_row)
-    tl.store(base + P_MU * stride_p, mu_row * LN2)
+    tl.store(base + P_MU * stride_p, mu_row)
     tl.store(base + P_AU * stride_p, au_row)
     tl.store(base + P_CU * stride_p, cu_row)
     tl.store(base + P_FU * stride_p, fu_row)
 
 
 @triton.jit
-def _merge_max_sum(m_s, a_s, smask):
-    """Merge [BLOCK_S, BLOCK_N] partial (max, sum) pairs over splits -> (m, a, rescale f)."""
+def _merge_max(m_s, smask):
+    """The maximum m [BLOCK_N] of [BLOCK_S, BLOCK_N] partial maxima (logit units) over the
+    splits, and each split's difference to it (-inf for an empty or absent split)."""
     m_s = tl.where(smask, m_s, NEG_INF)
     m = tl.max(m_s, axis=0)
-    m_safe = tl.where(m == NEG_INF, 0.0, m)
-    f = tl.where(smask, _exp(m_s - m_safe[None, :]), 0.0)
-    a = tl.sum(f * a_s, axis=0)
-    return m, a, f
+    return m, m_s - tl.where(m == NEG_INF, 0.0, m)[None, :]
+
+
+@triton.jit
+def _merged_sum(a_s, delta):
+    """Σ_s e^δ·a_s: partial sums moved to the merged maximum (δ = dm / T) and merged (an
+    absent split has δ = -inf and a_s = 0)."""
+    return tl.sum(_exp(delta) * a_s, axis=0)
 
 
 @triton.jit
 def stats_finalize_kernel(
-    part_ptr,  # [8, S, N] f32 partial states
+    part_ptr,  # [8, S, N] f32 partial states (PARTIAL_STATE)
     z_ptr,  # [N, K] student logits (the target column only is read)
     y_ptr,  # [N] int targets
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
-    N, K, S, stride_z, inv_t_ce, softcap,
-    out_ptr,  # [7, N] f32 out: lse, logp, entropy (0 without HAS_ENTROPY), kl, lse_ce, lse_u,
-              # kl_shift
+    N, K, S, stride_z, inv_t, inv_t_ce, inv_t_kl, softcap,
+    out_ptr,  # [10, N] f32 out: lse, logp, entropy (0 without HAS_ENTROPY), kl, kl_shift,
+              # m, la, la_ce, mu, la_u
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    inv_t_ce, softcap = _f32(inv_t_ce), _f32(softcap)
+    inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
+    softcap = _f32(softcap)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     splits = tl.arange(0, BLOCK_S)
@@ -390,36 +437,42 @@ def stats_finalize_kernel(
     p_off = splits[:, None] * N + rows[None, :]
     stride_p = S * N
 
-    # read 9·S·4 bytes of partial state per row
+    # read 8·S·4 bytes of partial state per row (maxima in logit units, sums natural)
     m_s = tl.load(part_ptr + P_M * stride_p + p_off, mask=pmask, other=NEG_INF)
     a_s = tl.load(part_ptr + P_A * stride_p + p_off, mask=pmask, other=0.0)
-    m, a, f = _merge_max_sum(m_s, a_s, pmask)
-    lse = m + tl.log(a)
+    m, dm = _merge_max(m_s, pmask)
+    delta = dm * inv_t  # each split's exponents move by delta
+    f = _exp(delta)  # 0 for an absent split, or one whose logits are all far below m
+    a = tl.sum(f * a_s, axis=0)
+    la = tl.log(a)
+    lse = m * inv_t + la
     entropy = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ENTROPY:
         b_s = tl.load(part_ptr + P_B * stride_p + p_off, mask=pmask, other=0.0)
-        b = tl.sum(tl.where(f > 0, f * (b_s + (m_s - m[None, :]) * a_s), 0.0), axis=0)
-        entropy = tl.log(a) - b / a
-    lse_ce = lse
+        b = tl.sum(_moved(f, delta, a_s, b_s), axis=0)
+        entropy = la - b / a
+    la_ce = la
     if SEPARATE_CE:
-        m2_s = tl.load(part_ptr + P_M2 * stride_p + p_off, mask=pmask, other=NEG_INF)
         a2_s = tl.load(part_ptr + P_A2 * stride_p + p_off, mask=pmask, other=0.0)
-        m2, a2, f2 = _merge_max_sum(m2_s, a2_s, pmask)
-        lse_ce = m2 + tl.log(a2)
+        la_ce = tl.log(_merged_sum(a2_s, dm * inv_t_ce))
     kl = tl.zeros([BLOCK_N], dtype=tl.float32)
-    lse_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    mu = tl.zeros([BLOCK_N], dtype=tl.float32)
+    la_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     kl_shift = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_TEACHER:
         mu_s = tl.load(part_ptr + P_MU * stride_p + p_off, mask=pmask, other=NEG_INF)
         au_s = tl.load(part_ptr + P_AU * stride_p + p_off, mask=pmask, other=0.0)
         cu_s = tl.load(part_ptr + P_CU * stride_p + p_off, mask=pmask, other=0.0)
         fu_s = tl.load(part_ptr + P_FU * stride_p + p_off, mask=pmask, other=0.0)
-        mu, au, g = _merge_max_sum(mu_s, au_s, pmask)
-        h = (_safe(mu)[None, :] - _safe(mu_s)) - (_safe(m)[None, :] - _safe(m_s))
-        cu_s, fu_s = _teacher_at(a_s, au_s, cu_s, fu_s, f, g, h)
+        mu, dmu = _merge_max(mu_s, pmask)
+        delta_u = dmu * inv_t_kl
+        g = _exp(delta_u)
+        au = tl.sum(g * au_s, axis=0)
+        # each split's (cu, fu) at the merged maxima: y = x_u - x moves by delta_u - delta
+        cu_s, fu_s = _teacher_at(a_s, au_s, cu_s, fu_s, f, g, delta - delta_u)
         cu = tl.sum(cu_s, axis=0)
-        lse_u = mu + tl.log(au)
-        kl_shift = (mu - m) + cu / au  # E_q[t - s]
+        la_u = tl.log(au)
+        kl_shift = cu / au  # E_q[x_u - x]
         kl = _kl(a, au, cu, tl.sum(fu_s, axis=0))
         kl = tl.where(lse - lse == 0, kl, float("nan"))  # no distribution p: no KL
 
@@ -434,16 +487,19 @@ def stats_finalize_kernel(
         x = tl.load(x_ptr + rows, mask=rmask, other=0).to(tl.int64)
         d = tl.load(d_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     r_y = _shifted(zy.to(tl.float32), y, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
-    logp = tl.where(y_ok, r_y * inv_t_ce - lse_ce, float("nan"))
+    logp = tl.where(y_ok, (r_y - m) * inv_t_ce - la_ce, float("nan"))
 
-    # write 6 x 4 bytes per row; inactive rows are exact zeros
+    # write 10 x 4 bytes per row; inactive rows are exact zeros
     tl.store(out_ptr + S_LSE * N + rows, tl.where(is_active, lse, 0.0), mask=rmask)
     tl.store(out_ptr + S_LOGP * N + rows, tl.where(is_active, logp, 0.0), mask=rmask)
     tl.store(out_ptr + S_ENTROPY * N + rows, tl.where(is_active, entropy, 0.0), mask=rmask)
     tl.store(out_ptr + S_KL * N + rows, tl.where(is_active, kl, 0.0), mask=rmask)
-    tl.store(out_ptr + S_LSE_CE * N + rows, tl.where(is_active, lse_ce, 0.0), mask=rmask)
-    tl.store(out_ptr + S_LSE_U * N + rows, tl.where(is_active, lse_u, 0.0), mask=rmask)
     tl.store(out_ptr + S_KL_SHIFT * N + rows, tl.where(is_active, kl_shift, 0.0), mask=rmask)
+    tl.store(out_ptr + S_M * N + rows, tl.where(is_active, m, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LA * N + rows, tl.where(is_active, la, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LA_CE * N + rows, tl.where(is_active, la_ce, 0.0), mask=rmask)
+    tl.store(out_ptr + S_MU * N + rows, tl.where(is_active, mu, 0.0), mask=rmask)
+    tl.store(out_ptr + S_LA_U * N + rows, tl.where(is_active, la_u, 0.0), mask=rmask)
 
 
 @triton.jit
@@ -456,7 +512,7 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
     columns in [k_valid, k_end) (padding; every column of an inactive row) are not read and
     get exact zeros; columns >= k_end belong to the next split."""
     z_row, u_row, dz_row, du_row = rows
-    lse2, entropy, lse2_ce, lse2_u, kl_shift = row_stats  # lse* in base 2 (· log2 e)
+    m, la2, entropy, la2_ce, mu, la2_u, kl_shift = row_stats  # la* in base 2 (· log2 e)
     keep = cols < k_valid
     in_split = cols < k_end
     gcols = cols + col_offset  # global vocabulary ids
@@ -466,8 +522,9 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
     else:
         z = tl.load(z_row + cols).to(tl.float32)
     r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
-    s = r * (inv_t * LOG2E)  # base 2, as in the partial kernel: p = 2^{s - lse2}, one exp2
-    log2p = s - lse2
+    dr = r - m  # logit differences: log2 p = (r - m)·log2 e / T - la2, one exp2
+    xs = dr * (inv_t * LOG2E)
+    log2p = xs - la2
     p = tl.exp2(log2p)
     coef = g_lse
     if HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
@@ -479,12 +536,13 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
             u = tl.load(u_row + cols, mask=keep, other=0.0).to(tl.float32)
         else:
             u = tl.load(u_row + cols).to(tl.float32)
-        t = u * (inv_t_kl * LOG2E)
-        q = tl.exp2(t - lse2_u)
+        xu = (u - mu) * (inv_t_kl * LOG2E)
+        q = tl.exp2(xu - la2_u)
         ds += g_kl * (p - q)  # float32 p - q: no bf16 cancellation
         if TEACHER_GRAD:
-            # log q - log p - kl = (t - s)·ln 2 - E_q[t - s]: no cancellation of lse terms
-            du = g_kl * tl.where(q > 0, q * ((t - s) * LN2 - kl_shift), 0.0) * inv_t_kl
+            # log q - log p - kl = (xu - xs)·ln 2 - E_q[x_u - x]: no cancellation of
+            # log-normalisers
+            du = g_kl * tl.where(q > 0, q * ((xu - xs) * LN2 - kl_shift), 0.0) * inv_t_kl
             # write BLOCK_K·E bytes of teacher gradient
             if MASKED:
                 du = tl.where(keep, du, 0.0)
@@ -493,18 +551,18 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
                 tl.store(du_row + cols, du.to(du_row.dtype.element_ty))
     p_ce = p
     if SEPARATE_CE:
-        p_ce = tl.exp2(r * (inv_t_ce * LOG2E) - lse2_ce)
+        p_ce = tl.exp2(dr * (inv_t_ce * LOG2E) - la2_ce)
     onehot = tl.where(gcols == y, 1.0, 0.0)
-    dr = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
+    g = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
     if HAS_SOFTCAP:
-        th = _tanh(z / softcap)
-        dr = dr * (1.0 - th * th)
+        th = _tanh(z * (1.0 / softcap))
+        g = g * (1.0 - th * th)
     # write BLOCK_K·E bytes of gradient
     if MASKED:
-        dz = tl.where(keep, dr, 0.0)
+        dz = tl.where(keep, g, 0.0)
         tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=in_split)
     else:
-        tl.store(dz_row + cols, dr.to(dz_row.dtype.element_ty))
+        tl.store(dz_row + cols, g.to(dz_row.dtype.element_ty))
 
 
 @triton.jit
@@ -514,7 +572,7 @@ def stats_grad_kernel(
     y_ptr,  # [N] int targets
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
-    stats_ptr,  # [7, N] f32 saved statistics (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)
+    stats_ptr,  # [10, N] f32 saved statistics (ROW_STATS: lse, ..., m, la, la_ce, mu, la_u)
     g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
     col_offset_ptr,  # int32, element 0: global id of column 0
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
@@ -536,20 +594,24 @@ def stats_grad_kernel(
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
     g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
-    # saved statistics this launch uses: lse, lse_ce, lse_u in base 2 (· log2 e)
-    lse2 = tl.load(stats_ptr + S_LSE * N + row) * LOG2E
+    # saved statistics this launch uses: the maxima m, mu (logit units) and the log-sums la,
+    # la_ce, la_u in base 2 (· log2 e; of size log K at most, so exact enough in any base)
+    m = tl.load(stats_ptr + S_M * N + row)
+    la2 = tl.load(stats_ptr + S_LA * N + row) * LOG2E
     entropy = 0.0
     if HAS_ENTROPY:
         entropy = tl.load(stats_ptr + S_ENTROPY * N + row)
-    lse2_ce = lse2
+    la2_ce = la2
     if SEPARATE_CE:
-        lse2_ce = tl.load(stats_ptr + S_LSE_CE * N + row) * LOG2E
-    lse2_u = 0.0
+        la2_ce = tl.load(stats_ptr + S_LA_CE * N + row) * LOG2E
+    mu = 0.0
+    la2_u = 0.0
     kl_shift = 0.0
     if HAS_TEACHER:
-        lse2_u = tl.load(stats_ptr + S_LSE_U * N + row) * LOG2E
+        mu = tl.load(stats_ptr + S_MU * N + row)
+        la2_u = tl.load(stats_ptr + S_LA_U * N + row) * LOG2E
         kl_shift = tl.load(stats_ptr + S_KL_SHIFT * N + row)
-    row_stats = (lse2, entropy, lse2_ce, lse2_u, kl_shift)
+    row_stats = (m, la2, entropy, la2_ce, mu, la2_u, kl_shift)
     y = tl.load(y_ptr + row).to(tl.int32)
     rows = (z_ptr + _row_start(row, stride_z, ROWS_ALIGNED),
             u_ptr + _row_start(row, stride_u, ROWS_ALIGNED),

@@ -11,6 +11,25 @@ from typing import Optional
 from ._checks import flag, number, plain
 
 
+# The smallest temperature accepted, 2^-102 (about 2e-31). Every backend forms its exponents
+# as differences of logits scaled afterwards, (r - m)·(1/T) (docs/design.md §2): 1/T must be
+# a finite float32, and a difference of 2^-24·T (the float32 resolution of a scaled logit of
+# unit size) must be a normal float32 number, 2^-126 or more, since GPUs, TPUs and XLA's CPU
+# backend flush subnormal results to zero. Below it a temperature is a ValueError that names
+# the argument.
+MIN_TEMPERATURE = 2.0 ** -102
+
+
+def check_temperature(name: str, value, *, allow_none: bool = False) -> Optional[float]:
+    """A temperature: a finite positive Python scalar of at least MIN_TEMPERATURE."""
+    value = check_positive_float(name, value, allow_none=allow_none)
+    if value is not None and value < MIN_TEMPERATURE:
+        raise ValueError(f"{name} must be at least {MIN_TEMPERATURE!r} (2^-102: smaller "
+                         f"temperatures resolve logits closer than float32 keeps them); "
+                         f"got {plain(value)}")
+    return value
+
+
 def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optional[float]:
     """A finite, strictly positive number (``_checks.number``: NumPy scalars too, not bools)."""
     if value is None and allow_none:
@@ -48,7 +67,8 @@ def check_vocab_size(vocab_size) -> int:
 class StatsConfig:
     """Static (hashable) configuration of one token-statistics call.
 
-    temperature:       T of the student distribution p = softmax(s), s = r / T (entropy, KL).
+    temperature:       T of the student distribution p = softmax(s), s = r / T (entropy, KL);
+                       every temperature is at least MIN_TEMPERATURE.
     ce_temperature:    temperature of the ``logp`` term; equal to ``temperature`` by default.
     teacher_temperature: T_kl of the teacher distribution q = softmax(u / T_kl).
     softcap:           c in cap(z) = c * tanh(z / c); None for no cap.
@@ -89,9 +109,9 @@ def make_config(
     chunk_size=None,
     vocab_size=None,
 ) -> StatsConfig:
-    temperature = check_positive_float("temperature", temperature)
-    ce_temperature = check_positive_float("ce_temperature", ce_temperature, allow_none=True)
-    teacher_temperature = check_positive_float(
+    temperature = check_temperature("temperature", temperature)
+    ce_temperature = check_temperature("ce_temperature", ce_temperature, allow_none=True)
+    teacher_temperature = check_temperature(
         "teacher_temperature", teacher_temperature, allow_none=True
     )
     softcap = check_positive_float("softcap", softcap, allow_none=True)

@@ -11,15 +11,24 @@ Notation (per row): ``z`` student logits, ``r = cap(z) + d·[k == x]`` the shift
 ``s = r / T``, ``p = softmax(s)``; ``s' = r / T_ce`` for the ``logp`` term;
 ``t = u / T_kl`` and ``q = softmax(t)`` for the teacher. All math is float32.
 
-The streaming state of a row is ``(m, a, b, m2, a2, mu, au, cu, fu)``:
-  m, a, b     running max of s, Σ e^{s-m}, Σ e^{s-m}(s-m)  (b relative to m: no cancellation
-              between lse and Σ p s in the entropy; b = 0 when cfg.entropy is False)
-  m2, a2      the same max and sum for s' (only when T_ce != T)
-  mu, au      running max of t, Σ e^{t-mu}   (teacher)
-  cu, fu      Σ e^{t-mu}·y and Σ e^{t-mu}·psi(y) with y = (t - mu) - (s - m), the log-ratio
-              log(q/p) up to a constant, and psi(y) = y - 1 + e^{-y} >= 0 (kernels/series.py):
-              the KL without cancellation (docs/design.md §2, "The KL")
-Parts are merged at the larger maxima; a part whose rescale factor e^{m_i - m} is 0 (its
+Every exponent is a difference of logits scaled afterwards: with ``m`` the row's largest r,
+``x = (r - m) / T`` (and ``x' = (r - m) / T_ce``, ``x_u = (u - mu) / T_kl``). A difference of
+two scaled logits, s - lse, would carry an absolute error of an ulp of |s| = |r| / T (64 at
+|r| / T = 1e9: |r| = 10 at T = 1e-8), and a compiler that contracts r·(1/T) - lse into one
+FMA rounds it differently in the forward and the backward; (r - m) is exact near the
+maximum and its scaled value has a relative error of an ulp. So the residuals are m and the
+log of the sum relative to it, ``la`` (lse = m / T + la), never lse itself.
+
+The streaming state of a row is ``(m, a, b, a2, mu, au, cu, fu)``:
+  m, a, b     running max of r, Σ e^x, Σ e^x·x  (b relative to m: no cancellation between lse
+              and Σ p s in the entropy; b = 0 when cfg.entropy is False)
+  a2          Σ e^{x'} (only when T_ce != T; the max is m)
+  mu, au      running max of u, Σ e^{x_u}   (teacher)
+  cu, fu      Σ e^{x_u}·y and Σ e^{x_u}·psi(y) with y = x_u - x, the log-ratio log(q/p) up to
+              a constant (t - s less mu / T_kl - m / T: no cancellation of sizes |u| / T_kl),
+              and psi(y) = y - 1 + e^{-y} >= 0 (kernels/series.py): the KL without
+              cancellation (docs/design.md §2, "The KL")
+Parts are merged at the larger maxima; a part whose rescale factor e^{(m_i - m)/T} is 0 (its
 logits all so far below the others that their probabilities are 0 in float32, such as
 columns masked with finfo.min) adds exactly nothing.
 """
@@ -33,6 +42,7 @@ from ._linear_head import VOCAB_MAJOR, is_head
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
 from .kernels.series import PSI_COEFFS, PSI_SMALL
+from .kernels.softcap import TANH_SERIES, TANH_SERIES_BOUND
 
 NEG_INF = float("-inf")
 
@@ -70,8 +80,20 @@ def _capped(xp, z, cfg: StatsConfig):
     """cap(z) in float32 (z itself when it is float32 and there is no softcap)."""
     r = xp.f32(z)
     if cfg.softcap is not None:
-        r = xp.tanh(r * (1.0 / cfg.softcap)) * cfg.softcap
+        r = softcap(xp, r, cfg.softcap)
     return r
+
+
+def softcap(xp, z, c):
+    """c·tanh(z / c) of float32 z, accurate for every c > 0 (kernels/softcap.py): below
+    |z / c| = TANH_SERIES_BOUND as z·(1 + u·Q(u)), u = (z / c)², so z to float32 where z / c
+    underflows; beyond, c·tanh(z / c) (saturating to ±c, also where z / c overflows)."""
+    x = z * (1.0 / c)
+    u = x * x
+    q = TANH_SERIES[-1]
+    for coef in TANH_SERIES[-2::-1]:
+        q = q * u + coef
+    return xp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q), xp.tanh(x) * c)
 
 
 def _add_at(xp, x, ids, col0, vals):
@@ -92,23 +114,20 @@ def _safe(xp, m):
     return xp.where(m == NEG_INF, 0.0, m)
 
 
-def _row_lse_terms(xp, s, with_b=True):
-    """(m, a, b, d, e) of s: [N, C]: the chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m),
-    else 0, over the last axis, and the [N, C] d = s - m and e = e^d they came from."""
-    m = xp.rowmax(s)
-    d = s - _safe(xp, m)[:, None]  # [N, C], shared by e and b (one pass less in eager frameworks)
-    e = xp.exp(d)
+def _row_sums(xp, x, with_b=True):
+    """(Σ e^x, (with_b) Σ e^x·x else 0, e^x) of x: [N, C] (x <= 0), the sums over the last
+    axis."""
+    e = xp.exp(x)
     a = xp.rowsum(e)
     if not with_b:
-        return m, a, xp.zeros_like(a), d, e
-    b = xp.rowsum(xp.where(e > 0, e * d, 0.0))
-    return m, a, b, d, e
+        return a, xp.zeros_like(a), e
+    return a, xp.rowsum(xp.where(e > 0, e * x, 0.0)), e
 
 
-def _row_lse_parts(xp, s, with_b=True):
-    """Chunk max, Σ e^{s-m} and (with_b) Σ e^{s-m}(s-m), else 0, over the last axis of
-    s: [N, C]."""
-    return _row_lse_terms(xp, s, with_b)[:3]
+def _safe_max(xp, v):
+    """The row max of v [N, C], and the same with an all -inf row's max at 0 (no inf - inf)."""
+    m = xp.rowmax(v)
+    return m, _safe(xp, m)
 
 
 def _psi_series(y):
@@ -124,19 +143,19 @@ def _psi(xp, y):
     return xp.where(abs(y) < PSI_SMALL, y * y * _psi_series(y), y - 1.0 + xp.exp(-y))
 
 
-def teacher_sums(xp, t, ds, w):
-    """(mu, au, cu, fu) [N] of the teacher over a block of columns: t [N, C] the scaled
-    teacher logits, ds = s - m and w = e^{ds} [N, C] the student's (relative to its max m).
+def teacher_sums(xp, u, x, w, cfg: StatsConfig):
+    """(mu, au, cu, fu) [N] of the teacher over a block of columns: u [N, C] the float32
+    teacher logits, x = (r - m) / T and w = e^x [N, C] the student's (relative to its max m).
 
-    With y = (t - mu) - (s - m): au = Σ e^{t-mu}, cu = Σ e^{t-mu}·y and
-    fu = Σ e^{t-mu}·psi(y) = Σ (e^{t-mu}·y - e^{t-mu} + e^{s-m}), the last by the series where
-    |y| is small (there the three terms cancel to e^{t-mu}·y²/2). A column with q = 0 (t at
-    -inf, or so far below the teacher's max that e^{t-mu} is 0) adds e^{s-m} to fu and nothing
-    else; one with p = 0 where q > 0 makes cu and fu +inf (or of order |s|: an infinite KL)."""
-    mu = xp.rowmax(t)
-    dt = t - _safe(xp, mu)[:, None]
-    eu = xp.exp(dt)
-    y = dt - ds
+    With x_u = (u - mu) / T_kl and y = x_u - x: au = Σ e^{x_u}, cu = Σ e^{x_u}·y and
+    fu = Σ e^{x_u}·psi(y) = Σ (e^{x_u}·y - e^{x_u} + e^x), the last by the series where |y| is
+    small (there the three terms cancel to e^{x_u}·y²/2). A column with q = 0 (u at -inf, or
+    so far below the teacher's max that e^{x_u} is 0) adds e^x to fu and nothing else; one
+    with p = 0 where q > 0 makes cu and fu +inf (or of order |x|: an infinite KL)."""
+    mu, mus = _safe_max(xp, u)
+    xu = _scaled(u - mus[:, None], cfg.teacher_temperature)
+    eu = xp.exp(xu)
+    y = xu - x
     ct = xp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
     f = xp.where(abs(y) < PSI_SMALL, ct * y * _psi_series(y), ct + (w - eu))
     return mu, xp.rowsum(eu), xp.rowsum(ct), xp.rowsum(f)
@@ -153,94 +172,91 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
-    s = _scaled(r, cfg.temperature)
-    m, a, b, ds, e = _row_lse_terms(xp, s, cfg.entropy)
+    m, ms = _safe_max(xp, r)
+    d = r - ms[:, None]  # [N, C] logit differences, shared by every sum below
+    x = _scaled(d, cfg.temperature)
+    a, b, e = _row_sums(xp, x, cfg.entropy)
     zero = xp.zeros_like(a)
-    m2, a2 = m, a
+    a2 = a
     if cfg.separate_ce:
-        m2, a2, _ = _row_lse_parts(xp, _scaled(r, cfg.ce_temperature), False)
+        a2, _, _ = _row_sums(xp, _scaled(d, cfg.ce_temperature), False)
     mu, au, cu, fu = m, zero, zero, zero
     if cfg.has_teacher:
-        t = _scaled(xp.f32(u), cfg.teacher_temperature)
+        u = xp.f32(u)
         if valid is not None:
-            t = xp.where(valid[None, :], t, NEG_INF)
-        mu, au, cu, fu = teacher_sums(xp, t, ds, e)
-    return State(m, a, b, m2, a2, mu, au, cu, fu)
+            u = xp.where(valid[None, :], u, NEG_INF)
+        mu, au, cu, fu = teacher_sums(xp, u, x, e, cfg)
+    return State(m, a, b, a2, mu, au, cu, fu)
 
 
-def _rescale(xp, m_part, m):
-    """e^{m_part - m} with an all -inf row guarded (gives 0 for an empty part)."""
-    return xp.exp(m_part - _safe(xp, m))
+def _rescale(xp, m_part, m, temperature):
+    """(e^δ, δ) with δ = (m_part - m) / T, the move of a part's exponents to the merged
+    maximum m, an all -inf row guarded (e^δ = 0 for an empty part)."""
+    delta = _scaled(m_part - _safe(xp, m), temperature)
+    return xp.exp(delta), delta
 
 
-def _b_at(xp, st: State, f, m):
-    """A part's entropy sum b relative to the merged max m: f·(b_i + (m_i - m)·a_i), and exactly
-    0 where the part's rescale f = e^{m_i - m} is 0 (where (m_i - m)·a_i may be -inf)."""
-    return xp.where(f > 0, f * (st.b + (st.m - m) * st.a), 0.0)
+def _moved(xp, f, delta, a, b):
+    """f·(b + δ·a): a sum Σ e^x·x moved to another maximum (b_i relative to the part's
+    maximum: Σ e^{x+δ}(x + δ) = e^δ·(b_i + δ·a_i)), and exactly 0 where the part's rescale
+    f = e^δ is 0 (where δ·a may be -inf: a part masked with finfo.min)."""
+    return xp.where(f > 0, f * (b + delta * a), 0.0)
 
 
-def teacher_at(xp, st: State, f, m, mu):
-    """(au, cu, fu) of a part's teacher sums re-expressed at the merged maxima m and mu (the
-    part's own are st.m, st.mu; f = e^{st.m - m}). The centre mu - m of y moves by
-    h = (mu - st.mu) - (m - st.m), and with g = e^{st.mu - mu} = f·e^{-h}:
+def teacher_at(xp, st: State, f, delta, g, delta_u):
+    """(cu, fu) of a part's teacher sums re-expressed at the merged maxima (the student's
+    exponents move by δ, f = e^δ; the teacher's by δ_u, g = e^{δ_u}). y = x_u - x moves by
+    -h, h = δ - δ_u, and f = g·e^h:
 
-        au' = g·au,  cu' = g·(cu - h·au),  fu' = g·(fu - h·au - a) + f·a
+        cu' = g·(cu - h·au),  fu' = g·(fu - h·au - a) + f·a
             = g·(fu - h·(cu - fu) + a·h²·S(-h))      (|h| small: no cancellation)
 
     A part with g = 0 adds no teacher mass (its g-terms are exactly 0); one with f = 0 adds
     the teacher's mass where the student's probability is 0 (fu and cu of order -h·au)."""
-    g = _rescale(xp, st.mu, mu)
-    h = (_safe(xp, mu) - _safe(xp, st.mu)) - (_safe(xp, m) - _safe(xp, st.m))
+    h = delta - delta_u
     live = g > 0
-    au = g * st.au
     cu = xp.where(live, g * (st.cu - h * st.au), 0.0)
-    gap = st.cu - st.fu  # Σ e^{t-mu} - e^{s-m}, formed without cancellation
+    gap = st.cu - st.fu  # Σ e^{x_u} - e^x, formed without cancellation
     near = live & (abs(h) < PSI_SMALL) & xp.isfinite(gap)
     fu_near = g * (st.fu - h * gap + st.a * h * h * _psi_series(-h))
     fu_far = xp.where(live, g * (st.fu - h * st.au - st.a), 0.0) + f * st.a
-    return au, cu, xp.where(near, fu_near, fu_far)
+    return cu, xp.where(near, fu_near, fu_far)
+
+
+def _moved_parts(xp, state: State, m, mu, cfg: StatsConfig):
+    """The sums of ``state`` relative to the maxima m and mu: (a, b, a2, au, cu, fu)."""
+    f, delta = _rescale(xp, state.m, m, cfg.temperature)
+    a, b, a2 = f * state.a, state.b, f * state.a  # b: 0 without entropy; a2 = a at T_ce = T
+    if cfg.entropy:
+        b = _moved(xp, f, delta, state.a, state.b)
+    if cfg.separate_ce:
+        a2 = _rescale(xp, state.m, m, cfg.ce_temperature)[0] * state.a2
+    au, cu, fu = state.au, state.cu, state.fu  # 0 without a teacher
+    if cfg.has_teacher:
+        g, delta_u = _rescale(xp, state.mu, mu, cfg.teacher_temperature)
+        au = g * state.au
+        cu, fu = teacher_at(xp, state, f, delta, g, delta_u)
+    return a, b, a2, au, cu, fu
 
 
 def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
     """Associative merge of two partial states (chunks, split-K blocks or vocab shards)."""
     m = xp.maximum(s1.m, s2.m)
-    f1, f2 = _rescale(xp, s1.m, m), _rescale(xp, s2.m, m)
-    a = f1 * s1.a + f2 * s2.a
-    b = xp.zeros_like(a)
-    if cfg.entropy:
-        # b is relative to the running max: Σ e^{s-m}(s-m) = f·(b_i + (m_i - m)·a_i).
-        b = _b_at(xp, s1, f1, m) + _b_at(xp, s2, f2, m)
-    m2, a2 = m, a
-    if cfg.separate_ce:
-        m2 = xp.maximum(s1.m2, s2.m2)
-        a2 = _rescale(xp, s1.m2, m2) * s1.a2 + _rescale(xp, s2.m2, m2) * s2.a2
-    mu, au, cu, fu = m, a * 0.0, a * 0.0, a * 0.0
-    if cfg.has_teacher:
-        mu = xp.maximum(s1.mu, s2.mu)
-        (au1, cu1, fu1), (au2, cu2, fu2) = (teacher_at(xp, st, f, m, mu)
-                                            for st, f in ((s1, f1), (s2, f2)))
-        au, cu, fu = au1 + au2, cu1 + cu2, fu1 + fu2
-    return State(m, a, b, m2, a2, mu, au, cu, fu)
+    mu = xp.maximum(s1.mu, s2.mu) if cfg.has_teacher else m
+    p1, p2 = _moved_parts(xp, s1, m, mu, cfg), _moved_parts(xp, s2, m, mu, cfg)
+    a, b, a2, au, cu, fu = (v1 + v2 for v1, v2 in zip(p1, p2))
+    return State(m, a, b, a2, mu, au, cu, fu)
 
 
 def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
-    ``pmax`` of the three running maxima, then one ``psum`` of the sums re-expressed at those
-    maxima and of ``extra_sums`` (docs/design.md §2): 3 + 6 + len(extra_sums) floats per row
+    ``pmax`` of the two running maxima, then one ``psum`` of the sums re-expressed at those
+    maxima and of ``extra_sums`` (docs/design.md §2): 2 + 6 + len(extra_sums) floats per row
     in all. ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
     Returns (merged State, summed extra_sums)."""
-    m, m2, mu = pmax([state.m, state.m2, state.mu])
-    f = _rescale(xp, state.m, m)
-    a = f * state.a
-    b = state.b  # 0 without entropy
-    if cfg.entropy:
-        b = _b_at(xp, state, f, m)
-    a2 = _rescale(xp, state.m2, m2) * state.a2
-    au, cu, fu = state.au, state.cu, state.fu  # zeros without a teacher
-    if cfg.has_teacher:
-        au, cu, fu = teacher_at(xp, state, f, m, mu)
-    a, b, a2, au, cu, fu, *extra = psum([a, b, a2, au, cu, fu, *extra_sums])
-    return State(m, a, b, m2, a2, mu, au, cu, fu), extra
+    m, mu = pmax([state.m, state.mu])
+    a, b, a2, au, cu, fu, *extra = psum([*_moved_parts(xp, state, m, mu, cfg), *extra_sums])
+    return State(m, a, b, a2, mu, au, cu, fu), extra
 
 
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
@@ -249,19 +265,20 @@ def merge_splits(xp, parts, cfg: StatsConfig) -> State:
     keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
     state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
                                 cfg)
-    return state._replace(m=state.m[:, 0], m2=state.m2[:, 0], mu=state.mu[:, 0])
+    return state._replace(m=state.m[:, 0], mu=state.mu[:, 0])
 
 
 Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
 Stats.__doc__ = """Per-row outputs and residuals, all [N] float32: lse = logsumexp(s),
-logp = s'_y - lse_ce, entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher),
-lse_ce = logsumexp(s') (== lse when T_ce == T), lse_u = logsumexp(t) (0 without a teacher),
-kl_shift = E_q[t - s] = (mu - m) + cu / au (so d(teacher) needs no lse cancellation)."""
+logp = s'_y - logsumexp(s'), entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher);
+the residuals: kl_shift = E_q[x_u - x] = cu / au (so d(teacher) needs no cancellation of
+log-normalisers), m = max r, la = log Σ e^x (lse = m / T + la), la_ce = log Σ e^{x'}
+(== la when T_ce == T), mu = max u and la_u = log Σ e^{x_u} (0 without a teacher)."""
 
 
 def kl_divergence(xp, a, au, cu, fu):
     """KL(q || p) [N] from a row's merged sums (module docstring), >= 0 (docs/design.md §2,
-    "The KL"). With x = (cu - fu) / a = au / a - 1 and e = log(au / a) = lse_u - lse - (mu - m):
+    "The KL"). With v = (cu - fu) / a = au / a - 1 and e = log(au / a) = la_u - la:
 
         KL = fu / au - psi(e)      where |e| <= 1: a sum of terms >= 0 less a term of the
                                    size of (E_p[y])²/2, no first-order cancellation
@@ -269,9 +286,9 @@ def kl_divergence(xp, a, au, cu, fu):
                                    a large KL, whose terms are first order anyway)
     """
     e_far = xp.log(au) - xp.log(a)
-    x = (cu - fu) / a
-    near = (abs(e_far) <= 1.0) & (abs(x) < 2.0)  # (False where x is NaN: inf - inf)
-    e = xp.where(near, xp.log1p(x), e_far)
+    v = (cu - fu) / a
+    near = (abs(e_far) <= 1.0) & (abs(v) < 2.0)  # (False where v is NaN: inf - inf)
+    e = xp.where(near, xp.log1p(v), e_far)
     kl = xp.where(near, fu / au - _psi(xp, e), cu / au - e_far)
     return xp.where(kl < 0, 0.0, kl)  # rounding can leave -ulps; NaN stays NaN
 
@@ -304,10 +321,11 @@ def shifted_target(xp, z_y, found, rows: Rows, cfg: StatsConfig):
     return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 
-def target_logp(xp, r_y, found, lse_ce, cfg: StatsConfig):
-    """logp = r_y / T_ce - lse_ce, [N] f32; NaN where the target was not found (out of range:
-    loud, never silently wrong)."""
-    return xp.where(found > 0, r_y * (1.0 / cfg.ce_temperature) - lse_ce, float("nan"))
+def target_logp(xp, r_y, found, m, la_ce, cfg: StatsConfig):
+    """logp = (r_y - m) / T_ce - la_ce, [N] f32 (m the row's largest logit, la_ce the log of
+    the sum relative to it); NaN where the target was not found (out of range: loud, never
+    silently wrong)."""
+    return xp.where(found > 0, _scaled(r_y - m, cfg.ce_temperature) - la_ce, float("nan"))
 
 
 def column_mask(xp, cols, cfg: StatsConfig, valid=None):
@@ -321,21 +339,22 @@ def column_mask(xp, cols, cfg: StatsConfig, valid=None):
 def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     """Row statistics from a merged state; logp is NaN where the target was not found
     (out of range: loud, never silently wrong); inactive rows give exact zeros."""
-    lse = state.m + xp.log(state.a)
-    entropy = xp.log(state.a) - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
-    lse_ce = lse
-    if cfg.separate_ce:
-        lse_ce = state.m2 + xp.log(state.a2)
-    logp = target_logp(xp, r_y, found, lse_ce, cfg)
+    la = xp.log(state.a)
+    lse = _scaled(state.m, cfg.temperature) + la
+    entropy = la - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
+    la_ce = xp.log(state.a2) if cfg.separate_ce else la
+    logp = target_logp(xp, r_y, found, state.m, la_ce, cfg)
     zero = xp.zeros_like(lse)
-    kl, lse_u, kl_shift = zero, zero, zero
+    kl, la_u, kl_shift = zero, zero, zero
     if cfg.has_teacher:
-        lse_u = state.mu + xp.log(state.au)
-        kl_shift = (state.mu - state.m) + state.cu / state.au
+        la_u = xp.log(state.au)
+        kl_shift = state.cu / state.au  # E_q[x_u - x]
         kl = kl_divergence(xp, state.a, state.au, state.cu, state.fu)
         kl = xp.where(xp.isfinite(lse), kl, float("nan"))  # no distribution p: no KL
-    outs = [xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift)]
-    return Stats(*outs)
+    mu = state.mu if cfg.has_teacher else zero
+    stats = dict(lse=lse, logp=logp, entropy=entropy, kl=kl, kl_shift=kl_shift, m=state.m,
+                 la=la, la_ce=la_ce, mu=mu, la_u=la_u)
+    return Stats(*(xp.where(active, stats[field], 0.0) for field in ROW_STATS))
 
 
 def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
@@ -346,7 +365,9 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
       dr_k = [g_lse·p_k - g_H·p_k·(log p_k + H) + g_kl·(p_k - q_k)] / T
              + g_lp·([k == y] - p'_k) / T_ce
       dz_k = dr_k·cap'(z_k);   du_k = g_kl·q_k·(log q_k - log p_k - kl) / T_kl
-    with log q_k - log p_k - kl computed as (t_k - s_k) - E_q[t - s] (stats.kl_shift).
+    with log p_k = (r_k - m)/T - la (the saved row max and log-sum: no difference of scaled
+    logits) and log q_k - log p_k - kl computed as (x_u - x)_k - E_q[x_u - x]
+    (stats.kl_shift).
     Terms with p_k = 0 (or q_k = 0) contribute exactly 0. Inactive rows give exact zeros.
     ``cols`` are contiguous global ids. Written as few [N, C] passes as the math allows (each
     is a pass over memory in an eager framework): the per-row factors of p are gathered into
@@ -354,8 +375,9 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
     """
     z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
-    s = _scaled(r, cfg.temperature)
-    logp_k = s - stats.lse[:, None]
+    d = r - stats.m[:, None]  # [N, C] logit differences
+    x = _scaled(d, cfg.temperature)
+    logp_k = x - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
     inv_t = 1.0 / cfg.temperature
@@ -370,15 +392,15 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
     dr = p * coef
     du = None
     if cfg.has_teacher:
-        t = _scaled(xp.f32(u), cfg.teacher_temperature)
-        q = xp.exp(t - stats.lse_u[:, None])
+        xu = _scaled(xp.f32(u) - stats.mu[:, None], cfg.teacher_temperature)
+        q = xp.exp(xu - stats.la_u[:, None])
         dr = dr + (g_kl * inv_t)[:, None] * (p - q)  # float32 p - q: no cancellation trap
         if cfg.teacher_grad:
-            # log q - log p - kl = (t - s) - E_q[t - s]: no cancellation between lse terms
-            du = g_kl[:, None] * xp.where(q > 0, q * ((t - s) - stats.kl_shift[:, None]), 0.0)
+            # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of log-normalisers
+            du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
     if cfg.separate_ce:
-        dr = dr - g_ce[:, None] * xp.exp(_scaled(r, cfg.ce_temperature) - stats.lse_ce[:, None])
+        dr = dr - g_ce[:, None] * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
     dr = _add_at(xp, dr, targets, cols[0], g_ce)  # the target's column, when in this chunk
     if cfg.softcap is not None:
         th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
@@ -406,8 +428,8 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
     z_x, u_x, found = columns
     x, targets = rows.shift_ids, rows.targets
     r = shifted_logits(xp, z_x[:, None], x[:, None], x, rows.shift, cfg)  # [N, 1]
-    s = _scaled(r, cfg.temperature)
-    logp_k = s - stats.lse[:, None]
+    d = r - stats.m[:, None]  # a logit difference, as in chunk_grads
+    logp_k = _scaled(d, cfg.temperature) - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = (g[:, None] for g in grads)
     inv_t = 1.0 / cfg.temperature
@@ -419,11 +441,11 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
         coef = coef - g_h * inv_t * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
     dr = p * coef
     if cfg.has_teacher:
-        q = xp.exp(_scaled(xp.f32(u_x[:, None]), cfg.teacher_temperature)
-                   - stats.lse_u[:, None])
+        q = xp.exp(_scaled(xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.teacher_temperature)
+                   - stats.la_u[:, None])
         dr = dr + g_kl * inv_t * (p - q)
     if cfg.separate_ce:
-        dr = dr - g_ce * xp.exp(_scaled(r, cfg.ce_temperature) - stats.lse_ce[:, None])
+        dr = dr - g_ce * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
     dr = dr[:, 0] + xp.where(x == targets, g_ce[:, 0], 0.0)
     return xp.where(found & rows.active, dr, 0.0)
 
@@ -448,6 +470,12 @@ def _column(xp, x, idx):
     return z if x.bias is None else z + xp.f32(x.bias[idx])
 
 
+def _finite_max(xp, v):
+    """The row max of v [N, K] as a constant (no gradient), 0 where it is not finite."""
+    m = xp.stop_gradient(xp.rowmax(v))
+    return xp.where(xp.isfinite(m), m, 0.0)
+
+
 def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     """Full-materialisation float32 statistics, differentiable by the framework's autodiff.
 
@@ -464,43 +492,50 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     # gradient NaN, as the streaming backends give (inf - inf); r·NaN makes both so
     plus_inf = xp.rowmax(xp.stop_gradient(r)) == float("inf")
     r = r * xp.where(plus_inf, float("nan"), 1.0)[:, None]
-    s = r * (1.0 / cfg.temperature)
-    lse = xp.logsumexp(s)
-    logp_all = s - lse[:, None]
+    # exponents as differences of logits scaled afterwards (module docstring): x = (r - m)/T
+    # with m the row max, a constant to autodiff (lse's gradient does not depend on it)
+    m = _finite_max(xp, r)
+    d = r - m[:, None]
+    x = d * (1.0 / cfg.temperature)
+    no_inf = lambda v: xp.where(v == float("inf"), float("nan"), v)  # noqa: E731
+    la = no_inf(xp.logsumexp(x))
+    lse = m * (1.0 / cfg.temperature) + la
+    logp_all = x - la[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
     entropy = -xp.rowsum(xp.where(pos, p * xp.where(pos, logp_all, 0.0), 0.0))
     # no distribution (NaN, +inf or an all -inf row): no entropy either, not the empty sum 0
     entropy = xp.where(xp.isfinite(lse), entropy, float("nan"))
-    s_ce = r * (1.0 / cfg.ce_temperature)
-    lse_ce = xp.logsumexp(s_ce) if cfg.separate_ce else lse
+    x_ce = d * (1.0 / cfg.ce_temperature)
+    la_ce = no_inf(xp.logsumexp(x_ce)) if cfg.separate_ce else la
     in_range = (targets >= 0) & (targets < k)
     y = xp.where(in_range, targets, 0)
-    logp = xp.where(in_range, xp.gather_cols(s_ce, y) - lse_ce, float("nan"))
+    logp = xp.where(in_range, xp.gather_cols(x_ce, y) - la_ce, float("nan"))
     kl = xp.zeros_like(lse)
     if cfg.has_teacher:
         u = xp.where(active[:, None], xp.f32(u), 0.0)
         if not cfg.teacher_grad:
             u = xp.stop_gradient(u)
-        t = u * (1.0 / cfg.teacher_temperature)
-        lse_u = xp.logsumexp(t)
-        q = xp.exp(t - lse_u[:, None])
+        xu = (u - _finite_max(xp, u)[:, None]) * (1.0 / cfg.teacher_temperature)
+        la_u = xp.logsumexp(xu)
+        q = xp.exp(xu - la_u[:, None])
         qpos = q > 0
-        # KL = E_q[t - s] - lse_u + lse: the same value as Σ q (log q - log p), but its
-        # autodiff gradient q·((t - s) - E_q[t - s]) avoids cancelling lse terms. Its value
-        # cancels (E_q[t - s] and lse_u - lse agree to first order: the T² of distillation
-        # at a large T magnifies that), so the value is the form every backend computes.
-        diff = xp.where(qpos, t, 0.0) - xp.where(qpos, s, 0.0)
-        kl_grad = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - lse_u + lse
-        kl = _row_kl(xp, xp.stop_gradient(s), xp.stop_gradient(t), lse)
+        # KL = E_q[x_u - x] - la_u + la: the same value as Σ q (log q - log p), but its
+        # autodiff gradient q·((x_u - x) - E_q[x_u - x]) avoids cancelling log-normalisers.
+        # Its value cancels (E_q[x_u - x] and la_u - la agree to first order: the T² of
+        # distillation at a large T magnifies that), so the value is the form every backend
+        # computes.
+        diff = xp.where(qpos, xu, 0.0) - xp.where(qpos, x, 0.0)
+        kl_grad = xp.rowsum(xp.where(qpos, q * diff, 0.0)) - la_u + la
+        kl = _row_kl(xp, xp.stop_gradient(x), xp.stop_gradient(u), lse, cfg)
         kl = xp.where(xp.isfinite(kl_grad), kl + (kl_grad - xp.stop_gradient(kl_grad)), kl_grad)
     return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))
 
 
-def _row_kl(xp, s, t, lse):
-    """KL(softmax(t) || softmax(s)) [N] of whole rows s, t [N, K] as the streaming backends
-    compute it (``teacher_sums`` over one chunk, ``kl_divergence``); NaN where lse is not
-    finite (no distribution)."""
-    m, a, _, ds, e = _row_lse_terms(xp, s, False)
-    _, au, cu, fu = teacher_sums(xp, t, ds, e)
+def _row_kl(xp, x, u, lse, cfg: StatsConfig):
+    """KL(softmax(u / T_kl) || p) [N] of whole rows, x = (r - m) / T and u [N, K], as the
+    streaming backends compute it (``teacher_sums`` over one chunk, ``kl_divergence``); NaN
+    where lse is not finite (no distribution)."""
+    a, _, e = _row_sums(xp, x, False)
+    _, au, cu, fu = teacher_sums(xp, u, x, e, cfg)
     return xp.where(xp.isfinite(lse), kl_divergence(xp, a, au, cu, fu), float("nan"))

@@ -43,17 +43,25 @@ _TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differen
       weights: [...] optional; a row is active when its weight is non-zero (the weight's
         value is not applied here). Inactive rows read nothing that can leak: their outputs
         and gradients are exact zeros. None = every row active.
-      temperature: T > 0 of p = softmax(s), s = (cap(z) + d·[k == x]) / T.
-      ce_temperature: temperature of the ``logp`` term (default: ``temperature``); a
-        different value costs one more running sum in the same pass.
-      softcap: c > 0 for cap(z) = c·tanh(z / c), or None.
+      temperature: T of p = softmax(s), s = (cap(z) + d·[k == x]) / T; at least
+        ``MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
+        exponent is a logit difference (r - m) scaled by 1/T afterwards (docs/design.md §2),
+        float32-exact at any T from there up, and a smaller T would resolve logit
+        differences that float32 flushes to zero. Results whose size passes the float32
+        range (|cap(z)| / T past 3.4e38) overflow to ±inf.
+      ce_temperature: temperature of the ``logp`` term (default: ``temperature``; the same
+        minimum); a different value costs one more running sum in the same pass.
+      softcap: c > 0 for cap(z) = c·tanh(z / c), or None. Any c > 0: for |z / c| below 0.625
+        cap(z) is z·(1 + u·Q(u)), u = (z / c)², with a fitted polynomial Q, so z itself to
+        float32 where z / c underflows; beyond, c·tanh(z / c), saturating at ±c.
       shift_ids, shift: LOO shift; ``shift`` ([...] per row, e.g. [B, L] for per-position
         diffusion times, or a scalar; float) is added to the logit at column ``shift_ids``
         ([...] int) before the temperature. An active row whose shift id lies outside
         [0, K) gets NaN in every statistic (never a silently unshifted row). The shift is
         differentiable (what it was computed from, e.g. the time t, gets its gradient).
       teacher_logits: [..., K] optional teacher logits u for ``kl``.
-      teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
+      teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``; the
+        same minimum).
       teacher_grad: also differentiate with respect to ``teacher_logits``.
       entropy: compute ``entropy`` (default True). False leaves its running sum out of the
         forward pass and its term out of the backward pass (in the Triton kernels about a
@@ -72,7 +80,7 @@ _TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differen
       process_group (torch) / vocab_axis (JAX): vocabulary parallelism. The logits are this
         rank's (or this shard_map device's) contiguous shard of the vocabulary; targets and
         shift ids are global ids. Partial states merge with two all-reduces of per-row
-        floats (44 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
+        floats (40 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
         same to every objective inside a ``with`` block.
       backend: {backends}.
 

@@ -24,10 +24,10 @@ import numpy as np
 # callers pass ``scale`` = the size of those terms (``cancellation_scale``), and the floor
 # grows by CANCELLATION_ULP per unit of it: each of the five terms of log q_k - log p_k - kl
 # (t_k, s_k, the two log-normalisers, the KL) carries up to one float32 rounding of its own
-# size, 2^-24 of it. Likewise a backward reads lse as a saved float32 (about an ulp of
-# |lse| off), which every term in p carries as a relative error: d-logits checks pass
-# ``slack`` = that error per element
-# (``tests/oracle.py: saved_lse_slack``), large only where p is close to 1.
+# size, 2^-24 of it. Likewise a backward recomputes log p from saved float32 row statistics
+# (the row maximum and log Σ), which every term in p carries as a relative error: d-logits
+# checks pass ``slack`` = that error per element (``tests/oracle.py: saved_lse_slack``),
+# large only where terms of size |g|·p/T cancel or p is close to (but not) 1.
 TOLERANCES = {
     "float32": (2e-6, 2e-5),
     "bfloat16": (2e-6, 2.0 ** -8),

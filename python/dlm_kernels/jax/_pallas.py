@@ -92,7 +92,7 @@ class PallasJax:
         stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         # the kernel leaves logp to us: one gathered logit per row
         r_y, found = stats_math.target_logit(JaxOps, rows, cfg)
-        logp = stats_math.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
+        logp = stats_math.target_logp(JaxOps, r_y, found, stats.m, stats.la_ce, cfg)
         return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
 
     @classmethod
@@ -156,8 +156,8 @@ def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels
 
 def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the backward kernels
     n = rows.targets.shape[0]
-    cols = [_shift(rows), rows.active.astype(jnp.float32), stats.lse, stats.entropy, stats.kl_shift,
-            stats.lse_ce, stats.lse_u, *grads]
+    cols = [_shift(rows), rows.active.astype(jnp.float32), stats.m, stats.la, stats.entropy,
+            stats.kl_shift, stats.la_ce, stats.mu, stats.la_u, *grads]
     return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),
                      axis=1)
 
@@ -213,7 +213,7 @@ class FusedHead:
                                         _forward_floats(rows, rows.active), **statics)
         stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         r_y, found = cls._target_logit(rows, cfg)
-        logp = stats_math.target_logp(JaxOps, r_y, found, stats.lse_ce, cfg)
+        logp = stats_math.target_logp(JaxOps, r_y, found, stats.m, stats.la_ce, cfg)
         return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
 
     @classmethod

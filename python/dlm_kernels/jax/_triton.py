@@ -145,7 +145,7 @@ def _partial(z, u, active, x, d, offsets, cfg):
         kernels.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT, *_scalars(cfg)),
-        jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 36·S B/row
+        jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 32·S B/row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=kernels.rows_aligned(k),
         **_flags(cfg, x is not None))
@@ -164,8 +164,8 @@ def _forward(rows, cfg):
     block_n, block_s = kernels.finalize_blocks(s)
     out = _launch(
         kernels.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
-        (n, k, s, k, 1.0 / cfg.ce_temperature, float(cfg.softcap or 0.0)),
-        jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 28 bytes per row
+        (n, k, s, k, *_scalars(cfg)),
+        jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 40 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
         **_flags(cfg, x is not None))
     return stats_math.Stats(*out)

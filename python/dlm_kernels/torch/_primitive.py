@@ -24,7 +24,7 @@ REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a to
 def _vocab_parallel_stats(rows, impl, cfg, group):
     """Megatron-style vocabulary parallelism: rows.logits is rank r's shard of columns
     [r·K_local, (r+1)·K_local). Local partial state, then two all-reduces of per-row
-    floats (MAX of 3, SUM of 8: 44 bytes per row). Returns (Stats, column offset)."""
+    floats (MAX of 2, SUM of 8: 40 bytes per row). Returns (Stats, column offset)."""
     import torch.distributed as dist
 
     offset = dist.get_rank(group) * rows.logits.shape[1]

@@ -95,7 +95,7 @@ def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entro
     the heuristic's plan (bench/launch_sweep.py)."""
     n, k = z.shape
     cfg = cfg or plan(z, u, block_k)
-    part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 36·S B/row
+    part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
     if n > 0:
         dummy = z
         kernels.stats_partial_kernel[(n, cfg["splits"])](
@@ -114,20 +114,20 @@ def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entro
 def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
                     inv_t_kl: float, softcap: float, entropy: bool, block_k: int) -> Tensor:
-    """Row statistics [ROW_STATS, N] f32 (lse, logp, entropy, kl, lse_ce, lse_u, kl_shift) of
-    z: [N, K]."""
+    """Row statistics [ROW_STATS, N] f32 (lse, logp, entropy, kl, then the backward's
+    residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
     part = launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
                            block_k)
     s = part.shape[1]
-    out = _empty((len(ROW_STATS), n), torch.float32, z.device)  # 28 bytes per row
+    out = _empty((len(ROW_STATS), n), torch.float32, z.device)  # 40 bytes per row
     if n > 0:
         dummy = z
         block_n, block_s = kernels.finalize_blocks(s)
         kernels.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
             part, z, y, dummy if x is None else x, dummy if d is None else d, active,
-            n, k, s, z.stride(0), inv_t_ce, softcap, out,
+            n, k, s, z.stride(0), inv_t, inv_t_ce, inv_t_kl, softcap, out,
             BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
             **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
     return out
