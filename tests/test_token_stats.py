@@ -581,6 +581,27 @@ class TokenStatsSuite:
             assert got.shape == rows, f"{name}: shape {got.shape}, expected {rows}"
         assert [g.shape for g in grads] == [rows + (37,)] * 2, [g.shape for g in grads]
 
+    @pytest.mark.parametrize("softcap", [1.0, 1e30])
+    def test_softcap_of_minus_inf_columns(self, rng, softcap):
+        """A -inf logit under a softcap is capped to -c: a finite column whose gradient is 0
+        (cap' = 0 there), never NaN (the series branch is not evaluated at ±inf)."""
+        fw = self.fw
+        z64 = rng.normal(size=(3, 37)) * 2
+        z64[:, 5:9] = -np.inf
+        y = rng.integers(9, 37, 3)
+        cots = [rng.normal(size=3).astype(np.float32) for _ in range(4)]
+        fn = lambda z_: fw.api.token_stats(z_, fw.array(y), softcap=softcap,
+                                           backend=self.BACKEND)[:3]
+        outs, (grad,) = fw.vjp(fn, [fw.array(z64, "float32")], cots[:3])
+        active = np.ones(3, bool)
+        exp = oracle.token_stats(z64, y, active, softcap=softcap)
+        for name, got, e in zip(("lse", "logp", "entropy"), outs, exp):
+            assert_close(got, e, "float32", name)
+        g = cots[:3] + [np.zeros(3)]
+        dz, _ = oracle.token_stats_vjp(z64, y, active, g, softcap=softcap)
+        assert_close(grad, dz, "float32", "d logits",
+                     slack=oracle.saved_lse_slack(z64, y, active, g, softcap=softcap))
+
     def test_weights_none_means_all_active(self, rng):
         fw = self.fw
         z64 = rng.normal(size=(5, 33))

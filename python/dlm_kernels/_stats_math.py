@@ -89,11 +89,15 @@ def softcap(xp, z, c):
     |z / c| = TANH_SERIES_BOUND as z·(1 + u·Q(u)), u = (z / c)², so z to float32 where z / c
     underflows; beyond, c·tanh(z / c) (saturating to ±c, also where z / c overflows)."""
     x = z * (1.0 / c)
-    u = x * x
+    small = x * x < TANH_SERIES_BOUND ** 2
+    # the series only where it is used: its unused value at z = ±inf would be NaN, and
+    # autodiff's where() carries a NaN of the unused branch into the gradient
+    zs = xp.where(small, z, 0.0)
+    u = zs * (1.0 / c) * (zs * (1.0 / c))
     q = TANH_SERIES[-1]
     for coef in TANH_SERIES[-2::-1]:
         q = q * u + coef
-    return xp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q), xp.tanh(x) * c)
+    return xp.where(small, zs + zs * (u * q), xp.tanh(x) * c)
 
 
 def _add_at(xp, x, ids, col0, vals):
