@@ -116,21 +116,31 @@ def _array_of(logits):
     return logits.hidden if is_head(logits) else logits
 
 
-def unit_coefficients(xp, coefficients):
-    """(unit, coefficients / unit) with unit = the largest |c| (1 when all are 0), a
-    constant: a linear head forms its planned gradient c·dstats in the head's dtype, where
-    the coefficients' own scale (loss weights of 1e-30 or 1e30) would underflow or overflow a
-    16-bit dZ; the total times ``unit`` carries that scale in its cotangent instead."""
+#: the range of a planned gradient's scale a 16-bit dZ holds with its full precision
+PLANNED_SCALE_RANGE = (2.0 ** -14, 2.0 ** 14)
+
+
+def unit_coefficients(xp, coefficients, cfg):
+    """(unit, coefficients / unit): a linear head forms its planned gradient Σ c·dstats in
+    the head's dtype, where coefficients far from unit size (loss weights of 1e-30 or 1e30)
+    would underflow or overflow a 16-bit dZ. Its scale g = max over fields of max|c| / T
+    (each statistic's gradient carries 1 / T, ``ce_temperature`` for logp) is taken out when
+    it leaves PLANNED_SCALE_RANGE (unit = g, a constant; else 1, so terms of different
+    scales, as distillation's T²-weighted KL beside its CE, keep theirs); the total times
+    ``unit`` carries it in its cotangent instead."""
     if coefficients is None:
         return None, None
-    unit = None
-    for c in coefficients:
+    scale = None
+    temperatures = (cfg.temperature, cfg.ce_temperature, cfg.temperature, cfg.temperature)
+    for c, t in zip(coefficients, temperatures):
         if c is not None:
-            top = xp.rowmax(abs(c)) if c.shape[0] else xp.rowsum(c)  # [N] -> []
-            unit = top if unit is None else xp.maximum(unit, top)
-    if unit is None:
+            top = (xp.rowmax(abs(c)) if c.shape[0] else xp.rowsum(c)) * (1.0 / t)  # []
+            scale = top if scale is None else xp.maximum(scale, top)
+    if scale is None:
         return None, coefficients
-    unit = xp.stop_gradient(xp.where(unit > 0, unit, 1.0))
+    low, high = PLANNED_SCALE_RANGE
+    unit = xp.stop_gradient(xp.where((scale > 0) & ((scale < low) | (scale > high)),
+                                     scale, 1.0))
     return unit, tuple(None if c is None else c / unit for c in coefficients)
 
 
@@ -216,7 +226,7 @@ class TokenStatsFrontEnd:
                              "use 'chunked' or 'triton'")
         total = None
         if heads and impl.custom_vjp:
-            unit, planned = unit_coefficients(xp, coefficients)
+            unit, planned = unit_coefficients(xp, coefficients, cfg)
             *outs, total = self.vjp.apply_head(impl, cfg, rows, shard, planned)
             if unit is not None:
                 total = total * unit
