@@ -19,16 +19,26 @@ def _logsumexp(s):  # [N, K] -> [N]
         return ms + np.log(np.sum(np.exp(s - ms[:, None]), axis=-1))
 
 
-def _kl(s, t):
-    """KL(softmax(t) || softmax(s)) per row, s, t [N, K], in NumPy's extended precision
-    (np.longdouble, 80 bits on x86-64). At a large temperature the KL is O(1/T²) while its
-    terms are of the size of log K and cancel; float64 would keep only about
-    1e-16·log K / KL of it (a relative 1e-5 at KL = 1e-10), extended precision 1000 times more."""
+def _kl_rows(s, t):
+    """KL(softmax(t) || softmax(s)) per row of s, t [N, K], in their dtype."""
     logq = t - _logsumexp(t)[:, None]
     logp = s - _logsumexp(s)[:, None]
     q = np.exp(logq)
     terms = np.where(q > 0, q * (np.where(q > 0, logq, 0) - np.where(q > 0, logp, 0)), 0)
     return np.sum(terms, axis=-1).astype(np.float64)
+
+
+def _kl(r, u, T, T_kl):
+    """KL(softmax(u / T_kl) || softmax(r / T)) per row. Its terms are of the size of log K and
+    cancel to the KL, which at a large temperature is O(1/T²): float64 keeps about
+    1e-16·log K / KL of it (a relative 1e-5 at KL = 1e-10), so rows whose KL is below 1e-6
+    are summed again in NumPy's extended precision (np.longdouble, 80 bits on x86-64)."""
+    kl = _kl_rows(r / T, u / T_kl)
+    small = ~(kl >= 1e-6)  # (and NaN)
+    if small.any():
+        ld = np.longdouble
+        kl[small] = _kl_rows(r[small] / ld(T), u[small] / ld(T_kl))
+    return kl
 
 
 def _shifted(z, x, d, softcap):
@@ -66,7 +76,7 @@ def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=
             lse_u = _logsumexp(t)
             logq = t - lse_u[:, None]
             q = np.exp(logq)
-            kl = _kl(r / np.longdouble(T), u / np.longdouble(T_kl))
+            kl = _kl(r, u, T, T_kl)
     act = active.astype(bool)
     out = {name: np.where(act, v, 0.0) for name, v in
            (("lse", lse), ("logp", logp), ("entropy", ent), ("kl", kl))}

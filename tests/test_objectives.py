@@ -523,6 +523,75 @@ class ObjectivesSuite:
             assert_close(dw.reshape(-1), (np.where(active, term, 0.0) - expected) / wf.sum(),
                          "float32", f"{name} d loss_weights")
 
+    def check_opd(self, z, u, y, w, T, soft_w, hard_w, name):
+        """opd_loss of logits z and teacher u ([B, L, K] float32 arrays) against the oracle:
+        the soft term (T²·Σ w·KL), the hard term, the total and d logits."""
+        fw = self.fw
+        b, l, k = z.shape
+        student = fw.api.DiffusionTokenBatch.create(model_inputs=fw.array(y), target_ids=fw.array(y),
+                                                    loss_weights=fw.array(w))
+        batch = fw.api.DiffusionDistillationBatch.create(student_batch=student,
+                                                         teacher_logits=fw.array(u, "float32"))
+
+        def fn(z_):
+            total, aux = fw.api.opd_loss(z_, batch, temperature=T, soft_loss_weight=soft_w,
+                                         hard_loss_weight=hard_w, backend=self.BACKEND)
+            return (total.unreduced_sum, aux["distill/soft_loss"].unreduced_sum,
+                    aux["distill/hard_loss"].unreduced_sum)
+
+        (tot, soft, hard), (grad,) = fw.vjp(fn, [fw.array(z, "float32")], [1.0, 0.0, 0.0])
+        n = b * l
+        z64, u64, y64 = z.reshape(n, k).astype(np.float64), u.reshape(n, k).astype(np.float64), y.reshape(-1)
+        active, wf = (w != 0).reshape(-1), w.reshape(-1).astype(np.float64)
+        _, _, _, kl = oracle.token_stats(z64, y64, active, u=u64, T=T)
+        _, lp, _, _ = oracle.token_stats(z64, y64, active)
+        e_soft, e_hard = T * T * (wf * kl).sum(), -(wf * lp).sum()
+        assert_close(soft, e_soft, "float32", f"{name}: soft")
+        assert_close(hard, e_hard, "float32", f"{name}: hard")
+        assert_close(tot, soft_w * e_soft + hard_w * e_hard, "float32", f"{name}: total")
+        zeros = np.zeros(n)
+        g_soft = (zeros, zeros, zeros, soft_w * T * T * wf)
+        g_hard = (zeros, -hard_w * wf, zeros, zeros)
+        dz_soft, _ = oracle.token_stats_vjp(z64, y64, active, g_soft, u=u64, T=T)
+        dz_hard, _ = oracle.token_stats_vjp(z64, y64, active, g_hard)
+        slack = (oracle.saved_lse_slack(z64, y64, active, g_soft, u=u64, T=T)
+                 + oracle.saved_lse_slack(z64, y64, active, g_hard))
+        assert_close(grad.reshape(n, k), dz_soft + dz_hard, "float32", f"{name}: d logits",
+                     slack=slack)
+
+    @pytest.mark.parametrize("temperature", [1e3, 1e4])
+    def test_opd_loss_at_a_large_temperature(self, rng, temperature):
+        """The soft term T²·KL is O(1) at any T while the KL is O(1/T²): at T = 1e3 and 1e4
+        it is the oracle's within the float32 tolerance (formed as E_q[t - s] - lse_u + lse it
+        came out a percent off at 1e3 and negative at 1e4), and so is d logits."""
+        _, y, w = self.batch(rng)
+        z = (rng.normal(size=(2, 6, 41)) * 3).astype(np.float32)
+        u = (rng.normal(size=(2, 6, 41)) * 3).astype(np.float32)
+        self.check_opd(z, u, np.where(w == 0, 0, y), w, temperature, 1.0, 0.5, f"T={temperature}")
+
+    #: [N, K] of test_opd_loss_with_a_masked_vocabulary_tail: N = 512 makes the CPU chunk of
+    #: the framework-native chunked backends 4096 columns, so the tail is the second chunk
+    MASKED_TAIL_SHAPE = (512, 8192)
+
+    @pytest.mark.parametrize("masked", ["student and teacher", "teacher"])
+    def test_opd_loss_with_a_masked_vocabulary_tail(self, rng, masked):
+        """A padded vocabulary: the last 4096 columns hold finfo.min in the student's and
+        the teacher's logits, or in the teacher's alone (a whole chunk, or whole blocks and
+        vocabulary splits of the kernels). Every term and d logits are the oracle's at T = 2
+        (the teacher-only case gave NaN on the chunked backend: a chunk whose teacher maximum
+        is finfo.min merged as 0 · -inf)."""
+        n, k = self.MASKED_TAIL_SHAPE
+        w = rng.uniform(0.5, 2.0, (1, n)).astype(np.float32)
+        w[rng.uniform(size=(1, n)) < 0.2] = 0.0
+        y = rng.integers(0, k - 4096, (1, n))
+        z = (rng.normal(size=(1, n, k)) * 3).astype(np.float32)
+        u = (rng.normal(size=(1, n, k)) * 3).astype(np.float32)
+        fmin = np.finfo(np.float32).min
+        if masked != "teacher":
+            z[..., k - 4096:] = fmin
+        u[..., k - 4096:] = fmin
+        self.check_opd(z, u, y, w, 2.0, 0.7, 0.4, masked)
+
     def test_opd_teacher_is_a_constant(self, rng):
         """opd_loss stops the teacher's gradient: differentiated with respect to the teacher
         logits, the total and both aux terms give exact zeros (and the student its own)."""
@@ -597,6 +666,9 @@ class KernelObjectivesSuite(ObjectivesSuite):
     test_compute_diffusion_per_token_logps_calls_logits_fn = None
     test_per_token_logps_stop_gradient = None
     test_sync_checks_read_accelerator_arrays = None
+    # N rows of K: the kernels split K into blocks and vocabulary splits of their own (the
+    # tail is whole Pallas blocks of 2048 and a whole Triton split of 4096 here)
+    MASKED_TAIL_SHAPE = (12, 16384)
 
 
 class TestTorchReference(ObjectivesSuite):

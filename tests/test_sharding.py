@@ -111,6 +111,64 @@ def test_jax_sharded_parity(data, vocab, backend, monkeypatch, request):
 
 
 @pytest.mark.parametrize("backend", ["chunked", "pallas", "triton"])
+@pytest.mark.parametrize("temperature", [2.0, 1e3])
+def test_jax_vocab_parallel_with_masked_shards(backend, temperature, monkeypatch, request):
+    """Two of four vocabulary shards (K = 40) hold finfo.min in every column, in the student
+    and the teacher (rows 0-2) or in the teacher alone (rows 3-5): they merge across devices
+    as exactly nothing (a shard whose maximum is finfo.min once merged as 0 · -inf = NaN),
+    and at T = 1e3 the KL is accurate relative to itself (compared as T²·KL)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    import dlm_kernels.jax as D
+
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+    if backend == "triton":
+        pytest.importorskip("triton")
+        request.getfixturevalue("jax_triton_on_cpu")
+    rng = np.random.default_rng(new_seed())
+    n, k, T = 6, 40, temperature
+    z = (rng.normal(size=(n, k)) * 3).astype(np.float32)
+    u = (rng.normal(size=(n, k)) * 3).astype(np.float32)
+    fmin = np.finfo(np.float32).min
+    z[:3, 10:30] = fmin
+    u[:, 10:30] = fmin
+    y = rng.choice(np.r_[0:10, 30:40], n)
+    w = np.ones(n, np.float32)
+    g = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
+    mesh = Mesh(np.array(jax.devices()[:4]), ("vocab",))
+    tile, row = P(None, "vocab"), P()
+
+    def local(z, u, y, w):
+        return D.token_stats(z, y, w, teacher_logits=u, teacher_grad=True, temperature=T,
+                             vocab_axis="vocab", chunk_size=4 if backend == "chunked" else None,
+                             backend=backend)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(tile, tile, row, row), out_specs=row)
+
+    def loss(z, u):
+        s = f(z, u, y, w)
+        return sum(jnp.sum(gi * si) for gi, si in zip(g, s)), s
+
+    (_, stats), (dz, du) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(z, u)
+    active = w != 0
+    ora = dict(T=T, u=u.astype(np.float64))
+    z64 = z.astype(np.float64)
+    for name, got, exp in zip(("lse", "logp", "entropy", "kl"), stats,
+                              oracle.token_stats(z64, y, active, **ora)):
+        scale = T * T if name == "kl" else 1.0
+        assert_close(np.asarray(got) * scale, exp * scale, "float32", name)
+    e_dz, e_du = oracle.token_stats_vjp(z64, y, active, g, **ora)
+    assert_close(np.asarray(dz), e_dz, "float32", "d logits",
+                 slack=oracle.saved_lse_slack(z64, y, active, g, **ora))
+    live = u > fmin
+    assert_close(np.asarray(du), e_du, "float32", "d teacher",
+                 scale=cancellation_scale(g[3], np.where(live, z, 0) / T,
+                                          np.where(live, u, 0) / T, temperature=T))
+
+
+@pytest.mark.parametrize("backend", ["chunked", "pallas", "triton"])
 def test_jax_vmap_inside_vocab_parallel(backend, monkeypatch, request):
     """jax.vmap over a batch axis inside shard_map: the same values and gradients as the
     unbatched call on the flattened rows (kernel backends fold the batch into their rows)."""
