@@ -109,9 +109,11 @@ t=$(left 5)
 if ! want suites; then
   :
 elif [ "$t" -gt 30 ]; then  # left() never answers below 10
-  log "GPU parity suites at small awkward shapes (torch)"
+  log "GPU parity suites at small awkward shapes and the domain sweep (torch)"
   gpu_pytest "$t" gpu_suite_tests.xml "tests/test_triton.py::TestTorchTriton" \
-    "tests/test_triton.py::TestTorchTritonObjectives"
+    "tests/test_triton.py::TestTorchTritonObjectives" \
+    "tests/test_domain.py::test_token_stats_over_the_domain[torch-triton]" \
+    "tests/test_domain.py::test_objectives_over_the_domain[torch-triton]"
 else
   log "GPU parity suites at small shapes: skipped, no time left"
 fi
