@@ -334,6 +334,7 @@ AOT_CASES = [("bf16", False), ("bf16", True), ("fp32", True), ("fp16", False)]
 # (4.3 TB/s, bench/NOTES.md): a streaming loop that issues more SASS instructions per byte
 # it moves than this cannot reach the copy bandwidth, whatever the memory system does.
 ISSUE_PER_BYTE = 128 * 132 * 1.98e9 / 4.3e12  # about 7.8
+DISTILLATION_ISSUE_SHARE = 0.8  # of the copy rate, for the distillation forward (below)
 
 
 @pytest.mark.parametrize("dtype,teacher", AOT_CASES)
@@ -399,8 +400,15 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
     for kernel, nbytes in (("stats_partial_kernel", streams * elem),
                            ("stats_grad_kernel", (streams + 1) * elem)):
         per_col = report_of(report, "objective:" + kernel)["sass_per_logit"]
+        budget = ISSUE_PER_BYTE * nbytes
+        if teacher and kernel == "stats_partial_kernel":
+            # the cancellation-free KL's psi sum (docs/design.md §2) costs about 11
+            # instructions per logit: the distillation forward may issue at 80 % of the copy
+            # rate (bench/NOTES.md: a specialisation that sums it only where T needs it would
+            # win the rest back)
+            budget = budget / DISTILLATION_ISSUE_SHARE
         if per_col is not None:  # None: no nvdisasm beside this ptxas
-            assert per_col <= ISSUE_PER_BYTE * nbytes, (kernel, per_col, report)
+            assert per_col <= budget, (kernel, per_col, report)
 
 
 def report_of(report, kernel):
