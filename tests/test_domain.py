@@ -265,8 +265,9 @@ BACKENDS = [("torch", "reference"), ("torch", "chunked"), ("torch", "triton"),
             ("jax", "reference"), ("jax", "chunked"), ("jax", "triton"), ("jax", "pallas")]
 
 
-@pytest.mark.parametrize("fw_name,backend", BACKENDS, ids=[f"{f}-{b}" for f, b in BACKENDS])
-def test_token_stats_over_the_domain(fw_name, backend, request, monkeypatch):
+def run_design(name, axes, check, fw_name, backend, request, monkeypatch):
+    """Every case of the test's design (``design_seed``) through ``check(fw, backend, case,
+    rng)``; the failures listed together, each with its case."""
     if backend == "triton":
         pytest.importorskip("triton")
         if fw_name == "jax":
@@ -274,17 +275,23 @@ def test_token_stats_over_the_domain(fw_name, backend, request, monkeypatch):
     if backend == "pallas":
         monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
     fw = framework(fw_name)
-    rng = np.random.default_rng(design_seed("token_stats", f"{fw_name}-{backend}"))
-    axes = dict(AXES)
-    if backend in ("triton", "pallas"):
-        axes["k_chunk"] = KERNEL_K_CHUNK
+    rng = np.random.default_rng(design_seed(name, f"{fw_name}-{backend}"))
     failures = []
     for case in pairwise(axes, rng):
         try:
-            check_case(fw, backend, case, rng)
+            check(fw, backend, case, rng)
         except AssertionError as err:
             failures.append(f"{case_id(case)}:\n    {str(err).splitlines()[0]}")
     assert not failures, f"{len(failures)} case(s) failed:\n" + "\n".join(failures)
+
+
+KERNELS = ("triton", "pallas")
+
+
+@pytest.mark.parametrize("fw_name,backend", BACKENDS, ids=[f"{f}-{b}" for f, b in BACKENDS])
+def test_token_stats_over_the_domain(fw_name, backend, request, monkeypatch):
+    axes = dict(AXES, k_chunk=KERNEL_K_CHUNK) if backend in KERNELS else AXES
+    run_design("token_stats", axes, check_case, fw_name, backend, request, monkeypatch)
 
 
 # -- the objectives over the domain ------------------------------------------------------------
@@ -545,21 +552,6 @@ def objective_dz(case, data, z64, w64, alpha64):
 
 @pytest.mark.parametrize("fw_name,backend", BACKENDS, ids=[f"{f}-{b}" for f, b in BACKENDS])
 def test_objectives_over_the_domain(fw_name, backend, request, monkeypatch):
-    if backend == "triton":
-        pytest.importorskip("triton")
-        if fw_name == "jax":
-            request.getfixturevalue("jax_triton_on_cpu")
-    if backend == "pallas":
-        monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
-    fw = framework(fw_name)
-    rng = np.random.default_rng(design_seed("objectives", f"{fw_name}-{backend}"))
-    axes = dict(OBJECTIVE_AXES)
-    if backend in ("triton", "pallas"):
-        axes["k"] = KERNEL_K
-    failures = []
-    for case in pairwise(axes, rng):
-        try:
-            check_objective_case(fw, backend, case, rng)
-        except AssertionError as err:
-            failures.append(f"{case_id(case)}:\n    {str(err).splitlines()[0]}")
-    assert not failures, f"{len(failures)} case(s) failed:\n" + "\n".join(failures)
+    axes = dict(OBJECTIVE_AXES, k=KERNEL_K) if backend in KERNELS else OBJECTIVE_AXES
+    run_design("objectives", axes, check_objective_case, fw_name, backend, request,
+               monkeypatch)
