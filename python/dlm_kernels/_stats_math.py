@@ -92,8 +92,8 @@ def softcap(xp, z, c):
     small = x * x < TANH_SERIES_BOUND ** 2
     # the series only where it is used: its unused value at z = ±inf would be NaN, and
     # autodiff's where() carries a NaN of the unused branch into the gradient
-    zs = xp.where(small, z, 0.0)
-    u = zs * (1.0 / c) * (zs * (1.0 / c))
+    zs, xs = xp.where(small, z, 0.0), xp.where(small, x, 0.0)
+    u = xs * xs
     q = TANH_SERIES[-1]
     for coef in TANH_SERIES[-2::-1]:
         q = q * u + coef
