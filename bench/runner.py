@@ -115,20 +115,20 @@ def skip_reason(env, variant, shape_index, elapsed_s, budget_s):
 def variants(env, framework, objective):
     """(ours, [baselines]) for one framework on this device."""
     if framework == "torch":
-        import dlm_kernels.torch as dk
+        from dlm_kernels.torch._primitive import REGISTRY
 
         # the backends auto would use here, from the backend table (on a CPU the chunked
         # one alone: interpreters are not timed)
-        native = list(dk.REGISTRY.native("cuda" if env["cuda"] else "cpu"))
+        native = list(REGISTRY.native("cuda" if env["cuda"] else "cpu"))
         baselines = ["reference"]
         if env["cuda"]:
             baselines.append("reference+compile")
             if objective == "ce" and _try_import("liger_kernel") is not None:
                 baselines.append("liger")
         return native, baselines
-    import dlm_kernels.jax as dk
+    from dlm_kernels.jax._primitive import REGISTRY as JAX_REGISTRY
 
-    return list(dk.REGISTRY.native(env["jax_backend"])), ["reference"]
+    return list(JAX_REGISTRY.native(env["jax_backend"])), ["reference"]
 
 
 # -- parity ---------------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ class TorchFW:
         import torch
 
         import dlm_kernels.torch as api
+        from dlm_kernels.torch._primitive import REGISTRY
 
-        self.torch, self.api = torch, api
+        self.torch, self.api, self.registry = torch, api, REGISTRY
         # DLM_TEST_DEVICE=cuda runs the same suites on a GPU (bench/gpu_check.sh does).
         self.device = os.environ.get("DLM_TEST_DEVICE", "cpu")
         self.dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -61,8 +62,9 @@ class JaxFW:
         import jax.numpy as jnp
 
         import dlm_kernels.jax as api
+        from dlm_kernels.jax._primitive import REGISTRY
 
-        self.jax, self.jnp, self.api = jax, jnp, api
+        self.jax, self.jnp, self.api, self.registry = jax, jnp, api, REGISTRY
         self.dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
     def array(self, a, dtype=None):

@@ -19,7 +19,7 @@ FWS = ("torch", "jax")
 def test_registry_and_auto_choice_on_cpu(fw_name, monkeypatch):
     monkeypatch.delenv("DLM_KERNELS_BACKEND", raising=False)
     fw = framework(fw_name)
-    assert {"reference", "chunked"} <= set(fw.api.REGISTRY.available())
+    assert {"reference", "chunked"} <= set(fw.registry.available())
     z = fw.array(np.zeros((2, 5), np.float32))
     assert fw.api.backend_for(z) == "chunked"
     assert dlm_kernels.backend_for(z) == "chunked"
@@ -134,7 +134,7 @@ def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
     entropy's sums, distillation adds the T = 1 CE sums only with a hard term, and only
     per_token_logps(return_entropy=True) computes the entropy."""
     fw = framework(fw_name)
-    impl = fw.api.REGISTRY.IMPLEMENTATIONS["chunked"]
+    impl = fw.registry.IMPLEMENTATIONS["chunked"]
     seen = []
     forward = type(impl).forward
 
@@ -198,15 +198,16 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     from dlm_kernels import _dispatch
 
     import dlm_kernels.torch as T
+    from dlm_kernels.torch import _primitive
     from bench.runner import variants
 
     row = _dispatch.BackendSpec("throwaway", {"torch": "throwaway_backend"}, ("cpu",),
                                 "a test's backend")
     monkeypatch.setattr(_dispatch, "BACKENDS", _dispatch.BACKENDS + (row,))
-    monkeypatch.setattr(T.REGISTRY, "IMPLEMENTATIONS", dict(T.REGISTRY.IMPLEMENTATIONS))
-    T.REGISTRY.load()
+    monkeypatch.setattr(_primitive.REGISTRY, "IMPLEMENTATIONS", dict(_primitive.REGISTRY.IMPLEMENTATIONS))
+    _primitive.REGISTRY.load()
     assert "throwaway" in _dispatch.backend_names()
-    assert T.REGISTRY.native("cpu") == ("throwaway", "chunked")
+    assert _primitive.REGISTRY.native("cpu") == ("throwaway", "chunked")
     assert '"throwaway" (a test\'s backend)' in _dispatch.backends_doc()
     assert variants({"cuda": False}, "torch", "ce")[0] == ["throwaway", "chunked"]
     rng = np.random.default_rng(new_seed())
@@ -214,7 +215,7 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     y = torch_tensor(rng.integers(0, 11, 3))
     assert T.backend_for(z) == "throwaway"  # its row prefers the CPU
     ref = T.token_stats(z, y, backend="reference")
-    impl = T.REGISTRY.IMPLEMENTATIONS["throwaway"]
+    impl = _primitive.REGISTRY.IMPLEMENTATIONS["throwaway"]
     before = type(impl).calls
     for got, exp in zip(T.token_stats(z, y, backend="throwaway"), ref):
         np.testing.assert_array_equal(got.numpy(), exp.numpy())
@@ -225,21 +226,6 @@ def torch_tensor(a):
     import torch
 
     return torch.as_tensor(a, dtype=torch.float32 if a.dtype.kind == "f" else torch.int64)
-
-
-@pytest.mark.parametrize("fw_name", FWS)
-def test_front_ends_export_the_same_public_names_bound_in_order(fw_name):
-    """Both front ends export PUBLIC_API, and each exported objective is the one its name
-    says (the export tuple follows Objectives.NAMES)."""
-    from dlm_kernels._frontend import PUBLIC_API
-    from dlm_kernels._objectives import Objectives
-
-    api = framework(fw_name).api
-    assert list(api.__all__) == list(PUBLIC_API)
-    for name in PUBLIC_API:
-        assert hasattr(api, name), name
-    for name in Objectives.NAMES:
-        assert getattr(api, name).__name__ == name, (name, getattr(api, name))
 
 
 def test_backend_for_names_arrays_a_front_end_does_not_take():

@@ -1,5 +1,5 @@
-"""The framework-neutral shell of a front end: ``token_stats``, the vocabulary-parallel
-context, ``backend_for`` and the public names, written once.
+"""The framework-neutral shell of a front end: ``token_stats``' body, the
+vocabulary-parallel context and ``backend_for``, written once.
 
 Each framework supplies only what differs: its ops adapter (``xp``), its registry, and a
 *VJP adapter*, an object with
@@ -23,25 +23,12 @@ Each framework supplies only what differs: its ops adapter (``xp``), its registr
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 from ._checks import flag, require_array
 from ._config import check_vocab_size
 from ._linear_head import is_head, planned_total, weighting_term
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
-
-#: The public names of both front ends (``dlm_kernels.torch`` and ``dlm_kernels.jax``).
-PUBLIC_API = (
-    "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
-    "reweight", "diffusion_sft_loss", "diffusion_sft_logps", "DiffusionTokenBatch",
-    "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
-    "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
-    "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
-    "BackendUnavailableError", "REGISTRY", "vocab_parallel", "sync_checks", "LinearHead",
-    "Sample", "sample_tokens", "commit_tokens",
-)
-
 
 class VocabParallel:
     """The active ``vocab_parallel`` setting of one front end: (shard, vocab_size) or None.
@@ -58,57 +45,6 @@ class VocabParallel:
             yield
         finally:
             self.current = previous
-
-
-#: token_stats' keyword arguments and defaults, both front ends (the shard keyword differs:
-#: ``process_group`` in torch, ``vocab_axis`` in JAX, and comes before ``backend``)
-TOKEN_STATS_OPTIONS = dict(
-    temperature=1.0, ce_temperature=None, softcap=None, shift_ids=None, shift=None,
-    teacher_logits=None, teacher_temperature=None, teacher_grad=False, entropy=True,
-    chunk_size=None, inplace_grad=False, vocab_size=None)
-
-
-def _options(options, shard_keyword, caller):
-    """token_stats' keyword arguments completed with their defaults, the shard keyword of
-    the front end renamed ``shard``."""
-    options = dict(options)
-    shard = options.pop(shard_keyword, None)
-    backend = options.pop("backend", None)
-    unknown = set(options) - set(TOKEN_STATS_OPTIONS)
-    if unknown:
-        raise TypeError(f"{caller}() got unexpected keyword arguments {sorted(unknown)}")
-    return {**TOKEN_STATS_OPTIONS, **options, "shard": shard, "backend": backend}
-
-
-def token_stats_total(front, shard_keyword):
-    """The objectives' ``token_stats_total(logits, targets, weights, coefficients,
-    **token_stats options) -> (TokenStats, total)`` of one front end."""
-
-    def call(logits, targets, weights, coefficients, **options):
-        return front.token_stats_total(logits, targets, weights, coefficients,
-                                       **_options(options, shard_keyword, "token_stats"))
-
-    return call
-
-
-def public_token_stats(front, shard_keyword, doc):
-    """The public ``token_stats(logits, targets, weights=None, *, ..., <shard_keyword>=None,
-    backend=None)`` of one front end, with that signature and ``doc``."""
-
-    def token_stats(logits, targets, weights=None, **options):
-        return front.token_stats(logits, targets, weights,
-                                 **_options(options, shard_keyword, "token_stats"))
-
-    keyword = lambda name, default: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                                      default=default)
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    token_stats.__signature__ = inspect.Signature(
-        [inspect.Parameter("logits", positional), inspect.Parameter("targets", positional),
-         inspect.Parameter("weights", positional, default=None)]
-        + [keyword(name, default) for name, default in TOKEN_STATS_OPTIONS.items()]
-        + [keyword(shard_keyword, None), keyword("backend", None)])
-    token_stats.__doc__ = doc
-    return token_stats
 
 
 def _array_of(logits):
@@ -177,14 +113,16 @@ class TokenStatsFrontEnd:
         require_array(self.xp, "logits.hidden" if is_head(logits) else "logits", array)
         return self.registry.resolve(backend, self.xp.platform(array)).name
 
-    def token_stats(self, logits, targets, weights, **options):
+    def token_stats(self, logits, targets, weights=None, **options):
+        """The public ``token_stats`` (its shard keyword named ``shard``)."""
         stats, _ = self.token_stats_total(logits, targets, weights, None, **options)
         return stats
 
-    def token_stats_total(self, logits, targets, weights, coefficients, *, temperature,
-                          ce_temperature, softcap, shift_ids, shift, teacher_logits,
-                          teacher_temperature, teacher_grad, entropy, chunk_size, inplace_grad,
-                          vocab_size, shard, backend):
+    def token_stats_total(self, logits, targets, weights, coefficients, *, temperature=1.0,
+                          ce_temperature=None, softcap=None, shift_ids=None, shift=None,
+                          teacher_logits=None, teacher_temperature=None, teacher_grad=False,
+                          entropy=True, chunk_size=None, inplace_grad=False, vocab_size=None,
+                          shard=None, backend=None):
         """(TokenStats, total): the statistics, and with ``coefficients`` (a TokenStats of
         [...] float32 arrays or None per field) also total = Σ_rows Σ_fields c·stat, the one
         scalar an objective reduces to (``_linear_head.planned_total``). A linear head then

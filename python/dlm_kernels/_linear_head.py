@@ -28,6 +28,8 @@ Two gradient schedules (chosen by the objective, never by guessing from the cota
 
 from __future__ import annotations
 
+from typing import Any, Callable, Generic, TypeVar
+
 from ._checks import require_array, require_float, shape_str
 from ._config import check_positive_int
 
@@ -93,7 +95,11 @@ def row_chunks(n_rows: int, r: int):
     return [(r0, min(r0 + r, n_rows)) for r0 in range(0, n_rows, r)]
 
 
-class LinearHead:
+#: the array type of a front end's LinearHead (torch.Tensor, jax.Array)
+A = TypeVar("A")
+
+
+class LinearHead(Generic[A]):
     """``logits = hidden @ weight (+ bias)``, given in place of a logits array.
 
     hidden: [..., D] (``[B, L, D]`` for the objectives, ``[..., D]`` for ``token_stats``).
@@ -113,9 +119,15 @@ class LinearHead:
     backend, whose fused kernels use each float32 MXU product tile as it is.
     """
 
-    DEFAULT_LAYOUT = VOCAB_MAJOR  # each front end's subclass sets its own
+    DEFAULT_LAYOUT: str = VOCAB_MAJOR  # each front end's subclass sets its own
+    hidden: A
+    weight: A
+    bias: A | None
+    weight_layout: str
+    row_chunk: int | None
 
-    def __init__(self, hidden, weight, bias=None, *, weight_layout=None, row_chunk=None):
+    def __init__(self, hidden: A, weight: A, bias: A | None = None, *,
+                 weight_layout: str | None = None, row_chunk: int | None = None) -> None:
         layout = type(self).DEFAULT_LAYOUT if weight_layout is None else weight_layout
         if layout not in LAYOUTS:
             raise ValueError(f"weight_layout must be one of {LAYOUTS} ('KD': weight [K, D], "
@@ -134,7 +146,7 @@ class LinearHead:
         return self.hidden.shape[-1]
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return tuple(self.hidden.shape[:-1]) + (self.vocab,)
 
     @property
@@ -142,38 +154,39 @@ class LinearHead:
         return len(self.hidden.shape)
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         return self.hidden.dtype
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"{type(self).__name__}(hidden {shape_str(self.hidden.shape)}, weight "
                 f"{shape_str(self.weight.shape)} ({self.weight_layout}), bias "
                 f"{'None' if self.bias is None else shape_str(self.bias.shape)})")
 
     # -- rebuilt views ----------------------------------------------------------------------
-    def replace(self, hidden=None, weight=None, bias=None):
+    def replace(self, hidden: A | None = None, weight: A | None = None,
+                bias: A | None = None) -> LinearHead[A]:
         """The same head with some arrays replaced (None: kept)."""
         return type(self)(self.hidden if hidden is None else hidden,
                           self.weight if weight is None else weight,
                           self.bias if bias is None else bias,
                           weight_layout=self.weight_layout, row_chunk=self.row_chunk)
 
-    def map_arrays(self, fn):
+    def map_arrays(self, fn: Callable[[A], A]) -> LinearHead[A]:
         """fn applied to hidden, weight and bias (e.g. a stop-gradient)."""
         return self.replace(fn(self.hidden), fn(self.weight),
                             None if self.bias is None else fn(self.bias))
 
-    def flat(self, n_rows: int):
+    def flat(self, n_rows: int) -> LinearHead[A]:
         """The head over [N, D] rows (leading dimensions flattened, as logits become [N, K])."""
         return self.replace(hidden=self.hidden.reshape(n_rows, self.width))
 
-    def vocab_slice(self, stop: int):
+    def vocab_slice(self, stop: int) -> LinearHead[A]:
         """The head of the first ``stop`` columns (the vocabulary without its padding)."""
         w = self.weight[:stop] if self.weight_layout == VOCAB_MAJOR else self.weight[:, :stop]
         return self.replace(weight=w, bias=None if self.bias is None else self.bias[:stop])
 
     # -- checks ---------------------------------------------------------------------------
-    def check(self, xp, name: str):
+    def check(self, xp: Any, name: str) -> None:
         """Kinds, ranks, dtypes and the shared width D; the error names ``name``'s part."""
         h, w, b = self.hidden, self.weight, self.bias
         require_array(xp, f"{name}.hidden", h)

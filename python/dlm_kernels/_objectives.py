@@ -2,11 +2,13 @@
 
 :class:`Objectives` binds the objectives to one framework's ops adapter (``xp``), its
 ``token_stats`` and its contract classes; ``dlm_kernels.torch`` and ``dlm_kernels.jax`` each
-make one and export its methods (``exports()``). Each objective does only cheap ``[B, L]`` arithmetic
+make one, privately, and their typed public functions call its methods. Each objective does only cheap ``[B, L]`` arithmetic
 around one primitive call, so autodiff flows through the primitive's VJP.
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 from . import _checks as checks
 from ._checks import flag, number, shape_str
@@ -14,13 +16,15 @@ from ._linear_head import is_head
 from ._config import check_loss_weight, check_positive_float, check_vocab_size
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 
+T = TypeVar("T")  # an array type (or a float): the schedules map t to its kind
 
-def rf_alpha(t):
+
+def rf_alpha(t: T) -> T:
     """Rectified-flow schedule alpha(t) = 1 - t."""
     return 1.0 - t
 
 
-def rf_alpha_dot(t):
+def rf_alpha_dot(t: T) -> T:
     """Rectified-flow schedule derivative alpha'(t) = -1 (same shape as t)."""
     return 0.0 * t - 1.0
 
@@ -56,15 +60,6 @@ def _bad_weighted_sum(xp, w):
 
 class Objectives:
     """The public objectives of one front end (see the module docstring)."""
-
-    #: what a front end exports from it, in this order (``exports()``)
-    NAMES = ("reweight", "loo_to_denoiser_logits", "diffusion_sft_loss", "diffusion_sft_logps",
-             "validate_diffusion_logits", "merge_diffusion_batches", "per_token_logps",
-             "compute_diffusion_per_token_logps", "weighted_cross_entropy", "opd_loss")
-
-    def exports(self):
-        """The bound objectives named in ``NAMES``, in that order."""
-        return tuple(getattr(self, name) for name in self.NAMES)
 
     def __init__(self, xp, token_stats, token_stats_total, weighted_sum, token_batch,
                  distillation_batch, vocab_extent=lambda logits: logits.shape[-1]):

@@ -26,7 +26,7 @@ draws the same tokens everywhere; no noise tensor is ever an input or an output.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,12 +49,14 @@ MIN_TEMPERATURE = 1e-3
 
 
 class _SampleFields(NamedTuple):
-    token: object
-    logp: object
-    argmax: object
-    top1_logp: object
-    top2_logp: object
-    entropy: object
+    """The fields of ``Sample`` (a NamedTuple cannot carry ``vocab_size`` beside them)."""
+
+    token: Any  # a torch.Tensor in dlm_kernels.torch, a jax.Array in dlm_kernels.jax
+    logp: Any
+    argmax: Any
+    top1_logp: Any
+    top2_logp: Any
+    entropy: Any
 
 
 class Sample(_SampleFields):
@@ -76,15 +78,16 @@ class Sample(_SampleFields):
     built by hand without it); ``commit_tokens`` checks the canvas's dtype against it.
     """
 
-    vocab_size = None
+    vocab_size: int | None = None
 
-    def __new__(cls, token, logp, argmax, top1_logp, top2_logp, entropy, vocab_size=None):
+    def __new__(cls, token: Any, logp: Any, argmax: Any, top1_logp: Any, top2_logp: Any,
+                entropy: Any, vocab_size: int | None = None) -> Sample:
         self = super().__new__(cls, token, logp, argmax, top1_logp, top2_logp, entropy)
         if vocab_size is not None:
             self.vocab_size = int(vocab_size)
         return self
 
-    def _replace(self, **fields):
+    def _replace(self, **fields: Any) -> Sample:
         return Sample(*_SampleFields._replace(self, **fields), vocab_size=self.vocab_size)
 
 
@@ -551,77 +554,6 @@ def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind):
 
 # -- the public functions of one front end ---------------------------------------------------
 
-SAMPLE_DOC = """One denoising step's draw, in one pass over each row's vocabulary (see
-    ``Sample``; the stream and the noise: ``dlm_kernels._sampling``).
-
-    Args:
-      logits: [..., K] float logits (e.g. [B, L, K]); the conditional ones with guidance. A
-        ``LinearHead(hidden, weight)`` in their place is read in token chunks of its
-        ``row_chunk`` rows (one [R, K] logits chunk at a time, never [N, K]); so may
-        ``uncond_logits`` be.
-      temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
-        statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]
-        (``MIN_TEMPERATURE``; a Python number or a NumPy scalar). s = z / T is float32 and
-        every decision reads s + g rounded to an ulp of |s|, 2^-23·|z| / T: below 1e-3 that
-        rounding would swamp the noise (ties would go to the lowest id, not at random), so a
-        smaller T raises; 0 is the exact T -> 0 limit.
-      seed, step: ints (Python or NumPy, or integer scalar arrays, traced is fine) keying the
-        counter-based noise
-        with the row index and the column: the same (seed, step) draws the same tokens on
-        every backend; change ``step`` every denoising step.
-      top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
-        statistic is taken under that distribution).
-      suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer array, a
-        list, or one int; their logits count as -inf. An id outside [0, K) raises where its
-        value can be read (not traced; an accelerator array only inside ``sync_checks()``);
-        where it cannot, every row of the result has no valid draw (below).
-      uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
-        read in the same pass (an array or a ``LinearHead``).
-      chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
-      backend: {backends}. Every backend draws the same tokens for the same (seed, step):
-        the noise's integers are computed alike everywhere, and so is every float32 value a
-        token decision reads (a different float32 log or division on some device could
-        move a key by an ulp, which changes a draw only where two keys are that close).
-
-    Top-p / min-p are not offered: their threshold depends on the sorted cumulative mass,
-    which one streaming pass does not know; top-k (a running top-k merged like the other
-    state) is the streaming restriction. Not differentiable (inputs are read as constants).
-
-    Returns:
-      Sample(token, logp, argmax, top1_logp, top2_logp, entropy) with the logits' leading
-      shape (margin = exp(top1_logp) - exp(top2_logp)); ``Sample.vocab_size`` = K. A row
-      with no valid draw -- a NaN or +inf logit after guidance, suppression and the
-      temperature (an s = z / T past the float32 range counts as +inf), or no finite one --
-      has token -1, argmax -1 and NaN logp, top1_logp, top2_logp and entropy, with or
-      without top_k: every confidence is NaN there, and ``commit_tokens`` never commits it.
-    """
-
-COMMIT_DOC = """Commit the surest masked positions of a canvas: ([B, L] new canvas, [B, L]
-    bool committed).
-
-    Args:
-      canvas: [B, L] int tokens whose dtype holds every id of the vocabulary (ids up to
-        ``sample.vocab_size - 1``; else a ValueError at trace time, never a wrapped id);
-        sample: the ``Sample`` of this step's logits.
-      masked: [B, L] bool, the positions still masked (and, for block-wise semi-autoregressive
-        decoding, inside the current block: the caller passes the intersection).
-      rule: "topk" (LLaDA's low-confidence remasking: the ``k`` most confident masked positions
-        per sequence), "threshold" (Fast-dLLM: every masked position with confidence >
-        ``threshold``, at least the most confident one), or "entropy_budget" (the most certain
-        masked positions, lowest entropy first, while their entropies sum to at most ``budget``
-        nats; at least one).
-      k, threshold, budget: each a number (Python or NumPy) or an array of shape [] or [B]
-        (per sequence, e.g. from a schedule); ``k`` an int >= 0, ``threshold`` and ``budget``
-        not NaN. Bad values raise where they can be read (not traced; an accelerator array
-        only inside ``sync_checks()``); where they cannot, a sequence with a negative k or a
-        NaN threshold or budget commits nothing.
-      confidence: "probability" (of the drawn token), "margin" (p1 - p2) or "neg_entropy";
-        the entropy-budget rule always ranks by entropy. Ties go to the lower position.
-    A row with no valid draw (token -1, NaN confidence: see ``Sample``) is never committed and
-    never ranks above a valid one; a sequence with no masked valid row commits nothing.
-    """
-
-
 def _flat_rows(xp, x, n, k):
     """[N, K] logits, or the LinearHead over [N, D] rows standing for them; no gradient."""
     if is_head(x):
@@ -639,8 +571,9 @@ def _rows(xp, x, r0, r1):
 
 
 def make_sampling_api(xp, registry):
-    """(sample_tokens, commit_tokens) of one front end."""
-    from ._dispatch import BackendUnavailableError, backends_doc
+    """(sample_tokens, commit_tokens) of one front end: the bodies of its typed public
+    functions (their documentation is there)."""
+    from ._dispatch import BackendUnavailableError
 
     def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
@@ -684,8 +617,6 @@ def make_sampling_api(xp, registry):
                             f"{type(value).__name__}")
         return number
 
-    sample_tokens.__doc__ = SAMPLE_DOC.replace("{backends}", backends_doc())
-
     def commit_tokens(canvas, sample, masked, *, rule="topk", k=None, threshold=None,
                       budget=None, confidence="probability"):
         require_array(xp, "canvas", canvas)
@@ -705,5 +636,4 @@ def make_sampling_api(xp, registry):
         commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence)
         return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit
 
-    commit_tokens.__doc__ = COMMIT_DOC
     return sample_tokens, commit_tokens

@@ -6,12 +6,12 @@ The protocol a backend follows is ``_dispatch.Backend``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import _checks
 from ._config import check_vocab_size, make_config
 from ._dispatch import (FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
-                        backends_doc, logger)
+                        logger)
 from ._linear_head import is_head
 from ._rows import Rows
 
@@ -27,76 +27,12 @@ class TokenStats(NamedTuple):
     Inactive rows (weight 0) are exactly 0 in every field.
     """
 
-    lse: object
-    logp: object
-    entropy: object
-    kl: object
+    lse: Any  # a torch.Tensor in dlm_kernels.torch, a jax.Array in dlm_kernels.jax
+    logp: Any
+    entropy: Any
+    kl: Any
 
 
-_TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differentiable (custom VJP).
-
-    Args:
-      logits: [..., K] student logits (float32, bfloat16 or float16).
-      targets: [...] integer target ids; active targets must lie in [0, K) (a target outside
-        gives logp = NaN rather than a silent wrong value; the primitive reads no values on
-        the host, the objectives check them where that costs no device sync).
-      weights: [...] optional; a row is active when its weight is non-zero (the weight's
-        value is not applied here). Inactive rows read nothing that can leak: their outputs
-        and gradients are exact zeros. None = every row active.
-      temperature: T of p = softmax(s), s = (cap(z) + d·[k == x]) / T; at least
-        ``MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
-        exponent is a logit difference (r - m) scaled by 1/T afterwards (docs/design.md §2),
-        float32-exact at any T from there up, and a smaller T would resolve logit
-        differences that float32 flushes to zero. Results whose size passes the float32
-        range (|cap(z)| / T past 3.4e38) overflow to ±inf.
-      ce_temperature: temperature of the ``logp`` term (default: ``temperature``; the same
-        minimum); a different value costs one more running sum in the same pass.
-      softcap: c > 0 for cap(z) = c·tanh(z / c), or None. Any c > 0: for |z / c| below 0.625
-        cap(z) is z·(1 + u·Q(u)), u = (z / c)², with a fitted polynomial Q, so z itself to
-        float32 where z / c underflows; beyond, c·tanh(z / c), saturating at ±c.
-      shift_ids, shift: LOO shift; ``shift`` ([...] per row, e.g. [B, L] for per-position
-        diffusion times, or a scalar; float) is added to the logit at column ``shift_ids``
-        ([...] int) before the temperature. An active row whose shift id lies outside
-        [0, K) gets NaN in every statistic (never a silently unshifted row). The shift is
-        differentiable (what it was computed from, e.g. the time t, gets its gradient).
-      teacher_logits: [..., K] optional teacher logits u for ``kl``.
-      teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``; the
-        same minimum).
-      teacher_grad: also differentiate with respect to ``teacher_logits``.
-      entropy: compute ``entropy`` (default True). False leaves its running sum out of the
-        forward pass and its term out of the backward pass (in the Triton kernels about a
-        third of the CE forward's instructions and a fifth of the gradient's), and returns
-        ``entropy=None``. The objectives that do not report entropy pass False.
-      chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
-        backends (default: a heuristic).
-      inplace_grad: torch only, opt-in. Write d(logits) into the logits buffer itself
-        instead of a new tensor (saves one [..., K] allocation). Caveat: after backward the
-        logits tensor holds the gradient, so nothing else may read those logits afterwards
-        (nor may another autograd node have saved them); with a leaf tensor, ``.grad``
-        aliases its data. Supported by the chunked and triton backends.
-      vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
-        are excluded and get a zero gradient. With vocabulary parallelism it is the global
-        size (the padded tail of the last shard is masked).
-      process_group (torch) / vocab_axis (JAX): vocabulary parallelism. The logits are this
-        rank's (or this shard_map device's) contiguous shard of the vocabulary; targets and
-        shift ids are global ids. Partial states merge with two all-reduces of per-row
-        floats (40 bytes per row); the backward is local. ``vocab_parallel(...)`` applies the
-        same to every objective inside a ``with`` block.
-      backend: {backends}.
-
-    Non-finite student logits in an active row (every backend alike): an entry at -inf has
-    probability 0 (its terms in the entropy and the KL are 0; a target at -inf has
-    logp = -inf with a finite gradient). A NaN or +inf entry (after the softcap, which maps
-    +-inf to +-c), or a row that is -inf everywhere, leaves no distribution: lse, logp,
-    entropy and kl are NaN (lse is -inf for the all -inf row) and so is the row's gradient.
-
-    Returns:
-      TokenStats(lse, logp, entropy, kl), each float32 of shape [...] (entropy None when
-      ``entropy=False``).
-    """
-
-
-TOKEN_STATS_DOC = _TOKEN_STATS_DOC.replace("{backends}", backends_doc())
 
 
 def require_dtype(impl, logits):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -29,15 +31,23 @@ from ._ops import JaxOps
 
 
 @jax.tree_util.register_pytree_node_class
-class LinearHead(base.LinearHead):
-    __doc__ = base.LinearHead.__doc__
-    DEFAULT_LAYOUT = HIDDEN_MAJOR  # a Flax Dense kernel: [D, K]
+class LinearHead(base.LinearHead[jax.Array]):
+    """``logits = hidden @ weight (+ bias)`` of JAX arrays, given in place of a logits
+    array; weight [D, K] by default (a Flax ``Dense`` kernel), or [K, D] with
+    ``weight_layout="KD"`` (a tied embedding table). A pytree; gradients flow to hidden,
+    weight and bias; no backend but "reference" forms the [N, K] logits
+    (``dlm_kernels._linear_head.LinearHead`` has the whole story)."""
 
-    def tree_flatten(self):
+    DEFAULT_LAYOUT: str = HIDDEN_MAJOR  # a Flax Dense kernel: [D, K]
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], tuple[str, int | None]]:
+        """(hidden, weight, bias) as leaves; the layout and row chunk as static metadata."""
         return (self.hidden, self.weight, self.bias), (self.weight_layout, self.row_chunk)
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: tuple[str, int | None],
+                       children: tuple[Any, Any, Any]) -> LinearHead:
+        """The head rebuilt from ``tree_flatten``'s parts, unchecked."""
         head = object.__new__(cls)  # leaves may be tracers, sentinels or None: no checks
         head.hidden, head.weight, head.bias = children
         head.weight_layout, head.row_chunk = aux

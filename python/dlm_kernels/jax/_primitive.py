@@ -10,9 +10,7 @@ import jax.numpy as jnp
 
 from .._dispatch import Registry
 from .. import _stats_math as stats_math
-from .._frontend import TokenStatsFrontEnd, public_token_stats
-from .._frontend import token_stats_total as make_token_stats_total
-from .._token_stats import TOKEN_STATS_DOC
+from .._frontend import TokenStatsFrontEnd
 from ._first_order import first_order
 from ._linear_head import apply_head
 from ._ops import JaxOps
@@ -124,21 +122,5 @@ class JaxVJP:
         return 1 if axis is None else jax.lax.axis_size(axis)
 
 
-_FRONT = TokenStatsFrontEnd(JaxOps, REGISTRY, JaxVJP)
-vocab_extent = _FRONT.vocab_extent
-
-
-def vocab_parallel(vocab_axis, vocab_size=None):
-    """Within this block (traced inside ``jax.shard_map``), every objective treats its logits
-    as this device's shard of the mesh axis ``vocab_axis`` (as ``token_stats(...,
-    vocab_axis=..., vocab_size=...)`` does)."""
-    return _FRONT.within(vocab_axis, vocab_size)
-
-
-token_stats = public_token_stats(_FRONT, "vocab_axis", TOKEN_STATS_DOC)
-token_stats_total = make_token_stats_total(_FRONT, "vocab_axis")  # the objectives' scalar path
-
-
-def backend_for(logits, backend=None) -> str:
-    """The name of the backend ``backend`` (None = auto) resolves to for this array."""
-    return _FRONT.backend_for(logits, backend)
+#: the JAX side of the front-end shell: token_stats' body, vocab_parallel, backend_for
+FRONT = TokenStatsFrontEnd(JaxOps, REGISTRY, JaxVJP)

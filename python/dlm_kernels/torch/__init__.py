@@ -3,32 +3,471 @@
 Every compute function takes ``backend=None`` (auto: triton for CUDA tensors when its
 kernels import, else chunked), or one of "reference", "chunked", "triton". Tensors in,
 tensors out; the batch contract holds tensors. Importing this module never imports JAX.
+
+Each public name is declared here with its types; the logic underneath is written once for
+both front ends (``dlm_kernels._objectives``, ``_frontend``, ``_contract``, ``_sampling``).
 """
 
 from __future__ import annotations
 
+import dataclasses as _dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from .. import _contract
 from .._checks import sync_checks
-from .._schedule import EPS, VARIANTS, normalize_variant
-from .._contract import make_contract
 from .._dispatch import BackendUnavailableError
-from .._frontend import PUBLIC_API
-from .._objectives import Objectives, rf_alpha, rf_alpha_dot
-from .._sampling import Sample, make_sampling_api
+from .._objectives import Objectives as _Objectives
+from .._objectives import rf_alpha, rf_alpha_dot
+from .._sampling import Sample
+from .._sampling import make_sampling_api as _make_sampling_api
+from .._schedule import EPS, VARIANTS, normalize_variant
 from .._token_stats import TokenStats
 from ._linear_head import LinearHead
-from ._ops import TorchOps
-from ._primitive import (REGISTRY, backend_for, token_stats, token_stats_total, vocab_extent,
-                         vocab_parallel)
+from ._ops import TorchOps as _TorchOps
+from ._primitive import FRONT as _FRONT
+from ._primitive import REGISTRY as _REGISTRY
 
-WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch = make_contract(
-    TorchOps, __name__, vocab_extent)
+__all__ = [
+    "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
+    "reweight", "diffusion_sft_loss", "diffusion_sft_logps", "DiffusionTokenBatch",
+    "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
+    "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
+    "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
+    "BackendUnavailableError", "vocab_parallel", "sync_checks", "LinearHead", "Sample",
+    "sample_tokens", "commit_tokens",
+]
 
-(reweight, loo_to_denoiser_logits, diffusion_sft_loss, diffusion_sft_logps,
- validate_diffusion_logits, merge_diffusion_batches, per_token_logps,
- compute_diffusion_per_token_logps, weighted_cross_entropy, opd_loss) = Objectives(
-    TorchOps, token_stats, token_stats_total, WeightedSum, DiffusionTokenBatch, DiffusionDistillationBatch,
-    vocab_extent).exports()
+Logits = torch.Tensor | LinearHead
+"""What every ``logits`` argument takes: a [..., K] tensor, or a LinearHead standing for one."""
 
-sample_tokens, commit_tokens = make_sampling_api(TorchOps, REGISTRY)
 
-__all__ = list(PUBLIC_API)
+# -- the Tunix batch contract ------------------------------------------------------------------
+
+@_dataclasses.dataclass(frozen=True)
+class WeightedSum:
+    """A loss kept as ``unreduced_sum`` over ``denominator`` (sums across micro-batches or
+    devices add field by field); ``compute()`` is their ratio, 0 for a 0 denominator."""
+
+    unreduced_sum: torch.Tensor  # [] float32
+    denominator: torch.Tensor  # [] float32
+
+    def compute(self) -> torch.Tensor:
+        """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator."""
+        return _contract.weighted_mean(_TorchOps, self.unreduced_sum, self.denominator)
+
+    def replace(self, **fields: torch.Tensor) -> WeightedSum:
+        """A copy with some fields replaced."""
+        return _dataclasses.replace(self, **fields)
+
+
+@_dataclasses.dataclass(frozen=True)
+class DiffusionTokenBatch:
+    """Target-aligned diffusion batch: position (b, l) predicts ``target_ids[b, l]`` from
+    ``model_inputs`` (the noisy canvas); it is active when its weight is non-zero.
+
+    model_inputs: a batch-major pytree of tensors (a dict such as {"input_tokens": [B, L]
+      int, "positions": [B, L] int, "time": [B] float}, any nesting, or one bare tensor):
+      every leaf non-scalar with leading dimension B and a bool or real numeric dtype.
+    target_ids: [B, L] int.
+    loss_weights: [B, L] bool, int or float, kept as given (objectives convert to float32).
+    """
+
+    model_inputs: Any
+    target_ids: torch.Tensor
+    loss_weights: torch.Tensor
+
+    @classmethod
+    def create(cls, *, model_inputs: Any, target_ids: torch.Tensor,
+               loss_weights: torch.Tensor) -> DiffusionTokenBatch:
+        """The batch, validated (``validate``)."""
+        return cls(model_inputs=model_inputs, target_ids=target_ids,
+                   loss_weights=loss_weights).validate()
+
+    def validate(self) -> DiffusionTokenBatch:
+        """Static checks always (TypeError for a wrong kind or dtype, ValueError for a
+        shape); value checks (finite, non-negative weights; active targets >= 0) on CPU
+        tensors. Returns self."""
+        _contract.validate_token_batch(_TorchOps, self)
+        return self
+
+    def replace(self, **fields: Any) -> DiffusionTokenBatch:
+        """A copy with some fields replaced (not validated)."""
+        return _dataclasses.replace(self, **fields)
+
+
+@_dataclasses.dataclass(frozen=True)
+class DiffusionDistillationBatch:
+    """A student batch plus the teacher's logits at the same positions.
+
+    student_batch: DiffusionTokenBatch;  teacher_logits: [B, L, K] float (or a LinearHead).
+    On CPU tensors, active targets must lie in [0, K) of the teacher logits. Teacher values
+    (finite at active positions) are checked by ``opd_loss`` when its soft term is enabled,
+    so a batch for a hard-only loss may carry any finite-shaped teacher.
+    """
+
+    student_batch: DiffusionTokenBatch
+    teacher_logits: Logits
+
+    @classmethod
+    def create(cls, *, student_batch: DiffusionTokenBatch,
+               teacher_logits: Logits) -> DiffusionDistillationBatch:
+        """The batch, validated (``validate``)."""
+        return cls(student_batch=student_batch, teacher_logits=teacher_logits).validate()
+
+    def validate(self) -> DiffusionDistillationBatch:
+        """The student batch's checks, the teacher's shape against it, and (CPU tensors)
+        every active target inside the teacher's vocabulary. Returns self."""
+        _contract.validate_distillation_batch(_TorchOps, self, DiffusionTokenBatch,
+                                              _FRONT.vocab_extent)
+        return self
+
+    def replace(self, **fields: Any) -> DiffusionDistillationBatch:
+        """A copy with some fields replaced (not validated)."""
+        return _dataclasses.replace(self, **fields)
+
+
+# -- the primitive -----------------------------------------------------------------------------
+
+def token_stats(
+    logits: Logits,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    ce_temperature: float | None = None,
+    softcap: float | None = None,
+    shift_ids: torch.Tensor | None = None,
+    shift: torch.Tensor | float | None = None,
+    teacher_logits: Logits | None = None,
+    teacher_temperature: float | None = None,
+    teacher_grad: bool = False,
+    entropy: bool = True,
+    chunk_size: int | None = None,
+    inplace_grad: bool = False,
+    vocab_size: int | None = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    backend: str | None = None,
+) -> TokenStats:
+    """Streaming token statistics of docs/design.md §2, differentiable (custom VJP).
+
+    Args:
+      logits: [..., K] student logits (float32, bfloat16 or float16), or a LinearHead.
+      targets: [...] integer target ids; active targets must lie in [0, K) (a target outside
+        gives logp = NaN rather than a silent wrong value; the primitive reads no values on
+        the host, the objectives check them where that costs no device sync).
+      weights: [...] optional; a row is active when its weight is non-zero (the weight's
+        value is not applied here). Inactive rows read nothing that can leak: their outputs
+        and gradients are exact zeros. None = every row active.
+      temperature: T of p = softmax(s), s = (cap(z) + d·[k == x]) / T; at least
+        ``MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
+        exponent is a logit difference (r - m) scaled by 1/T afterwards (docs/design.md §2),
+        float32-exact at any T from there up. Results whose size passes the float32 range
+        (|cap(z)| / T past 3.4e38) overflow to ±inf.
+      ce_temperature: temperature of the ``logp`` term (default: ``temperature``; the same
+        minimum); a different value costs one more running sum in the same pass.
+      softcap: c > 0 for cap(z) = c·tanh(z / c), or None. Any c > 0: for |z / c| below 0.625
+        cap(z) is z·(1 + u·Q(u)), u = (z / c)², with a fitted polynomial Q; beyond,
+        c·tanh(z / c), saturating at ±c.
+      shift_ids, shift: LOO shift; ``shift`` ([...] per row, or a scalar; float) is added to
+        the logit at column ``shift_ids`` ([...] int) before the temperature. An active row
+        whose shift id lies outside [0, K) gets NaN in every statistic. The shift is
+        differentiable.
+      teacher_logits: [..., K] optional teacher logits u for ``kl`` (or a LinearHead).
+      teacher_temperature: T_kl of q = softmax(u / T_kl) (default: ``temperature``).
+      teacher_grad: also differentiate with respect to ``teacher_logits``.
+      entropy: compute ``entropy`` (default True); False leaves its sums out of both passes
+        and returns ``entropy=None``.
+      chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
+        backends (default: a heuristic).
+      inplace_grad: opt-in. Write d(logits) into the logits buffer itself instead of a new
+        tensor (saves one [..., K] allocation); after backward the logits tensor holds the
+        gradient, so nothing else may read those logits afterwards. Supported by the
+        chunked and triton backends.
+      vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
+        are excluded and get a zero gradient (with a process group: the global size).
+      process_group: vocabulary parallelism. The logits are this rank's contiguous shard of
+        the vocabulary; targets and shift ids are global ids. Partial states merge with two
+        all-reduces of per-row floats (40 bytes per row); the backward is local.
+        ``vocab_parallel(...)`` applies the same to every objective inside a ``with`` block.
+      backend: None (auto), or one of "reference", "chunked", "triton".
+
+    Non-finite student logits in an active row: an entry at -inf has probability 0 (a
+    target at -inf has logp = -inf with a finite gradient). A NaN or +inf entry (after the
+    softcap), or a row that is -inf everywhere, leaves no distribution: lse, logp, entropy
+    and kl are NaN (lse is -inf for the all -inf row) and so is the row's gradient.
+
+    Returns:
+      TokenStats(lse, logp, entropy, kl), each float32 of shape [...] (entropy None when
+      ``entropy=False``).
+    """
+    return _FRONT.token_stats(
+        logits, targets, weights, temperature=temperature, ce_temperature=ce_temperature,
+        softcap=softcap, shift_ids=shift_ids, shift=shift, teacher_logits=teacher_logits,
+        teacher_temperature=teacher_temperature, teacher_grad=teacher_grad, entropy=entropy,
+        chunk_size=chunk_size, inplace_grad=inplace_grad, vocab_size=vocab_size,
+        shard=process_group, backend=backend)
+
+
+def backend_for(logits: Logits, backend: str | None = None) -> str:
+    """The name of the backend ``backend`` (None = auto) resolves to for these logits."""
+    return _FRONT.backend_for(logits, backend)
+
+
+def vocab_parallel(process_group: torch.distributed.ProcessGroup,
+                   vocab_size: int | None = None) -> AbstractContextManager[None]:
+    """Within this block every objective treats its logits as this rank's vocabulary shard
+    of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
+    return _FRONT.within(process_group, vocab_size)
+
+
+# -- the objectives ----------------------------------------------------------------------------
+
+_OBJECTIVES = _Objectives(_TorchOps, token_stats, _FRONT.token_stats_total, WeightedSum,
+                         DiffusionTokenBatch, DiffusionDistillationBatch, _FRONT.vocab_extent)
+
+
+def reweight(variant: str, t: torch.Tensor, alpha: torch.Tensor,
+             alpha_dot: torch.Tensor | None) -> torch.Tensor:
+    """Time weight [B]: -alpha_dot / max(alpha, EPS) for reweighted variants, else 1."""
+    return _OBJECTIVES.reweight(variant, t, alpha, alpha_dot)
+
+
+def loo_to_denoiser_logits(logits: Logits, xt: torch.Tensor, alpha: torch.Tensor | float,
+                           vocab_size: int) -> torch.Tensor:
+    """LOO -> denoiser logits: logits [B, L, K] + delta at column xt [B, L]; float32.
+
+    delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B], [B, 1] or
+    [B, L], or one number for every sequence. An xt outside [0, vocab_size) raises
+    ValueError where its values can be read without a device sync, else makes that
+    position's logits NaN. Materialises a [B, L, K] tensor; the losses apply the same
+    shift inside the fused primitive instead.
+    """
+    return _OBJECTIVES.loo_to_denoiser_logits(logits, xt, alpha, vocab_size)
+
+
+def diffusion_sft_loss(
+    logits: Logits,
+    x0: torch.Tensor,
+    xt: torch.Tensor,
+    t: torch.Tensor | float,
+    loss_mask: torch.Tensor,
+    *,
+    variant: str,
+    vocab_size: int,
+    diffusion_weight_clip: float | None = None,
+    alpha_fn: Callable[[torch.Tensor], torch.Tensor | float] = rf_alpha,
+    alpha_dot_fn: Callable[[torch.Tensor], torch.Tensor | float] = rf_alpha_dot,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
+
+    loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean tokens
+    x0 [B, L], noisy tokens xt [B, L], times t [B] in [0, 1] (or one number for every
+    sequence) and loss_mask M [B, L] (finite, non-negative). ``variant`` picks the time
+    weight w and the LOO shift (``VARIANTS``); ``diffusion_weight_clip`` bounds w from
+    above. ``vocab_size`` <= K. ``alpha_fn`` and ``alpha_dot_fn`` get t as [B] (a number
+    broadcast, as float32); in a reweighted variant each returns [B] or a number, in a LOO
+    variant alpha may also be [B, 1] or [B, L].
+
+    Bad values raise ValueError where they can be read without a device sync (CPU tensors;
+    CUDA tensors inside ``sync_checks()``): an x0 outside [0, vocab_size) where the mask is
+    set, an xt outside it in a LOO variant, a negative or non-finite mask, a t outside
+    [0, 1]. Elsewhere (CUDA, ``torch.compile``) such a value makes that sequence's loss NaN,
+    never a plausible number.
+    """
+    return _OBJECTIVES.diffusion_sft_loss(
+        logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
+        diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
+        alpha_dot_fn=alpha_dot_fn, backend=backend)
+
+
+def diffusion_sft_logps(
+    logits: Logits,
+    x0: torch.Tensor,
+    xt: torch.Tensor,
+    t: torch.Tensor | float,
+    loss_mask: torch.Tensor,
+    *,
+    variant: str,
+    vocab_size: int,
+    diffusion_weight_clip: float | None = None,
+    alpha_fn: Callable[[torch.Tensor], torch.Tensor | float] = rf_alpha,
+    alpha_dot_fn: Callable[[torch.Tensor], torch.Tensor | float] = rf_alpha_dot,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as
+    ``diffusion_sft_loss``)."""
+    return _OBJECTIVES.diffusion_sft_logps(
+        logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
+        diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
+        alpha_dot_fn=alpha_dot_fn, backend=backend)
+
+
+def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: Logits,
+                              name: str = "logits") -> Logits:
+    """Check logits [B, L, K] against a DiffusionTokenBatch and return ``logits``: rank,
+    [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) on CPU
+    tensors (CUDA tensors inside ``sync_checks()``; elsewhere an out-of-range active target
+    shows as a NaN log-prob). ``name`` is the logits' name in the errors."""
+    return _OBJECTIVES.validate_diffusion_logits(batch, logits, name)
+
+
+def merge_diffusion_batches(
+    batches: Sequence[DiffusionTokenBatch] | Sequence[DiffusionDistillationBatch],
+) -> DiffusionTokenBatch | DiffusionDistillationBatch:
+    """Concatenate batches on the batch axis, every leaf of every field (model_inputs is a
+    pytree). All must have one type, the same tree structure and the same trailing shapes
+    and dtypes; everything is checked before anything is built."""
+    return _OBJECTIVES.merge_diffusion_batches(batches)
+
+
+def per_token_logps(
+    logits: Logits,
+    batch: DiffusionTokenBatch,
+    *,
+    temperature: float = 1.0,
+    stop_gradient: bool = True,
+    return_entropy: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probs [B, L] at ``temperature`` (and the entropy [B, L] when
+    ``return_entropy``: a tuple); exactly 0 at inactive positions; detached when
+    ``stop_gradient``."""
+    return _OBJECTIVES.per_token_logps(logits, batch, temperature=temperature,
+                                       stop_gradient=stop_gradient,
+                                       return_entropy=return_entropy, backend=backend)
+
+
+def compute_diffusion_per_token_logps(
+    model: Any,
+    batch: DiffusionTokenBatch,
+    logits_fn: Callable[[Any, Any], Logits],
+    *,
+    temperature: float = 1.0,
+    stop_gradient: bool = True,
+    return_entropy: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``per_token_logps(logits_fn(model, batch.model_inputs), batch, ...)``; the arguments
+    are checked before the model runs."""
+    return _OBJECTIVES.compute_diffusion_per_token_logps(
+        model, batch, logits_fn, temperature=temperature, stop_gradient=stop_gradient,
+        return_entropy=return_entropy, backend=backend)
+
+
+def weighted_cross_entropy(logits: Logits, batch: DiffusionTokenBatch, *,
+                           backend: str | None = None) -> WeightedSum:
+    """WeightedSum(Σ w·CE, Σ w) at T = 1 over the batch's active positions."""
+    return _OBJECTIVES.weighted_cross_entropy(logits, batch, backend=backend)
+
+
+def opd_loss(
+    student_logits: Logits,
+    batch: DiffusionDistillationBatch,
+    *,
+    temperature: float = 1.0,
+    soft_loss_weight: float = 1.0,
+    hard_loss_weight: float = 0.0,
+    backend: str | None = None,
+) -> tuple[WeightedSum, dict[str, WeightedSum]]:
+    """On-policy distillation: (WeightedSum total, {"distill/soft_loss", "distill/hard_loss"}).
+
+    soft = T²·KL(softmax(u/T) ‖ softmax(z/T)), hard = CE(z) at T = 1; one pass over the
+    student logits serves both. The teacher is stop-gradient. A disabled term (weight 0)
+    neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
+    """
+    return _OBJECTIVES.opd_loss(student_logits, batch, temperature=temperature,
+                                soft_loss_weight=soft_loss_weight,
+                                hard_loss_weight=hard_loss_weight, backend=backend)
+
+
+# -- the denoising step ------------------------------------------------------------------------
+
+_sample_tokens, _commit_tokens = _make_sampling_api(_TorchOps, _REGISTRY)
+
+
+def sample_tokens(
+    logits: Logits,
+    *,
+    temperature: float = 1.0,
+    seed: int | torch.Tensor = 0,
+    step: int | torch.Tensor = 0,
+    top_k: int | None = None,
+    suppress_ids: torch.Tensor | Sequence[int] | int | None = None,
+    uncond_logits: Logits | None = None,
+    cfg_scale: float = 0.0,
+    chunk_size: int | None = None,
+    backend: str | None = None,
+) -> Sample:
+    """One denoising step's draw, in one pass over each row's vocabulary (see ``Sample``).
+
+    Args:
+      logits: [..., K] float logits (e.g. [B, L, K]); the conditional ones with guidance. A
+        ``LinearHead(hidden, weight)`` in their place is read in token chunks of its
+        ``row_chunk`` rows (never [N, K]); so may ``uncond_logits`` be.
+      temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
+        statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]: below 1e-3 the
+        float32 rounding of z / T would swamp the noise, so a smaller T raises.
+      seed, step: ints (or integer scalar tensors) keying the counter-based noise with the
+        row index and the column: the same (seed, step) draws the same tokens on every
+        backend; change ``step`` every denoising step.
+      top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
+        statistic is taken under that distribution).
+      suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer tensor,
+        a list, or one int; their logits count as -inf. An id outside [0, K) raises where
+        its value can be read; where it cannot, every row has no valid draw (below).
+      uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
+        read in the same pass.
+      chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
+      backend: None (auto), or one of "reference", "chunked", "triton". Every backend draws
+        the same tokens for the same (seed, step).
+
+    Returns:
+      Sample(token, logp, argmax, top1_logp, top2_logp, entropy) with the logits' leading
+      shape; ``Sample.vocab_size`` = K. A row with no valid draw -- a NaN or +inf logit after
+      guidance, suppression and the temperature, or no finite one -- has token -1, argmax
+      -1 and NaN logp, top1_logp, top2_logp and entropy; ``commit_tokens`` never commits it.
+      Not differentiable.
+    """
+    return _sample_tokens(logits, temperature=temperature, seed=seed, step=step, top_k=top_k,
+                          suppress_ids=suppress_ids, uncond_logits=uncond_logits,
+                          cfg_scale=cfg_scale, chunk_size=chunk_size, backend=backend)
+
+
+def commit_tokens(
+    canvas: torch.Tensor,
+    sample: Sample,
+    masked: torch.Tensor,
+    *,
+    rule: str = "topk",
+    k: int | torch.Tensor | None = None,
+    threshold: float | torch.Tensor | None = None,
+    budget: float | torch.Tensor | None = None,
+    confidence: str = "probability",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit the surest masked positions of a canvas: ([B, L] new canvas, [B, L] bool
+    committed).
+
+    Args:
+      canvas: [B, L] int tokens whose dtype holds every id of the vocabulary (else a
+        ValueError, never a wrapped id).
+      sample: the ``Sample`` of this step's logits.
+      masked: [B, L] bool, the positions still masked (inside the current block for
+        block-wise semi-autoregressive decoding: the caller passes the intersection).
+      rule: "topk" (LLaDA: the ``k`` most confident masked positions per sequence),
+        "threshold" (Fast-dLLM: every masked position with confidence > ``threshold``, at
+        least the most confident one) or "entropy_budget" (lowest entropy first while the
+        entropies sum to at most ``budget`` nats; at least one).
+      k, threshold, budget: a number or a tensor of shape [] or [B] (per sequence); ``k`` an
+        int >= 0, ``threshold`` and ``budget`` not NaN.
+      confidence: "probability" (of the drawn token), "margin" (p1 - p2) or "neg_entropy".
+        Ties go to the lower position.
+    A row with no valid draw (token -1) is never committed and never ranks above a valid one.
+    """
+    return _commit_tokens(canvas, sample, masked, rule=rule, k=k, threshold=threshold,
+                          budget=budget, confidence=confidence)
+

@@ -20,9 +20,13 @@ from ._first_order import first_order_only
 from ._ops import TorchOps
 
 
-class LinearHead(base.LinearHead):
-    __doc__ = base.LinearHead.__doc__
-    DEFAULT_LAYOUT = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
+class LinearHead(base.LinearHead[torch.Tensor]):
+    """``logits = hidden @ weight (+ bias)`` of torch tensors, given in place of a logits
+    tensor; weight [K, D] by default (``nn.Linear.weight``, a tied ``nn.Embedding``), or
+    [D, K] with ``weight_layout="DK"``. Gradients flow to hidden, weight and bias; no
+    backend but "reference" forms the [N, K] logits (``dlm_kernels._linear_head.LinearHead``
+    has the whole story)."""
+    DEFAULT_LAYOUT: str = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
 
 
 def head_logits(head, r0=None, r1=None, cols=None):

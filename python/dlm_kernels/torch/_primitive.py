@@ -7,9 +7,7 @@ import torch
 
 from .. import _stats_math as stats_math
 from .._dispatch import Registry
-from .._frontend import TokenStatsFrontEnd, public_token_stats
-from .._frontend import token_stats_total as make_token_stats_total
-from .._token_stats import TOKEN_STATS_DOC
+from .._frontend import TokenStatsFrontEnd
 from .._rows import Rows
 from .._stats_math import Stats
 from ._first_order import first_order_only
@@ -118,20 +116,5 @@ class TorchVJP:
         return dist.get_world_size(process_group)
 
 
-_FRONT = TokenStatsFrontEnd(TorchOps, REGISTRY, TorchVJP)
-vocab_extent = _FRONT.vocab_extent
-
-
-def vocab_parallel(process_group, vocab_size=None):
-    """Within this block every objective treats its logits as this rank's vocabulary shard
-    of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
-    return _FRONT.within(process_group, vocab_size)
-
-
-token_stats = public_token_stats(_FRONT, "process_group", TOKEN_STATS_DOC)
-token_stats_total = make_token_stats_total(_FRONT, "process_group")  # the objectives' scalar path
-
-
-def backend_for(logits, backend=None) -> str:
-    """The name of the backend ``backend`` (None = auto) resolves to for these logits."""
-    return _FRONT.backend_for(logits, backend)
+#: the torch side of the front-end shell: token_stats' body, vocab_parallel, backend_for
+FRONT = TokenStatsFrontEnd(TorchOps, REGISTRY, TorchVJP)
