@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from typing import Dict, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 from ._env import BACKEND_ENV, env_backend
 
@@ -43,25 +43,78 @@ NATIVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 class Backend(Protocol):
-    """One framework's implementation of the token-statistics primitive (``rows``: the row
-    bundle of ``_rows.Rows``; ``cfg``: the static ``StatsConfig``).
+    """One framework's implementation of the token-statistics primitive, in full (``rows``:
+    the row bundle of ``_rows.Rows``; ``cfg``: the static ``StatsConfig``; ``Stats``,
+    ``State``: ``_stats_math``). What an implementation offers is declared, never probed:
 
-    custom_vjp False: ``compute(rows, cfg) -> (lse, logp, entropy, kl)``, differentiated by
-    the framework's autodiff. custom_vjp True: ``forward(rows, cfg) -> Stats`` and
-    ``backward(rows, stats, grads, cfg, **kw) -> (d_logits, d_teacher or None)``; with
-    ``capabilities.vocab_shards`` also ``forward_partial(rows, cfg, offset) -> (State, r_y,
-    found)`` and ``backward(..., offset=)``; with ``inplace_grad``, ``backward(...,
-    inplace=True)``; with ``sampling``, ``sample(z, zu, keys, suppress, cfg) -> Sample``
-    (``dlm_kernels._sampling``). Every custom-VJP backend runs linear heads too: the front
-    end feeds it token chunks of ``hidden @ weight`` (``dlm_kernels._linear_head``).
+    custom_vjp False: ``compute`` only, differentiated by the framework's autodiff.
+    custom_vjp True: ``forward`` and ``backward``; with ``capabilities.vocab_shards`` also
+    ``forward_partial`` and ``backward(..., offset=)``; with ``inplace_grad``,
+    ``backward(..., inplace=True)``. With ``capabilities.sampling``: ``sample``. Every
+    custom-VJP backend runs linear heads too (the front end feeds it token chunks of
+    ``hidden @ weight``, ``dlm_kernels._linear_head``); ``fused_head`` is None, or kernels
+    that run a whole head in one pass each way (JAX's pallas backend).
+    Implementations derive from :class:`BackendBase`, whose methods raise for what the
+    capabilities leave out.
     """
 
     name: str
     capabilities: Capabilities
     custom_vjp: bool
+    fused_head: Any
 
     def unsupported_reason(self, platform: str) -> Optional[str]:
         """None when it runs on arrays of ``platform``, else why not."""
+        ...
+
+    def compute(self, rows: Any, cfg: Any) -> Tuple[Any, Any, Any, Any]:
+        """(lse, logp, entropy, kl), each [N] float32 (custom_vjp False)."""
+        ...
+
+    def forward(self, rows: Any, cfg: Any) -> Any:
+        """Stats of [N] float32 fields: the outputs and what the backward reads."""
+        ...
+
+    def forward_partial(self, rows: Any, cfg: Any, offset: int = 0) -> Tuple[Any, Any, Any]:
+        """(State, r_y, found) of a vocabulary shard starting at column ``offset``."""
+        ...
+
+    def backward(self, rows: Any, stats: Any, grads: Any, cfg: Any,
+                 **options: Any) -> Tuple[Any, Any]:
+        """(d_logits, d_teacher or None) from the row cotangents ``grads``."""
+        ...
+
+    def sample(self, z: Any, zu: Any, keys: Any, suppress: Any, cfg: Any) -> Any:
+        """The Sample of [N, K] logits (``dlm_kernels._sampling``)."""
+        ...
+
+
+class BackendBase:
+    """What every implementation derives from: ``fused_head = None``, and the methods its
+    capabilities leave out, each raising NotImplementedError with the backend's name (the
+    front ends consult ``capabilities`` and ``custom_vjp`` first, so a user sees these only
+    through a bug)."""
+
+    name: str = "?"
+    fused_head: Any = None
+
+    def _missing(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"backend {self.name!r} does not implement {what}")
+
+    def compute(self, rows, cfg):
+        raise self._missing("compute (it has a custom VJP: forward / backward)")
+
+    def forward(self, rows, cfg):
+        raise self._missing("forward (no custom VJP: compute)")
+
+    def forward_partial(self, rows, cfg, offset=0):
+        raise self._missing("forward_partial (capabilities.vocab_shards is False)")
+
+    def backward(self, rows, stats, grads, cfg, **options):
+        raise self._missing("backward (no custom VJP: compute)")
+
+    def sample(self, z, zu, keys, suppress, cfg):
+        raise self._missing("sample (capabilities.sampling is False)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +180,7 @@ class Registry:
 
     def __init__(self, framework: str):
         self.framework = framework
-        self.IMPLEMENTATIONS: Dict[str, object] = {}
+        self.IMPLEMENTATIONS: Dict[str, Backend] = {}
         self._unavailable: Dict[str, str] = {}
         self._warned = set()  # (platform, backend) fallbacks already logged as a WARNING
 

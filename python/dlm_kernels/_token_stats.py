@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from . import _checks
 from ._config import check_vocab_size, make_config
-from ._dispatch import (FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
+from ._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
                         logger)
 from ._linear_head import is_head
 from ._rows import Rows
@@ -59,7 +59,7 @@ def public_stats(xp, outs, lead_shape, cfg, rows, vocab_extent):
     return TokenStats(lse, logp, entropy if cfg.entropy else None, kl)
 
 
-class ReferenceBackend:
+class ReferenceBackend(BackendBase):
     """The reference backend of one framework: full float32 materialisation, differentiated
     by the framework's own autodiff (no custom VJP), so it checks the kernels' VJP math."""
 

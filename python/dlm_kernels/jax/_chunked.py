@@ -18,7 +18,7 @@ from jax import lax
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._config import chunk_size_for
-from .._dispatch import NATIVE_DTYPES, Capabilities
+from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from ._ops import JaxOps as xp
 
 
@@ -78,7 +78,7 @@ def _from_carry(buf, dtype):
     return buf if buf.dtype == dtype else lax.bitcast_convert_type(buf, dtype)
 
 
-class ChunkedJax:
+class ChunkedJax(BackendBase):
     name = "chunked"
     custom_vjp = True
     capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, sampling=True)

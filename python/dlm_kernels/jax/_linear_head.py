@@ -157,7 +157,7 @@ class _Sweep:
     def fused(self):
         """The backend's fused head kernels when they take these rows (else None): they
         return gradients already in the inputs' dtypes."""
-        fused = getattr(self.impl, "fused_head", None)
+        fused = self.impl.fused_head
         return fused if fused is not None and fused.takes(self.rows, self.cfg, self.axis) else None
 
     def run(self, stats=None, grads=None):

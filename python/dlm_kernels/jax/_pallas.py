@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
-from .._dispatch import Capabilities
+from .._dispatch import BackendBase, Capabilities
 from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from .._linear_head import VOCAB_MAJOR, is_head
@@ -58,108 +58,6 @@ def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of c
 
 def _limit(cfg):
     return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
-
-
-class PallasJax:
-    name = "pallas"
-    custom_vjp = True
-    capabilities = Capabilities(vocab_shards=True, sampling=True)
-
-    @staticmethod
-    def unsupported_reason(platform):
-        forced = os.environ.get(PALLAS_INTERPRET_ENV, "").strip()
-        if platform == "tpu" or forced == "0" or interpret_mode():
-            return None  # "0" forces compiled Mosaic: lowering for TPU works anywhere
-        return (f"the Pallas kernels target TPUs (arrays are on {platform!r}; set "
-                f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
-
-    @staticmethod
-    def _run_forward(rows, active, cfg, offset, partial):
-        z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
-        if z.shape[0] == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
-            return jnp.zeros((0, max(len(ROW_STATS), len(PARTIAL_STATE))), jnp.float32)
-        floats = _forward_floats(rows, active)  # [N, 2]
-        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
-        call = fold_vmap_into_rows(
-            lambda z, *rest: kernels.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
-                                             **statics))
-        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, F]
-
-    @classmethod
-    def forward(cls, rows, cfg):
-        # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32
-        out = cls._run_forward(rows, rows.active, cfg, 0, False)
-        stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
-        # the kernel leaves logp to us: one gathered logit per row
-        r_y, found = stats_math.target_logit(JaxOps, rows, cfg)
-        logp = stats_math.target_logp(JaxOps, r_y, found, stats.m, stats.la_ce, cfg)
-        return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
-
-    @classmethod
-    def forward_partial(cls, rows, cfg, offset=0):
-        # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
-        active = jnp.ones(rows.targets.shape, jnp.bool_)
-        out = cls._run_forward(rows, active, cfg, offset, True)
-        state = stats_math.State(*(out[:, j] for j in range(len(PARTIAL_STATE))))
-        return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
-
-    @staticmethod
-    def backward(rows, stats, grads, cfg, offset=0):
-        z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
-        if z.shape[0] == 0:  # no rows: nothing to launch
-            empty = lambda a: jnp.zeros(a.shape, a.dtype)
-            return empty(z), (empty(u) if u is not None and cfg.teacher_grad else None)
-        floats = _backward_floats(rows, stats, grads)  # [N, 16]
-        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
-        call = fold_vmap_into_rows(
-            lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
-                                              teacher_grad=cfg.teacher_grad, **statics))
-        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
-
-
-    fused_head = None  # set below: the fused linear head's entry points
-
-    @staticmethod
-    def sample(z, zu, keys, suppress, cfg):
-        # z, zu: [N, K] -> Sample of [N] fields; the kernel's one split finalised here
-        n, k = z.shape
-        ints = [jax.lax.bitcast_convert_type(keys, jnp.int32)[:, None]]  # [N, 1 + S]
-        if suppress is not None:
-            ints.append(jnp.broadcast_to(suppress.astype(jnp.int32), (n,) + suppress.shape))
-        statics = dict(temperature=cfg.temperature, cfg_c=cfg.cfg_scale + 1.0,
-                       top_k=cfg.top_k or 0, block_k=cfg.chunk_size, interpret=interpret_mode(),
-                       detect_races=RaceDetection.enabled)
-        call = fold_vmap_into_rows(
-            lambda z, *rest: sampler.sample_partial(z, rest[0] if zu is not None else None,
-                                                    rest[-1], **statics))
-        if n == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
-            kk = cfg.top_k or 0
-            floats, ids = (jnp.zeros((0, len(f)), t) for f, t in
-                           ((SAMPLE_STATE, jnp.float32), (SAMPLE_IDS, jnp.int32)))
-            top_v, top_i = jnp.zeros((0, kk), jnp.float32), jnp.zeros((0, kk), jnp.int32)
-        else:
-            floats, ids, top_v, top_i = call(z, *([zu] if zu is not None else []),
-                                             jnp.concatenate(ints, axis=1))
-        st = sampling.merge_splits(JaxOps, floats.T[:, None, :], ids.T[:, None, :], top_v,
-                                   top_i, cfg, k)
-        return sampling.finalize(JaxOps, st, keys, cfg)
-
-
-def _shift(rows):  # [N] float32: the shift of each row (0 without one)
-    d = rows.shift
-    return jnp.zeros(rows.targets.shape, jnp.float32) if d is None else d.astype(jnp.float32)
-
-
-def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels' F_* columns)
-    return jnp.stack([_shift(rows), active.astype(jnp.float32)], axis=1)
-
-
-def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the backward kernels
-    n = rows.targets.shape[0]
-    cols = [_shift(rows), rows.active.astype(jnp.float32), stats.m, stats.la, stats.entropy,
-            stats.kl_shift, stats.la_ce, stats.mu, stats.la_u, *grads]
-    return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),
-                     axis=1)
 
 
 class FusedHead:
@@ -227,6 +125,107 @@ class FusedHead:
         return (dh, dw, db), du
 
 
-PallasJax.fused_head = FusedHead
+class PallasJax(BackendBase):
+    name = "pallas"
+    custom_vjp = True
+    capabilities = Capabilities(vocab_shards=True, sampling=True)
+
+    @staticmethod
+    def unsupported_reason(platform):
+        forced = os.environ.get(PALLAS_INTERPRET_ENV, "").strip()
+        if platform == "tpu" or forced == "0" or interpret_mode():
+            return None  # "0" forces compiled Mosaic: lowering for TPU works anywhere
+        return (f"the Pallas kernels target TPUs (arrays are on {platform!r}; set "
+                f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
+
+    @staticmethod
+    def _run_forward(rows, active, cfg, offset, partial):
+        z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
+        if z.shape[0] == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
+            return jnp.zeros((0, max(len(ROW_STATS), len(PARTIAL_STATE))), jnp.float32)
+        floats = _forward_floats(rows, active)  # [N, 2]
+        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
+        call = fold_vmap_into_rows(
+            lambda z, *rest: kernels.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
+                                             **statics))
+        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, F]
+
+    @classmethod
+    def forward(cls, rows, cfg):
+        # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32
+        out = cls._run_forward(rows, rows.active, cfg, 0, False)
+        stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
+        # the kernel leaves logp to us: one gathered logit per row
+        r_y, found = stats_math.target_logit(JaxOps, rows, cfg)
+        logp = stats_math.target_logp(JaxOps, r_y, found, stats.m, stats.la_ce, cfg)
+        return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
+
+    @classmethod
+    def forward_partial(cls, rows, cfg, offset=0):
+        # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
+        active = jnp.ones(rows.targets.shape, jnp.bool_)
+        out = cls._run_forward(rows, active, cfg, offset, True)
+        state = stats_math.State(*(out[:, j] for j in range(len(PARTIAL_STATE))))
+        return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
+
+    @staticmethod
+    def backward(rows, stats, grads, cfg, offset=0):
+        z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
+        if z.shape[0] == 0:  # no rows: nothing to launch
+            empty = lambda a: jnp.zeros(a.shape, a.dtype)
+            return empty(z), (empty(u) if u is not None and cfg.teacher_grad else None)
+        floats = _backward_floats(rows, stats, grads)  # [N, 16]
+        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
+        call = fold_vmap_into_rows(
+            lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
+                                              teacher_grad=cfg.teacher_grad, **statics))
+        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
+
+
+    fused_head = FusedHead  # the fused linear head's entry points
+
+    @staticmethod
+    def sample(z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields; the kernel's one split finalised here
+        n, k = z.shape
+        ints = [jax.lax.bitcast_convert_type(keys, jnp.int32)[:, None]]  # [N, 1 + S]
+        if suppress is not None:
+            ints.append(jnp.broadcast_to(suppress.astype(jnp.int32), (n,) + suppress.shape))
+        statics = dict(temperature=cfg.temperature, cfg_c=cfg.cfg_scale + 1.0,
+                       top_k=cfg.top_k or 0, block_k=cfg.chunk_size, interpret=interpret_mode(),
+                       detect_races=RaceDetection.enabled)
+        call = fold_vmap_into_rows(
+            lambda z, *rest: sampler.sample_partial(z, rest[0] if zu is not None else None,
+                                                    rest[-1], **statics))
+        if n == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
+            kk = cfg.top_k or 0
+            floats, ids = (jnp.zeros((0, len(f)), t) for f, t in
+                           ((SAMPLE_STATE, jnp.float32), (SAMPLE_IDS, jnp.int32)))
+            top_v, top_i = jnp.zeros((0, kk), jnp.float32), jnp.zeros((0, kk), jnp.int32)
+        else:
+            floats, ids, top_v, top_i = call(z, *([zu] if zu is not None else []),
+                                             jnp.concatenate(ints, axis=1))
+        st = sampling.merge_splits(JaxOps, floats.T[:, None, :], ids.T[:, None, :], top_v,
+                                   top_i, cfg, k)
+        return sampling.finalize(JaxOps, st, keys, cfg)
+
+
+def _shift(rows):  # [N] float32: the shift of each row (0 without one)
+    d = rows.shift
+    return jnp.zeros(rows.targets.shape, jnp.float32) if d is None else d.astype(jnp.float32)
+
+
+def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels' F_* columns)
+    return jnp.stack([_shift(rows), active.astype(jnp.float32)], axis=1)
+
+
+def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the backward kernels
+    n = rows.targets.shape[0]
+    cols = [_shift(rows), rows.active.astype(jnp.float32), stats.m, stats.la, stats.entropy,
+            stats.kl_shift, stats.la_ce, stats.mu, stats.la_u, *grads]
+    return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),
+                     axis=1)
+
+
 
 IMPLEMENTATION = PallasJax()

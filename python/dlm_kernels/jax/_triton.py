@@ -61,7 +61,7 @@ import triton
 
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
-from .._dispatch import Capabilities
+from .._dispatch import BackendBase, Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
@@ -227,7 +227,7 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg):
     return jnp.moveaxis(state, 2, 0), jnp.moveaxis(ids, 2, 0), top_v, top_i
 
 
-class TritonJax:
+class TritonJax(BackendBase):
     name = "triton"
     custom_vjp = True
     capabilities = Capabilities(vocab_shards=True, sampling=True)

@@ -15,7 +15,7 @@ from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from . import _chunked_sampling as chunked_sampling
 from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
-from .._dispatch import NATIVE_DTYPES, Capabilities
+from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from ._buffers import empty
 from ._ops import TorchOps as xp
 
@@ -25,7 +25,7 @@ def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
     return [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
 
 
-class ChunkedTorch:
+class ChunkedTorch(BackendBase):
     name = "chunked"
     custom_vjp = True
     capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, inplace_grad=True,

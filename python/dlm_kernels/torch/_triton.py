@@ -17,7 +17,7 @@ import triton
 
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
-from .._dispatch import Capabilities
+from .._dispatch import BackendBase, Capabilities
 from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
@@ -281,7 +281,7 @@ def _limit(cfg):
     return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
 
 
-class TritonTorch:
+class TritonTorch(BackendBase):
     name = "triton"
     custom_vjp = True
     capabilities = Capabilities(vocab_shards=True, inplace_grad=True, sampling=True)
