@@ -263,6 +263,17 @@ def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=
     return State(m, a, b, a2, mu, au, cu, fu), extra
 
 
+def shard_stats(xp, impl, rows, cfg: StatsConfig, offset, pmax, psum) -> "Stats":
+    """Megatron-style vocabulary parallelism, the one merge every front end and the linear
+    head use: ``rows.logits`` is one shard of columns [offset, offset + K_local); the
+    backend's partial state, merged across the shards by the framework's collectives
+    (``merge_collective``: ``pmax`` / ``psum`` of lists of [N] arrays), then finalised.
+    The target's logit and whether a shard found it ride along in the sum."""
+    state, r_y, found = impl.forward_partial(rows, cfg, offset)
+    state, (r_y, found) = merge_collective(xp, state, pmax, psum, cfg, [r_y, found])
+    return finalize(xp, state, r_y, found, rows.active, cfg)
+
+
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
     """Merge S partial states given as one [N, S] array per State field into one
     State of [N] arrays, with the same rescaling as ``merge_collective``."""

@@ -118,12 +118,9 @@ class _Sweep:
     def _stats(self, rc):
         if self.axis is None:
             return self.impl.forward(rc, self.cfg)
-        axis = self.axis
-        state, r_y, found = self.impl.forward_partial(rc, self.cfg, self._offset(rc.logits.shape[1]))
-        state, (r_y, found) = stats_math.merge_collective(
-            JaxOps, state, lambda v: lax.pmax(v, axis), lambda v: lax.psum(v, axis), self.cfg,
-            [r_y, found])
-        return stats_math.finalize(JaxOps, state, r_y, found, rc.active, self.cfg)
+        from ._primitive import vocab_parallel_stats
+
+        return vocab_parallel_stats(rc, self.impl, self.cfg, self.axis)[0]
 
     def _zero_grads(self):
         """The float32 accumulators: per part (student, teacher) a head's (dH, dW, db), an

@@ -69,14 +69,18 @@ def _vocab_parallel_fwd(impl, cfg, axis, rows):
                        rows)
 
 
-def _vocab_parallel_forward(impl, cfg, axis, rows):
-    # rows.logits: this device's vocabulary shard [N, K_local] of the mesh axis ``axis``
+def vocab_parallel_stats(rows, impl, cfg, axis):
+    """``stats_math.shard_stats`` over the mesh axis ``axis``: rows.logits is this device's
+    vocabulary shard [N, K_local]. Returns (Stats, column offset)."""
     offset = jax.lax.axis_index(axis) * rows.logits.shape[1]
-    state, r_y, found = impl.forward_partial(rows, cfg, offset)
-    state, (r_y, found) = stats_math.merge_collective(
-        JaxOps, state, lambda v: jax.lax.pmax(v, axis), lambda v: jax.lax.psum(v, axis), cfg,
-        [r_y, found])
-    stats = stats_math.finalize(JaxOps, state, r_y, found, rows.active, cfg)
+    stats = stats_math.shard_stats(JaxOps, impl, rows, cfg, offset,
+                                   lambda v: jax.lax.pmax(v, axis),
+                                   lambda v: jax.lax.psum(v, axis))
+    return stats, offset
+
+
+def _vocab_parallel_forward(impl, cfg, axis, rows):
+    stats, offset = vocab_parallel_stats(rows, impl, cfg, axis)
     return tuple(stats[:4]), (rows, stats, offset)
 
 

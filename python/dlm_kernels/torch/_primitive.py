@@ -20,12 +20,10 @@ REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a to
 
 
 def _vocab_parallel_stats(rows, impl, cfg, group):
-    """Megatron-style vocabulary parallelism: rows.logits is rank r's shard of columns
-    [r·K_local, (r+1)·K_local). Local partial state, then two all-reduces of per-row
-    floats (MAX of 2, SUM of 8: 40 bytes per row). Returns (Stats, column offset)."""
+    """``stats_math.shard_stats`` over a process group: rows.logits is rank r's shard of
+    columns [r·K_local, (r+1)·K_local); two all-reduces of per-row floats (MAX of 2, SUM of
+    8: 40 bytes per row). Returns (Stats, column offset)."""
     import torch.distributed as dist
-
-    offset = dist.get_rank(group) * rows.logits.shape[1]
 
     def reduce(op):
         def run(values):
@@ -34,10 +32,10 @@ def _vocab_parallel_stats(rows, impl, cfg, group):
             return list(packed.unbind(0))
         return run
 
-    state, r_y, found = impl.forward_partial(rows, cfg, offset)
-    state, (r_y, found) = stats_math.merge_collective(TorchOps, state, reduce(dist.ReduceOp.MAX),
-                                             reduce(dist.ReduceOp.SUM), cfg, [r_y, found])
-    return stats_math.finalize(TorchOps, state, r_y, found, rows.active, cfg), offset
+    offset = dist.get_rank(group) * rows.logits.shape[1]
+    stats = stats_math.shard_stats(TorchOps, impl, rows, cfg, offset,
+                                   reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
+    return stats, offset
 
 
 _N_FIELDS = len(Rows._fields)
