@@ -410,6 +410,36 @@ def test_loss_weights_of_any_real_dtype_are_kept_and_converted_by_objectives(fw_
 
 
 @pytest.mark.parametrize("fw_name", FWS)
+def test_compute_diffusion_logits_validates_calls_and_returns(fw_name, rng):
+    """Tunix's compute_diffusion_logits(model, batch, logits_fn): the batch is validated
+    before the model runs, logits_fn gets (model, batch.model_inputs), and its result is
+    checked against the batch and returned as it is."""
+    fw = framework(fw_name)
+    batch = fw.api.DiffusionTokenBatch.create(**tunix_inputs(fw, rng))
+    z = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    seen = []
+
+    def logits_fn(model, inputs):
+        seen.append((model, inputs))
+        return model
+
+    assert fw.api.compute_diffusion_logits(z, batch, logits_fn) is z
+    assert seen == [(z, batch.model_inputs)]
+    w = fw.numpy(batch.loss_weights).copy()
+    w[0, 1] = -1.0
+    unchecked = batch.replace(loss_weights=fw.array(w))  # replace() does not validate
+    with pytest.raises(ValueError, match=r"loss_weights must be nonnegative; got -1.0"):
+        fw.api.compute_diffusion_logits(z, unchecked, logits_fn)
+    assert len(seen) == 1, "the model must not run on an invalid batch"
+    with pytest.raises(ValueError, match=r"logits must align with target_ids on \[batch, "
+                                         r"length\] = \[2, 3\]; got shape \[2, 4, 11\]"):
+        fw.api.compute_diffusion_logits(fw.array(np.zeros((2, 4, 11), np.float32)), batch,
+                                        logits_fn)
+    with pytest.raises(TypeError, match="batch must be a DiffusionTokenBatch"):
+        fw.api.compute_diffusion_logits(z, "not a batch", logits_fn)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
 def test_validate_diffusion_logits_returns_its_argument(fw_name, rng):
     fw = framework(fw_name)
     batch = fw.api.DiffusionTokenBatch.create(**tunix_inputs(fw, rng))

@@ -292,6 +292,14 @@ class Objectives:
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)
         return (logps, entropy) if return_entropy else logps
 
+    def compute_diffusion_logits(self, model, batch, logits_fn):
+        """Tunix's entry point: ``batch.validate()``, then ``logits_fn(model,
+        batch.model_inputs)``, checked by ``validate_diffusion_logits`` and returned."""
+        checks.require_instance("batch", batch, self.DiffusionTokenBatch)
+        batch.validate()
+        logits = logits_fn(model, batch.model_inputs)
+        return self.validate_diffusion_logits(batch, logits)
+
     def compute_diffusion_per_token_logps(self, model, batch, logits_fn, *, temperature=1.0,
                                           stop_gradient=True, return_entropy=False,
                                           backend=None):
