@@ -33,29 +33,30 @@ def _case_ids(cases):
 BAD_BATCHES = [
     # (what to change, exception type, pattern the message must match)
     (dict(model_inputs=np.zeros((3, 3), np.int32)), ValueError,
-     r"model_inputs must be batch-major \[B, \.\.\.\] with B = 2 .*; got \[3, 3\]"),
+     r"model_inputs has batch size 3; expected 2 .*; got shape \[3, 3\]"),
     (dict(model_inputs=np.zeros((2, 3), np.complex64)), TypeError,
-     "model_inputs must have a bool, integer or floating dtype; got complex64"),
+     r"model_inputs must have a real numeric or boolean dtype \(bool, integer or floating\); "
+     "got complex64"),
     (dict(target_ids=np.zeros((2, 3, 1), np.int32)), ValueError,
-     r"target_ids must have shape \[B, L\]; got \[2, 3, 1\]"),
+     r"target_ids must have shape \[batch, length\]; got \[2, 3, 1\]"),
     (dict(target_ids=np.zeros((2, 4), np.int32)), ValueError,
-     r"loss_weights must have shape target_ids.shape \[B, L\] = \[2, 4\]; got \[2, 3\]"),
+     r"loss_weights must match target_ids shape \[2, 4\]; got \[2, 3\]"),
     (dict(target_ids=np.zeros((2, 3), np.float32)), TypeError,
      "target_ids must have an integer dtype; got float32"),
     (dict(loss_weights=np.ones((3, 3), np.float32)), ValueError,
-     r"loss_weights must have shape .*\[2, 3\]; got \[3, 3\]"),
+     r"loss_weights must match target_ids shape \[2, 3\]; got \[3, 3\]"),
     (dict(loss_weights=np.ones((2, 3), np.complex64)), TypeError,
-     "loss_weights must have a bool, integer or floating dtype; got complex64"),
+     r"loss_weights must have a real numeric or boolean dtype \(.*\); got complex64"),
     (dict(loss_weights=np.array([[1, -1, 1], [1, 1, 1]], np.float32)), ValueError,
-     r"loss_weights must be finite and non-negative; got -1.0 at index \(0, 1\)$"),
+     r"loss_weights must be nonnegative; got -1.0 at index \(0, 1\)$"),
     (dict(loss_weights=np.array([[1, 1, 1], [1, 1, -2]], np.int32)), ValueError,
-     r"loss_weights must be finite and non-negative; got -2 at index \(1, 2\)$"),
+     r"loss_weights must be nonnegative; got -2 at index \(1, 2\)$"),
     (dict(loss_weights=np.array([[1, np.nan, 1], [1, 1, 1]], np.float32)), ValueError,
      r"got nan at index \(0, 1\)$"),
     (dict(loss_weights=np.array([[1, np.inf, 1], [1, 1, 1]], np.float32)), ValueError,
      r"got inf at index \(0, 1\)$"),
     (dict(target_ids=np.array([[0, -1, 0], [0, 0, 0]], np.int32)), ValueError,
-     r"target_ids at active positions must be >= 0; got -1 at index \(0, 1\)$"),
+     r"active target_ids must be nonnegative; got -1 at index \(0, 1\)$"),
 ]
 
 
@@ -85,10 +86,10 @@ def test_logits_validation(fw_name):
     fw = framework(fw_name)
     batch = fw.api.DiffusionTokenBatch.create(**good(fw))
     cases = [
-        (np.zeros((2, 3), np.float32), ValueError, r"logits must have shape \[B, L, K\]"),
+        (np.zeros((2, 3), np.float32), ValueError, r"logits must have shape \[batch, length, vocab\]"),
         (np.zeros((2, 4, 11), np.float32), ValueError, r"logits .*\[2, 3\]"),
-        (np.zeros((2, 3, 11), np.int32), TypeError, "logits must have a floating dtype"),
-        (np.zeros((2, 3, 1), np.float32), ValueError, r"target_ids at active positions must be in \[0, 1\)"),
+        (np.zeros((2, 3, 11), np.int32), TypeError, "logits must have a floating-point dtype"),
+        (np.zeros((2, 3, 1), np.float32), ValueError, r"active target_ids must be smaller than vocabulary size 1;"),
     ]
     for logits, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
@@ -117,9 +118,9 @@ def test_distillation_batch_validation(fw_name):
     batch = fw.api.DiffusionDistillationBatch.create(student_batch=student,
                                                      teacher_logits=fw.array(nan_teacher))
     z = fw.array(np.zeros((2, 3, 11), np.float32))
-    with pytest.raises(ValueError, match="teacher_logits must be finite at active positions"):
+    with pytest.raises(ValueError, match="active teacher_logits must contain only finite values"):
         fw.api.opd_loss(z, batch)
-    with pytest.raises(ValueError, match="teacher_logits must have shape"):
+    with pytest.raises(ValueError, match="student and teacher logits must have identical shapes"):
         fw.api.opd_loss(fw.array(np.zeros((2, 3, 12), np.float32)), batch)
 
 
@@ -133,7 +134,7 @@ BAD_SCALARS = [
     (dict(soft_loss_weight=-0.5), "soft_loss_weight"),
     (dict(hard_loss_weight=float("nan")), "hard_loss_weight"),
     (dict(soft_loss_weight=True), "soft_loss_weight"),
-    (dict(soft_loss_weight=0.0, hard_loss_weight=0.0), "both 0"),
+    (dict(soft_loss_weight=0.0, hard_loss_weight=0.0), "at least one loss weight must be positive"),
 ]
 
 
@@ -196,7 +197,7 @@ def test_token_stats_argument_validation(fw_name):
         ts(z, fw.array(np.zeros(5, np.int32)))
     with pytest.raises(TypeError, match="targets must have an integer dtype"):
         ts(z, fw.array(np.zeros(4, np.float32)))
-    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+    with pytest.raises(TypeError, match="logits must have a floating-point dtype"):
         ts(fw.array(np.zeros((4, 9), np.int32)), y)
     with pytest.raises(ValueError, match=r"weights must have shape"):
         ts(z, y, fw.array(np.ones(3, np.float32)))
@@ -321,17 +322,17 @@ def test_model_inputs_pytrees_are_accepted_and_kept(fw_name, structure, rng):
 
 BAD_MODEL_INPUTS = [
     # (model_inputs built from t = tokens [2, 3] int, exception, pattern)
-    (lambda fw, t: {}, ValueError, "model_inputs must be a pytree with at least one array leaf; got dict"),
+    (lambda fw, t: {}, ValueError, r"model_inputs must contain at least one array \(.*\); got dict"),
     (lambda fw, t: {"input_tokens": t, "positions": fw.array(np.zeros((3, 3), np.int32))},
-     ValueError, r"model_inputs\['positions'\] must be batch-major .* B = 2 .*; got \[3, 3\]"),
+     ValueError, r"model_inputs\['positions'\] has batch size 3; expected 2 .*; got shape \[3, 3\]"),
     (lambda fw, t: {"input_tokens": t, "time": fw.array(np.float32(0.5))},
-     ValueError, r"model_inputs\['time'\] must be batch-major .*got a scalar"),
+     ValueError, r"model_inputs\['time'\] must be batch-major, not scalar: .*got shape \[\]"),
     (lambda fw, t: {"input_tokens": t, "ids": [1, 2]},
-     TypeError, r"model_inputs\['ids'\]\[0\] must be an array/tensor; got int"),
+     TypeError, r"model_inputs\['ids'\]\[0\] must be a (torch tensor|JAX/NumPy array or ShapeDtypeStruct); got int"),
     (lambda fw, t: {"input_tokens": t, "name": "abc"},
-     TypeError, r"model_inputs\['name'\] must be an array/tensor; got str"),
+     TypeError, r"model_inputs\['name'\] must be a (torch tensor|JAX/NumPy array or ShapeDtypeStruct); got str"),
     (lambda fw, t: (t, {"phase": fw.array(np.zeros((2, 3), np.complex64))}),
-     TypeError, r"model_inputs\[1\]\['phase'\] must have a bool, integer or floating dtype; got complex64"),
+     TypeError, r"model_inputs\[1\]\['phase'\] must have a real numeric or boolean dtype \(.*\); got complex64"),
 ]
 
 
@@ -366,7 +367,7 @@ def test_jax_model_inputs_numpy_structs_and_tracers():
         model_inputs={"input_tokens": S((2, 3), jnp.int32), "time": S((2,), jnp.float32)},
         target_ids=S((2, 3), jnp.int32), loss_weights=S((2, 3), jnp.bool_))
     assert spec.loss_weights.dtype == jnp.bool_
-    with pytest.raises(ValueError, match=r"model_inputs\['time'\] must be batch-major"):
+    with pytest.raises(ValueError, match=r"model_inputs\['time'\] has batch size 3; expected 2"):
         D.DiffusionTokenBatch.create(model_inputs={"time": S((3,), jnp.float32)},
                                      target_ids=S((2, 3), jnp.int32), loss_weights=S((2, 3), jnp.float32))
     shapes = jax.eval_shape(lambda m, t, l: D.DiffusionTokenBatch.create(
@@ -409,17 +410,47 @@ def test_loss_weights_of_any_real_dtype_are_kept_and_converted_by_objectives(fw_
 
 
 @pytest.mark.parametrize("fw_name", FWS)
+def test_compute_diffusion_logits_validates_calls_and_returns(fw_name, rng):
+    """Tunix's compute_diffusion_logits(model, batch, logits_fn): the batch is validated
+    before the model runs, logits_fn gets (model, batch.model_inputs), and its result is
+    checked against the batch and returned as it is."""
+    fw = framework(fw_name)
+    batch = fw.api.DiffusionTokenBatch.create(**tunix_inputs(fw, rng))
+    z = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    seen = []
+
+    def logits_fn(model, inputs):
+        seen.append((model, inputs))
+        return model
+
+    assert fw.api.compute_diffusion_logits(z, batch, logits_fn) is z
+    assert seen == [(z, batch.model_inputs)]
+    w = fw.numpy(batch.loss_weights).copy()
+    w[0, 1] = -1.0
+    unchecked = batch.replace(loss_weights=fw.array(w))  # replace() does not validate
+    with pytest.raises(ValueError, match=r"loss_weights must be nonnegative; got -1.0"):
+        fw.api.compute_diffusion_logits(z, unchecked, logits_fn)
+    assert len(seen) == 1, "the model must not run on an invalid batch"
+    with pytest.raises(ValueError, match=r"logits must align with target_ids on \[batch, "
+                                         r"length\] = \[2, 3\]; got shape \[2, 4, 11\]"):
+        fw.api.compute_diffusion_logits(fw.array(np.zeros((2, 4, 11), np.float32)), batch,
+                                        logits_fn)
+    with pytest.raises(TypeError, match="batch must be a DiffusionTokenBatch"):
+        fw.api.compute_diffusion_logits(z, "not a batch", logits_fn)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
 def test_validate_diffusion_logits_returns_its_argument(fw_name, rng):
     fw = framework(fw_name)
     batch = fw.api.DiffusionTokenBatch.create(**tunix_inputs(fw, rng))
     z = fw.array(rng.normal(size=(2, 3, 11)), "bfloat16")
     assert fw.api.validate_diffusion_logits(batch, z) is z
-    with pytest.raises(ValueError, match=r"logits must have a vocabulary axis K >= 1; got \[2, 3, 0\]"):
+    with pytest.raises(ValueError, match=r"logits must have a non-empty vocabulary dimension; got shape \[2, 3, 0\]"):
         fw.api.validate_diffusion_logits(batch, fw.array(np.zeros((2, 3, 0), np.float32)))
     y = fw.numpy(batch.target_ids).astype(np.int32)
     y[1, 2], w = 11, np.ones((2, 3), np.float32)
     wide = batch.replace(target_ids=fw.array(y), loss_weights=fw.array(w))
-    with pytest.raises(ValueError, match=r"target_ids at active positions must be in \[0, 11\); "
+    with pytest.raises(ValueError, match=r"active target_ids must be smaller than vocabulary size 11; "
                                          r"got 11 at index \(1, 2\)$"):
         fw.api.validate_diffusion_logits(wide, z)
 
@@ -434,7 +465,7 @@ def test_distillation_batch_checks_targets_against_the_teacher_vocabulary(fw_nam
     fields.update(target_ids=fw.array(y), loss_weights=fw.array(w))
     student = fw.api.DiffusionTokenBatch.create(**fields)  # no K known yet: accepted
     teacher = fw.array(rng.normal(size=(2, 3, 11)), "float32")
-    with pytest.raises(ValueError, match=r"target_ids at active positions must be in \[0, 11\); "
+    with pytest.raises(ValueError, match=r"active target_ids must be smaller than vocabulary size 11; "
                                          r"got 11 at index \(0, 2\)$"):
         fw.api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=teacher)
     y[0, 2] = 10
@@ -462,7 +493,8 @@ def test_merge_concatenates_every_leaf_of_a_pytree(fw_name, rng):
 
 MERGE_MISMATCHES = [
     # (how batches[1].model_inputs differs from {"tokens": [B, 3] int32, "time": [B] float32})
-    (lambda fw, m: {"tokens": m["tokens"]}, r"batches\[1\]\.model_inputs has tree structure"),
+    (lambda fw, m: {"tokens": m["tokens"]},
+     r"batches\[1\]\.model_inputs must have the same pytree structure as batches\[0\]\.model_inputs"),
     (lambda fw, m: {**m, "time": fw.array(np.zeros((3, 2), np.float32))},
      r"batches\[1\]\.model_inputs\['time'\] has shape \[3, 2\] and dtype float32; "
      r"batches\[0\]\.model_inputs\['time'\] has \[2\]"),
@@ -504,8 +536,8 @@ def test_merge_names_a_leaf_that_is_none_in_some_batches(fw_name):
     pattern = {"torch": r"^batches\[1\]\.model_inputs\['b'\] is {}, but batches\[0\]\."
                         r"model_inputs\['b'\] is {}: a leaf must be None in every batch or "
                         r"in none$",
-               "jax": r"^batches\[1\]\.model_inputs has tree structure .*: they must "
-                      r"match$"}[fw_name]
+               "jax": r"^batches\[1\]\.model_inputs must have the same pytree structure as "
+                      r"batches\[0\]\.model_inputs; got .* and "}[fw_name]
     shape = r"an array of shape \[2, 3\]"
     with pytest.raises(ValueError, match=pattern.format(shape, "None")):
         fw.api.merge_diffusion_batches([without_b, with_b])
@@ -545,9 +577,9 @@ def sft_args(fw, b=2, l=3, k=11, variant="loo-ce"):
 
 BAD_SFT_VALUES = [
     (dict(loss_mask=np.array([[1, -1, 1], [1, 1, 1]], np.float32)),
-     r"loss_mask must be finite and non-negative; got -1.0 at index \(0, 1\)$"),
+     r"loss_mask must be nonnegative; got -1.0 at index \(0, 1\)$"),
     (dict(loss_mask=np.array([[1, 1, 1], [1, np.nan, 1]], np.float32)),
-     r"loss_mask must be finite and non-negative; got nan at index \(1, 1\)$"),
+     r"loss_mask must contain only finite values; got nan at index \(1, 1\)$"),
     (dict(t=np.array([0.5, 1.5], np.float32)), r"t must lie in \[0, 1\]; got 1.5 at index \(1,\)$"),
     (dict(t=np.array([-0.25, 0.5], np.float32)), r"t must lie in \[0, 1\]; got -0.25 at index \(0,\)$"),
     (dict(t=np.array([0.5, np.nan], np.float32)), r"t must lie in \[0, 1\]; got nan at index \(1,\)$"),
@@ -601,7 +633,7 @@ def test_traced_or_odd_scalars_are_named_plainly(fw_name):
     fw = framework(fw_name)
     batch = fw.api.DiffusionTokenBatch.create(**good(fw))
     z = fw.array(np.zeros((2, 3, 11), np.float32))
-    with pytest.raises(ValueError, match=r"temperature must be a finite positive float; got -2.0$"):
+    with pytest.raises(ValueError, match=r"temperature must be a finite positive real scalar; got -2.0$"):
         fw.api.per_token_logps(z, batch, temperature=np.float64(-2.0))
     with pytest.raises(ValueError, match=r"vocab_size must be a positive int; got 0$"):
         fw.api.diffusion_sft_loss(**{**sft_args(fw), "vocab_size": np.int64(0)})
@@ -796,7 +828,8 @@ def test_arrays_and_batches_of_the_other_framework_say_how_to_convert(fw_name):
         expected = [(torch.zeros((6, 11)), r"got a torch Tensor: convert it with "
                      r"jnp\.from_dlpack\(logits\.detach\(\)\), or "
                      r"jnp\.asarray\(logits\.detach\(\)\.cpu\(\)\.numpy\(\)\)$")]
-        prefix = r"^logits must be a JAX or NumPy array \(dlm_kernels\.jax takes JAX arrays\); "
+        prefix = (r"^logits must be a JAX/NumPy array or ShapeDtypeStruct \(dlm_kernels\.jax "
+                  r"takes JAX arrays\); ")
     y = fw.array(np.zeros(6, np.int64))
     for logits, pattern in expected:
         with pytest.raises(TypeError, match=prefix + pattern):

@@ -242,7 +242,7 @@ def test_backend_for_names_arrays_a_front_end_does_not_take():
         T.backend_for(np.zeros(3, np.float32))
     with pytest.raises(TypeError, match=r"^logits\.hidden must be a torch tensor .*got a NumPy"):
         T.backend_for(T.LinearHead(np.zeros((2, 3), np.float32), torch.zeros(5, 3)))
-    with pytest.raises(TypeError, match=r"^logits must be a JAX or NumPy array .*; got a torch Tensor"):
+    with pytest.raises(TypeError, match=r"^logits must be a JAX/NumPy array or ShapeDtypeStruct .*; got a torch Tensor"):
         J.backend_for(torch.zeros(3))
     assert dlm_kernels.backend_for(np.zeros(3, np.float32)) == J.backend_for(np.zeros(3, np.float32))
     code = ("import sys; sys.modules['jax'] = None\n"  # JAX cannot be imported

@@ -46,6 +46,11 @@ def shape_str(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+class IdOutOfRangeError(ValueError, RuntimeError):
+    """An id outside its vocabulary where the upstream code raises ``RuntimeError`` (torch's
+    ``one_hot`` and ``gather`` in Megatron-Bridge's DiffusionGemma losses): both our
+    ValueError and upstream's RuntimeError, so either ``except`` catches it."""
+
 
 class _SyncChecks:
     """Whether value checks may synchronise with an accelerator (a plain attribute:
@@ -146,6 +151,10 @@ def array_library(x):
     return _LIBRARIES.get(type(x).__module__.split(".")[0])
 
 
+#: what each front end's array arguments are, in Tunix's words for JAX
+_ARRAYS = {"torch": "a torch tensor", "jax": "a JAX/NumPy array or ShapeDtypeStruct"}
+
+
 def _wrong_library(xp, name, x):
     """The message for an array of a library this front end does not take, or None."""
     library = array_library(x)
@@ -157,7 +166,7 @@ def _wrong_library(xp, name, x):
         convert = "torch.from_dlpack" if library == "jax" else "torch.as_tensor"
         return (f"{name} must be a torch tensor (dlm_kernels.torch takes torch tensors); got "
                 f"{got}: convert it with {convert}({name})")
-    return (f"{name} must be a JAX or NumPy array (dlm_kernels.jax takes JAX arrays); got "
+    return (f"{name} must be {_ARRAYS['jax']} (dlm_kernels.jax takes JAX arrays); got "
             f"{got}: convert it with jnp.from_dlpack({name}.detach()), or "
             f"jnp.asarray({name}.detach().cpu().numpy())")
 
@@ -165,7 +174,7 @@ def _wrong_library(xp, name, x):
 def require_array(xp, name, x):
     if not xp.is_array(x):
         raise TypeError(_wrong_library(xp, name, x)
-                        or f"{name} must be an array/tensor; got {type(x).__name__}")
+                        or f"{name} must be {_ARRAYS[xp.framework]}; got {type(x).__name__}")
 
 
 def require_instance(name, value, cls):
@@ -205,10 +214,10 @@ def require_int(xp, name, x):
 
 def require_float(xp, name, x):
     if not xp.is_float(x):
-        raise TypeError(f"{name} must have a floating dtype; got {dtype_str(x)}")
+        raise TypeError(f"{name} must have a floating-point dtype; got {dtype_str(x)}")
 
 
-def require_real(xp, name, x, what="a bool, integer or floating dtype"):
+def require_real(xp, name, x, what="a real numeric or boolean dtype (bool, integer or floating)"):
     if not xp.is_real(x):
         raise TypeError(f"{name} must have {what}; got {dtype_str(x)}")
 
@@ -222,19 +231,20 @@ def require_shape(name, x, shape, layout):
 
 # -- value checks (concrete arrays only) ----------------------------------------------------
 
-def _raise_first(bad, values, message):
+def _raise_first(bad, values, message, error=ValueError):
     idx = tuple(np.argwhere(bad)[0])
-    raise ValueError(f"{message}; got {plain(values[idx])} at index {_index(idx)}")
+    raise error(f"{message}; got {plain(values[idx])} at index {_index(idx)}")
 
 
 def check_nonnegative(xp, name, x, allow_sync=False):
-    """Every value finite and >= 0 (weights, masks)."""
+    """Every value finite, then every value >= 0 (weights, masks), in Tunix's words."""
     v = host_values(xp, x, allow_sync)
     if v is None:
         return
-    bad = ~np.isfinite(v) | (v < 0)
-    if bad.any():
-        _raise_first(bad, v, f"{name} must be finite and non-negative")
+    if not np.isfinite(v).all():
+        _raise_first(~np.isfinite(v), v, f"{name} must contain only finite values")
+    if (v < 0).any():
+        _raise_first(v < 0, v, f"{name} must be nonnegative")
 
 
 def check_unit_interval(xp, name, x, allow_sync=False):
@@ -270,10 +280,11 @@ def check_weight_sum(xp, name, x, per_row=False, allow_sync=False):
             f"{float(sums[tuple(idx)]):.3g}{where}: rescale them")
 
 
-def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False):
+def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False,
+              error=ValueError):
     """ids in [0, high) (>= 0 when high is None) at the positions where ``where`` (an array
     whose non-zero entries select) is set, or everywhere when ``where`` is None; ``at`` says
-    which positions in the message (" at active positions")."""
+    which positions in the message (" where loss_mask is set"); ``error`` the class raised."""
     y = host_values(xp, ids, allow_sync)
     if y is None:
         return
@@ -285,7 +296,22 @@ def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False):
         bad = bad & (w != 0)
     if bad.any():
         bound = ">= 0" if high is None else f"in [0, {high})"
-        _raise_first(bad, y, f"{name}{at} must be {bound}")
+        _raise_first(bad, y, f"{name}{at} must be {bound}", error)
+
+
+def check_active_targets(xp, target_ids, loss_weights, vocab_size=None, allow_sync=False):
+    """Active targets (non-zero weight) >= 0, then < ``vocab_size`` when it is given, in
+    Tunix's words (its batch checks the first, its logits validation the second)."""
+    y = host_values(xp, target_ids, allow_sync)
+    w = None if y is None else host_values(xp, loss_weights, allow_sync)
+    if w is None:
+        return
+    active = w != 0
+    if ((y < 0) & active).any():
+        _raise_first((y < 0) & active, y, "active target_ids must be nonnegative")
+    if vocab_size is not None and ((y >= vocab_size) & active).any():
+        _raise_first((y >= vocab_size) & active, y,
+                     f"active target_ids must be smaller than vocabulary size {vocab_size}")
 
 
 # -- the token-statistics primitive ------------------------------------------------
@@ -334,26 +360,29 @@ def check_model_inputs(xp, model_inputs, batch_size):
     leaves = xp.leaves_with_paths(model_inputs)
     if not leaves:
         raise ValueError(
-            f"model_inputs must be a pytree with at least one array leaf; got "
-            f"{type(model_inputs).__name__} with none")
+            f"model_inputs must contain at least one array (a pytree with an array leaf); "
+            f"got {type(model_inputs).__name__} with none")
     for path, leaf in leaves:
         name = "model_inputs" + path
         require_array(xp, name, leaf)
         if len(leaf.shape) == 0:
-            raise ValueError(f"{name} must be batch-major [B, ...] with B = {batch_size}; "
-                             f"got a scalar (shape [])")
+            raise ValueError(f"{name} must be batch-major, not scalar: [B, ...] with "
+                             f"B = {batch_size}; got shape []")
         if leaf.shape[0] != batch_size:
             raise ValueError(
-                f"{name} must be batch-major [B, ...] with B = {batch_size} (target_ids.shape[0]); "
-                f"got {shape_str(leaf.shape)}")
-        require_real(xp, name, leaf, "a bool, integer or floating dtype")
+                f"{name} has batch size {leaf.shape[0]}; expected {batch_size} "
+                f"(target_ids.shape[0]): it must be batch-major [B, ...]; got shape "
+                f"{shape_str(leaf.shape)}")
+        require_real(xp, name, leaf)
 
 
 def check_token_batch_static(xp, model_inputs, target_ids, loss_weights):
-    require_rank(xp, "target_ids", target_ids, 2, "[B, L]")
+    require_rank(xp, "target_ids", target_ids, 2, "[batch, length]")
     require_int(xp, "target_ids", target_ids)
     require_array(xp, "loss_weights", loss_weights)
-    require_shape("loss_weights", loss_weights, target_ids.shape, "target_ids.shape [B, L]")
+    if tuple(loss_weights.shape) != tuple(target_ids.shape):
+        raise ValueError(f"loss_weights must match target_ids shape {shape_str(target_ids.shape)}"
+                         f"; got {shape_str(loss_weights.shape)}")
     require_real(xp, "loss_weights", loss_weights)
     check_model_inputs(xp, model_inputs, target_ids.shape[0])
 
@@ -366,20 +395,22 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allo
     """
     check_nonnegative(xp, "loss_weights", loss_weights, allow_sync)
     check_weight_sum(xp, "loss_weights", loss_weights, allow_sync=allow_sync)
-    check_ids(xp, "target_ids", target_ids, vocab_size, where=loss_weights,
-              at=" at active positions", allow_sync=allow_sync)
+    check_active_targets(xp, target_ids, loss_weights, vocab_size, allow_sync)
 
 
 def check_logits_for_batch(xp, name, logits, batch_shape):
-    require_rank(xp, name, logits, 3, "[B, L, K]", logits=True)
-    require_float(xp, name, logits)
+    """Logits [B, L, K] for a batch of shape ``batch_shape``, in Tunix's words and order
+    (rank, alignment, a non-empty vocabulary, a floating dtype)."""
+    require_rank(xp, name, logits, 3, "[batch, length, vocab]", logits=True)
     if tuple(logits.shape[:2]) != tuple(batch_shape):
         raise ValueError(
-            f"{name} must have shape [B, L, K] with [B, L] = {shape_str(batch_shape)} "
-            f"(the batch's shape); got {shape_str(logits.shape)}"
+            f"{name} must align with target_ids on [batch, length] = {shape_str(batch_shape)}; "
+            f"got shape {shape_str(logits.shape)}"
         )
     if logits.shape[2] < 1:
-        raise ValueError(f"{name} must have a vocabulary axis K >= 1; got {shape_str(logits.shape)}")
+        raise ValueError(f"{name} must have a non-empty vocabulary dimension; got shape "
+                         f"{shape_str(logits.shape)}")
+    require_float(xp, name, logits)
 
 
 def check_teacher_values(xp, teacher_logits, loss_weights):
@@ -396,4 +427,4 @@ def check_teacher_values(xp, teacher_logits, loss_weights):
         return
     bad = ~np.isfinite(u) & (w != 0)[..., None]
     if bad.any():
-        _raise_first(bad, u, "teacher_logits must be finite at active positions")
+        _raise_first(bad, u, "active teacher_logits must contain only finite values")

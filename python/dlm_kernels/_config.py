@@ -31,21 +31,36 @@ def check_temperature(name: str, value, *, allow_none: bool = False) -> Optional
 
 
 def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optional[float]:
-    """A finite, strictly positive number (``_checks.number``: NumPy scalars too, not bools)."""
+    """A finite, strictly positive number (``_checks.number``: NumPy scalars too, not bools),
+    in the words of Tunix's policy scorer ("must be a finite positive real scalar")."""
     if value is None and allow_none:
         return None
-    value = number(name, value, "a finite positive float")
+    value = number(name, value, "a finite positive real scalar")
     if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be a finite positive float; got {plain(value)}")
+        raise ValueError(f"{name} must be a finite positive real scalar; got {plain(value)}")
     return value
 
 
-def check_loss_weight(name: str, value) -> float:
-    """A finite, non-negative number (``_checks.number``: NumPy scalars too, not bools)."""
-    value = number(name, value, "a finite non-negative float")
-    if not math.isfinite(value) or value < 0.0:
-        raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
-    return value
+def check_distillation_scalars(temperature, soft_loss_weight, hard_loss_weight):
+    """``opd_loss``'s (temperature, soft_loss_weight, hard_loss_weight) as floats, checked in
+    the order and words of Tunix's distillation loss: each a finite real scalar, then a
+    positive temperature, non-negative weights, and at least one weight positive."""
+    values = {"temperature": temperature, "soft_loss_weight": soft_loss_weight,
+              "hard_loss_weight": hard_loss_weight}
+    for name, value in values.items():
+        values[name] = number(name, value, "a finite real scalar")
+        if not math.isfinite(values[name]):
+            raise ValueError(f"{name} must be a finite real scalar; got {plain(values[name])}")
+    temperature, soft, hard = values.values()
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be positive; got {plain(temperature)}")
+    got = f"got soft_loss_weight = {plain(soft)} and hard_loss_weight = {plain(hard)}"
+    if soft < 0.0 or hard < 0.0:
+        raise ValueError(f"soft_loss_weight and hard_loss_weight must be nonnegative; {got}")
+    if soft == 0.0 and hard == 0.0:
+        raise ValueError(f"at least one loss weight must be positive (both terms are off: "
+                         f"nothing to optimise); {got}")
+    return temperature, soft, hard
 
 
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:

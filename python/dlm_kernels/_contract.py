@@ -41,5 +41,5 @@ def validate_distillation_batch(xp, batch, token_batch, vocab_extent):
     student = batch.student_batch
     checks.check_logits_for_batch(xp, "teacher_logits", batch.teacher_logits,
                                   student.target_ids.shape)
-    checks.check_ids(xp, "target_ids", student.target_ids, vocab_extent(batch.teacher_logits),
-                     where=student.loss_weights, at=" at active positions", allow_sync=True)
+    checks.check_active_targets(xp, student.target_ids, student.loss_weights,
+                                vocab_extent(batch.teacher_logits), allow_sync=True)

@@ -13,7 +13,7 @@ from typing import TypeVar
 from . import _checks as checks
 from ._checks import flag, number, shape_str
 from ._linear_head import is_head
-from ._config import check_loss_weight, check_positive_float, check_vocab_size
+from ._config import check_distillation_scalars, check_positive_float, check_vocab_size
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 
 T = TypeVar("T")  # an array type (or a float): the schedules map t to its kind
@@ -145,8 +145,8 @@ class Objectives:
 
         delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B], [B, 1] or
         [B, L], or one number for every sequence. An xt outside [0, vocab_size) raises
-        ValueError where its values can be read without a device sync, else makes that
-        position's logits NaN. Materialises a [B, L, K] array; the losses apply the same
+        ValueError (also a RuntimeError, as upstream's ``one_hot`` raises) where its values
+        can be read without a device sync, else makes that position's logits NaN. Materialises a [B, L, K] array; the losses apply the same
         shift inside the fused primitive instead.
         """
         xp = self.xp
@@ -159,7 +159,7 @@ class Objectives:
         checks.require_int(xp, "xt", xt)
         vocab_size, _ = self._check_vocab_size(vocab_size, logits)
         delta = self._loo_delta(alpha, vocab_size, tuple(logits.shape[:2]), xt)
-        checks.check_ids(xp, "xt", xt, vocab_size)
+        checks.check_ids(xp, "xt", xt, vocab_size, error=checks.IdOutOfRangeError)
         cols = xp.arange(logits.shape[-1], logits)
         bump = xp.where(cols[None, None, :] == xt[:, :, None], delta[:, :, None], 0.0)
         bad = (xt < 0) | (xt >= vocab_size)  # [B, L]: never a silently unshifted row
@@ -192,9 +192,11 @@ class Objectives:
         checks.check_nonnegative(xp, "loss_mask", loss_mask)
         checks.check_weight_sum(xp, "loss_mask", loss_mask, per_row=True)
         checks.check_unit_interval(xp, "t", t)
-        checks.check_ids(xp, "x0", x0, vocab_size, where=loss_mask, at=" where loss_mask is set")
+        # upstream's gather / one_hot raise RuntimeError here: ours is that and a ValueError
+        checks.check_ids(xp, "x0", x0, vocab_size, where=loss_mask, at=" where loss_mask is set",
+                         error=checks.IdOutOfRangeError)
         if loo:
-            checks.check_ids(xp, "xt", xt, vocab_size)
+            checks.check_ids(xp, "xt", xt, vocab_size, error=checks.IdOutOfRangeError)
         alpha = alpha_fn(t)
         if variant in REWEIGHTED_VARIANTS:  # w = -alpha'(t) / alpha(t): one per sequence
             alpha_dot = alpha_dot_fn(t)
@@ -290,6 +292,14 @@ class Objectives:
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)
         return (logps, entropy) if return_entropy else logps
 
+    def compute_diffusion_logits(self, model, batch, logits_fn):
+        """Tunix's entry point: ``batch.validate()``, then ``logits_fn(model,
+        batch.model_inputs)``, checked by ``validate_diffusion_logits`` and returned."""
+        checks.require_instance("batch", batch, self.DiffusionTokenBatch)
+        batch.validate()
+        logits = logits_fn(model, batch.model_inputs)
+        return self.validate_diffusion_logits(batch, logits)
+
     def compute_diffusion_per_token_logps(self, model, batch, logits_fn, *, temperature=1.0,
                                           stop_gradient=True, return_entropy=False,
                                           backend=None):
@@ -324,20 +334,19 @@ class Objectives:
         neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
         """
         xp = self.xp
-        temperature = check_positive_float("temperature", temperature)
-        soft_w = check_loss_weight("soft_loss_weight", soft_loss_weight)
-        hard_w = check_loss_weight("hard_loss_weight", hard_loss_weight)
-        if soft_w == 0.0 and hard_w == 0.0:
-            raise ValueError(
-                "soft_loss_weight and hard_loss_weight are both 0: nothing to optimise")
+        temperature, soft_w, hard_w = check_distillation_scalars(
+            temperature, soft_loss_weight, hard_loss_weight)
         checks.require_instance("batch", batch, self.DiffusionDistillationBatch)
         student = batch.student_batch
         checks.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
         teacher = None
         if soft_w > 0.0:
             teacher = batch.teacher_logits
-            checks.require_shape("teacher_logits", teacher, student_logits.shape,
-                            "student_logits.shape")
+            if tuple(teacher.shape) != tuple(student_logits.shape):
+                raise ValueError(
+                    f"student and teacher logits must have identical shapes; got "
+                    f"student_logits {shape_str(student_logits.shape)} and teacher_logits "
+                    f"{shape_str(teacher.shape)}")
             checks.check_teacher_values(xp, teacher, student.loss_weights)
         checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
                                    self.vocab_extent(student_logits) if hard_w > 0.0 else None,
@@ -373,6 +382,16 @@ class Objectives:
         batches = list(batches)
         if not batches:
             raise ValueError("batches must be a non-empty sequence of batches; got an empty one")
+        given = [b is not None for b in batches]  # Tunix's rollouts may omit their batch
+        if not all(given):
+            if not any(given):
+                raise ValueError("batches must be a non-empty sequence of batches; got only "
+                                 "None (every rollout omits its diffusion batch: nothing to "
+                                 "merge)")
+            i, j = given.index(True), given.index(False)
+            raise ValueError(
+                f"batches must either all provide diffusion_batch or all omit it; got a "
+                f"{type(batches[i]).__name__} at batches[{i}] and None at batches[{j}]")
         kind = type(batches[0])
         kinds = (self.DiffusionTokenBatch, self.DiffusionDistillationBatch)
         if kind not in kinds:
@@ -413,8 +432,8 @@ class Objectives:
         treedef = flat[0][1]
         for i, (_, other) in enumerate(flat):
             if other != treedef:
-                raise ValueError(f"batches[{i}].{field} has tree structure {other}; "
-                                 f"batches[0].{field} has {treedef}: they must match")
+                raise ValueError(f"batches[{i}].{field} must have the same pytree structure "
+                                 f"as batches[0].{field}; got {other} and {treedef}")
         paths = xp.leaf_paths(trees[0])  # one per leaf of flat[i][0] (torch: None too)
         for j, path in enumerate(paths):
             column = [leaves[j] for leaves, _ in flat]

@@ -16,7 +16,6 @@ def normalize_variant(variant: str) -> str:
         raise ValueError(f"variant must be a string, one of {VARIANTS}; got {variant!r}")
     name = _VARIANT_ALIASES.get(variant, variant)
     if name not in VARIANTS:
-        raise ValueError(
-            f"variant must be one of {VARIANTS} (or alias 'loo-reweighted-ce'); got {variant!r}"
-        )
+        raise ValueError(f"Unknown variant {variant!r}: variant must be one of {VARIANTS} "
+                         f"(or alias 'loo-reweighted-ce')")
     return name

@@ -36,6 +36,7 @@ __all__ = [
     "reweight", "diffusion_sft_loss", "diffusion_sft_logps", "DiffusionTokenBatch",
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
+    "compute_diffusion_logits",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
     "BackendUnavailableError", "vocab_parallel", "sync_checks", "LinearHead", "Sample",
     "sample_tokens", "commit_tokens",
@@ -357,6 +358,20 @@ def compute_diffusion_per_token_logps(
     return _OBJECTIVES.compute_diffusion_per_token_logps(
         model, batch, logits_fn, temperature=temperature, stop_gradient=stop_gradient,
         return_entropy=return_entropy, backend=backend)
+
+
+
+def compute_diffusion_logits(
+    model: Any,
+    batch: DiffusionTokenBatch,
+    logits_fn: Callable[[Any, Any], Logits],
+) -> Logits:
+    """Tunix's ``compute_diffusion_logits``: validate ``batch`` (``batch.validate()``), call
+    ``logits_fn(model, batch.model_inputs)``, check the result against the batch
+    (``validate_diffusion_logits``: [B, L, K], a floating dtype, K >= 1, active targets
+    below K where their values can be read without a device sync) and return it. A
+    ``LinearHead`` returned by ``logits_fn`` is checked by its shape and passed through."""
+    return _OBJECTIVES.compute_diffusion_logits(model, batch, logits_fn)
 
 
 def weighted_cross_entropy(logits: Logits, batch: DiffusionTokenBatch, *,

@@ -1,0 +1,143 @@
+"""The torch modules (``dlm_kernels.torch.nn``): the values and gradients of the functional
+API they wrap, bit for bit (the same calls), every reduction, the fused linear-head variants
+against the float64 oracle of the logits they stand for, and options checked at
+construction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dlm_kernels.torch as dk
+from dlm_kernels.torch import nn as dn
+
+import oracle
+from harness import assert_close, new_seed
+from test_objectives import sft_inputs
+
+B, L, D, K = 3, 5, 16, 37
+
+
+def run(fn, leaves, cot):
+    """(fn(*leaves), the gradient of Σ cot·fn(*leaves) for each leaf) on fresh leaf copies."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in leaves]
+    out = fn(*leaves)
+    (out * cot).sum().backward()
+    return out.detach(), [x.grad for x in leaves]
+
+
+def assert_same(got, exp, what):
+    (out, grads), (ref, ref_grads) = got, exp
+    assert torch.equal(out, ref), (what, out, ref)
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g is not None and torch.equal(g, r), (what, f"gradient {i}")
+
+
+REDUCE = {"mean": torch.mean, "sum": torch.sum, "none": lambda x: x}
+
+
+@pytest.mark.parametrize("variant", ["reweighted-loo-ce", "base-sft"])
+def test_sft_module_matches_the_function(variant):
+    rng = np.random.default_rng(new_seed())
+    logits, x0, xt, t, mask = (torch.as_tensor(a) for a in sft_inputs(rng, B, L, K))
+    z = logits.float()
+    kw = dict(variant=variant, vocab_size=K, diffusion_weight_clip=4.0)
+    for reduction, reduce in REDUCE.items():
+        cot = torch.as_tensor(rng.normal(size=B) if reduction == "none" else 1.0).float()
+        module = dn.DiffusionSFTLoss(**kw, reduction=reduction)
+        got = run(lambda z: module(z, x0, xt, t, mask), [z], cot)
+        exp = run(lambda z: reduce(dk.diffusion_sft_loss(z, x0, xt, t, mask, **kw)), [z], cot)
+        assert_same(got, exp, reduction)
+    assert list(module.parameters()) == [] and module.state_dict() == {}
+
+
+def test_fused_linear_sft_module_matches_the_function_and_the_oracle():
+    rng = np.random.default_rng(new_seed())
+    _, x0, xt, t, mask = (torch.as_tensor(a) for a in sft_inputs(rng, B, L, K))
+    lm_head = torch.nn.Linear(D, K)  # weight [K, D]: the default layout
+    hidden = torch.as_tensor(rng.normal(size=(B, L, D))).float()
+    weight, bias = lm_head.weight.detach(), lm_head.bias.detach()
+    cot = torch.as_tensor(rng.normal(size=B)).float()
+    kw = dict(variant="reweighted-loo-ce", vocab_size=K)
+    module = dn.FusedLinearDiffusionSFTLoss(**kw, reduction="none", row_chunk=4)
+    got = run(lambda h, w, b: module(h, w, x0, xt, t, mask, bias=b), [hidden, weight, bias], cot)
+    exp = run(lambda h, w, b: dk.diffusion_sft_loss(dk.LinearHead(h, w, b, row_chunk=4), x0, xt,
+                                                    t, mask, **kw), [hidden, weight, bias], cot)
+    assert_same(got, exp, "fused linear SFT")
+    # what the head stands for: logits = hidden @ weight.T + bias, in float64
+    h64, w64, b64 = (x.double().numpy() for x in (hidden, weight, bias))
+    z64 = h64 @ w64.T + b64
+    args = (z64, x0.numpy(), xt.numpy(), t.numpy(), mask.numpy(), kw["variant"], K)
+    assert_close(got[0].numpy(), oracle.sft_loss(*args), "float32", "loss")
+    dz = oracle.sft_loss_grad(*args, cot.double().numpy())  # [B, L, K]
+    dh, dw, db = got[1]
+    assert_close(dh.numpy(), dz @ w64, "float32", "d hidden")
+    assert_close(dw.numpy(), np.einsum("blk,bld->kd", dz, h64), "float32", "d weight")
+    assert_close(db.numpy(), dz.sum(axis=(0, 1)), "float32", "d bias")
+
+
+def distillation_batch(rng, teacher):
+    y = torch.as_tensor(rng.integers(0, K, (B, L)))
+    w = torch.as_tensor((rng.uniform(size=(B, L)) < 0.7).astype(np.float32))
+    student = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
+    return dk.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=teacher)
+
+
+OPD = dict(temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.3)
+
+
+def opd_total(student, batch):
+    return dk.opd_loss(student, batch, **OPD)[0].compute()
+
+
+def test_opd_module_matches_the_function():
+    rng = np.random.default_rng(new_seed())
+    batch = distillation_batch(rng, torch.as_tensor(rng.normal(size=(B, L, K))).float())
+    z = torch.as_tensor(rng.normal(size=(B, L, K))).float()
+    module = dn.OPDLoss(**OPD)
+    assert_same(run(lambda z: module(z, batch), [z], 1.0),
+                run(lambda z: opd_total(z, batch), [z], 1.0), "OPD")
+
+
+def test_fused_linear_opd_module_matches_the_function():
+    """The student as a head, the teacher as a head of its own ([K, D_t] tied embedding)."""
+    rng = np.random.default_rng(new_seed())
+    teacher = dk.LinearHead(torch.as_tensor(rng.normal(size=(B, L, 8))).float(),
+                            torch.as_tensor(rng.normal(size=(K, 8))).float())
+    batch = distillation_batch(rng, teacher)
+    hidden = torch.as_tensor(rng.normal(size=(B, L, D))).float()
+    kernel = torch.as_tensor(rng.normal(size=(D, K)) / D ** 0.5).float()  # [D, K]
+    module = dn.FusedLinearOPDLoss(**OPD, weight_layout="DK")
+    got = run(lambda h, w: module(h, w, batch), [hidden, kernel], 1.0)
+    exp = run(lambda h, w: opd_total(dk.LinearHead(h, w, weight_layout="DK"), batch),
+              [hidden, kernel], 1.0)
+    assert_same(got, exp, "fused linear OPD")
+
+
+BAD_OPTIONS = [
+    (lambda: dn.DiffusionSFTLoss(variant="nope", vocab_size=K), "Unknown variant 'nope'"),
+    (lambda: dn.DiffusionSFTLoss(variant="loo-ce", vocab_size=0),
+     "vocab_size must be a positive int; got 0"),
+    (lambda: dn.DiffusionSFTLoss(variant="loo-ce", vocab_size=K, reduction="avg"),
+     r"reduction must be one of \('mean', 'sum', 'none'\); got 'avg'"),
+    (lambda: dn.FusedLinearDiffusionSFTLoss(variant="loo-ce", vocab_size=K, weight_layout="kd"),
+     r"weight_layout must be one of .*; got 'kd'"),
+    (lambda: dn.OPDLoss(temperature=0.0), "temperature must be positive; got 0.0"),
+    (lambda: dn.FusedLinearOPDLoss(soft_loss_weight=0.0),
+     "at least one loss weight must be positive"),
+]
+
+
+@pytest.mark.parametrize("make,pattern", BAD_OPTIONS, ids=[p[:24] for _, p in BAD_OPTIONS])
+def test_options_are_checked_at_construction(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_modules_say_their_options():
+    assert repr(dn.DiffusionSFTLoss(variant="loo-reweighted-ce", vocab_size=K)) == \
+        "DiffusionSFTLoss(variant='reweighted-loo-ce', vocab_size=37, reduction='mean')"
+    assert repr(dn.FusedLinearOPDLoss(temperature=2.0)) == (
+        "FusedLinearOPDLoss(temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.0, "
+        "weight_layout='KD')")
