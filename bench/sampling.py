@@ -16,7 +16,8 @@ Side by side in one run (torch):
                     entropy and the top-2 (what ours returns, materialised)
 
 and the whole upstream step, ``get_transfer_index`` (draw, confidence, the per-row top-k
-commit), over the same logits as [B, L, K] (B = 8), half the positions masked, k = 8 per row:
+commit), over the same logits as [B, L, K] (B = 8), half the positions masked, k = 8 per row
+(at most L):
 
   upstream-step     LLaDA / Fast-dLLM / Megatron-Bridge's get_transfer_index as written:
                     float64 noise and softmax over [B, L, K], torch.topk per row
@@ -98,7 +99,7 @@ def _step_inputs(n, device, gen):
     b = STEP_BATCH if n % STEP_BATCH == 0 else 1
     mask = torch.rand((b, n // b), generator=gen, device=device) < 0.5
     x = torch.zeros((b, n // b), dtype=torch.long, device=device)
-    return mask, x, torch.full((b,), 8, device=device)
+    return mask, x, torch.full((b,), min(8, n // b), device=device)
 
 
 class JaxSampleCase:

@@ -702,6 +702,29 @@ def test_commit_rules(rng, name, rule, kind):
 
 
 @pytest.mark.parametrize("name", ["torch", "jax"])
+def test_inclusive_threshold(rng, name):
+    """rule="threshold" with inclusive=True commits a confidence equal to the threshold (as
+    Fast-dLLM's and Megatron-Bridge's get_transfer_index do), the default (>) does not;
+    inclusive must be a bool."""
+    fw = framework(name)
+    api = fw.api
+    s, masked, sample = _commit_case(rng, fw)
+    masked[:, :2] = True
+    conf = np.exp(sample[1])  # float32 values, as commit_tokens computes them
+    canvas, m = fw.array(np.zeros((4, 12), np.int32)), fw.array(masked)
+    for row in range(4):  # the threshold at the row's second most confident masked position
+        th = float(np.sort(conf[row][masked[row]])[-2])
+        got = {inc: np.asarray(fw.numpy(api.commit_tokens(
+            canvas, s, m, rule="threshold", threshold=th, inclusive=inc)[1]))[row]
+            for inc in (False, True)}
+        at = masked[row] & (conf[row] == th)
+        assert got[True][at].all() and not got[False][at].any(), (row, th, got)
+        assert np.array_equal(got[True], masked[row] & (conf[row] >= th)), row
+    with pytest.raises(TypeError, match=r"inclusive must be True or False; got 1"):
+        api.commit_tokens(canvas, s, m, rule="threshold", threshold=0.5, inclusive=1)
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
 def test_numpy_scalars_are_numbers(rng, name):
     """Every number argument of sample_tokens and commit_tokens takes a NumPy scalar as it
     takes the Python number."""
