@@ -7,18 +7,21 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
   (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
-  (gv, gi, gs)   the largest s + g with its id and its s, g the Gumbel noise of the column
-  or, with top_k, the k largest (s, id), merged chunk by chunk (ties: lowest ids first)
+  (gv, gi, gs)   the largest sd + g with its id and its s, g the Gumbel noise of the column,
+                 sd = z / T the draw's scores (s itself unless ``stats_temperature`` differs)
+  or, with top_k, the k largest (sd, id), merged chunk by chunk (ties: lowest ids first)
 
 and finalises: token = gi (i1 at T = 0: greedy), logp = log-probability of the token under
-the sampling distribution, argmax = i1, top1_logp / top2_logp, entropy. With ``top_k`` the
+the sampling distribution (with ``stats_temperature`` T_s every statistic is taken over
+s = z / T_s while the draw's key reads z / T: ``SampleConfig.two_temperatures``), argmax = i1, top1_logp / top2_logp, entropy. With ``top_k`` the
 sampling distribution is the softmax over the k largest (renormalised) and every statistic is
 taken under it. At T = 0 the statistics are those of softmax(z) (T = 1). A row whose whole
 m + log a is not finite (a NaN or +inf s, or none finite) has no valid draw: token and argmax
 -1, NaN statistics (``Sample``); the commit rules never pick it.
 
 Noise: g = -log(-log(u)), u = ((h >> 9) + 1/2)·2^-23 in (0, 1), h a 32-bit hash of
-(seed, step, row, column): ``row_key(seed, step, row)`` once per row, then
+(seed, step, row, column) -- with [B] seeds, of (seed_b, step, position, column) --:
+``row_keys(seed, step, ...)`` once per row, then
 h = mix(row_key ^ mix(column)) per element, ``mix`` the lowbias32 integer finaliser (two
 multiplies, three xor-shifts). Every backend computes the same integers, so the same seed
 draws the same tokens everywhere; no noise tensor is ever an input or an output.
@@ -63,7 +66,8 @@ class Sample(_SampleFields):
     """Per-row outputs of :func:`sample_tokens`, each with the logits' leading shape.
 
     token:     int32, the drawn token (greedy at temperature 0).
-    logp:      float32, its log-probability under the sampling distribution.
+    logp:      float32, its log-probability under the sampling distribution (at
+               ``stats_temperature`` where one is given, as every statistic here).
     argmax:    int32, the most likely token (ties: the lowest id).
     top1_logp, top2_logp: float32, the two largest log-probabilities (-inf when K = 1).
     entropy:   float32, the entropy of the sampling distribution.
