@@ -247,7 +247,8 @@ def markdown(report):
     lines = [f"### denoising step (device: {report['device']}; {report['date']}; copy "
              f"bandwidth {report['copy_gbps']:.1f} GB/s measured in the same run)", "",
              "| N | K | dtype | variant | ms (p20-p80) | GB/s of the one read | % copy | "
-             "peak MiB beyond the logits | ours (ours-step for a step) faster by |", "|---|---|---|---|---|---|---|---|---|"]
+             "peak MiB beyond the logits | ours (ours-step for a step) faster by |",
+             "|---|---|---|---|---|---|---|---|---|"]
     ours = {(r["variant"], r["n"], r["k"], r["dtype"]): r for r in report["results"]
             if r["variant"] in ("ours", "ours-step") and "ms" in r}
     for r in report["results"]:

@@ -14,9 +14,9 @@ pattern), then the S suppressed ids (the same in every row).
 Bytes per row (K columns, E bytes per logit): reads K·E (guidance: 2·K·E) and 4·(1 + S);
 writes 36 (top_k: + 8·k).
 
-With ``stat_temperature`` (T_s) the statistics read z / T_s and the draw (its key, its
-top-k slots) z / T. The noise is computed in int32 with logical shifts (products wrap modulo 2^32, as uint32
-ones do), so its bits equal every other backend's; a block whose largest s plus G_BOUND
+With ``stat_temperature`` (T_s) the statistics read z / T_s and the draw (its key, its top-k
+slots) z / T. The noise is computed in int32 with logical shifts (products wrap modulo 2^32, as
+uint32 ones do), so its bits equal every other backend's; a block whose largest s plus G_BOUND
 (above every Gumbel value the noise can take) is below the best key of every row of the
 block skips the noise, which cannot change the draw. With top_k the k slots take the block's
 columns above their worst one at a time, best first, in a loop that ends when no row of the
@@ -207,7 +207,8 @@ def sample_partial(z, zu, ints, *, temperature, cfg_c, top_k, stat_temperature=N
         scratch += [pltpu.VMEM((bn, SLOTS), jnp.float32), pltpu.VMEM((bn, SLOTS), jnp.int32)]
     kernel = functools.partial(_sample_kernel, vocab=k, bk=bk, temperature=temperature,
                                stat_temperature=(temperature if stat_temperature is None
-                                                 else stat_temperature), cfg_c=cfg_c, has_uncond=has_uncond,
+                                                 else stat_temperature),
+                               cfg_c=cfg_c, has_uncond=has_uncond,
                                n_suppress=ints.shape[1] - 1, top_k=top_k)
     outs = pl.pallas_call(
         kernel,

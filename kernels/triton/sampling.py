@@ -184,8 +184,8 @@ def sample_partial_kernel(
     ids_ptr,  # [2, S, N] i32 out: SAMPLE_IDS
     topv_ptr, topi_ptr,  # [S, N, TOP_K] f32 / i32 out: the split's k slots (TOP_K > 0)
     GREEDY: tl.constexpr, TWO_T: tl.constexpr, HAS_UNCOND: tl.constexpr,
-    HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr,
+    HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
+    BLOCK_K: tl.constexpr, VEC: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)

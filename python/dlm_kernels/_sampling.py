@@ -12,12 +12,13 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
   or, with top_k, the k largest (sd, id), merged chunk by chunk (ties: lowest ids first)
 
 and finalises: token = gi (i1 at T = 0: greedy), logp = log-probability of the token under
-the sampling distribution (with ``stats_temperature`` T_s every statistic is taken over
-s = z / T_s while the draw's key reads z / T: ``SampleConfig.two_temperatures``), argmax = i1, top1_logp / top2_logp, entropy. With ``top_k`` the
-sampling distribution is the softmax over the k largest (renormalised) and every statistic is
-taken under it. At T = 0 the statistics are those of softmax(z) (T = 1). A row whose whole
-m + log a is not finite (a NaN or +inf s, or none finite) has no valid draw: token and argmax
--1, NaN statistics (``Sample``); the commit rules never pick it.
+the sampling distribution (with ``stats_temperature`` T_s every statistic is taken over s =
+z / T_s while the draw's key reads z / T: ``SampleConfig.two_temperatures``), argmax = i1,
+top1_logp / top2_logp, entropy. With ``top_k`` the sampling distribution is the softmax over
+the k largest (renormalised) and every statistic is taken under it. At T = 0 the statistics
+are those of softmax(z) (T = 1). A row whose whole m + log a is not finite (a NaN or +inf s,
+or none finite) has no valid draw: token and argmax -1, NaN statistics (``Sample``); the
+commit rules never pick it.
 
 Noise: g = -log(-log(u)), u = ((h >> 9) + 1/2)·2^-23 in (0, 1), h a 32-bit hash of
 (seed, step, row, column) -- with [B] seeds, of (seed_b, step, position, column) --:

@@ -542,10 +542,10 @@ def add_gumbel_noise(
 
 
 def get_num_transfer_tokens(mask_index: jax.Array, steps: int) -> jax.Array:
-    """Upstream's ``get_num_transfer_tokens``: [B, steps] JAX's default integer (int32, int64 under x64) tokens to commit per
-    step for a linear schedule. Row b gives mask_count_b // steps per step, and its first
-    mask_count_b % steps steps one more, mask_count_b the number of True (non-zero)
-    entries of mask_index [B, L]. ``steps`` is a positive int."""
+    """Upstream's ``get_num_transfer_tokens``: [B, steps] tokens to commit per step for a
+    linear schedule, in JAX's default integer (int32; int64 under x64). Row b gives mask_count_b
+    // steps per step, and its first mask_count_b % steps steps one more, mask_count_b the
+    number of True (non-zero) entries of mask_index [B, L]. ``steps`` is a positive int."""
     return _get_num_transfer_tokens(mask_index, steps)
 
 

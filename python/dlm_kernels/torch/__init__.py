@@ -526,8 +526,8 @@ def add_gumbel_noise(
 
 
 def get_num_transfer_tokens(mask_index: torch.Tensor, steps: int) -> torch.Tensor:
-    """Upstream's ``get_num_transfer_tokens``: [B, steps] int64 tokens to commit per
-    step for a linear schedule. Row b gives mask_count_b // steps per step, and its first
+    """Upstream's ``get_num_transfer_tokens``: [B, steps] tokens to commit per step for a
+    linear schedule, int64. Row b gives mask_count_b // steps per step, and its first
     mask_count_b % steps steps one more, mask_count_b the number of True (non-zero)
     entries of mask_index [B, L]. ``steps`` is a positive int."""
     return _get_num_transfer_tokens(mask_index, steps)

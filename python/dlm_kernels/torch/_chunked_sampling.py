@@ -52,10 +52,11 @@ _FIELD = {name: i for i, name in enumerate(SAMPLE_STATE)}
 
 
 def _chunk_values_(s, sd, cols, noisy, cfg, out, work):
-    """``_sampling.chunk_values`` of s [N, C] (draw scores sd) into out [len(SAMPLE_STATE), N], its [N, C]
-    temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
-    buffers back to the system and faults their pages in again, so fresh temporaries per
-    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time)."""
+    """``_sampling.chunk_values`` of s [N, C] (draw scores sd) into out [len(SAMPLE_STATE),
+    N], its [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands
+    large freed buffers back to the system and faults their pages in again, so fresh
+    temporaries per chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's
+    time)."""
     v1 = xp.rowmax(s)
     m = torch.where(v1 == _NEG_INF, 0.0, v1)
     d, e = (buf[:, :s.shape[1]] for buf in work)
