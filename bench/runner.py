@@ -617,7 +617,7 @@ def sampling_plan(env, smoke, full=False):
 
     if smoke:
         return SamplePlan([dict(n=40, k=1000, dtype="float32")], ("ours", "float32"))
-    quick = tuple(v for v in VARIANTS if v != "llada+compile")
+    quick = tuple(v for v in VARIANTS if "+compile" not in v)
     if env["cuda"]:
         return SamplePlan(GPU_SHAPES[:1], VARIANTS if full else quick)
     if full:
@@ -628,16 +628,18 @@ def sampling_plan(env, smoke, full=False):
 def sampling_summary(draw):
     """One line per shape and variant: time, GB/s of the one read, ours faster by."""
     lines = ["Denoising step (one draw over [N, K] logits):"]
-    ours = {(r["n"], r["k"], r["dtype"]): r for r in draw["results"]
-            if r["variant"] == "ours" and "ms" in r}
+    from .sampling import baseline
+
+    ours = {(r["variant"], r["n"], r["k"], r["dtype"]): r for r in draw["results"]
+            if r["variant"] in ("ours", "ours-step") and "ms" in r}
     for r in draw["results"]:
         what = f"  N={r['n']} K={r['k']} {r['dtype']} {r['variant']:14s}"
         if "ms" not in r:
             lines.append(f"{what} {r['error'][:60]}")
             continue
-        mine = ours.get((r["n"], r["k"], r["dtype"]))
-        vs = (f"ours {r['ms'] / mine['ms']:.2f}x faster" if mine and r["variant"] != "ours"
-              else "")
+        mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
+        vs = (f"{mine['variant']} {r['ms'] / mine['ms']:.2f}x faster"
+              if mine and r["variant"] != mine["variant"] else "")
         lines.append(f"{what} {r['ms']:9.1f} ms {r['gbps']:7.1f} GB/s  {vs}")
     return lines
 

@@ -15,6 +15,15 @@ Side by side in one run (torch):
   float32           a plain float32 step: log-softmax, Gumbel noise, argmax, gather, the
                     entropy and the top-2 (what ours returns, materialised)
 
+and the whole upstream step, ``get_transfer_index`` (draw, confidence, the per-row top-k
+commit), over the same logits as [B, L, K] (B = 8), half the positions masked, k = 8 per row
+(at most L):
+
+  upstream-step     LLaDA / Fast-dLLM / Megatron-Bridge's get_transfer_index as written:
+                    float64 noise and softmax over [B, L, K], torch.topk per row
+  upstream-step+compile  the same under torch.compile
+  ours-step         dlm_kernels.torch.get_transfer_index (one read of the logits)
+
 It reports milliseconds (median, p20-p80), GB/s of the one read of the logits the step must
 make (N·K·bytes), the percent of the copy bandwidth measured in the same run, and the peak
 memory beyond the logits (CPU: resident-set growth of a fresh process; CUDA: allocator peak).
@@ -29,7 +38,15 @@ import gc
 from .cli import add_common_args, write_outputs
 from .timing import copy_bandwidth, measure
 
-VARIANTS = ("ours", "ours-jax", "llada-float64", "llada+compile", "float32")
+VARIANTS = ("ours", "ours-jax", "llada-float64", "llada+compile", "float32", "upstream-step",
+            "upstream-step+compile", "ours-step")
+STEP_BATCH = 8  # B of the step variants' [B, L, K] view of the [N, K] logits
+
+
+def baseline(variant):
+    """The variant of ours each variant is compared with: ours-step for the whole upstream
+    step, ours for the draw."""
+    return "ours-step" if "step" in variant else "ours"
 CPU_SHAPES = [dict(n=1024, k=32768, dtype="float32")]
 GPU_SHAPES = [dict(n=n, k=k, dtype="bfloat16") for n in (16384, 256) for k in (262144, 151936)]
 
@@ -54,6 +71,35 @@ def _float32_step(z, temperature):
     top2 = torch.topk(logq, 2, dim=-1).values
     entropy = -(logq.exp() * logq).sum(-1)
     return token, torch.gather(logq, -1, token[:, None])[:, 0], top2, entropy
+
+
+def _upstream_step(z, temperature, mask_index, x, num_transfer_tokens):
+    """get_transfer_index as LLaDA, Fast-dLLM and Megatron-Bridge write it (low-confidence
+    remasking, no threshold): z [B, L, K]."""
+    import torch
+
+    z64 = z.to(torch.float64)
+    noisy = z64.exp() / (-torch.log(torch.rand_like(z64))) ** temperature
+    x0 = torch.argmax(noisy, dim=-1)
+    p = torch.softmax(z64, dim=-1)
+    x0_p = torch.gather(p, -1, x0[..., None])[..., 0]
+    x0 = torch.where(mask_index, x0, x)
+    confidence = torch.where(mask_index, x0_p, float("-inf"))
+    transfer_index = torch.zeros_like(x0, dtype=torch.bool)
+    for j in range(confidence.shape[0]):
+        _, select_index = torch.topk(confidence[j], k=int(num_transfer_tokens[j]))
+        transfer_index[j, select_index] = True
+    return x0, transfer_index
+
+
+def _step_inputs(n, device, gen):
+    """(mask [B, L], canvas [B, L], k [B]) of the step variants."""
+    import torch
+
+    b = STEP_BATCH if n % STEP_BATCH == 0 else 1
+    mask = torch.rand((b, n // b), generator=gen, device=device) < 0.5
+    x = torch.zeros((b, n // b), dtype=torch.long, device=device)
+    return mask, x, torch.full((b,), min(8, n // b), device=device)
 
 
 class JaxSampleCase:
@@ -110,6 +156,18 @@ class SampleCase:
             self.step = lambda z, i: compiled(z, 0.8)
         elif variant == "float32":
             self.step = lambda z, i: _float32_step(z, 0.8)
+        elif variant in ("upstream-step", "upstream-step+compile", "ours-step"):
+            mask, x, k_rows = _step_inputs(n, device, gen)
+            view = lambda z: z.view(mask.shape[0], mask.shape[1], k)  # noqa: E731
+            if variant == "ours-step":
+                self.step = lambda z, i: dk.get_transfer_index(
+                    view(z), 0.8, "low_confidence", mask, x, k_rows, seed=0, step=i)
+            else:
+                fn = _upstream_step
+                if variant == "upstream-step+compile":
+                    torch._dynamo.reset()
+                    fn = torch.compile(_upstream_step, dynamic=False)
+                self.step = lambda z, i: fn(view(z), 0.8, mask, x, k_rows)
         else:
             raise ValueError(f"unknown variant {variant!r}")
 
@@ -189,16 +247,18 @@ def markdown(report):
     lines = [f"### denoising step (device: {report['device']}; {report['date']}; copy "
              f"bandwidth {report['copy_gbps']:.1f} GB/s measured in the same run)", "",
              "| N | K | dtype | variant | ms (p20-p80) | GB/s of the one read | % copy | "
-             "peak MiB beyond the logits | ours faster by |", "|---|---|---|---|---|---|---|---|---|"]
-    ours = {(r["n"], r["k"], r["dtype"]): r for r in report["results"]
-            if r["variant"] == "ours" and "ms" in r}
+             "peak MiB beyond the logits | ours (ours-step for a step) faster by |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ours = {(r["variant"], r["n"], r["k"], r["dtype"]): r for r in report["results"]
+            if r["variant"] in ("ours", "ours-step") and "ms" in r}
     for r in report["results"]:
         head = f"| {r['n']} | {r['k']} | {r['dtype']} | {r['variant']} |"
         if "error" in r:
             lines.append(f"{head} {r['error'][:100]} | | | | |")
             continue
-        mine = ours.get((r["n"], r["k"], r["dtype"]))
-        ratio = f"{r['ms'] / mine['ms']:.2f}x" if mine and r["variant"] != "ours" else "-"
+        mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
+        ratio = (f"{r['ms'] / mine['ms']:.2f}x" if mine and r["variant"] != mine["variant"]
+                 else "-")
         peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] is not None else "n/a"
         lines.append(f"{head} {r['ms']:.1f} ({r['p20']:.1f}-{r['p80']:.1f}) | {r['gbps']:.1f} | "
                      f"{r['pct_copy']:.0f}% | {peak} | {ratio} |")

@@ -156,20 +156,25 @@ def main():
     # The sampler, every input on (guidance, suppressed ids): greedy, Gumbel draw, top-k; and
     # the draw as jax-triton types it (float64 scalars)
     sampler_types = dict(types, zu_ptr=ptr, keys_ptr="*i32", sup_ptr="*i64", n_suppress="i32",
-                         stride_zu="i32", temperature="fp32", cfg_c="fp32", state_ptr="*fp32",
+                         stride_zu="i32", temperature="fp32", stat_temperature="fp32",
+                         cfg_c="fp32", state_ptr="*fp32",
                          ids_ptr="*i32", topv_ptr="*fp32", topi_ptr="*i32")
     values.update(stride_zu=262144, n_suppress=1)
     plan = K.launch_config(16384, 262144, ELEM_BYTES[dtype], True, block_k=block_k)
-    sampler = lambda greedy, top_k: (SAMPLER.sample_partial_kernel, dict(
-        GREEDY=greedy, HAS_UNCOND=True, HAS_SUPPRESS=True, TOP_K=top_k,
+    sampler = lambda greedy, top_k, two_t=False: (SAMPLER.sample_partial_kernel, dict(
+        GREEDY=greedy, TWO_T=two_t, HAS_UNCOND=True, HAS_SUPPRESS=True, TOP_K=top_k,
         TOP_KP=SAMPLER.slot_count(top_k), BLOCK_K=plan["block_k"], VEC=plan["vec"],
         ROWS_ALIGNED=True), plan["num_warps"])
     if not teacher and dtype == "bf16":  # the sampler reads no teacher: compiled once
-        kernels += [(f"sampler:{mode}:", sampler_types, sampler(greedy, top_k))
-                    for mode, greedy, top_k in (("greedy", True, 0), ("draw", False, 0),
-                                                ("top_k", False, 8))]
+        # "draw" with the statistics at their own temperature (stats_temperature: two
+        # divisions per logit), the superset of the plain draw, which JAX's launch compiles
+        kernels += [(f"sampler:{mode}:", sampler_types, sampler(greedy, top_k, two_t))
+                    for mode, greedy, top_k, two_t in (("greedy", True, 0, False),
+                                                       ("draw", False, 0, True),
+                                                       ("top_k", False, 8, False))]
         kernels += [("jax:sampler:draw:", dict(sampler_types, sup_ptr="*i32",
-                                               temperature="fp64", cfg_c="fp64"),
+                                               temperature="fp64", stat_temperature="fp64",
+                                               cfg_c="fp64"),
                      sampler(False, 0))]
     report = {}
     for prefix, typed, (fn, constexprs, warps) in kernels:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -373,7 +374,7 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
 def test_sampling_bench(tmp_path):
     """python -m bench.sampling at a small shape: every variant asked for is timed (torch and
     JAX side by side), with the bytes of its one read, % of copy and its peak memory."""
-    variants = ["ours", "ours-jax", "float32"]
+    variants = ["ours", "ours-jax", "float32", "upstream-step", "ours-step"]
     subprocess.run([sys.executable, "-m", "bench.sampling", "--n", "64", "--k", "1000",
                     "--dtype", "float32", "--reps", "2", "--variants", ",".join(variants),
                     "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")],
@@ -387,3 +388,4 @@ def test_sampling_bench(tmp_path):
         assert r["peak_bytes"] is not None and r["peak_bytes"] >= 0
     table = open(tmp_path / "s.md").read()
     assert all(f"| {v} |" in table for v in variants), table
+    assert re.search(r"\| upstream-step \|.*\| [0-9.]+x \|", table), table  # vs ours-step

@@ -41,12 +41,23 @@ def _mix(x):  # lowbias32 on uint64 holding 32-bit values
     return x ^ (x >> np.uint64(16))
 
 
+def oracle_keys(seed, step, n):
+    """[N] row keys (docs/design.md §3): one seed keys the flattened row index; [B] seeds
+    key (seed_b, position p inside the sequence) for row b·P + p."""
+    u64 = lambda v: np.asarray(v, np.int64).astype(np.uint64) & M32
+    salt = _mix(u64(step) ^ np.uint64(0x9E3779B9))
+    if np.ndim(seed) == 0:
+        return _mix(u64(np.arange(n)) ^ np.uint64(0x85EBCA6B) ^ _mix(u64(seed) ^ salt))
+    base = _mix(u64(seed) ^ salt)  # [B]
+    pos = u64(np.arange(n // len(seed)))
+    return _mix(pos[None, :] ^ np.uint64(0x85EBCA6B) ^ base[:, None]).reshape(-1)
+
+
 def oracle_noise(seed, step, n, cols):
     """[N, C] (or [N, k] for per-row cols) Gumbel noise, float64 from the uniform (whose 2^23
     values are exact in float32, so the backends see the same u)."""
     u64 = lambda v: np.asarray(v, np.int64).astype(np.uint64) & M32
-    base = _mix(u64(seed) ^ _mix(u64(step) ^ np.uint64(0x9E3779B9)))
-    keys = _mix(u64(np.arange(n)) ^ np.uint64(0x85EBCA6B) ^ base)
+    keys = oracle_keys(seed, step, n)
     cols = np.asarray(cols)
     ck = _mix(u64(cols))
     h = _mix(keys[:, None] ^ (ck[None, :] if cols.ndim == 1 else ck))
@@ -129,6 +140,66 @@ class SamplingSuite:
                           chunk_size=64)
         self.check(got, oracle(zr.reshape(24, -1), temperature=temperature, seed=seed,
                                step=step, top_k=top_k))
+
+    def test_per_sequence_seeds_are_batch_invariant(self, rng):
+        """seed = [B] ints: a sequence draws the same tokens alone (seed [s] or the int s), at
+        batch index 0 and at batch index 5, whatever its neighbours; the batch's tokens are
+        the oracle's, whose noise is keyed on (seed_b, step, position, column)."""
+        fw = self.fw
+        l, k = 3, 130
+        z = rng.normal(size=(6, l, k)) * 2
+        z[:, 0, 7] = 30.0  # one greedy-looking position: still drawn at T, never suppressed
+        seeds = rng.integers(0, 2**31, size=6)
+        kw = dict(temperature=0.9, step=int(rng.integers(0, 1000)), chunk_size=64)
+        mine = z[5]  # the sequence, with seed seeds[5]
+        alone = self.sample(mine[None], seed=fw.array(seeds[5:6]), **kw)[0]
+        alone_int = self.sample(mine[None], seed=int(seeds[5]), **kw)[0]
+        first = np.concatenate([mine[None], z[1:]])
+        first_seeds = np.concatenate([seeds[5:6], seeds[1:]])
+        at0 = self.sample(first, seed=fw.array(first_seeds), **kw)[0]
+        at5 = self.sample(z, seed=fw.array(seeds), **kw)[0]
+        assert np.array_equal(alone, alone_int), "seed s and seed [s] must agree for B = 1"
+        assert np.array_equal(at0[0], alone[0]) and np.array_equal(at5[5], alone[0]), (
+            alone, at0[0], at5[5])
+        want = oracle(np.asarray(fw.numpy(fw.array(z, "float32"))).reshape(6 * l, k),
+                      temperature=0.9, seed=seeds, step=kw["step"])
+        assert np.array_equal(at5.reshape(-1), want[0])
+        with pytest.raises(ValueError, match=r"seed must be an int, an integer scalar or \[B\] "
+                                             r"integers .*got shape \[5\]"):
+            fw.api.sample_tokens(fw.array(z, "float32"), seed=fw.array(seeds[:5]),
+                                 backend=self.BACKEND)
+
+    @pytest.mark.parametrize("temperature,top_k", [(0.7, None), (1.3, 4)])
+    def test_stats_temperature(self, rng, temperature, top_k):
+        """stats_temperature=1: the token drawn at T (the same as without it), every
+        statistic that of softmax(z) (with top_k: the k kept tokens renormalised at 1);
+        stats_temperature=T changes nothing; at T = 0 only None or 1 is accepted."""
+        z = rng.normal(size=(12, 130)) * 2
+        zr = np.asarray(self.fw.numpy(self.fw.array(z, "float32")))
+        seed = int(rng.integers(0, 2**31))
+        kw = dict(temperature=temperature, top_k=top_k, seed=seed, chunk_size=64)
+        at_t = self.sample(z, **kw)
+        at_1 = self.sample(z, stats_temperature=1.0, **kw)
+        same = self.sample(z, stats_temperature=temperature, **kw)
+        assert np.array_equal(at_1[0], at_t[0]) and np.array_equal(at_1[2], at_t[2])
+        for g, w in zip(same, at_t):
+            assert np.array_equal(g, w)
+        want = list(oracle(zr, temperature=1.0, top_k=top_k))  # statistics at T_s = 1
+        token = at_t[0].reshape(-1)
+        drawn = oracle(zr, temperature=temperature, seed=seed, top_k=top_k)[0]
+        assert np.array_equal(token, drawn)
+        s = zr.astype(np.float64)
+        if top_k is not None:
+            kth = np.sort(s, axis=1)[:, -top_k][:, None]
+            s = np.where(s >= kth, s, -np.inf)
+        logq = s - np.log(np.exp(s - s.max(1, keepdims=True)).sum(1, keepdims=True)) - s.max(
+            1, keepdims=True)
+        want[0], want[1] = token, logq[np.arange(len(token)), token]
+        self.check(at_1, want)
+        with pytest.raises(ValueError, match=r"stats_temperature must be None or 1 at "
+                                             r"temperature=0"):
+            self.fw.api.sample_tokens(self.fw.array(z, "float32"), temperature=0.0,
+                                      stats_temperature=0.5, backend=self.BACKEND)
 
     def test_greedy_ties_go_to_the_lowest_id(self, rng):
         z = np.round(rng.normal(size=(50, 40)))  # integers: many exact ties
@@ -462,6 +533,9 @@ class TestJaxTritonEmulated:
     check_commits = SamplingSuite.check_commits
     test_tiny_temperatures = SamplingSuite.test_tiny_temperatures
     test_suppress_ids_forms_and_range = SamplingSuite.test_suppress_ids_forms_and_range
+    test_per_sequence_seeds_are_batch_invariant = (
+        SamplingSuite.test_per_sequence_seeds_are_batch_invariant)
+    test_stats_temperature = SamplingSuite.test_stats_temperature
 
 
 class TestJaxPallas(SamplingSuite):
@@ -625,6 +699,29 @@ def test_commit_rules(rng, name, rule, kind):
     want = _commit_oracle(conf, sample[5], masked, rule, k=kk, threshold=threshold, budget=1.5)
     assert np.array_equal(np.asarray(fw.numpy(committed)), want)
     assert np.array_equal(np.asarray(fw.numpy(new)), np.where(want, sample[0], canvas))
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_inclusive_threshold(rng, name):
+    """rule="threshold" with inclusive=True commits a confidence equal to the threshold (as
+    Fast-dLLM's and Megatron-Bridge's get_transfer_index do), the default (>) does not;
+    inclusive must be a bool."""
+    fw = framework(name)
+    api = fw.api
+    s, masked, sample = _commit_case(rng, fw)
+    masked[:, :2] = True
+    conf = np.exp(sample[1])  # float32 values, as commit_tokens computes them
+    canvas, m = fw.array(np.zeros((4, 12), np.int32)), fw.array(masked)
+    for row in range(4):  # the threshold at the row's second most confident masked position
+        th = float(np.sort(conf[row][masked[row]])[-2])
+        got = {inc: np.asarray(fw.numpy(api.commit_tokens(
+            canvas, s, m, rule="threshold", threshold=th, inclusive=inc)[1]))[row]
+            for inc in (False, True)}
+        at = masked[row] & (conf[row] == th)
+        assert got[True][at].all() and not got[False][at].any(), (row, th, got)
+        assert np.array_equal(got[True], masked[row] & (conf[row] >= th)), row
+    with pytest.raises(TypeError, match=r"inclusive must be True or False; got 1"):
+        api.commit_tokens(canvas, s, m, rule="threshold", threshold=0.5, inclusive=1)
 
 
 @pytest.mark.parametrize("name", ["torch", "jax"])

@@ -14,8 +14,9 @@ pattern), then the S suppressed ids (the same in every row).
 Bytes per row (K columns, E bytes per logit): reads K·E (guidance: 2·K·E) and 4·(1 + S);
 writes 36 (top_k: + 8·k).
 
-The noise is computed in int32 with logical shifts (products wrap modulo 2^32, as uint32
-ones do), so its bits equal every other backend's; a block whose largest s plus G_BOUND
+With ``stat_temperature`` (T_s) the statistics read z / T_s and the draw (its key, its top-k
+slots) z / T. The noise is computed in int32 with logical shifts (products wrap modulo 2^32, as
+uint32 ones do), so its bits equal every other backend's; a block whose largest s plus G_BOUND
 (above every Gumbel value the noise can take) is below the best key of every row of the
 block skips the noise, which cannot change the draw. With top_k the k slots take the block's
 columns above their worst one at a time, best first, in a loop that ends when no row of the
@@ -73,7 +74,8 @@ def _worst_slot(tv, ti, slot):
     return wv, jnp.min(jnp.where((tv == wv) & (ti == wid), slot, BIG_ID), axis=1, keepdims=True)
 
 
-def _sample_kernel(*refs, vocab, bk, temperature, cfg_c, has_uncond, n_suppress, top_k):
+def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, has_uncond,
+                   n_suppress, top_k):
     if has_uncond:
         z_ref, zu_ref, ints_ref, f_out, i_out, *rest = refs
     else:
@@ -113,7 +115,9 @@ def _sample_kernel(*refs, vocab, bk, temperature, cfg_c, has_uncond, n_suppress,
         z = jnp.where(cols == ints[:, 1 + j:2 + j], NEG_INF, z)
     if vocab % bk:  # the ragged last block: columns past K
         z = jnp.where(cols < vocab, z, NEG_INF)
-    s = z if greedy else z / temperature
+    two_t = not greedy and stat_temperature != temperature
+    s = z if greedy else z / (stat_temperature if two_t else temperature)  # the statistics'
+    sd = z / temperature if two_t else s  # the draw's scores
 
     # the largest s (ties: the lowest id), the runner-up, and the online sums relative to
     # m = the largest s (0 while every s is -inf; a row with no finite s yet takes no rescale)
@@ -136,9 +140,11 @@ def _sample_kernel(*refs, vocab, bk, temperature, cfg_c, has_uncond, n_suppress,
     a_sc[...] = f * a_old + jnp.sum(e, axis=1, keepdims=True)
 
     if sample:
-        @pl.when(jnp.any(bv + G_BOUND >= gv_sc[...]))  # else no column here can win
+        bd = jnp.max(sd, axis=1, keepdims=True) if two_t else bv
+
+        @pl.when(jnp.any(bd + G_BOUND >= gv_sc[...]))  # else no column here can win
         def _draw():
-            kv, kpos = _first_max(s + _gumbel(ints[:, 0:1], cols), cols)
+            kv, kpos = _first_max(sd + _gumbel(ints[:, 0:1], cols), cols)
             ks = jnp.sum(jnp.where(cols == kpos, s, 0.0), axis=1, keepdims=True)
             tk = kv > gv_sc[...]
             gv_sc[...] = jnp.where(tk, kv, gv_sc[...])
@@ -160,7 +166,7 @@ def _sample_kernel(*refs, vocab, bk, temperature, cfg_c, has_uncond, n_suppress,
             return (jnp.where((cv > wv) & (cols == cc), NEG_INF, cand), jnp.where(into, cv, tv),
                     jnp.where(into, cc, ti))
 
-        _, tv, ti = jax.lax.while_loop(better, enter, (s, tv_sc[...], ti_sc[...]))
+        _, tv, ti = jax.lax.while_loop(better, enter, (sd, tv_sc[...], ti_sc[...]))
         tv_sc[...], ti_sc[...] = tv, ti
 
     @pl.when(last)
@@ -179,8 +185,8 @@ def _sample_kernel(*refs, vocab, bk, temperature, cfg_c, has_uncond, n_suppress,
             topi_out[...] = ti_sc[:, :top_k]
 
 
-def sample_partial(z, zu, ints, *, temperature, cfg_c, top_k, block_k=None, interpret=False,
-                   detect_races=False):
+def sample_partial(z, zu, ints, *, temperature, cfg_c, top_k, stat_temperature=None,
+                   block_k=None, interpret=False, detect_races=False):
     """z, zu: [N, K]; ints [N, 1 + S] int32 (row key, suppressed ids) -> (floats [N, 7] f32,
     ids [N, 2] int32, top-k values [N, k] f32 and ids [N, k] int32, or None without top_k)."""
     n, k = z.shape
@@ -200,6 +206,8 @@ def sample_partial(z, zu, ints, *, temperature, cfg_c, top_k, block_k=None, inte
         out_specs += [per_row(top_k), per_row(top_k)]
         scratch += [pltpu.VMEM((bn, SLOTS), jnp.float32), pltpu.VMEM((bn, SLOTS), jnp.int32)]
     kernel = functools.partial(_sample_kernel, vocab=k, bk=bk, temperature=temperature,
+                               stat_temperature=(temperature if stat_temperature is None
+                                                 else stat_temperature),
                                cfg_c=cfg_c, has_uncond=has_uncond,
                                n_suppress=ints.shape[1] - 1, top_k=top_k)
     outs = pl.pallas_call(

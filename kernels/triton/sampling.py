@@ -14,7 +14,8 @@ Bytes per row (K columns, E bytes per logit): reads K·E (guidance: 2·K·E) and
 
 Token parity with the other backends: the kernel computes the same float32 values the
 framework code does for the decisions that pick a token, s = z / T (IEEE division,
-``tl.div_rn``; Triton's ``/`` is an approximate one), guidance ``zu + c·(z - zu)`` (launched
+``tl.div_rn``; Triton's ``/`` is an approximate one; with ``stats_temperature`` (TWO_T)
+the statistics read z / T_s and the draw z / T, both so), guidance ``zu + c·(z - zu)`` (launched
 without floating-point contraction, so this is a multiply and an add, not an FMA, as on the
 host), the lowbias32 hash in uint32 and g = -log(-log(u)) with the precise float32 log
 (``tl.log`` lowers to libdevice's logf). The statistics (log-sum-exp, entropy) need only
@@ -88,10 +89,10 @@ def _worst_slot(tv, ti, slot):
 
 
 @triton.jit
-def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperature, cfg_c,
-                lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti, slot,
-                MASKED: tl.constexpr, GREEDY: tl.constexpr, HAS_UNCOND: tl.constexpr,
-                HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr):
+def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperature,
+                stat_temperature, cfg_c, lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti,
+                slot, MASKED: tl.constexpr, GREEDY: tl.constexpr, TWO_T: tl.constexpr,
+                HAS_UNCOND: tl.constexpr, HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr):
     """Fold the columns cols [R, VEC] of one row into the per-lane state [R] (and the top-k
     slots); returns the new state."""
     mask = cols < k_valid
@@ -111,9 +112,15 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
             z = tl.where(cols == tl.load(sup_ptr + j), NEG_INF, z)
     if MASKED:
         z = tl.where(mask, z, NEG_INF)
-    s = z
+    s = z  # the statistics' scale z / T_s
+    sd = z  # the draw's scores z / T
     if not GREEDY:
-        s = tl.div_rn(z, temperature)
+        if TWO_T:
+            s = tl.div_rn(z, stat_temperature)
+            sd = tl.div_rn(z, temperature)
+        else:
+            s = tl.div_rn(z, temperature)
+            sd = s
 
     # the lane's largest s (ties: the lowest id) and runner-up; the online sums rescale to
     # the new maximum m (kept at 0 while every s is -inf: no inf - inf; a lane with no finite
@@ -136,8 +143,11 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
 
     if not GREEDY and TOP_K == 0:
         # the Gumbel key s + g, only where the block could beat the best key so far
-        if tl.max(bv, axis=0) + G_BOUND >= g_best:
-            kv, kpos, _ = _first_in_lane(s + _gumbel(key, cols), lane_pos)
+        bd = tl.max(bv, axis=0)
+        if TWO_T:
+            bd = tl.max(tl.max(sd, axis=1), axis=0)
+        if bd + G_BOUND >= g_best:
+            kv, kpos, _ = _first_in_lane(sd + _gumbel(key, cols), lane_pos)
             ks = tl.sum(tl.where(lane_pos == kpos[:, None], s, 0.0), axis=1)
             tk = kv > gv
             gv = tl.where(tk, kv, gv)
@@ -148,7 +158,7 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
     if TOP_K > 0:
         # columns better than the worst slot enter one at a time, best (lowest id) first
         wv, ws = _worst_slot(tv, ti, slot)
-        cand = s
+        cand = sd  # the slots hold the draw's scores
         cv = tl.max(tl.max(cand, axis=1), axis=0)
         while cv > wv:
             cc = tl.min(tl.min(tl.where(cand == cv, cols, BIG_ID), axis=1), axis=0)
@@ -168,18 +178,20 @@ def sample_partial_kernel(
     sup_ptr,  # [n_suppress] int: ids never drawn (HAS_SUPPRESS)
     N, K, n_suppress, stride_z, stride_zu, cols_per_split,
     temperature,  # T > 0 (unused when GREEDY)
+    stat_temperature,  # T_s of the statistics (TWO_T only)
     cfg_c,  # guidance's s + 1 (HAS_UNCOND)
     state_ptr,  # [7, S, N] f32 out: SAMPLE_STATE
     ids_ptr,  # [2, S, N] i32 out: SAMPLE_IDS
     topv_ptr, topi_ptr,  # [S, N, TOP_K] f32 / i32 out: the split's k slots (TOP_K > 0)
-    GREEDY: tl.constexpr, HAS_UNCOND: tl.constexpr, HAS_SUPPRESS: tl.constexpr,
-    TOP_K: tl.constexpr, TOP_KP: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    ROWS_ALIGNED: tl.constexpr,
+    GREEDY: tl.constexpr, TWO_T: tl.constexpr, HAS_UNCOND: tl.constexpr,
+    HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr, TOP_KP: tl.constexpr,
+    BLOCK_K: tl.constexpr, VEC: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     temperature, cfg_c = tl.cast(temperature, tl.float32), tl.cast(cfg_c, tl.float32)
+    stat_temperature = tl.cast(stat_temperature, tl.float32)
     k_start = tl.multiple_of(split * cols_per_split, BLOCK_K)
     k_end = tl.minimum(k_start + cols_per_split, K)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
@@ -204,14 +216,14 @@ def sample_partial_kernel(
     ti = tl.full([TOP_KP], -1, tl.int32)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
         v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti = _fold_block(
-            z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature, cfg_c,
-            lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti, slot, False, GREEDY,
-            HAS_UNCOND, HAS_SUPPRESS, TOP_K)
+            z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature,
+            stat_temperature, cfg_c, lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti,
+            slot, False, GREEDY, TWO_T, HAS_UNCOND, HAS_SUPPRESS, TOP_K)
     for k0 in range(k_full, k_end, BLOCK_K):  # the ragged tail: at most one block
         v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti = _fold_block(
-            z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature, cfg_c,
-            lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti, slot, True, GREEDY,
-            HAS_UNCOND, HAS_SUPPRESS, TOP_K)
+            z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature,
+            stat_temperature, cfg_c, lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti,
+            slot, True, GREEDY, TWO_T, HAS_UNCOND, HAS_SUPPRESS, TOP_K)
 
     # merge the lanes (lane r holds lower ids than lane r + 1 within a block, but not across
     # blocks: ties go to the lowest id explicitly)

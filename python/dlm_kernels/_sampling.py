@@ -7,18 +7,22 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
   (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
-  (gv, gi, gs)   the largest s + g with its id and its s, g the Gumbel noise of the column
-  or, with top_k, the k largest (s, id), merged chunk by chunk (ties: lowest ids first)
+  (gv, gi, gs)   the largest sd + g with its id and its s, g the Gumbel noise of the column,
+                 sd = z / T the draw's scores (s itself unless ``stats_temperature`` differs)
+  or, with top_k, the k largest (sd, id), merged chunk by chunk (ties: lowest ids first)
 
 and finalises: token = gi (i1 at T = 0: greedy), logp = log-probability of the token under
-the sampling distribution, argmax = i1, top1_logp / top2_logp, entropy. With ``top_k`` the
-sampling distribution is the softmax over the k largest (renormalised) and every statistic is
-taken under it. At T = 0 the statistics are those of softmax(z) (T = 1). A row whose whole
-m + log a is not finite (a NaN or +inf s, or none finite) has no valid draw: token and argmax
--1, NaN statistics (``Sample``); the commit rules never pick it.
+the sampling distribution (with ``stats_temperature`` T_s every statistic is taken over s =
+z / T_s while the draw's key reads z / T: ``SampleConfig.two_temperatures``), argmax = i1,
+top1_logp / top2_logp, entropy. With ``top_k`` the sampling distribution is the softmax over
+the k largest (renormalised) and every statistic is taken under it. At T = 0 the statistics
+are those of softmax(z) (T = 1). A row whose whole m + log a is not finite (a NaN or +inf s,
+or none finite) has no valid draw: token and argmax -1, NaN statistics (``Sample``); the
+commit rules never pick it.
 
 Noise: g = -log(-log(u)), u = ((h >> 9) + 1/2)·2^-23 in (0, 1), h a 32-bit hash of
-(seed, step, row, column): ``row_key(seed, step, row)`` once per row, then
+(seed, step, row, column) -- with [B] seeds, of (seed_b, step, position, column) --:
+``row_keys(seed, step, ...)`` once per row, then
 h = mix(row_key ^ mix(column)) per element, ``mix`` the lowbias32 integer finaliser (two
 multiplies, three xor-shifts). Every backend computes the same integers, so the same seed
 draws the same tokens everywhere; no noise tensor is ever an input or an output.
@@ -30,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import (dtype_str, host_values, plain, require_array, require_float,
+from ._checks import (dtype_str, flag, host_values, plain, require_array, require_float,
                       require_int, require_logits, require_real, require_shape, shape_str)
 from ._linear_head import is_head, row_chunk_for, row_chunks
 from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
@@ -63,7 +67,8 @@ class Sample(_SampleFields):
     """Per-row outputs of :func:`sample_tokens`, each with the logits' leading shape.
 
     token:     int32, the drawn token (greedy at temperature 0).
-    logp:      float32, its log-probability under the sampling distribution.
+    logp:      float32, its log-probability under the sampling distribution (at
+               ``stats_temperature`` where one is given, as every statistic here).
     argmax:    int32, the most likely token (ties: the lowest id).
     top1_logp, top2_logp: float32, the two largest log-probabilities (-inf when K = 1).
     entropy:   float32, the entropy of the sampling distribution.
@@ -92,11 +97,17 @@ class Sample(_SampleFields):
 
 
 class SampleConfig(NamedTuple):
-    temperature: float
+    temperature: float  # of the draw: 0 is greedy
     top_k: object  # None or an int in [1, MAX_TOP_K]
     cfg_scale: float
     has_uncond: bool
     chunk_size: object
+    stats_temperature: float = 1.0  # of the statistics (the draw's T unless given; 1 at T = 0)
+
+    @property
+    def two_temperatures(self):
+        """The draw's scores z / T differ from the statistics' z / T_s (both T > 0)."""
+        return self.temperature > 0.0 and self.stats_temperature != self.temperature
 
 
 # -- the counter-based noise ----------------------------------------------------------------
@@ -112,10 +123,25 @@ def mix(xp, x):
 
 
 def row_keys(xp, seed, step, n, like):
-    """[N] 32-bit keys of rows 0..N-1 for (seed, step)."""
-    rows = xp.u32(xp.arange(n, like))
-    base = mix(xp, xp.u32(seed) ^ mix(xp, xp.u32(step) ^ xp.u32(_STEP_SALT)))
-    return mix(xp, rows ^ xp.u32(_ROW_SALT) ^ base)
+    """[N] 32-bit keys of rows 0..N-1 for (seed, step): one seed (an int or a 0-d array) keys
+    row r = the flattened row index; [B] seeds (one per sequence, N = B·P) key row b·P + p on
+    (seed_b, p), its position inside its own sequence, so a sequence draws the same noise
+    whatever its batch neighbours (docs/design.md §3, the noise)."""
+    salt = mix(xp, xp.u32(step) ^ xp.u32(_STEP_SALT))
+    if not xp.is_array(seed) or len(seed.shape) == 0:
+        rows = xp.u32(xp.arange(n, like))
+        return mix(xp, rows ^ xp.u32(_ROW_SALT) ^ mix(xp, xp.u32(seed) ^ salt))
+    b = seed.shape[0]
+    per = n // b if b else 0
+    position = xp.u32(xp.arange(per, like))  # [P]
+    base = mix(xp, xp.u32(seed) ^ salt)  # [B]
+    return mix(xp, position[None, :] ^ xp.u32(_ROW_SALT) ^ base[:, None]).reshape(-1)
+
+
+def position_uniform(xp, keys):
+    """[N] float32 uniforms in (0, 1), one per row key: the noise's uniform at the column id
+    2^32 - 1, which no vocabulary reaches (``remasking="random"``'s confidence)."""
+    return open_uniform(xp, mix(xp, keys ^ mix(xp, xp.u32(MASK32))))
 
 
 def gumbel(xp, keys, cols):
@@ -137,15 +163,21 @@ def open_uniform(xp, h):
 # -- the stream -----------------------------------------------------------------------------
 
 def scaled_logits(xp, z, zu, cols, suppress, cfg):
-    """s [N, C] float32 of one chunk with global column ids cols ([C], or [N, C] per row):
-    guidance, suppressed ids at -inf, the temperature."""
+    """(s, sd) [N, C] float32 of one chunk with global column ids cols ([C], or [N, C] per
+    row): guidance, suppressed ids at -inf, then s = z / T_s (the statistics' scale) and
+    sd = z / T (the draw's scores; the same array as s unless the temperatures differ)."""
     z = xp.f32(z)
     if zu is not None:
         zu = xp.f32(zu)
         z = zu + (cfg.cfg_scale + 1.0) * (z - zu)
     if suppress is not None:
         z = xp.where(xp.isin(cols, suppress), float("-inf"), z)  # [C] or [N, C] hits
-    return z if cfg.temperature == 0.0 else z / cfg.temperature
+    if cfg.temperature == 0.0:
+        return z, z
+    if cfg.two_temperatures:
+        return z / cfg.stats_temperature, z / cfg.temperature
+    s = z / cfg.temperature
+    return s, s
 
 
 class StreamState(NamedTuple):
@@ -178,19 +210,19 @@ def _first_max(xp, x, cols):
     return v, i + cols[0]
 
 
-def chunk_state(xp, s, cols, keys, cfg):
-    """The state of one chunk s [N, C] with global column ids cols [C]."""
+def chunk_state(xp, s, sd, cols, keys, cfg):
+    """The state of one chunk s [N, C] (draw scores sd) with global column ids cols [C]."""
     v1, i1 = _first_max(xp, s, cols)
     m_safe, a, b = _sums(xp, s, v1)
     v2 = xp.second_max(s) if s.shape[1] > 1 else v1 * 0.0 + float("-inf")
     gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
     if cfg.temperature > 0.0 and cfg.top_k is None:
-        key = s + gumbel(xp, keys, cols)
+        key = sd + gumbel(xp, keys, cols)
         gv, gi = _first_max(xp, key, cols)
         gs = xp.gather_cols(s, gi - cols[0])
     topv = topi = None
     if cfg.top_k is not None:
-        topv, idx = xp.top_k(s, min(cfg.top_k, s.shape[1]))
+        topv, idx = xp.top_k(sd, min(cfg.top_k, s.shape[1]))  # the draw's scores
         topi = xp.take_cols(cols, idx)
     return StreamState(m_safe, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
 
@@ -200,8 +232,9 @@ def noisy_scores(xp, keys):
     return lambda s, cols: s + gumbel(xp, keys, cols)
 
 
-def chunk_values(xp, s, cols, index, noisy, cfg):
-    """The state of one chunk s [N, C] (global ids cols [C]) without positions, for the
+def chunk_values(xp, s, sd, cols, index, noisy, cfg):
+    """The state of one chunk s [N, C] (draw scores sd, global ids cols [C]) without
+    positions, for the
     two-pass stream (no top_k): the chunk's number ``index`` [N] int32 stands in for i1 and
     gi (None where the caller numbers the chunks itself, as ``merge_splits`` does), and v2
     is -inf. Merged like any chunk state, the result says which chunk holds each
@@ -213,23 +246,23 @@ def chunk_values(xp, s, cols, index, noisy, cfg):
     v1 = xp.rowmax(s)
     m, a, b = _sums(xp, s, v1)
     none = xp.full(v1.shape, float("-inf"), v1)
-    gv = none if cfg.temperature == 0.0 else xp.rowmax(noisy(s, cols))
+    gv = none if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
     return StreamState(m, a, b, v1, index, none, gv, index, xp.zeros_like(v1), None, None)
 
 
 def settle(xp, st, reread, noisy, cfg):
     """The merged ``chunk_values`` state with its positions: ``reread(chunk [N])`` gives
-    (s [N, C], cols [N, C]) of one chunk per row (columns outside it at -inf), read once for
+    (s, sd, cols) [N, C] of one chunk per row (columns outside it at -inf), read once for
     the chunk holding the largest s (its first position, and the runner-up inside it) and,
     when drawing, once for the chunk holding the largest s + g."""
-    s, cols = reread(st.i1)
+    s, _, cols = reread(st.i1)
     _, pos = xp.first_max(s)
     inside = xp.where(xp.arange(s.shape[1], s)[None, :] == pos[:, None], float("-inf"), s)
     st = st._replace(i1=xp.gather_cols(cols, pos),
                      v2=xp.maximum(st.v2, xp.rowmax(inside)))
     if cfg.temperature > 0.0:
-        s, cols = reread(st.gi)
-        _, pos = xp.first_max(noisy(s, cols))
+        s, sd, cols = reread(st.gi)
+        _, pos = xp.first_max(noisy(sd, cols))
         st = st._replace(gi=xp.gather_cols(cols, pos), gs=xp.gather_cols(s, pos))
     return st
 
@@ -297,9 +330,12 @@ def finalize(xp, st, keys, cfg):
     normaliser m + log a would round log a away (a two-way tie would get log-probability 0).
     A row has a valid draw where the whole row's m + log a is finite (a NaN s makes a NaN,
     a +inf s makes m = +inf and a NaN, a row with no finite s has a = 0): on every backend,
-    with or without top_k."""
+    with or without top_k. With two temperatures the statistics are those of z / T_s and the
+    draw's scores z / T must be finite as well (a z / T past the float32 range is +inf)."""
     nan = float("nan")
     valid = xp.isfinite(st.m + xp.log(st.a))  # [N]
+    if cfg.two_temperatures:
+        valid = valid & ((st.gv if cfg.top_k is None else st.topv[:, 0]) < float("inf"))
     if cfg.top_k is None:
         log_a = xp.log(st.a)
         entropy = log_a - st.b / st.a
@@ -308,10 +344,12 @@ def finalize(xp, st, keys, cfg):
         logp = (s_token - st.m) - log_a
         top1, top2 = (st.v1 - st.m) - log_a, (st.v2 - st.m) - log_a
     else:
-        v, ids = st.topv, st.topi  # [N, k'] largest first
+        v, ids = st.topv, st.topi  # [N, k'] largest first, the draw's scores z / T
         v = xp.where(valid[:, None], v, 0.0)  # a row without a valid draw: no NaN or inf below
         m = v[:, 0]  # finite
         d = v - m[:, None]
+        if cfg.two_temperatures:  # the statistics' z / T_s, to float32 accuracy
+            d = d * (cfg.temperature / cfg.stats_temperature)
         e = xp.exp(d)
         a = xp.rowsum(e)
         logq = d - xp.log(a)[:, None]
@@ -346,8 +384,8 @@ def no_draw_where(xp, sample, bad):
 def reference_sample(xp, z, zu, keys, suppress, cfg):
     """The whole row as one chunk (the reference backend: [N, K] float32 materialised)."""
     cols = xp.arange(z.shape[1], z)
-    s = scaled_logits(xp, z, zu, cols, suppress, cfg)
-    return finalize(xp, chunk_state(xp, s, cols, keys, cfg), keys, cfg)
+    s, sd = scaled_logits(xp, z, zu, cols, suppress, cfg)
+    return finalize(xp, chunk_state(xp, s, sd, cols, keys, cfg), keys, cfg)
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -365,7 +403,8 @@ def _number(value, integral=False):
     return None
 
 
-def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale, chunk_size):
+def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale, chunk_size,
+                       stats_temperature=None):
     require_logits(xp, "logits", logits)
     require_float(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
@@ -393,7 +432,15 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
     chunk = None if chunk_size is None else _number(chunk_size, integral=True)
     if chunk_size is not None and (chunk is None or chunk < 1):
         raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
-    return SampleConfig(t, k, c, uncond_logits is not None, chunk)
+    ts = None if stats_temperature is None else _number(stats_temperature)
+    if stats_temperature is not None and (ts is None or not MIN_TEMPERATURE <= ts <= _F32_MAX):
+        raise ValueError(f"stats_temperature must be None (the draw's temperature) or in "
+                         f"[{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got {plain(stats_temperature)}")
+    if t == 0.0 and ts not in (None, 1.0):
+        raise ValueError(f"stats_temperature must be None or 1 at temperature=0 (a greedy draw "
+                         f"takes the statistics of softmax(z)); got {plain(stats_temperature)}")
+    ts = (t if t > 0.0 else 1.0) if ts is None else ts
+    return SampleConfig(t, k, c, uncond_logits is not None, chunk, ts)
 
 
 def suppressed_ids(xp, ids, vocab, like):
@@ -431,6 +478,29 @@ def suppressed_ids(xp, ids, vocab, like):
     if host is not None:
         return ids, None
     return ids, xp.rowsum(xp.f32((ids < 0) | (ids >= vocab))) > 0
+
+
+def seed_argument(xp, name, value, lead):
+    """seed or step: an int or a 0-d integer array; ``lead`` (the logits' leading shape,
+    seed only): also [B] = [lead[0]] integers, one seed per sequence."""
+    if xp.is_array(value):
+        require_int(xp, name, value)
+        if len(value.shape) == 0:
+            return value
+        if lead is None:
+            raise ValueError(f"{name} must be an int or an integer scalar; got shape "
+                             f"{shape_str(value.shape)}")
+        if len(lead) == 0 or tuple(value.shape) != (lead[0],):
+            raise ValueError(f"{name} must be an int, an integer scalar or [B] integers "
+                             f"(one per sequence, B = logits.shape[0]); got shape "
+                             f"{shape_str(value.shape)} for logits of leading shape "
+                             f"{shape_str(lead)}")
+        return value
+    number = _number(value, integral=True)
+    if number is None:
+        raise TypeError(f"{name} must be an int or an integer scalar; got "
+                        f"{type(value).__name__}")
+    return number
 
 
 def _per_sequence(xp, name, value, b, integral):
@@ -524,7 +594,7 @@ def _unless_nan(xp, commit, value):
     return commit & (value == value) if xp.is_array(value) else commit
 
 
-def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind):
+def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclusive=False):
     """[B, L] bool: the masked positions the rule commits (see ``commit_tokens``); a row with
     no valid draw (token -1) is never one of them, nor ranked above one that is."""
     eligible = masked & (sample.token >= 0)
@@ -536,7 +606,8 @@ def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind):
         if threshold is None:
             raise ValueError("rule='threshold' needs threshold")
         conf = confidence(xp, sample, kind)
-        commit = _at_least_one(xp, eligible & (conf > threshold), conf, eligible)
+        above = conf >= threshold if inclusive else conf > threshold
+        commit = _at_least_one(xp, eligible & above, conf, eligible)
         return _unless_nan(xp, commit, threshold)
     if rule == "entropy_budget":
         if budget is None:
@@ -577,10 +648,11 @@ def make_sampling_api(xp, registry):
 
     def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
-                      backend=None):
+                      stats_temperature=None, backend=None):
         cfg = make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
-                                 chunk_size)
-        seed, step = (_seed_arg(name, value) for name, value in (("seed", seed), ("step", step)))
+                                 chunk_size, stats_temperature)
+        seed = seed_argument(xp, "seed", seed, logits.shape[:-1])
+        step = seed_argument(xp, "step", step, None)
         like = logits.hidden if is_head(logits) else logits  # an array on the device
         suppress_ids, unseen_bad = suppressed_ids(xp, suppress_ids, logits.shape[-1], like)
         impl = registry.resolve(backend, xp.platform(like))
@@ -604,21 +676,8 @@ def make_sampling_api(xp, registry):
         out = Sample(*(f.reshape(lead) for f in out), vocab_size=k)
         return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)
 
-    def _seed_arg(name, value):
-        if xp.is_array(value):
-            require_int(xp, name, value)
-            if len(value.shape) != 0:
-                raise ValueError(f"{name} must be an int or an integer scalar; got shape "
-                                 f"{shape_str(value.shape)}")
-            return value
-        number = _number(value, integral=True)
-        if number is None:
-            raise TypeError(f"{name} must be an int or an integer scalar; got "
-                            f"{type(value).__name__}")
-        return number
-
     def commit_tokens(canvas, sample, masked, *, rule="topk", k=None, threshold=None,
-                      budget=None, confidence="probability"):
+                      budget=None, confidence="probability", inclusive=False):
         require_array(xp, "canvas", canvas)
         require_int(xp, "canvas", canvas)
         if len(canvas.shape) != 2:
@@ -631,9 +690,11 @@ def make_sampling_api(xp, registry):
         require_shape("masked", masked, canvas.shape, "canvas.shape [B, L]")
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}; got {confidence!r}")
+        inclusive = flag("inclusive", inclusive)
         k, threshold, budget = commit_arguments(xp, canvas, sample, k, threshold, budget)
         masked = masked != 0
-        commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence)
+        commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence,
+                                  inclusive)
         return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit
 
     return sample_tokens, commit_tokens

@@ -25,6 +25,7 @@ from .._objectives import Objectives as _Objectives
 from .._objectives import rf_alpha, rf_alpha_dot
 from .._sampling import Sample
 from .._sampling import make_sampling_api as _make_sampling_api
+from .._upstream_step import make_step_api as _make_step_api
 from .._schedule import EPS, VARIANTS, normalize_variant
 from .._token_stats import TokenStats
 from ._linear_head import LinearHead
@@ -40,7 +41,8 @@ __all__ = [
     "compute_diffusion_logits",
     "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
     "BackendUnavailableError", "vocab_parallel", "sync_checks", "LinearHead", "Sample",
-    "sample_tokens", "commit_tokens",
+    "sample_tokens", "commit_tokens", "add_gumbel_noise", "get_num_transfer_tokens",
+    "get_transfer_index",
 ]
 
 VocabAxis = str | tuple[str, ...]
@@ -432,6 +434,7 @@ def sample_tokens(
     uncond_logits: Logits | None = None,
     cfg_scale: float = 0.0,
     chunk_size: int | None = None,
+    stats_temperature: float | None = None,
     backend: str | None = None,
 ) -> Sample:
     """One denoising step's draw, in one pass over each row's vocabulary (see ``Sample``).
@@ -443,9 +446,13 @@ def sample_tokens(
       temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
         statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]: below 1e-3 the
         float32 rounding of z / T would swamp the noise, so a smaller T raises.
-      seed, step: ints (or integer scalar arrays, traced is fine) keying the counter-based noise with the
-        row index and the column: the same (seed, step) draws the same tokens on every
-        backend; change ``step`` every denoising step.
+      seed, step: ints (or integer scalar arrays, traced is fine) keying the counter-based noise
+        (docs/design.md §3): the same (seed, step) draws the same tokens on every backend;
+        change ``step`` every denoising step. ``seed`` may also be a [B] integer array, one
+        per sequence (B = logits.shape[0]): sequence b's noise is then keyed on (seed[b],
+        step, its position inside the sequence, column), so it draws the same tokens alone
+        or at any batch index, whatever its neighbours. One seed s keys the flattened row
+        index instead: a batch of one with seed s equals seed [s].
       top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
         statistic is taken under that distribution).
       suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer array,
@@ -454,6 +461,12 @@ def sample_tokens(
       uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
         read in the same pass.
       chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
+      stats_temperature: T_s of the returned statistics (logp, top1_logp, top2_logp,
+        entropy, hence of every confidence of ``commit_tokens``): None takes the draw's T
+        (softmax(z) at T = 0); 1.0 gives LLaDA's, Fast-dLLM's and Megatron-Bridge's
+        confidence softmax(z)[token] while drawing at T. The token is drawn at ``temperature``
+        either way, in the same pass; at T = 0 only None or 1 is accepted. With top_k the
+        statistics are those of the k kept tokens renormalised at T_s.
       backend: None (auto), or one of "reference", "chunked", "triton", "pallas". Every
         backend draws the same tokens for the same (seed, step).
 
@@ -466,7 +479,8 @@ def sample_tokens(
     """
     return _sample_tokens(logits, temperature=temperature, seed=seed, step=step, top_k=top_k,
                           suppress_ids=suppress_ids, uncond_logits=uncond_logits,
-                          cfg_scale=cfg_scale, chunk_size=chunk_size, backend=backend)
+                          cfg_scale=cfg_scale, chunk_size=chunk_size,
+                          stats_temperature=stats_temperature, backend=backend)
 
 
 def commit_tokens(
@@ -479,6 +493,7 @@ def commit_tokens(
     threshold: float | jax.Array | None = None,
     budget: float | jax.Array | None = None,
     confidence: str = "probability",
+    inclusive: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Commit the surest masked positions of a canvas: ([B, L] new canvas, [B, L] bool
     committed).
@@ -497,8 +512,101 @@ def commit_tokens(
         int >= 0, ``threshold`` and ``budget`` not NaN.
       confidence: "probability" (of the drawn token), "margin" (p1 - p2) or "neg_entropy".
         Ties go to the lower position.
+      inclusive: rule="threshold" commits confidence >= ``threshold`` (as the
+        ``get_transfer_index`` of Fast-dLLM and Megatron-Bridge do) rather than the default
+        confidence > ``threshold``.
+    Defaults against upstream: rule="topk" with confidence="probability" is LLaDA's
+    low-confidence remasking when the Sample's statistics are at temperature 1
+    (``sample_tokens(..., stats_temperature=1.0)``, or temperature=0); Fast-dLLM's and
+    Megatron-Bridge's threshold rule is rule="threshold", inclusive=True with the same
+    statistics; confidence="neg_entropy" is Megatron-Bridge's ``neg_entropy=True``.
+    ``get_transfer_index`` is that upstream step itself.
     A row with no valid draw (token -1) is never committed and never ranks above a valid one.
     """
     return _commit_tokens(canvas, sample, masked, rule=rule, k=k, threshold=threshold,
-                          budget=budget, confidence=confidence)
+                          budget=budget, confidence=confidence, inclusive=inclusive)
 
+
+# -- the upstream denoising step (LLaDA, Fast-dLLM, Megatron-Bridge) ---------------------------
+
+_add_gumbel_noise, _get_num_transfer_tokens, _get_transfer_index = _make_step_api(
+    _JaxOps, _sample_tokens)
+
+
+def add_gumbel_noise(
+    logits: Logits,
+    temperature: float,
+    *,
+    seed: int | jax.Array = 0,
+    step: int | jax.Array = 0,
+) -> jax.Array:
+    """Upstream's ``add_gumbel_noise``: scores whose argmax over the last axis is a draw from
+    softmax(logits / temperature).
+
+    At temperature 0 it returns ``logits`` as they are (a LinearHead's logits formed), as
+    upstream does. Otherwise upstream returns exp(logits) / (-log u)^T in float64; this
+    returns its log divided by T, logits / T + g with g our keyed Gumbel noise
+    (``sample_tokens``'s, the same (seed, step) arguments), as a [..., K] float32 array:
+    the same argmax (a monotone map of upstream's form), no overflow of exp(logits), half
+    the bytes -- and its argmax is exactly ``sample_tokens(logits, temperature=T, seed=seed,
+    step=step).token``. Equal to upstream's in distribution, not in bits. It materialises
+    [..., K], as upstream's does; ``get_transfer_index`` and ``sample_tokens`` never do.
+    temperature: 0 or in [1e-3, 3.4e38] (``sample_tokens``'s range).
+    """
+    return _add_gumbel_noise(logits, temperature, seed=seed, step=step)
+
+
+def get_num_transfer_tokens(mask_index: jax.Array, steps: int) -> jax.Array:
+    """Upstream's ``get_num_transfer_tokens``: [B, steps] tokens to commit per step for a
+    linear schedule, in JAX's default integer (int32; int64 under x64). Row b gives mask_count_b
+    // steps per step, and its first mask_count_b % steps steps one more, mask_count_b the
+    number of True (non-zero) entries of mask_index [B, L]. ``steps`` is a positive int."""
+    return _get_num_transfer_tokens(mask_index, steps)
+
+
+def get_transfer_index(
+    logits: Logits,
+    temperature: float,
+    remasking: str,
+    mask_index: jax.Array,
+    x: jax.Array,
+    num_transfer_tokens: jax.Array | int | None,
+    threshold: float | jax.Array | None = None,
+    neg_entropy: bool = False,
+    *,
+    seed: int | jax.Array = 0,
+    step: int | jax.Array = 0,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Upstream's ``get_transfer_index``: ([B, L] x0, [B, L] bool transfer_index), from one
+    read of the logits (``sample_tokens``; no [B, L, K] noise or softmax).
+
+    Args:
+      logits: [B, L, K] float logits, or a LinearHead standing for them.
+      temperature: of the draw: x0 = argmax(add_gumbel_noise(logits, temperature)), greedy
+        at 0 (ties to the lowest id); else in [1e-3, 3.4e38].
+      remasking: "low_confidence" (confidence softmax(logits)[x0], at temperature 1 whatever
+        the draw's) or "random" (a uniform per position, keyed like the noise); any other
+        value raises NotImplementedError, as upstream.
+      mask_index: [B, L] bool, the positions to fill; x: [B, L] int canvas whose dtype holds
+        every id below K. x0 = where(mask_index, draw, x).
+      num_transfer_tokens: per row k, an int or [B] or [B, 1] ints: without a threshold row b
+        commits the k_b most confident positions, masked ones first (off the mask the
+        confidence is -inf; past the masked count upstream's topk fills k with unmasked
+        positions, where x0 = x, and so does this: the lowest ones). A k above L commits
+        every position (upstream's topk raises).
+      threshold: a number (or [B]): every masked position whose confidence is >= threshold,
+        and always the most confident one (num_transfer_tokens is then ignored).
+      neg_entropy: with "low_confidence", the confidence is Σ_k p_k log p_k, p =
+        softmax(logits) (upstream's Σ p log(p + 1e-10) is larger by less than K·1e-10).
+      seed, step, backend: as ``sample_tokens`` (seed also [B], one per sequence).
+
+    Exactly upstream's: greedy tokens, which positions are committed, the k past the masked
+    count; ties at the k-th place go to the lower position (torch.topk leaves them
+    unspecified). Not upstream's bits: the draws (equal in distribution: keyed noise), the
+    confidences (float32 here, float64 upstream). x0 has x's dtype; a position whose logits
+    have no valid draw (NaN, +inf, none finite) keeps x and is never ranked above a valid one.
+    """
+    return _get_transfer_index(logits, temperature, remasking, mask_index, x,
+                               num_transfer_tokens, threshold, neg_entropy, seed=seed,
+                               step=step, backend=backend)

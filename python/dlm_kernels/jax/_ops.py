@@ -108,6 +108,10 @@ class JaxOps:
         return x.astype(jnp.int32)
 
     @staticmethod
+    def index_ints(x):  # int64 under jax_enable_x64, else int32 (JAX's default integer)
+        return x.astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+
+    @staticmethod
     def rowmin(x):  # [N, C] -> [N]
         return jnp.min(x, axis=-1)
 

@@ -191,7 +191,8 @@ class PallasJax(BackendBase):
         ints = [jax.lax.bitcast_convert_type(keys, jnp.int32)[:, None]]  # [N, 1 + S]
         if suppress is not None:
             ints.append(jnp.broadcast_to(suppress.astype(jnp.int32), (n,) + suppress.shape))
-        statics = dict(temperature=cfg.temperature, cfg_c=cfg.cfg_scale + 1.0,
+        statics = dict(temperature=cfg.temperature, stat_temperature=cfg.stats_temperature,
+                       cfg_c=cfg.cfg_scale + 1.0,
                        top_k=cfg.top_k or 0, block_k=cfg.chunk_size, interpret=interpret_mode(),
                        detect_races=RaceDetection.enabled)
         call = fold_vmap_into_rows(

@@ -213,10 +213,10 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg):
             (z, z if zu is None else zu, keys,
              keys if suppress_rows is None else suppress_rows[0]),
             (n, k, n_sup, k, k, lc["cols_per_split"], cfg.temperature or 1.0,
-             cfg.cfg_scale + 1.0),
+             cfg.stats_temperature, cfg.cfg_scale + 1.0),
             types, (n, s), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
             enable_fp_fusion=False,  # guidance's multiply and add round as on the host
-            GREEDY=cfg.temperature == 0.0, HAS_UNCOND=zu is not None,
+            GREEDY=cfg.temperature == 0.0, TWO_T=cfg.two_temperatures, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress_rows is not None, TOP_K=top_k,
             TOP_KP=sampler.slot_count(top_k), BLOCK_K=lc["block_k"], VEC=lc["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(k))

@@ -91,6 +91,10 @@ class TorchOps:
         return x.to(torch.int32)
 
     @staticmethod
+    def index_ints(x):  # the framework's index dtype (torch: int64, as torch.topk's)
+        return x.long()
+
+    @staticmethod
     def isin(ids, values):  # ids [...] -> bool [...]: ids that equal one of values [S]
         return torch.isin(ids, values)
 

@@ -225,8 +225,8 @@ def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv
 
 @torch.library.custom_op("dlm_kernels::sample_partial", mutates_args=())
 def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Optional[Tensor],
-                   temperature: float, top_k: int, cfg_c: float,
-                   block_k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                   temperature: float, top_k: int, cfg_c: float, block_k: int,
+                   stat_temperature: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The sampler's split states of z: [N, K] (``kernels.triton.sampling``): (state
     [SAMPLE_STATE, S, N] f32, ids [SAMPLE_IDS, S, N] i32, top-k slots [S, N, k] f32 and i32,
     empty without top_k)."""
@@ -244,8 +244,9 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
             z, z if zu is None else zu, keys, keys if suppress is None else suppress, n, k,
             0 if suppress is None else suppress.shape[0], z.stride(0),
             0 if zu is None else zu.stride(0), cfg["cols_per_split"],
-            temperature or 1.0, cfg_c, state, ids, top_v, top_i,
-            GREEDY=temperature == 0.0, HAS_UNCOND=zu is not None,
+            temperature or 1.0, stat_temperature, cfg_c, state, ids, top_v, top_i,
+            GREEDY=temperature == 0.0,
+            TWO_T=temperature > 0.0 and stat_temperature != temperature, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress is not None, TOP_K=top_k,
             TOP_KP=sampler.slot_count(top_k), BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if zu is None else zu.stride(0)),
@@ -255,7 +256,7 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
 
 
 @sample_partial.register_fake
-def _(z, zu, keys, suppress, temperature, top_k, cfg_c, block_k):
+def _(z, zu, keys, suppress, temperature, top_k, cfg_c, block_k, stat_temperature):
     s = plan(z, zu, block_k)["splits"]  # the same plan as the launch
     n = z.shape[0]
     slots = (s, n, top_k) if top_k else (0,)
@@ -333,7 +334,8 @@ class TritonTorch(BackendBase):
         n, k = z.shape
         state, ids, top_v, top_i = torch.ops.dlm_kernels.sample_partial(
             z, zu, keys.contiguous(), None if suppress is None else suppress.contiguous(),
-            cfg.temperature, cfg.top_k or 0, cfg.cfg_scale + 1.0, cfg.chunk_size or 0)
+            cfg.temperature, cfg.top_k or 0, cfg.cfg_scale + 1.0, cfg.chunk_size or 0,
+            cfg.stats_temperature)
         if cfg.top_k:  # [S, N, k] -> [N, S·k]
             top_v, top_i = (t.permute(1, 0, 2).reshape(n, t.shape[0] * t.shape[2])
                             for t in (top_v, top_i))
