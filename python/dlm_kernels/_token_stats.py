@@ -20,7 +20,10 @@ class TokenStats(NamedTuple):
     """Per-row outputs of :func:`token_stats`, each float32 with the logits' leading shape.
 
     lse:     logsumexp of the (capped, shifted) logits divided by ``temperature``.
-    logp:    log-probability of the target at ``ce_temperature`` (CE = -logp).
+    logp:    minus the row's CE training term at ``ce_temperature`` (CE = -logp): the
+             target's log-probability log p'_y, or with label smoothing ε and z-loss λ
+             (1 - ε)·log p'_y + ε·Σ_k log p'_k / K - λ·lse_ce² (lse_ce the logsumexp at
+             ``ce_temperature``; K the valid vocabulary).
     entropy: entropy of softmax(logits / temperature); None when called with entropy=False.
     kl:      KL(softmax(teacher / teacher_temperature) || softmax(logits / temperature));
              0 when no teacher is given.
@@ -77,6 +80,15 @@ _TOKEN_STATS_DOC = """Streaming token statistics of docs/design.md §2, differen
       vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
         are excluded and get a zero gradient. With vocabulary parallelism it is the global
         size (the padded tail of the last shard is masked).
+      label_smoothing: ε in [0, 1] (default 0). ``logp`` becomes minus the smoothed CE,
+        Σ_k q_k·log p'_k with q = (1 - ε)·onehot(y) + ε/K over the K valid columns (K =
+        ``vocab_size`` when given, else the logits' last dim; the global K under
+        vocabulary parallelism), as ``torch.nn.functional.cross_entropy(label_smoothing=ε)``.
+        A column at -inf makes it -inf (finfo.min: huge), as in torch.
+      z_loss_weight: λ >= 0, finite (default 0). ``logp`` also carries -λ·lse_ce², lse_ce
+        the logsumexp of the logits at ``ce_temperature`` (PaLM's z-loss; Liger's
+        ``lse_square_scale``). Both options change ``logp`` only; with ε = λ = 0 it is the
+        target's log-probability, as before.
       process_group (torch) / vocab_axis (JAX): vocabulary parallelism. The logits are this
         rank's (or this shard_map device's) contiguous shard of the vocabulary; targets and
         shift ids are global ids. Partial states merge with two all-reduces of per-row
@@ -205,7 +217,8 @@ def _flat(x, n, k):
 
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
             shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
-            entropy=True, vocab_size=None):
+            entropy=True, vocab_size=None, label_smoothing=0.0, z_loss_weight=0.0,
+            smoothing_vocab=None):
     """Validate, build the static config and flatten leading dims into rows.
 
     Returns (cfg, lead_shape, Rows) with the bundle's arrays flattened to [N, K] and [N].
@@ -221,6 +234,9 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
+        label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight,
+        smoothing_vocab=smoothing_vocab,
     )
     lead = tuple(logits.shape[:-1])
     k = logits.shape[-1]
