@@ -273,12 +273,17 @@ def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=
 
 
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
-    """Merge S partial states given as one [N, S] array per State field into one
-    State of [N] arrays, with the same rescaling as ``merge_collective``."""
+    """Merge S partial states given as one [N, S] array per State field (the last, Σ r, may
+    be absent without label smoothing) into one State of [N] arrays, with the same
+    rescaling as ``merge_collective``."""
+    parts = list(parts)
+    if len(parts) < len(State._fields):  # no Σ r without label smoothing
+        parts.append(xp.zeros_like(parts[0]))
     keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
     state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
                                 cfg)
-    return state._replace(m=state.m[:, 0], mu=state.mu[:, 0])
+    sr = state.sr if cfg.smoothing else xp.zeros_like(state.a)
+    return state._replace(m=state.m[:, 0], mu=state.mu[:, 0], sr=sr)
 
 
 Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
