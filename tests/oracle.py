@@ -197,8 +197,9 @@ REWEIGHTED = {"reweighted-ce", "reweighted-loo-ce", "loo-reweighted-ce"}
 LOO = {"loo-ce", "reweighted-loo-ce", "loo-reweighted-ce"}
 
 
-def sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip=None):
-    """(w [B], per-token logp [B, L], shift args) of the SFT objective."""
+def sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip=None, **ce):
+    """(w [B], per-token logp [B, L], shift args) of the SFT objective (``ce``: the CE
+    term's label_smoothing and z_loss_weight)."""
     b, l, k = logits.shape
     t = np.asarray(t, np.float64)
     alpha = 1.0 - t
@@ -210,23 +211,23 @@ def sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip=None):
         delta = np.log1p(vocab_size * alpha / np.maximum(1.0 - alpha, EPS))
         kw = dict(x=xt.reshape(-1), d=np.repeat(delta, l))
     active = mask.reshape(-1) != 0
-    _, logp, _, _ = token_stats(logits.reshape(b * l, k), x0.reshape(-1), active, **kw)
+    _, logp, _, _ = token_stats(logits.reshape(b * l, k), x0.reshape(-1), active, **kw, **ce)
     return w, logp.reshape(b, l), kw
 
 
-def sft_loss(logits, x0, xt, t, mask, variant, vocab_size, clip=None):
-    w, logp, _ = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip)
+def sft_loss(logits, x0, xt, t, mask, variant, vocab_size, clip=None, **ce):
+    w, logp, _ = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip, **ce)
     m = mask.astype(np.float64)
     return w * np.sum(m * -logp, axis=1) / np.maximum(m.sum(axis=1), 1.0)
 
 
-def sft_loss_grad(logits, x0, xt, t, mask, variant, vocab_size, cot, clip=None):
+def sft_loss_grad(logits, x0, xt, t, mask, variant, vocab_size, cot, clip=None, **ce):
     """d(Σ_b cot_b·loss_b)/d logits."""
     b, l, k = logits.shape
-    w, _, kw = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip)
+    w, _, kw = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip, **ce)
     m = mask.astype(np.float64)
     g_lp = -(cot * w / np.maximum(m.sum(axis=1), 1.0))[:, None] * m
     zeros = np.zeros(b * l)
     dz, _ = token_stats_vjp(logits.reshape(b * l, k), x0.reshape(-1), mask.reshape(-1) != 0,
-                            (zeros, g_lp.reshape(-1), zeros, zeros), **kw)
+                            (zeros, g_lp.reshape(-1), zeros, zeros), **kw, **ce)
     return dz.reshape(b, l, k)

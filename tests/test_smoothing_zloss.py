@@ -88,6 +88,8 @@ def test_token_stats_against_the_oracle(backend_env, name, rng):
                                **kw, **_api_kw(feat))
         return tuple(s)
 
+    if fw_name == "jax":
+        fn = fw.jax.jit(fn)
     cots = [rng.normal(size=N).astype(np.float32) for _ in range(4)]
     if teacher is None:
         cots[3] = np.zeros(N, np.float32)
@@ -105,3 +107,114 @@ def test_token_stats_against_the_oracle(backend_env, name, rng):
     assert_exact_zero(grads[0][~active], "d logits of inactive rows")
     if shift:
         assert_close(grads[1], d_shift, "float32", "d shift")
+
+
+# -- the objectives, from logits and through a linear head -----------------------------------
+
+EPS_LAM = dict(label_smoothing=0.2, z_loss_weight=0.02)
+HEAD_BACKENDS = [("torch", "chunked"), ("torch", "triton"), ("jax", "chunked"),
+                 ("jax", "pallas")]
+F32_U = 2.0 ** -24
+
+
+def _objective_problem(rng, b=2, l=3, d=8, k=37):
+    quarter = lambda shape: (rng.integers(-2, 3, shape) / 4).astype(np.float32)  # noqa: E731
+    h, w, bias = quarter((b, l, d)), quarter((k, d)), quarter((k,))  # exact float32 logits
+    y = rng.integers(0, k - 1, (b, l))
+    xt = np.where(rng.uniform(size=(b, l)) < 0.5, k - 1, y)
+    t = rng.uniform(0.1, 0.9, b).astype(np.float32)
+    m = (rng.uniform(size=(b, l)) < 0.7).astype(np.float32) * rng.uniform(0.5, 2.0, (b, l))
+    m = m.astype(np.float32)
+    m[0, 0] = 1.5
+    u = (rng.normal(size=(b, l, k)) * 2).astype(np.float32)
+    cots = (np.float32(rng.normal()), rng.normal(size=b).astype(np.float32),
+            np.float32(rng.normal()))
+    return dict(h=h, w=w, bias=bias, y=y, xt=xt, t=t, m=m, u=u, k=k, cots=cots)
+
+
+def _objectives(fw, logits, p, t, m, backend):
+    """(weighted CE's sum, the LOO SFT loss [B], distillation's total with a hard term)."""
+    api, y, xt, u = fw.api, fw.array(p["y"]), fw.array(p["xt"]), fw.array(p["u"])
+    batch = api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=m)
+    ce = api.weighted_cross_entropy(logits, batch, backend=backend, **EPS_LAM).unreduced_sum
+    sft = api.diffusion_sft_loss(logits, y, xt, t, fw.array(p["m"]), variant="reweighted-loo-ce",
+                                 vocab_size=p["k"], backend=backend, **EPS_LAM)
+    dbatch = api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=u)
+    opd, _ = api.opd_loss(logits, dbatch, temperature=2.0, soft_loss_weight=1.0,
+                          hard_loss_weight=0.5, backend=backend, **EPS_LAM)
+    return ce, sft, opd.unreduced_sum
+
+
+def _expected_objectives(p):
+    """Values, d logits [B, L, K], d loss weights [B, L] and d t [B] of Σ cot·objectives
+    from the float64 oracle (d t by central differences of it)."""
+    z = (p["h"].astype(np.float64) @ p["w"].T.astype(np.float64) + p["bias"])  # [B, L, K]
+    b, l, k = z.shape
+    zf, y, m = z.reshape(b * l, k), p["y"].reshape(-1), p["m"].reshape(-1).astype(np.float64)
+    active, c1, c2, c3 = m != 0, *p["cots"]
+    _, logp, _, _ = oracle.token_stats(zf, y, active, **EPS_LAM)
+    opd_kw = dict(T=2.0, T_ce=1.0, T_kl=2.0, u=p["u"].reshape(b * l, k).astype(np.float64),
+                  **EPS_LAM)
+    _, logp_h, _, kl = oracle.token_stats(zf, y, active, **opd_kw)
+    sft = lambda t: oracle.sft_loss(z, p["y"], p["xt"], t, p["m"], "reweighted-loo-ce", k,
+                                    **EPS_LAM)  # noqa: E731
+    t64 = p["t"].astype(np.float64)
+    values = (np.sum(m * -logp), sft(t64), np.sum(m * (4.0 * kl - 0.5 * logp_h)))
+    zero = np.zeros(b * l)
+    dz_ce, _ = oracle.token_stats_vjp(zf, y, active, (zero, -c1 * m, zero, zero), **EPS_LAM)
+    dz_opd, _ = oracle.token_stats_vjp(zf, y, active, (zero, -0.5 * c3 * m, zero, 4.0 * c3 * m),
+                                       **opd_kw)
+    dz_sft = oracle.sft_loss_grad(z, p["y"], p["xt"], t64, p["m"], "reweighted-loo-ce", k, c2,
+                                  **EPS_LAM)
+    dz = (dz_ce + dz_opd).reshape(b, l, k) + dz_sft
+    d_m = (c1 * -logp + c3 * (4.0 * kl - 0.5 * logp_h)).reshape(b, l)
+    h = 1e-5
+    d_t = np.array([(np.sum(c2 * sft(t64 + h * e)) - np.sum(c2 * sft(t64 - h * e))) / (2 * h)
+                    for e in np.eye(b)])
+    return values, dz, d_m, d_t
+
+
+@pytest.mark.parametrize("backend_env", HEAD_BACKENDS, ids=lambda b: "-".join(b), indirect=True)
+def test_objectives_through_a_linear_head(backend_env, rng):
+    """weighted_cross_entropy (its gradient formed in the forward), the LOO SFT loss (t's
+    gradient through the shift) and opd_loss's hard term with label smoothing and z-loss, from
+    LinearHead(hidden, weight, bias) (torch [K, D], JAX [D, K]; JAX's pallas: the fused
+    Mosaic head): values and the gradients of hidden, weight, bias, loss weights and t; on
+    torch's chunked also from the logits themselves."""
+    fw_name, backend = backend_env
+    fw = framework(fw_name)
+    p = _objective_problem(rng)
+    values, dz, d_m, d_t = _expected_objectives(p)
+    kd = fw.api.LinearHead.DEFAULT_LAYOUT == "KD"
+
+    def from_head(h, w, bias, t, m):
+        head = fw.api.LinearHead(h, w, bias, row_chunk=4)
+        return _objectives(fw, head, p, t, m, backend)
+
+    if fw_name == "jax":  # one compiled program: far quicker than op-by-op dispatch here
+        from_head = fw.jax.jit(from_head)
+
+    weight = p["w"] if kd else p["w"].T
+    primals = [fw.array(a) for a in (p["h"], weight, p["bias"], p["t"], p["m"])]
+    outs, (gh, gw, gb, gt, gm) = fw.vjp(from_head, primals, p["cots"])
+    for name, got, exp in zip(("weighted CE", "SFT loss", "opd total"), outs, values):
+        assert_close(got, exp, "float32", name, scale=float(np.sum(np.abs(exp))))
+    b, l, k = dz.shape
+    dzf, hf = dz.reshape(b * l, k), p["h"].reshape(b * l, -1).astype(np.float64)
+    slack = lambda a, c: (k * F32_U) * (np.abs(a) @ np.abs(c)) + 2e-6  # noqa: E731
+    assert_close(gh.reshape(b * l, -1), dzf @ p["w"], "float32", "d hidden",
+                 slack=slack(dzf, p["w"]))
+    gw_kd = gw if kd else gw.T
+    assert_close(gw_kd, dzf.T @ hf, "float32", "d weight", slack=slack(dzf.T, hf))
+    assert_close(gb, dzf.sum(0), "float32", "d bias", slack=slack(dzf.T, np.ones((b * l, 1)))[:, 0])
+    assert_close(gm, d_m, "float32", "d loss weights", scale=float(np.max(np.abs(d_m))))
+    assert_close(gt, d_t, "float32", "d t", scale=float(np.max(np.abs(d_t))))
+    if (fw_name, backend) == ("torch", "chunked"):  # the same objectives from the logits array
+        z = (p["h"] @ p["w"].T + p["bias"]).astype(np.float32)
+        outs, (gz, gt, gm) = fw.vjp(lambda z, t, m: _objectives(fw, z, p, t, m, backend),
+                                    [fw.array(z), fw.array(p["t"]), fw.array(p["m"])], p["cots"])
+        for name, got, exp in zip(("weighted CE", "SFT loss", "opd total"), outs, values):
+            assert_close(got, exp, "float32", name, scale=float(np.sum(np.abs(exp))))
+        assert_close(gz, dz, "float32", "d logits")
+        assert_close(gm, d_m, "float32", "d loss weights", scale=float(np.max(np.abs(d_m))))
+        assert_close(gt, d_t, "float32", "d t", scale=float(np.max(np.abs(d_t))))
