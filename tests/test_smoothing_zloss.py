@@ -21,7 +21,6 @@ CASES = {
                                ce_temperature=1.3, softcap=4.0, shift=True)),
     "k130-teacher": (130, 48, dict(label_smoothing=1.0, z_loss_weight=0.0, temperature=1.2,
                                    teacher=True, shift=True)),
-    "k37-zloss": (37, 16, dict(z_loss_weight=0.05, temperature=0.7)),
 }
 N = 5
 
@@ -218,3 +217,203 @@ def test_objectives_through_a_linear_head(backend_env, rng):
         assert_close(gz, dz, "float32", "d logits")
         assert_close(gm, d_m, "float32", "d loss weights", scale=float(np.max(np.abs(d_m))))
         assert_close(gt, d_t, "float32", "d t", scale=float(np.max(np.abs(d_t))))
+
+
+# -- vocabulary parallelism -----------------------------------------------------------------
+
+VP_K = 37  # not divisible by the shard counts: the padding columns hold NaN
+VP_FEAT = dict(label_smoothing=0.25, z_loss_weight=0.03, temperature=0.9, ce_temperature=1.2,
+               softcap=6.0, shift=True)
+
+
+def _vp_problem(seed, n, k_pad):
+    rng = np.random.default_rng(seed)
+    case = _draw(rng, VP_K, VP_FEAT, n)
+    z = np.full((n, k_pad), np.nan, np.float32)
+    z[:, :VP_K] = case["z"]
+    cots = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
+    cots[3] = np.zeros(n, np.float32)
+    return case, z, cots
+
+
+def _vp_check(case, cots, stats, dz, dd, where=""):
+    """Statistics, d logits (the padding's exact zeros) and d shift against the oracle over
+    the global vocabulary (ε/K with K = vocab_size = 37)."""
+    active = case["w"] != 0
+    ora = _oracle_kw(case, VP_FEAT)
+    z64 = case["z"].astype(np.float64)
+    for name, got, exp in zip(("lse", "logp", "entropy", "kl"), stats,
+                              oracle.token_stats(z64, case["y"], active, **ora)):
+        assert_close(got, exp, "float32", where + name)
+    e_dz, _, e_dd = oracle.token_stats_vjp(z64, case["y"], active, cots, with_shift=True, **ora)
+    slack = oracle.saved_lse_slack(z64, case["y"], active, cots, **ora)
+    assert_close(dz[:, :VP_K], e_dz, "float32", where + "d logits", slack=slack)
+    assert_exact_zero(dz[:, VP_K:], where + "d logits of the padding")
+    assert_close(dd, e_dd, "float32", where + "d shift")
+
+
+@pytest.mark.parametrize("backend", ["chunked", "pallas", "triton"])
+def test_jax_vocab_parallel(backend, monkeypatch, request, rng):
+    """Four vocabulary shards of a mesh axis (vocab_axis, vocab_size = 37 of 40 columns):
+    the merged Σ r (one more float per row in the all-reduce) and the global K."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+    if backend == "triton":
+        pytest.importorskip("triton")
+        request.getfixturevalue("jax_triton_on_cpu")
+    api = framework("jax").api
+    case, z, cots = _vp_problem(int(rng.integers(2**31)), 6, 40)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("vocab",))
+
+    def local(z, y, w, x, d):
+        return tuple(api.token_stats(z, y, w, shift_ids=x, shift=d, vocab_axis="vocab",
+                                     vocab_size=VP_K, backend=backend,
+                                     chunk_size=4 if backend == "chunked" else None,
+                                     **_api_kw(VP_FEAT)))
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "vocab"), P(), P(), P(), P()),
+                      out_specs=P())
+    args = [jnp.asarray(a) for a in (case["y"], case["w"], case["x"])]
+
+    def loss(z, d):
+        s = f(z, *args, d)
+        return sum(jnp.sum(g * v) for g, v in zip(cots, s)), s
+
+    (_, stats), (dz, dd) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(z), jnp.asarray(case["d"]))
+    _vp_check(case, cots, [np.asarray(s) for s in stats], np.asarray(dz), np.asarray(dd))
+
+
+def _torch_worker(rank, world, port, seed):
+    import torch
+    import torch.distributed as dist
+
+    from dlm_kernels.testing import poisoned_outputs
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        with poisoned_outputs():
+            case, z, cots = _vp_problem(seed, 6, 38)
+            k_local = 38 // world
+            cols = slice(rank * k_local, (rank + 1) * k_local)
+            api = framework("torch").api
+            for backend in ("chunked", "triton"):
+                zl = torch.tensor(z[:, cols]).requires_grad_(True)
+                dl = torch.tensor(case["d"]).requires_grad_(True)
+                s = api.token_stats(zl, torch.tensor(case["y"]), torch.tensor(case["w"]),
+                                    shift_ids=torch.tensor(case["x"]), shift=dl,
+                                    vocab_size=VP_K, process_group=dist.group.WORLD,
+                                    chunk_size=4, backend=backend, **_api_kw(VP_FEAT))
+                dz, dd = torch.autograd.grad(list(s), [zl, dl], [torch.tensor(c) for c in cots])
+                parts = [torch.empty_like(dz) for _ in range(world)]
+                dist.all_gather(parts, dz.contiguous())
+                _vp_check(case, cots, [v.detach().numpy() for v in s],
+                          torch.cat(parts, dim=1).numpy(), dd.numpy(),
+                          f"rank {rank}, {backend}: ")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_vocab_parallel(rng):
+    """Two gloo ranks, each a shard of 19 of 38 columns (vocab_size = 37), chunked and triton
+    (the Triton interpreter): statistics, d logits and d shift against the oracle."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    pytest.importorskip("triton")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_torch_worker, args=(2, port, int(rng.integers(2**31))), nprocs=2, join=True)
+
+
+# -- parity with torch, padded and masked vocabularies, arguments ---------------------------
+
+@pytest.mark.parametrize("eps,lam", [(0.1, 0.01), (0.0, 0.05)])  # (z-loss alone)
+def test_torch_cross_entropy_parity(eps, lam, rng):
+    """chunked against torch.nn.functional.cross_entropy(label_smoothing=ε) + λ·lse², values
+    and d logits; with vocab_size = 100 < K = 130 the padding columns are dropped (K = 100
+    in the uniform term) and get exact zeros."""
+    import torch
+    import torch.nn.functional as F
+
+    api = framework("torch").api
+    z = torch.tensor(rng.normal(size=(5, 130)) * 3, dtype=torch.float32)
+    y = torch.tensor(rng.integers(0, 100, 5))
+    for vocab in (None, 100):
+        zl, zr = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        s = api.token_stats(zl, y, vocab_size=vocab, chunk_size=48, backend="chunked",
+                            label_smoothing=eps, z_loss_weight=lam)
+        zk = zr[:, :vocab]
+        ref = (F.cross_entropy(zk, y, label_smoothing=eps, reduction="none")
+               + lam * torch.logsumexp(zk, -1) ** 2)
+        g = torch.tensor(rng.normal(size=5), dtype=torch.float32)
+        (gl,) = torch.autograd.grad(-s.logp, zl, g)
+        (gr,) = torch.autograd.grad(ref, zr, g)
+        assert_close(-s.logp.detach().numpy(), ref.detach().numpy(), "float32", "CE")
+        assert_close(gl.numpy(), gr.numpy(), "float32", "d logits")
+        if vocab is not None:
+            assert_exact_zero(gl[:, vocab:].numpy(), "d logits of the padding")
+
+
+def test_masked_columns_as_torch(rng):
+    """A column at -inf makes the smoothed CE +inf and one at finfo.min makes it huge, as in
+    torch's cross_entropy (docs/design.md §9); the target's own term stays finite."""
+    import torch
+    import torch.nn.functional as F
+
+    api = framework("torch").api
+    z = torch.tensor(rng.normal(size=(3, 37)), dtype=torch.float32)
+    z[0, 5], z[1, 6] = float("-inf"), torch.finfo(torch.float32).min
+    y = torch.tensor([1, 2, 3])
+    for backend in ("reference", "chunked"):
+        ce = -api.token_stats(z, y, label_smoothing=0.1, backend=backend).logp
+        ref = F.cross_entropy(z, y, label_smoothing=0.1, reduction="none")
+        assert ce[0].item() == ref[0].item() == float("inf"), (backend, ce, ref)
+        assert_close(ce[1:].numpy(), ref[1:].numpy(), "float32", f"{backend} CE")
+        plain = -api.token_stats(z, y, backend=backend).logp
+        assert torch.isfinite(plain).all(), (backend, plain)
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_bad_arguments_name_themselves(fw_name):
+    """ε outside [0, 1] or NaN, λ negative or not finite, a bool or a string: a ValueError
+    naming the argument and the value, from token_stats and the objectives (checked even
+    where the term is off); NumPy scalars are numbers."""
+    fw = framework(fw_name)
+    api = fw.api
+    z, y = fw.array(np.zeros((2, 3, 5), np.float32)), fw.array(np.zeros((2, 3), np.int32))
+    batch = api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+                                           loss_weights=fw.array(np.ones((2, 3), np.float32)))
+    dbatch = api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=z)
+    calls = [lambda **kw: api.token_stats(z, y, **kw),
+             lambda **kw: api.weighted_cross_entropy(z, batch, **kw),
+             lambda **kw: api.diffusion_sft_loss(z, y, y, 0.5, y, variant="base-sft", vocab_size=5,
+                                                 **kw),
+             lambda **kw: api.opd_loss(z, dbatch, hard_loss_weight=0.0, **kw)]
+    bad = [("label_smoothing", -0.1, "-0.1"), ("label_smoothing", 1.5, "1.5"),
+           ("label_smoothing", float("nan"), "nan"), ("label_smoothing", True, "bool"),
+           ("z_loss_weight", -1.0, "-1.0"), ("z_loss_weight", float("inf"), "inf"),
+           ("z_loss_weight", "0.1", "'0.1'")]
+    for call in calls:
+        for name, value, shown in bad:
+            with pytest.raises(ValueError, match=f"{name} must be .*{shown}"):
+                call(**{name: value})
+        call(label_smoothing=np.float32(0.5), z_loss_weight=np.float64(1e-4))
+
+
+def test_default_configuration_is_unchanged():
+    """ε = λ = 0 is the configuration without the options (equal, same hash): no new
+    specialisation, no Σ r, no CE coefficients."""
+    from dlm_kernels._config import make_config
+
+    plain, zero = make_config(), make_config(label_smoothing=0, z_loss_weight=0.0,
+                                             smoothing_vocab=37)
+    assert plain == zero and hash(plain) == hash(zero)
+    assert not zero.smoothing and not zero.ce_terms
