@@ -417,3 +417,39 @@ def test_default_configuration_is_unchanged():
                                              smoothing_vocab=37)
     assert plain == zero and hash(plain) == hash(zero)
     assert not zero.smoothing and not zero.ce_terms
+
+
+def test_pallas_lowers_for_tpu_with_both_options(monkeypatch):
+    """The Mosaic kernels with label smoothing and z-loss (Σ r scratch, the CE coefficients'
+    columns) lower for TPU, from logits (forward and gradient, every feature on) and from a
+    linear head (the three fused kernels)."""
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "0")
+    api = framework("jax").api
+    n, d, k = 1024, 256, 50257
+    opts = dict(label_smoothing=0.1, z_loss_weight=1e-4, backend="pallas")
+
+    def loss(z, u, y, x, w):
+        s = api.token_stats(z, y, w, teacher_logits=u, teacher_grad=True, temperature=0.9,
+                            ce_temperature=1.1, softcap=30.0, shift_ids=x, shift=w * 2.0,
+                            **opts)
+        return jnp.sum(s.logp) + jnp.sum(s.entropy) + jnp.sum(s.kl)
+
+    def head_loss(h, w, y, m):
+        batch = api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=m)
+        head = api.LinearHead(h, w, row_chunk=512)
+        return api.weighted_cross_entropy(head, batch, **opts).unreduced_sum
+
+    spec = jax.ShapeDtypeStruct
+    lowered = lambda f, args, argnums: jax.jit(jax.value_and_grad(f, argnums=argnums)).trace(  # noqa: E731
+        *args).lower(lowering_platforms=("tpu",)).as_text()
+    text = lowered(loss, (spec((n, k), jnp.bfloat16), spec((n, k), jnp.bfloat16),
+                          spec((n,), jnp.int32), spec((n,), jnp.int32), spec((n,), jnp.float32)),
+                   (0, 1))
+    assert text.count("tpu_custom_call") == 2, "forward and backward Mosaic kernels expected"
+    text = lowered(head_loss, (spec((1, n, d), jnp.bfloat16), spec((d, k), jnp.bfloat16),
+                               spec((1, n), jnp.int32), spec((1, n), jnp.float32)), (0, 1))
+    for kernel in ("dlm_linear_head_fwd", "dlm_linear_head_dh", "dlm_linear_head_dw"):
+        assert text.count(kernel) >= 1, f"{kernel} not in the program"
