@@ -9,9 +9,11 @@ PARTIAL_STATE: the streaming state of one row over a block of columns (docs/desi
   Σ e^x·x (entropy), Σ e^{x'} for the separate CE temperature (x' = (r - m)/T_ce); the
   teacher's running max mu of its logits u, with x_u = (u - mu)/T_kl: Σ e^{x_u},
   Σ e^{x_u}·y and Σ e^{x_u}·psi(y) with y = x_u - x and psi(y) = y - 1 + e^{-y} >= 0 (the
-  KL's terms without cancellation: dlm_kernels._stats_math).
-  Triton's partial buffer is [len(PARTIAL_STATE), S, N] (S vocabulary splits); Pallas's
-  partial output is [N, len(PARTIAL_STATE)].
+  KL's terms without cancellation: dlm_kernels._stats_math); last, with label smoothing only,
+  Σ r over the valid columns (logit units: merged by a plain sum).
+  Triton's partial buffer is [len(PARTIAL_STATE), S, N] (S vocabulary splits; its last row,
+  ``sr``, only allocated with label smoothing); Pallas's partial output is
+  [N, len(PARTIAL_STATE)].
 ROW_STATS: the finished statistics of a row, float32: the four public outputs, then the
   residuals the backward pass reads: E_q[x_u - x], the row maxima m and mu (in logit units)
   and the logs of the sums relative to them (la, la_ce, la_u: lse = m/T + la, ...), so that
@@ -26,7 +28,7 @@ SAMPLE_STATE / SAMPLE_IDS: the sampler's streaming state of one row over a block
 NO_VOCAB_LIMIT: the kernels' vocabulary limit when every column is real (int32 max).
 """
 
-PARTIAL_STATE = ("m", "a", "b", "a2", "mu", "au", "cu", "fu")
+PARTIAL_STATE = ("m", "a", "b", "a2", "mu", "au", "cu", "fu", "sr")
 ROW_STATS = ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u")
 SAMPLE_STATE = ("m", "a", "b", "v1", "v2", "gv", "gs")
 SAMPLE_IDS = ("i1", "gi")

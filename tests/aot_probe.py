@@ -132,17 +132,19 @@ def main():
     values = dict(N=16384, K=262144, S=cfg["splits"], stride_z=262144, stride_u=262144,
                   stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
                   vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
-    streaming_kernels = lambda f, teacher_grad: [
+    # every feature on includes label smoothing's Σ r (SMOOTH) and the CE term's per-row
+    # coefficients (CE_TERMS); the objectives' launches leave them at their defaults
+    streaming_kernels = lambda f, teacher_grad, ce=True: [
         (K.stats_partial_kernel, dict(f, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
-                                      ROWS_ALIGNED=True), cfg["num_warps"]),
+                                      ROWS_ALIGNED=True, SMOOTH=ce), cfg["num_warps"]),
         (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"],
-                                   ROWS_ALIGNED=True), cfg["num_warps"])]
+                                   ROWS_ALIGNED=True, CE_TERMS=ce), cfg["num_warps"])]
     finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0],
                                               BLOCK_S=64), 4)
     kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
         finalize,
         (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4)]]
-    kernels += [("objective:", types, k) for k in streaming_kernels(objective, False)]
+    kernels += [("objective:", types, k) for k in streaming_kernels(objective, False, False)]
     # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
     # the constexpr 1 (the objectives' T = 1), token ids int32; it marks pointers as 16-byte

@@ -50,8 +50,10 @@ def _shifted(z, x, d, softcap):
 
 
 def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=None,
-                softcap=None):
-    """All intermediate quantities of one call (rows flattened: z [N, K])."""
+                softcap=None, label_smoothing=0.0, z_loss_weight=0.0):
+    """All intermediate quantities of one call (rows flattened: z [N, K]). With label
+    smoothing ε and z-loss λ, logp is minus the CE training term at T_ce:
+    (1 - ε)·log p'_y + ε·mean_k log p'_k - λ·lse_ce² (lse_ce = logsumexp(r / T_ce))."""
     T_ce = T if T_ce is None else T_ce
     T_kl = T if T_kl is None else T_kl
     z = np.where(active[:, None], np.asarray(z, np.float64), 0.0)
@@ -68,6 +70,10 @@ def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=
         p_ce = np.exp(s_ce - lse_ce[:, None])
         y_ok = (y >= 0) & (y < k)
         logp = np.where(y_ok, s_ce[np.arange(n), np.where(y_ok, y, 0)] - lse_ce, np.nan)
+        if label_smoothing:
+            mean_logp = np.mean(s_ce, axis=-1) - lse_ce
+            logp = (1.0 - label_smoothing) * logp + label_smoothing * mean_logp
+        logp = logp - z_loss_weight * lse_ce ** 2
         kl = np.zeros(n)
         q = logq = lse_u = None
         if u is not None:
@@ -81,7 +87,8 @@ def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=
     out = {name: np.where(act, v, 0.0) for name, v in
            (("lse", lse), ("logp", logp), ("entropy", ent), ("kl", kl))}
     out.update(p=p, p_ce=p_ce, logp_all=logp_all, q=q, logq=logq, z=z, T=T, T_ce=T_ce,
-               T_kl=T_kl, lse_all=lse, lse_ce=lse_ce, lse_u=lse_u)
+               T_kl=T_kl, lse_all=lse, lse_ce=lse_ce, lse_u=lse_u, eps=label_smoothing,
+               lam=z_loss_weight)
     return out
 
 
@@ -106,7 +113,10 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, with_shift=False, **kw
             ds = ds + g_kl[:, None] * (p - q)
             du = g_kl[:, None] * np.where(q > 0, q * (np.where(q > 0, lq, 0) - la - P["kl"][:, None]), 0.0) / P["T_kl"]
         onehot = (np.arange(k)[None, :] == y[:, None]).astype(np.float64)
-        dr = ds / P["T"] + g_lp[:, None] * (onehot - P["p_ce"]) / P["T_ce"]
+        # d logp / d s' = (1 - ε)·onehot + ε/K - (1 + 2λ·lse_ce)·p'
+        target = (1.0 - P["eps"]) * onehot + P["eps"] / k
+        p_coef = 1.0 + 2.0 * P["lam"] * P["lse_ce"][:, None]
+        dr = ds / P["T"] + g_lp[:, None] * (target - p_coef * P["p_ce"]) / P["T_ce"]
         x = kw.get("x")
         d_shift = None if x is None else dr[np.arange(n), x]  # the shift adds to r: no cap'
         if softcap:
@@ -173,7 +183,8 @@ def saved_lse_slack(z, y, active, grads, *, ulps=2.0, softcap=None, **kw):
         slack = ((g_lse + g_kl) * p * e + g_h * entropy_term) / P["T"]
         p_ce = P["p_ce"]
         e_ce = log_p_error(r / P["T_ce"], p_ce, np.log(p_ce), rounded)
-        slack = slack + g_lp * p_ce * e_ce / P["T_ce"]
+        # z-loss scales the p' term by (1 + 2λ·lse_ce)
+        slack = slack + g_lp * np.abs(1.0 + 2.0 * P["lam"] * P["lse_ce"][:, None]) * p_ce * e_ce / P["T_ce"]
         if P["q"] is not None:
             e_u = log_p_error(P["logq"] + P["lse_u"][:, None], P["q"], P["logq"], None)
             slack = slack + g_kl * P["q"] * e_u / P["T"]
@@ -186,8 +197,9 @@ REWEIGHTED = {"reweighted-ce", "reweighted-loo-ce", "loo-reweighted-ce"}
 LOO = {"loo-ce", "reweighted-loo-ce", "loo-reweighted-ce"}
 
 
-def sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip=None):
-    """(w [B], per-token logp [B, L], shift args) of the SFT objective."""
+def sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip=None, **ce):
+    """(w [B], per-token logp [B, L], shift args) of the SFT objective (``ce``: the CE
+    term's label_smoothing and z_loss_weight)."""
     b, l, k = logits.shape
     t = np.asarray(t, np.float64)
     alpha = 1.0 - t
@@ -199,23 +211,23 @@ def sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip=None):
         delta = np.log1p(vocab_size * alpha / np.maximum(1.0 - alpha, EPS))
         kw = dict(x=xt.reshape(-1), d=np.repeat(delta, l))
     active = mask.reshape(-1) != 0
-    _, logp, _, _ = token_stats(logits.reshape(b * l, k), x0.reshape(-1), active, **kw)
+    _, logp, _, _ = token_stats(logits.reshape(b * l, k), x0.reshape(-1), active, **kw, **ce)
     return w, logp.reshape(b, l), kw
 
 
-def sft_loss(logits, x0, xt, t, mask, variant, vocab_size, clip=None):
-    w, logp, _ = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip)
+def sft_loss(logits, x0, xt, t, mask, variant, vocab_size, clip=None, **ce):
+    w, logp, _ = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip, **ce)
     m = mask.astype(np.float64)
     return w * np.sum(m * -logp, axis=1) / np.maximum(m.sum(axis=1), 1.0)
 
 
-def sft_loss_grad(logits, x0, xt, t, mask, variant, vocab_size, cot, clip=None):
+def sft_loss_grad(logits, x0, xt, t, mask, variant, vocab_size, cot, clip=None, **ce):
     """d(Σ_b cot_b·loss_b)/d logits."""
     b, l, k = logits.shape
-    w, _, kw = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip)
+    w, _, kw = sft_parts(logits, x0, xt, t, mask, variant, vocab_size, clip, **ce)
     m = mask.astype(np.float64)
     g_lp = -(cot * w / np.maximum(m.sum(axis=1), 1.0))[:, None] * m
     zeros = np.zeros(b * l)
     dz, _ = token_stats_vjp(logits.reshape(b * l, k), x0.reshape(-1), mask.reshape(-1) != 0,
-                            (zeros, g_lp.reshape(-1), zeros, zeros), **kw)
+                            (zeros, g_lp.reshape(-1), zeros, zeros), **kw, **ce)
     return dz.reshape(b, l, k)

@@ -13,6 +13,8 @@ FEATURES = [
     dict(shift=True),
     dict(teacher=True, T=0.8),
     dict(teacher=True, T=1.2, T_kl=0.9, softcap=3.0, shift=True, T_ce=0.6),
+    dict(label_smoothing=0.2, z_loss_weight=0.05),
+    dict(label_smoothing=0.7, z_loss_weight=0.1, T=1.3, T_ce=0.6, softcap=2.5, shift=True),
 ]
 
 
@@ -20,7 +22,8 @@ def _inputs(rng, feat, n=3, k=7):
     z = rng.normal(size=(n, k)) * 2
     y = rng.integers(0, k, n)
     active = np.array([True, False, True])
-    kw = {key: feat[key] for key in ("T", "T_ce", "T_kl", "softcap") if key in feat}
+    kw = {key: feat[key] for key in ("T", "T_ce", "T_kl", "softcap", "label_smoothing",
+                                     "z_loss_weight") if key in feat}
     if feat.get("shift"):
         kw.update(x=rng.integers(0, k, n), d=rng.normal(size=n))
     if feat.get("teacher"):

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..layout import NO_VOCAB_LIMIT, PARTIAL_STATE
+from ..layout import NO_VOCAB_LIMIT
 from . import token_stats as ts
 
 VMEM_BUDGET = 12 * 1024 * 1024
@@ -247,10 +247,10 @@ def _dw_kernel(*refs, student, teacher, n, **statics):
 
 
 def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
-             vocab_limit):
+             vocab_limit, smoothing=False, ce_terms=False):
     return dict(vocab=vocab, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
                 softcap=softcap, has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
-                vocab_limit=vocab_limit)
+                vocab_limit=vocab_limit, smoothing=smoothing, ce_terms=ce_terms)
 
 
 def _parts(head, teacher, layout, teacher_layout):
@@ -267,7 +267,8 @@ def _parts(head, teacher, layout, teacher_layout):
 
 def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
                  inv_t_kl, softcap, has_shift, separate_ce, entropy, block_k=None, block_n=None,
-                 interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
+                 interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT,
+                 smoothing=False, ce_terms=False):
     """Row statistics [N, N_STATS] (as ``token_stats.stats_forward``) of the student head =
     (h [N, D], w [K, D] "KD" or [D, K] "DK", b [K] or None) in ``layout``, with the teacher
     None, logits u [N, K], or its own head (hu, wu, bu) in ``teacher_layout``; ints [N, 3],
@@ -280,7 +281,7 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
     kernel = functools.partial(
         _fwd_kernel, student=student, teacher=tpart, partial=False,
         **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
-                   vocab_limit))
+                   vocab_limit, smoothing))
     blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
@@ -291,7 +292,8 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
         grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
         in_specs=specs + [row(ts.N_INTS), row(ts.FWD_FLOATS)],
         out_specs=row(ts.N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in PARTIAL_STATE],
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)
+                        for _ in range(ts.scratch_rows(smoothing))],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=ts._interpret_arg(interpret, detect_races),
         name="dlm_linear_head_fwd",
@@ -301,7 +303,7 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
 def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
                   inv_t_kl, softcap, has_shift, separate_ce, teacher_grad, entropy, block_k=None,
                   block_n=None, interpret=False, detect_races=False,
-                  vocab_limit=NO_VOCAB_LIMIT):
+                  vocab_limit=NO_VOCAB_LIMIT, smoothing=False, ce_terms=False):
     """-> (dh [N, D], dw in w's layout, db [K] or None, each in its input's dtype, summed in
     float32 VMEM and rounded once; du [N, K] in the teacher logits' dtype or None); arguments
     as ``head_forward``, floats [N, 16] as
@@ -315,7 +317,7 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
     mode = dict(interpret=ts._interpret_arg(interpret, detect_races))
     stat = functools.partial(_statics, k, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
                              softcap=softcap, has_shift=has_shift, separate_ce=separate_ce,
-                             entropy=entropy, vocab_limit=vocab_limit)
+                             entropy=entropy, vocab_limit=vocab_limit, ce_terms=ce_terms)
     operands = _operands(head, teacher) + [ints, floats]
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 

@@ -45,6 +45,13 @@ with m the running maximum of the logits themselves (docs/design.md §2): the fo
 m in logit units, and the backward forms p = e^{(r - m)/T}·e^{-la} from the saved m and
 log-sum la, exact at any temperature down to 2^-102 (``MIN_TEMPERATURE``).
 
+Label smoothing and z-loss (docs/design.md §2): with ``smoothing`` the forward keeps one
+more running sum, Σ r over the valid columns, and writes it in the logp column (or, for a
+shard, as PARTIAL_STATE's ``sr``); the caller forms the CE term from it
+(``_stats_math.ce_objective``). With ``ce_terms`` the backward reads the CE term's per-row
+coefficients (g_y, g_u, g_p) from three more packed float columns (F_GY, F_GU, F_GP;
+``_stats_math.ce_coefficients``) in place of g_lp.
+
 TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
 to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
 """
@@ -68,12 +75,13 @@ MAX_BLOCK_N = 256
 # Column layout of the packed per-row float inputs (the saved statistics: ROW_STATS's
 # residuals, kernels/layout.py).
 (F_SHIFT, F_ACTIVE, F_M, F_LA, F_ENT, F_KL_SHIFT, F_LA_CE, F_MU, F_LA_U, F_GLSE, F_GLP, F_GH,
- F_GKL) = range(13)
+ F_GKL, F_GY, F_GU, F_GP) = range(16)
 N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
-# Output columns: ROW_STATS (logp 0: the caller's) and a zero pad, or, for a vocabulary
-# shard, PARTIAL_STATE (kernels/layout.py): one width serves both.
+# Output columns: ROW_STATS (logp 0, or Σ r with label smoothing: the caller's) and a zero
+# pad, or, for a vocabulary shard, PARTIAL_STATE (kernels/layout.py; Σ r only with label
+# smoothing): one width serves both.
 N_STATS = max(len(PARTIAL_STATE), len(ROW_STATS))
 
 
@@ -193,13 +201,13 @@ def _scaled(x, inv_t):
 
 
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, entropy, vocab_limit, partial):
+                separate_ce, entropy, vocab_limit, partial, smoothing):
     z_ref, *refs = refs
     u_ref = refs.pop(0) if has_teacher else None
     fwd_body(_loader(z_ref), _loader(u_ref), *refs, kb=pl.program_id(1), vocab=vocab, bk=bk,
              inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
              has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
-             vocab_limit=vocab_limit, partial=partial)
+             vocab_limit=vocab_limit, partial=partial, smoothing=smoothing)
 
 
 def _loader(ref):
@@ -209,20 +217,22 @@ def _loader(ref):
 
 def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab, bk, inv_t,
              inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy, vocab_limit,
-             partial):
+             partial, smoothing=False, ce_terms=False):
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
     on the MXU by the linear head's kernels); the scratch rows hold the running state
-    (PARTIAL_STATE: maxima in logit units)."""
+    (PARTIAL_STATE: maxima in logit units; Σ r only with ``smoothing``, ``scratch_rows``).
+    ``ce_terms`` is the backward's (taken here so one set of statics serves both)."""
     has_teacher = load_u is not None
-    m_sc, a_sc, b_sc, a2_sc, mu_sc, au_sc, cu_sc, fu_sc = scratch
+    m_sc, a_sc, b_sc, a2_sc, mu_sc, au_sc, cu_sc, fu_sc = scratch[:8]
+    sr_sc = scratch[8] if smoothing else None
     last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
     def _init():
         for ref in (m_sc, mu_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
-        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, fu_sc):
+        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, fu_sc) + ((sr_sc,) if smoothing else ()):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     ints = ints_ref[...]  # (BN, 3) int32: target, shift column, global id of column 0
@@ -243,6 +253,9 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         # Inactive rows are not cleaned: every reduction runs along a row, so what they hold
         # stays in their own sums, and their outputs are replaced by zeros at the end.
         r = _shifted(load_z(), cols, x, d, softcap, has_shift)
+        if smoothing:  # label smoothing: Σ r over the valid columns
+            sr_sc[...] += jnp.sum(jnp.where(valid, r, 0.0) if masked else r, axis=1,
+                                  keepdims=True)
         if masked:
             r = jnp.where(valid, r, NEG_INF)
         dr, shift = _max_update(m_sc, r)
@@ -279,8 +292,8 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         @pl.when(last)
         def _write_partial_state():  # a vocabulary shard: its running sums, merged across devices
             state = dict(m=m_sc, a=a_sc, b=b_sc, a2=a2_sc, mu=mu_sc, au=au_sc, cu=cu_sc,
-                         fu=fu_sc)
-            for j, field in enumerate(PARTIAL_STATE):
+                         fu=fu_sc, sr=sr_sc)
+            for j, field in enumerate(PARTIAL_STATE[:scratch_rows(smoothing)]):
                 out_ref[:, j:j + 1] = state[field][...]
         return
 
@@ -298,16 +311,17 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
             kl = _kl(a_sc[...], au_sc[...], cu_sc[...], fu_sc[...])
             kl = jnp.where(jnp.isfinite(lse), kl, jnp.nan)  # no distribution p: no KL
         # logp (column 1) is left to the caller: (r_y - m)/T_ce - la_ce from one gathered
-        # logit per row, instead of a compare, select and sum over every element here
-        stats = dict(lse=lse, logp=zero, entropy=ent, kl=kl, kl_shift=kl_shift, m=m, la=la,
-                     la_ce=la_ce, mu=mu, la_u=la_u)
+        # logit per row, instead of a compare, select and sum over every element here; with
+        # label smoothing the column carries Σ r, the caller's for the smoothed term
+        stats = dict(lse=lse, logp=sr_sc[...] if smoothing else zero, entropy=ent, kl=kl,
+                     kl_shift=kl_shift, m=m, la=la, la_ce=la_ce, mu=mu, la_u=la_u)
         values = [stats[field] for field in ROW_STATS] + [zero] * (N_STATS - len(ROW_STATS))
         for j, v in enumerate(values):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
 
 def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, entropy, teacher_grad, vocab_limit):
+                separate_ce, entropy, teacher_grad, vocab_limit, ce_terms):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, dz_ref, *rest = refs
     else:
@@ -318,20 +332,25 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                        floats_ref[...], kb=pl.program_id(1), vocab=vocab, bk=bk, inv_t=inv_t,
                        inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
                        has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
-                       teacher_grad=teacher_grad, vocab_limit=vocab_limit, mask_tail=False)
+                       teacher_grad=teacher_grad, vocab_limit=vocab_limit, mask_tail=False,
+                       ce_terms=ce_terms)
     dz_ref[...] = dz.astype(dz_ref.dtype)
     if teacher_grad:
         du_ref[...] = du.astype(du_ref.dtype)
 
 
 def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap,
-              has_shift, separate_ce, entropy, teacher_grad, vocab_limit, mask_tail):
+              has_shift, separate_ce, entropy, teacher_grad, vocab_limit, mask_tail,
+              ce_terms=False, smoothing=False):
     """(dz, du or None), float32 (BN, BK) tiles of vocabulary block ``kb``: z the float32
     logits tile, ``load_u()`` the teacher's (None: no teacher), ints (BN, 3) and f (BN, 16)
     the packed per-row inputs. Inactive rows (and
     padding columns of a padded shard) get exact zeros; with ``mask_tail`` so do columns
     past the vocabulary (whose stores the logits kernels leave to Pallas to drop, but whose
-    values a linear head's matmuls would sum)."""
+    values a linear head's matmuls would sum). With ``ce_terms`` (label smoothing, z-loss)
+    the CE term's gradient is g_y·[k == y] + g_u·[k valid] - g_p·p' from the F_GY, F_GU,
+    F_GP columns (already over T_ce) instead of (g_lp / T_ce)·([k == y] - p');
+    ``smoothing`` is the forward's (one set of statics serves both)."""
     y, x, offset = ints[:, 0:1], ints[:, 1:2], ints[:, 2:3]
     col = lambda j: f[:, j:j + 1]
     active = col(F_ACTIVE) != 0
@@ -345,8 +364,10 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     # allows (chunk_grads in _stats_math has the same form):
     #   dr = p·coef + (g_kl/T)·(p - q) - (g_lp/T_ce)·p' + [k == y]·g_lp/T_ce
     # with p = e^x·e^{-la}, x = (r - m)/T: the row factor e^{-la} joins coef
-    g_ce = g_lp * inv_t_ce
-    coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_ce  # (BN, 1)
+    g_y = g_p = g_lp * inv_t_ce
+    if ce_terms:  # label smoothing / z-loss: the CE term's per-row coefficients
+        g_y, g_u, g_p = (jnp.where(active, col(j), 0.0) for j in (F_GY, F_GU, F_GP))
+    coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_p  # (BN, 1)
     inv_a = jnp.exp(-la)  # (BN, 1): 1 / Σ e^x
     # Inactive rows are not cleaned first: their gradient is replaced by zeros at the end.
     r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
@@ -372,9 +393,11 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
             du = g_kl * jnp.where(q > 0, q * ((xu - xs) - kl_shift), 0.0) * inv_t_kl
             du = jnp.where(keep, du, 0.0)
     if separate_ce:
-        dr = dr - g_ce * jnp.exp(_scaled(d, inv_t_ce) - la_ce)
+        dr = dr - g_p * jnp.exp(_scaled(d, inv_t_ce) - la_ce)
+    if ce_terms:  # the uniform term (padding and columns past K are masked by ``keep``)
+        dr = dr + g_u
     # the target column (compared in block-local ids: one per-row subtraction, not one per element)
-    dr = dr + jnp.where(iota == y - offset - kb * bk, g_ce, 0.0)
+    dr = dr + jnp.where(iota == y - offset - kb * bk, g_y, 0.0)
     if softcap is not None:
         th = jnp.tanh(z / softcap)
         dr = dr * (1.0 - th * th)
@@ -414,19 +437,25 @@ def _grid(z, has_teacher, backward, block_k):
     return bn, bk, (pl.cdiv(n, bn), pl.cdiv(k, bk)), tile, per_row
 
 
+def scratch_rows(smoothing):
+    """The forward's running sums: PARTIAL_STATE, its last (Σ r) only with label smoothing."""
+    return len(PARTIAL_STATE) if smoothing else len(PARTIAL_STATE) - 1
+
+
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                   separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
-                  vocab_limit=NO_VOCAB_LIMIT, partial=False):
+                  vocab_limit=NO_VOCAB_LIMIT, partial=False, smoothing=False, ce_terms=False):
     """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, N_STATS] f32
-    (ROW_STATS; the logp column is 0: the caller computes it from the target logit), or with
-    ``partial`` the running state (PARTIAL_STATE) of this vocabulary shard."""
+    (ROW_STATS; the logp column is 0, or Σ r with ``smoothing``: the caller computes logp
+    from the target logit), or with ``partial`` the running state (PARTIAL_STATE) of this
+    vocabulary shard. ``ce_terms`` is the backward's (ignored here)."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
     kernel = functools.partial(
         _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        entropy=entropy, vocab_limit=vocab_limit, partial=partial)
+        entropy=entropy, vocab_limit=vocab_limit, partial=partial, smoothing=smoothing)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     return pl.pallas_call(
         kernel,
@@ -434,7 +463,7 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
         grid=grid,
         in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(FWD_FLOATS)],
         out_specs=per_row(N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in PARTIAL_STATE],
+        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(scratch_rows(smoothing))],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret, detect_races),
         name="dlm_token_stats_fwd",
@@ -443,16 +472,18 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
 
 def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
                    separate_ce, teacher_grad, entropy, block_k=None, interpret=False,
-                   detect_races=False, vocab_limit=NO_VOCAB_LIMIT):
+                   detect_races=False, vocab_limit=NO_VOCAB_LIMIT, smoothing=False,
+                   ce_terms=False):
     """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
-    statistics and cotangents (F_* columns)."""
+    statistics and cotangents (F_* columns; the CE term's coefficients with ``ce_terms``).
+    ``smoothing`` is the forward's (ignored here)."""
     n, k = z.shape
     has_teacher = u is not None
     _, bk, grid, tile, per_row = _grid(z, has_teacher, True, block_k)
     kernel = functools.partial(
         _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        entropy=entropy, teacher_grad=teacher_grad, vocab_limit=vocab_limit)
+        entropy=entropy, teacher_grad=teacher_grad, vocab_limit=vocab_limit, ce_terms=ce_terms)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     out_shape = [_out_struct(z.shape, z.dtype, operands)]
     if teacher_grad:

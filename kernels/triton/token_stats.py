@@ -5,12 +5,21 @@ Three kernels, no host code:
   stats_partial_kernel   grid (N, S): row n, vocabulary split s. One streaming pass over
                          its columns in BLOCK_K blocks (online softmax, float32, running sums
                          per 16-byte lane, merged at the end), writing the 8 running sums of
-                         the split to part[8, S, N].
+                         the split to part[8, S, N] (with SMOOTH, label smoothing's Σ r over
+                         the valid columns as a 9th: part[9, S, N]).
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
                          loads the target logit and writes out[10, N] = (lse, logp, entropy,
                          kl, kl_shift, m, la, la_ce, mu, la_u).
   stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
+                         With CE_TERMS (label smoothing or z-loss) the logp cotangent arrives
+                         as three per-row coefficients (g_y, g_u, g_p) = g_lp_ptr[3, N] of the
+                         CE gradient g_y·[k == y] + g_u·[k valid] - g_p·p'_k
+                         (``dlm_kernels._stats_math.ce_coefficients``).
+
+The finalize kernel's logp is the target's log-probability; label smoothing and z-loss turn
+it into the CE training term on the host, from the row statistics and the merged Σ r (O(N),
+``_stats_math.ce_objective``), as every backend does.
 
 Bytes per row (K columns, E bytes per logit): the partial pass reads K·E (plus K·E of teacher
 logits); the finalize pass reads 8·S·4 + E and writes 40; the gradient pass reads K·E and
@@ -57,8 +66,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Buffer rows (kernels/layout.py, which the host reads too): part[8, S, N] =
 # (m, a, b, a2, mu, au, cu, fu) per split; out[10, N] = (lse, logp, entropy, kl, kl_shift, m,
 # la, la_ce, mu, la_u).
-P_M, P_A, P_B, P_A2, P_MU, P_AU, P_CU, P_FU = (
-    tl.constexpr(PARTIAL_STATE.index(f)) for f in ("m", "a", "b", "a2", "mu", "au", "cu", "fu"))
+P_M, P_A, P_B, P_A2, P_MU, P_AU, P_CU, P_FU, P_SR = (
+    tl.constexpr(PARTIAL_STATE.index(f))
+    for f in ("m", "a", "b", "a2", "mu", "au", "cu", "fu", "sr"))
 S_LSE, S_LOGP, S_ENTROPY, S_KL, S_KL_SHIFT, S_M, S_LA, S_LA_CE, S_MU, S_LA_U = (
     tl.constexpr(ROW_STATS.index(f))
     for f in ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u"))
@@ -253,13 +263,13 @@ def _lane_shift(m):
 
 @triton.jit
 def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
-                softcap, m, a, b, a2, mu, au, cu, fu, MASKED: tl.constexpr,
+                softcap, m, a, b, a2, mu, au, cu, fu, sr, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
-                SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr):
-    """Fold the columns ``cols`` [R, VEC] of one row into the 8 running per-lane sums [R]:
+                SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, SMOOTH: tl.constexpr):
+    """Fold the columns ``cols`` [R, VEC] of one row into the 9 running per-lane sums [R]:
     maxima m, mu in logit units, sums in base-2 units (exponents (r - m)·c_t, c_* =
-    log2 e / T_*; b stays 0 without HAS_ENTROPY) but for the KL's cu and fu, natural
-    (PARTIAL_STATE)."""
+    log2 e / T_*; b stays 0 without HAS_ENTROPY) but for the KL's cu and fu, natural, and
+    Σ r in logit units (stays 0 without SMOOTH) (PARTIAL_STATE)."""
     mask = cols < k_valid
     gcols = cols + col_offset  # global vocabulary ids (a shard starts at col_offset)
     # read BLOCK_K·E bytes of student logits
@@ -268,6 +278,11 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
     else:
         z = tl.load(z_row + cols).to(tl.float32)
     r = _shifted(z, gcols, x, d, softcap, HAS_SOFTCAP, HAS_SHIFT)
+    if SMOOTH:  # label smoothing: Σ r over the valid columns
+        if MASKED:
+            sr += tl.sum(tl.where(mask, r, 0.0), axis=1)
+        else:
+            sr += tl.sum(r, axis=1)
     if MASKED:
         r = tl.where(mask, r, NEG_INF)
     m, m_safe, dr, shift = _online(m, r)
@@ -304,7 +319,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
         cu += tl.sum(ct, axis=1) * LN2
         fu += tl.sum(fk, axis=1)
         au = au * g + tl.sum(eu, axis=1)
-    return m, a, b, a2, mu, au, cu, fu
+    return m, a, b, a2, mu, au, cu, fu, sr
 
 
 @triton.jit
@@ -318,10 +333,10 @@ def stats_partial_kernel(
     N, K, stride_z, stride_u, cols_per_split,
     vocab_limit,  # global ids >= vocab_limit are padding
     inv_t, inv_t_ce, inv_t_kl, softcap,
-    part_ptr,  # [8, S, N] f32 out
+    part_ptr,  # [8, S, N] f32 out ([9, S, N] with SMOOTH)
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_K: tl.constexpr,
-    VEC: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+    VEC: tl.constexpr, ROWS_ALIGNED: tl.constexpr, SMOOTH: tl.constexpr = False,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
@@ -352,16 +367,17 @@ def stats_partial_kernel(
     au = tl.zeros([R], tl.float32)  # Σ 2^xu, xu = (u - mu)·c_kl
     cu = tl.zeros([R], tl.float32)  # Σ 2^xu·y, y = (xu - x)·ln 2 (natural units)
     fu = tl.zeros([R], tl.float32)  # Σ 2^xu·psi(y)
+    sr = tl.zeros([R], tl.float32)  # Σ r, logit units   (SMOOTH)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
-        m, a, b, a2, mu, au, cu, fu = _fold_block(
+        m, a, b, a2, mu, au, cu, fu, sr = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
-            m, a, b, a2, mu, au, cu, fu, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
-            SEPARATE_CE, HAS_ENTROPY)
+            m, a, b, a2, mu, au, cu, fu, sr, False, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            SEPARATE_CE, HAS_ENTROPY, SMOOTH)
     for k0 in range(k_full, k_valid, BLOCK_K):  # the ragged tail: at most one block
-        m, a, b, a2, mu, au, cu, fu = _fold_block(
+        m, a, b, a2, mu, au, cu, fu, sr = _fold_block(
             z_row, u_row, k0 + offs, k_valid, col_offset, x, d, c_t, c_ce, c_kl, softcap,
-            m, a, b, a2, mu, au, cu, fu, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
-            SEPARATE_CE, HAS_ENTROPY)
+            m, a, b, a2, mu, au, cu, fu, sr, True, HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER,
+            SEPARATE_CE, HAS_ENTROPY, SMOOTH)
 
     # merge the lanes (docs/design.md §2's merge, within the row)
     m_row, dm = _lane_shift(m)
@@ -396,6 +412,8 @@ def stats_partial_kernel(
     tl.store(base + P_AU * stride_p, au_row)
     tl.store(base + P_CU * stride_p, cu_row)
     tl.store(base + P_FU * stride_p, fu_row)
+    if SMOOTH:
+        tl.store(base + P_SR * stride_p, tl.sum(sr, axis=0))
 
 
 @triton.jit
@@ -504,13 +522,14 @@ def stats_finalize_kernel(
 
 @triton.jit
 def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_lse, g_lp, g_h,
-                g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, MASKED: tl.constexpr,
+                g_kl, ce, inv_t, inv_t_ce, inv_t_kl, softcap, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
                 SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr,
-                HAS_ENTROPY: tl.constexpr):
+                HAS_ENTROPY: tl.constexpr, CE_TERMS: tl.constexpr):
     """d(logits) (and d(teacher)) of the columns ``cols`` [BLOCK_K] of one row. Masked:
     columns in [k_valid, k_end) (padding; every column of an inactive row) are not read and
-    get exact zeros; columns >= k_end belong to the next split."""
+    get exact zeros; columns >= k_end belong to the next split. With CE_TERMS the CE term's
+    gradient is ce = (g_y, g_u, g_p) (already over T_ce) instead of g_lp·(onehot - p')/T_ce."""
     z_row, u_row, dz_row, du_row = rows
     m, la2, entropy, la2_ce, mu, la2_u, kl_shift = row_stats  # la* in base 2 (· log2 e)
     keep = cols < k_valid
@@ -553,7 +572,11 @@ def _grad_block(rows, cols, k_valid, k_end, col_offset, x, d, y, row_stats, g_ls
     if SEPARATE_CE:
         p_ce = tl.exp2(dr * (inv_t_ce * LOG2E) - la2_ce)
     onehot = tl.where(gcols == y, 1.0, 0.0)
-    g = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
+    if CE_TERMS:  # label smoothing / z-loss: g_y·onehot + g_u (valid columns) - g_p·p'
+        g_y, g_u, g_p = ce
+        g = ds * inv_t + (g_y * onehot + g_u - g_p * p_ce)
+    else:
+        g = ds * inv_t + g_lp * (onehot - p_ce) * inv_t_ce
     if HAS_SOFTCAP:
         th = _tanh(z * (1.0 / softcap))
         g = g * (1.0 - th * th)
@@ -573,7 +596,7 @@ def stats_grad_kernel(
     x_ptr, d_ptr,  # [N] shift column / value (HAS_SHIFT)
     active_ptr,  # [N] int8
     stats_ptr,  # [10, N] f32 saved statistics (ROW_STATS: lse, ..., m, la, la_ce, mu, la_u)
-    g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents
+    g_lse_ptr, g_lp_ptr, g_h_ptr, g_kl_ptr,  # [N] f32 cotangents (g_lp: [3, N], CE_TERMS)
     col_offset_ptr,  # int32, element 0: global id of column 0
     N, K, stride_z, stride_u, stride_dz, stride_du, cols_per_split,
     vocab_limit,  # global ids >= vocab_limit get 0
@@ -582,7 +605,7 @@ def stats_grad_kernel(
     du_ptr,  # [N, K] out, u's dtype (TEACHER_GRAD)
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, TEACHER_GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    BLOCK_K: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS_ALIGNED: tl.constexpr, CE_TERMS: tl.constexpr = False,
 ):
     row, is_active, col_offset, k_start, k_full, k_valid, k_end, x, d = _row_span(
         active_ptr, x_ptr, d_ptr, col_offset_ptr, cols_per_split, K, vocab_limit, HAS_SHIFT,
@@ -594,6 +617,10 @@ def stats_grad_kernel(
     g_lp = tl.where(is_active, tl.load(g_lp_ptr + row), 0.0)
     g_h = tl.where(is_active, tl.load(g_h_ptr + row), 0.0)
     g_kl = tl.where(is_active, tl.load(g_kl_ptr + row), 0.0)
+    ce = (0.0, 0.0, 0.0)
+    if CE_TERMS:  # the CE term's per-row coefficients (g_y, g_u, g_p): g_lp_ptr is [3, N]
+        ce = (g_lp, tl.where(is_active, tl.load(g_lp_ptr + N + row), 0.0),
+              tl.where(is_active, tl.load(g_lp_ptr + 2 * N + row), 0.0))
     # saved statistics this launch uses: the maxima m, mu (logit units) and the log-sums la,
     # la_ce, la_u in base 2 (· log2 e; of size log K at most, so exact enough in any base)
     m = tl.load(stats_ptr + S_M * N + row)
@@ -621,12 +648,14 @@ def stats_grad_kernel(
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks of real vocabulary: no masks
         _grad_block(rows, k0 + offs, k_valid, k_end, col_offset, x, d, y, row_stats,
-                    g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, False,
-                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD, HAS_ENTROPY)
+                    g_lse, g_lp, g_h, g_kl, ce, inv_t, inv_t_ce, inv_t_kl, softcap, False,
+                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD, HAS_ENTROPY,
+                    CE_TERMS)
     for k0 in range(k_full, k_end, BLOCK_K):  # ragged tail, padding, inactive rows' zeros
         _grad_block(rows, k0 + offs, k_valid, k_end, col_offset, x, d, y, row_stats,
-                    g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap, True,
-                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD, HAS_ENTROPY)
+                    g_lse, g_lp, g_h, g_kl, ce, inv_t, inv_t_ce, inv_t_kl, softcap, True,
+                    HAS_SOFTCAP, HAS_SHIFT, HAS_TEACHER, SEPARATE_CE, TEACHER_GRAD, HAS_ENTROPY,
+                    CE_TERMS)
 
 
 # -- launch configuration ---------------------------------------------------------------

@@ -63,6 +63,22 @@ def check_distillation_scalars(temperature, soft_loss_weight, hard_loss_weight):
     return temperature, soft, hard
 
 
+def check_loss_weight(name: str, value) -> float:
+    """A finite, non-negative number (``_checks.number``: NumPy scalars too, not bools)."""
+    value = number(name, value, "a finite non-negative float")
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{name} must be a finite non-negative float; got {plain(value)}")
+    return value
+
+
+def check_label_smoothing(value) -> float:
+    """Label smoothing ε: a number in [0, 1] (``_checks.number``: NumPy scalars too)."""
+    value = number("label_smoothing", value, "a float in [0, 1]")
+    if not 0.0 <= value <= 1.0:  # (False for NaN)
+        raise ValueError(f"label_smoothing must be a float in [0, 1]; got {plain(value)}")
+    return value
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:
     """A positive int (``_checks.number``: NumPy integers too, not bools or floats)."""
     if value is None and allow_none:
@@ -95,6 +111,13 @@ class StatsConfig:
     chunk_size:        vocabulary chunk of the chunked backends (None = heuristic).
     vocab_size:        vocabulary-parallel calls only: the true vocabulary, so padding
                        columns >= vocab_size (global ids) are excluded and get 0 gradient.
+    label_smoothing:   ε of the CE term: its target distribution is (1 - ε)·onehot(y) + ε/K
+                       over the K valid columns (``logp`` = Σ_k target_k·log p'_k).
+    z_loss_weight:     λ: the CE term's ``logp`` also carries -λ·lse_ce², lse_ce the
+                       logsumexp of the logits at ``ce_temperature``.
+    smoothing_vocab:   K of the uniform term (the global, valid vocabulary); None unless
+                       label_smoothing > 0, so configurations without it compare and hash
+                       as before.
     """
 
     temperature: float = 1.0
@@ -106,10 +129,24 @@ class StatsConfig:
     entropy: bool = True
     chunk_size: Optional[int] = None
     vocab_size: Optional[int] = None
+    label_smoothing: float = 0.0
+    z_loss_weight: float = 0.0
+    smoothing_vocab: Optional[int] = None
 
     @property
     def separate_ce(self) -> bool:
         return self.ce_temperature != self.temperature
+
+    @property
+    def smoothing(self) -> bool:
+        """The forward keeps Σ r over the valid columns (the label-smoothing term)."""
+        return self.label_smoothing > 0.0
+
+    @property
+    def ce_terms(self) -> bool:
+        """The CE term is more than log p'_y: label smoothing or z-loss (the backward's CE
+        gradient then takes three per-row coefficients, ``_stats_math.ce_coefficients``)."""
+        return self.label_smoothing > 0.0 or self.z_loss_weight > 0.0
 
 
 def make_config(
@@ -123,7 +160,12 @@ def make_config(
     entropy=True,
     chunk_size=None,
     vocab_size=None,
+    label_smoothing=0.0,
+    z_loss_weight=0.0,
+    smoothing_vocab=None,
 ) -> StatsConfig:
+    """The checked configuration; ``smoothing_vocab`` is the K of label smoothing's uniform
+    term (the caller's: the global vocabulary under vocabulary parallelism)."""
     temperature = check_temperature("temperature", temperature)
     ce_temperature = check_temperature("ce_temperature", ce_temperature, allow_none=True)
     teacher_temperature = check_temperature(
@@ -133,6 +175,8 @@ def make_config(
     chunk_size = check_positive_int("chunk_size", chunk_size, allow_none=True)
     if vocab_size is not None:
         vocab_size = check_vocab_size(vocab_size)
+    label_smoothing = check_label_smoothing(label_smoothing)
+    z_loss_weight = check_loss_weight("z_loss_weight", z_loss_weight)
     teacher_grad, entropy = flag("teacher_grad", teacher_grad), flag("entropy", entropy)
     if teacher_grad and not has_teacher:
         raise ValueError("teacher_grad=True needs teacher_logits")
@@ -146,6 +190,9 @@ def make_config(
         entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
+        label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight,
+        smoothing_vocab=int(smoothing_vocab) if label_smoothing > 0.0 else None,
     )
 
 

@@ -122,7 +122,7 @@ class TokenStatsFrontEnd:
                           ce_temperature=None, softcap=None, shift_ids=None, shift=None,
                           teacher_logits=None, teacher_temperature=None, teacher_grad=False,
                           entropy=True, chunk_size=None, inplace_grad=False, vocab_size=None,
-                          shard=None, backend=None):
+                          label_smoothing=0.0, z_loss_weight=0.0, shard=None, backend=None):
         """(TokenStats, total): the statistics, and with ``coefficients`` (a TokenStats of
         [...] float32 arrays or None per field) also total = Σ_rows Σ_fields c·stat, the one
         scalar an objective reduces to (``_linear_head.planned_total``). A linear head then
@@ -140,12 +140,18 @@ class TokenStatsFrontEnd:
             shard, self.vocab_parallel.current, vocab_size, logits, teacher_logits)
         if shard is not None:
             self.vjp.check_shard(shard, bound=True)
+        smoothing_vocab = None  # K of label smoothing's uniform term: the global vocabulary
+        if label_smoothing is not None and label_smoothing != 0:
+            k_local = logits.shape[-1]
+            smoothing_vocab = k_local if shard is None else self._extent(shard, vocab_size,
+                                                                         k_local)
         cfg, lead, rows = prepare(
             xp, logits, targets, weights, temperature=temperature,
             ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
             teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
             teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
-            vocab_size=vocab_size)
+            vocab_size=vocab_size, label_smoothing=label_smoothing,
+            z_loss_weight=z_loss_weight, smoothing_vocab=smoothing_vocab)
         n = rows.targets.shape[0]
         weighting = None  # the coefficients as given: differentiable (loss weights, times)
         if coefficients is not None:

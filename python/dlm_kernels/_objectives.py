@@ -13,7 +13,8 @@ from typing import TypeVar
 from . import _checks as checks
 from ._checks import flag, number, shape_str
 from ._linear_head import is_head
-from ._config import check_distillation_scalars, check_positive_float, check_vocab_size
+from ._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
+                      check_positive_float, check_vocab_size)
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 
 T = TypeVar("T")  # an array type (or a float): the schedules map t to its kind
@@ -168,8 +169,9 @@ class Objectives:
     # -- Megatron-Bridge DiffusionGemma SFT ----------------------------------------------------
 
     def _sft_terms(self, logits, x0, xt, t, loss_mask, variant, vocab_size,
-                   diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend):
-        """(w [B], Σ_l M·CE [B], Σ_l M [B]) for one SFT batch."""
+                   diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend, ce_options):
+        """(w [B], Σ_l M·CE [B], Σ_l M [B]) for one SFT batch (``ce_options``: the CE
+        term's label_smoothing and z_loss_weight, checked)."""
         xp = self.xp
         variant = normalize_variant(variant)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
@@ -224,13 +226,14 @@ class Objectives:
         if loo:
             shift_ids, shift = xt, self._loo_delta(alpha, vocab_size, bl, t, "alpha_fn(t)")
         stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
-                                 entropy=False, backend=backend)
+                                 entropy=False, backend=backend, **ce_options)
         ce_sum = -xp.rowsum(mask * stats.logp)
         return w, ce_sum, xp.rowsum(mask)
 
     def diffusion_sft_loss(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                            diffusion_weight_clip=None, alpha_fn=rf_alpha,
-                           alpha_dot_fn=rf_alpha_dot, backend=None):
+                           alpha_dot_fn=rf_alpha_dot, label_smoothing=0.0, z_loss_weight=0.0,
+                           backend=None):
         """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
 
         loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
@@ -246,18 +249,27 @@ class Objectives:
         outside [0, vocab_size) where the mask is set, an xt outside it in a LOO variant, a
         negative or non-finite mask, a t outside [0, 1]. Elsewhere (accelerators, ``jit``,
         ``torch.compile``) such an id makes that sequence's loss NaN, never a plausible number.
+
+        ``label_smoothing`` ε in [0, 1] and ``z_loss_weight`` λ >= 0 (default 0: the plain
+        CE) make each CE_bl the smoothed CE plus λ·lse_bl², the target distribution
+        (1 - ε)·onehot(x0) + ε/K over the logits' K columns (those the softmax runs over:
+        the global K under ``vocab_parallel``) and lse_bl the logsumexp of the
+        (LOO-shifted) logits, as ``token_stats`` takes them.
         """
         w, ce_sum, count = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
                                            diffusion_weight_clip, alpha_fn, alpha_dot_fn,
-                                           backend)
+                                           backend, _ce_options(label_smoothing, z_loss_weight))
         return w * (ce_sum / self.xp.clamp_min(count, 1.0))  # no w·Σ M·CE overflow
 
     def diffusion_sft_logps(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                             diffusion_weight_clip=None, alpha_fn=rf_alpha,
-                            alpha_dot_fn=rf_alpha_dot, backend=None):
-        """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as the loss)."""
+                            alpha_dot_fn=rf_alpha_dot, label_smoothing=0.0, z_loss_weight=0.0,
+                            backend=None):
+        """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as the loss,
+        ``label_smoothing`` and ``z_loss_weight`` included)."""
         w, ce_sum, _ = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
-                                       diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend)
+                                       diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend,
+                                       _ce_options(label_smoothing, z_loss_weight))
         return -w * ce_sum
 
     # -- Tunix batch contract --------------------------------------------------------------
@@ -313,29 +325,38 @@ class Objectives:
                                     stop_gradient=stop_gradient,
                                     return_entropy=return_entropy, backend=backend)
 
-    def weighted_cross_entropy(self, logits, batch, *, backend=None):
-        """WeightedSum(Σ w·CE, Σ w) at T = 1."""
+    def weighted_cross_entropy(self, logits, batch, *, label_smoothing=0.0, z_loss_weight=0.0,
+                               backend=None):
+        """WeightedSum(Σ w·CE, Σ w) at T = 1.
+
+        ``label_smoothing`` ε in [0, 1]: CE against (1 - ε)·onehot(target) + ε/K over the K
+        valid columns (torch's ``cross_entropy(label_smoothing=ε)``); ``z_loss_weight``
+        λ >= 0 adds λ·lse² per row (PaLM's z-loss). Both default to 0 (the plain CE)."""
+        ce_options = _ce_options(label_smoothing, z_loss_weight)
         self.validate_diffusion_logits(batch, logits)
         w = self.xp.f32(batch.loss_weights)
         # one scalar: Σ (-w)·logp, so a linear head forms its gradient in the forward
         _, total = self.token_stats_total(logits, batch.target_ids, batch.loss_weights,
                                           (None, -w, None, None), entropy=False,
-                                          backend=backend)
+                                          backend=backend, **ce_options)
         xp = self.xp
         total = _nan_where(xp, _bad_weighted_sum(xp, w), total)
         return self.WeightedSum(total, _total(xp, w))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
-                 hard_loss_weight=0.0, backend=None):
+                 hard_loss_weight=0.0, label_smoothing=0.0, z_loss_weight=0.0, backend=None):
         """On-policy distillation: (WeightedSum total, {"distill/soft_loss", "distill/hard_loss"}).
 
         soft = T²·KL(softmax(u/T) ‖ softmax(z/T)), hard = CE(z) at T = 1; one pass over the
         student logits serves both. The teacher is stop-gradient. A disabled term (weight 0)
         neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
+        ``label_smoothing`` ε and ``z_loss_weight`` λ apply to the hard term only (as in
+        ``weighted_cross_entropy``: smoothed CE plus λ·lse² at T = 1); both default to 0.
         """
         xp = self.xp
         temperature, soft_w, hard_w = check_distillation_scalars(
             temperature, soft_loss_weight, hard_loss_weight)
+        ce_options = _ce_options(label_smoothing, z_loss_weight)
         checks.require_instance("batch", batch, self.DiffusionDistillationBatch)
         student = batch.student_batch
         checks.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
@@ -361,7 +382,8 @@ class Objectives:
         stats, total = self.token_stats_total(
             student_logits, student.target_ids, student.loss_weights, coefficients,
             temperature=temperature, ce_temperature=1.0 if hard_w > 0.0 else None,
-            teacher_logits=teacher, entropy=False, backend=backend)
+            teacher_logits=teacher, entropy=False, backend=backend,
+            **(ce_options if hard_w > 0.0 else {}))
         denominator = _total(xp, w)
         zero = denominator * 0.0
         soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
@@ -457,6 +479,12 @@ class Objectives:
             columns = zip(*per_batch)  # leaf j of every batch
             merged[field] = xp.tree_unflatten(treedef, [xp.concat_leaves(c) for c in columns])
         return merged
+
+
+def _ce_options(label_smoothing, z_loss_weight):
+    """The CE term's options of an objective, checked (errors name the argument)."""
+    return dict(label_smoothing=check_label_smoothing(label_smoothing),
+                z_loss_weight=check_loss_weight("z_loss_weight", z_loss_weight))
 
 
 def _same_trailing(name, arrays):

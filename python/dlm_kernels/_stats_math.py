@@ -19,7 +19,7 @@ FMA rounds it differently in the forward and the backward; (r - m) is exact near
 maximum and its scaled value has a relative error of an ulp. So the residuals are m and the
 log of the sum relative to it, ``la`` (lse = m / T + la), never lse itself.
 
-The streaming state of a row is ``(m, a, b, a2, mu, au, cu, fu)``:
+The streaming state of a row is ``(m, a, b, a2, mu, au, cu, fu, sr)``:
   m, a, b     running max of r, Σ e^x, Σ e^x·x  (b relative to m: no cancellation between lse
               and Σ p s in the entropy; b = 0 when cfg.entropy is False)
   a2          Σ e^{x'} (only when T_ce != T; the max is m)
@@ -28,6 +28,9 @@ The streaming state of a row is ``(m, a, b, a2, mu, au, cu, fu)``:
               a constant (t - s less mu / T_kl - m / T: no cancellation of sizes |u| / T_kl),
               and psi(y) = y - 1 + e^{-y} >= 0 (kernels/series.py): the KL without
               cancellation (docs/design.md §2, "The KL")
+  sr          Σ r over the valid columns, in logit units (only with label smoothing, else 0):
+              the mean log-probability Σ_k log p'_k / K = (sr / K - m) / T_ce - la_ce; parts
+              merge by a plain sum
 Parts are merged at the larger maxima; a part whose rescale factor e^{(m_i - m)/T} is 0 (its
 logits all so far below the others that their probabilities are 0 in float32, such as
 columns masked with finfo.min) adds exactly nothing.
@@ -174,6 +177,9 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     """
     z, u = rows.logits, rows.teacher
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
+    sr = None
+    if cfg.smoothing:  # Σ r over the valid columns (masked ones count as 0, not -inf)
+        sr = xp.rowsum(r if valid is None else xp.where(valid[None, :], r, 0.0))
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
     m, ms = _safe_max(xp, r)
@@ -190,7 +196,7 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
         if valid is not None:
             u = xp.where(valid[None, :], u, NEG_INF)
         mu, au, cu, fu = teacher_sums(xp, u, x, e, cfg)
-    return State(m, a, b, a2, mu, au, cu, fu)
+    return State(m, a, b, a2, mu, au, cu, fu, zero if sr is None else sr)
 
 
 def _rescale(xp, m_part, m, temperature):
@@ -249,18 +255,21 @@ def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
     mu = xp.maximum(s1.mu, s2.mu) if cfg.has_teacher else m
     p1, p2 = _moved_parts(xp, s1, m, mu, cfg), _moved_parts(xp, s2, m, mu, cfg)
     a, b, a2, au, cu, fu = (v1 + v2 for v1, v2 in zip(p1, p2))
-    return State(m, a, b, a2, mu, au, cu, fu)
+    return State(m, a, b, a2, mu, au, cu, fu, s1.sr + s2.sr)
 
 
 def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
     ``pmax`` of the two running maxima, then one ``psum`` of the sums re-expressed at those
     maxima and of ``extra_sums`` (docs/design.md §2): 2 + 6 + len(extra_sums) floats per row
-    in all. ``pmax``/``psum`` take and return lists of [N] arrays (one all-reduce each).
-    Returns (merged State, summed extra_sums)."""
+    in all (one more, Σ r, with label smoothing). ``pmax``/``psum`` take and return lists of
+    [N] arrays (one all-reduce each). Returns (merged State, summed extra_sums)."""
     m, mu = pmax([state.m, state.mu])
-    a, b, a2, au, cu, fu, *extra = psum([*_moved_parts(xp, state, m, mu, cfg), *extra_sums])
-    return State(m, a, b, a2, mu, au, cu, fu), extra
+    smooth = [state.sr] if cfg.smoothing else []
+    a, b, a2, au, cu, fu, *extra = psum([*_moved_parts(xp, state, m, mu, cfg), *smooth,
+                                         *extra_sums])
+    sr = extra.pop(0) if cfg.smoothing else state.sr
+    return State(m, a, b, a2, mu, au, cu, fu, sr), extra
 
 
 def shard_stats(xp, impl, rows, cfg: StatsConfig, offset, pmax, psum) -> "Stats":
@@ -275,12 +284,17 @@ def shard_stats(xp, impl, rows, cfg: StatsConfig, offset, pmax, psum) -> "Stats"
 
 
 def merge_splits(xp, parts, cfg: StatsConfig) -> State:
-    """Merge S partial states given as one [N, S] array per State field into one
-    State of [N] arrays, with the same rescaling as ``merge_collective``."""
+    """Merge S partial states given as one [N, S] array per State field (the last, Σ r, may
+    be absent without label smoothing) into one State of [N] arrays, with the same
+    rescaling as ``merge_collective``."""
+    parts = list(parts)
+    if len(parts) < len(State._fields):  # no Σ r without label smoothing
+        parts.append(xp.zeros_like(parts[0]))
     keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
     state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
                                 cfg)
-    return state._replace(m=state.m[:, 0], mu=state.mu[:, 0])
+    sr = state.sr if cfg.smoothing else xp.zeros_like(state.a)
+    return state._replace(m=state.m[:, 0], mu=state.mu[:, 0], sr=sr)
 
 
 Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
@@ -351,14 +365,59 @@ def column_mask(xp, cols, cfg: StatsConfig, valid=None):
     return valid
 
 
+def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: StatsConfig):
+    """The CE term's ``logp`` [N]: minus the per-row CE training loss at ``ce_temperature``,
+
+        logp = (1 - ε)·log p'_y + ε·Σ_k log p'_k / K - λ·lse_ce²
+
+    from the target's log p'_y (``target_logp``), the row's Σ r over its K valid columns
+    (``sr``, logit units), its max m and log-sum la_ce (lse_ce = m / T_ce + la_ce); logp_y
+    itself when ε = λ = 0. Inactive rows give exact zeros. A column at -inf (or finfo.min)
+    makes the smoothed term -inf (or huge): torch's cross_entropy(label_smoothing=ε) alike."""
+    if not cfg.ce_terms:
+        return logp_y
+    logp = logp_y
+    if cfg.smoothing:
+        eps = cfg.label_smoothing
+        mean = _scaled(sr * (1.0 / cfg.smoothing_vocab) - m, cfg.ce_temperature) - la_ce
+        logp = (1.0 - eps) * logp + eps * mean
+    if cfg.z_loss_weight > 0.0:
+        lse_ce = _scaled(m, cfg.ce_temperature) + la_ce
+        logp = logp - cfg.z_loss_weight * (lse_ce * lse_ce)
+    return xp.where(active, logp, 0.0)
+
+
+def ce_coefficients(xp, g_lp, stats: Stats, cfg: StatsConfig):
+    """(g_y, g_u, g_p), each [N] f32: the CE term's gradient with respect to the shifted
+    logits r is g_y·[k == y] + g_u·[k valid] - g_p·p'_k (then the softcap's chain), from the
+    cotangent g_lp of ``ce_objective``'s logp:
+
+        g_y = (1 - ε)·g_lp / T_ce,   g_u = ε / K·g_lp / T_ce,   g_p = (1 + 2λ·lse_ce)·g_lp / T_ce
+
+    (g_y = g_p = g_lp / T_ce and g_u = 0 when ε = λ = 0)."""
+    g = g_lp * (1.0 / cfg.ce_temperature)
+    if not cfg.ce_terms:
+        return g, None, g
+    eps, lam = cfg.label_smoothing, cfg.z_loss_weight
+    g_y = g * (1.0 - eps) if eps > 0.0 else g
+    g_u = g * (eps / cfg.smoothing_vocab) if eps > 0.0 else None
+    g_p = g
+    if lam > 0.0:
+        lse_ce = _scaled(stats.m, cfg.ce_temperature) + stats.la_ce
+        g_p = g * (1.0 + 2.0 * lam * lse_ce)
+    return g_y, g_u, g_p
+
+
 def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
     """Row statistics from a merged state; logp is NaN where the target was not found
-    (out of range: loud, never silently wrong); inactive rows give exact zeros."""
+    (out of range: loud, never silently wrong) and carries label smoothing and z-loss
+    (``ce_objective``); inactive rows give exact zeros."""
     la = xp.log(state.a)
     lse = _scaled(state.m, cfg.temperature) + la
     entropy = la - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
     la_ce = xp.log(state.a2) if cfg.separate_ce else la
-    logp = target_logp(xp, r_y, found, state.m, la_ce, cfg)
+    logp = ce_objective(xp, target_logp(xp, r_y, found, state.m, la_ce, cfg), state.sr,
+                        state.m, la_ce, active, cfg)
     zero = xp.zeros_like(lse)
     kl, la_u, kl_shift = zero, zero, zero
     if cfg.has_teacher:
@@ -378,7 +437,9 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
 
     With p = softmax(r/T), p' = softmax(r/T_ce), q = softmax(u/T_kl):
       dr_k = [g_lse·p_k - g_H·p_k·(log p_k + H) + g_kl·(p_k - q_k)] / T
-             + g_lp·([k == y] - p'_k) / T_ce
+             + g_y·[k == y] + g_u·[k valid] - g_p·p'_k
+    (``ce_coefficients``: g_y = g_p = g_lp / T_ce, g_u = 0 without label smoothing and
+    z-loss)
       dz_k = dr_k·cap'(z_k);   du_k = g_kl·q_k·(log q_k - log p_k - kl) / T_kl
     with log p_k = (r_k - m)/T - la (the saved row max and log-sum: no difference of scaled
     logits) and log q_k - log p_k - kl computed as (x_u - x)_k - E_q[x_u - x]
@@ -396,10 +457,10 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
     inv_t = 1.0 / cfg.temperature
-    g_ce = g_lp * (1.0 / cfg.ce_temperature)  # [N]: weight of [k == y] - p'_k in dr
+    g_y, g_u, g_p = ce_coefficients(xp, g_lp, stats, cfg)  # [N] each (g_u None: 0)
     coef = g_lse * inv_t  # [N]: the factor of p_k in dr
     if not cfg.separate_ce:
-        coef = coef - g_ce  # p' = p
+        coef = coef - g_p  # p' = p
     coef = coef[:, None]
     if cfg.entropy:  # (without it g_h is the cotangent of nothing)
         coef = coef - (g_h * inv_t)[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None],
@@ -415,8 +476,10 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
             du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
     if cfg.separate_ce:
-        dr = dr - g_ce[:, None] * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
-    dr = _add_at(xp, dr, targets, cols[0], g_ce)  # the target's column, when in this chunk
+        dr = dr - g_p[:, None] * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
+    if g_u is not None:  # label smoothing's uniform term (padding columns are zeroed below)
+        dr = dr + g_u[:, None]
+    dr = _add_at(xp, dr, targets, cols[0], g_y)  # the target's column, when in this chunk
     if cfg.softcap is not None:
         th = xp.tanh(xp.f32(z) * (1.0 / cfg.softcap))
         dr = dr * (1.0 - th * th)
@@ -433,7 +496,7 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
     each row's shifted column x (the shift is added after the cap, so no cap' factor):
 
       dr_x = [g_lse·p_x - g_H·p_x·(log p_x + H) + g_kl·(p_x - q_x)] / T
-             + g_lp·([x == y] - p'_x) / T_ce
+             + g_y·[x == y] + g_u - g_p·p'_x      (``ce_coefficients``)
 
     columns: (z_x, u_x, found) of ``shift_columns``: [N] student and teacher logits at
     column x (u_x None without a teacher), and [N] bool, x lies in these columns (a
@@ -448,10 +511,11 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = (g[:, None] for g in grads)
     inv_t = 1.0 / cfg.temperature
-    g_ce = g_lp * (1.0 / cfg.ce_temperature)
+    g_y, g_u, g_p = ce_coefficients(xp, grads[1], stats, cfg)  # [N] each (g_u None: 0)
+    g_p = g_p[:, None]
     coef = g_lse * inv_t
     if not cfg.separate_ce:
-        coef = coef - g_ce
+        coef = coef - g_p
     if cfg.entropy:
         coef = coef - g_h * inv_t * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
     dr = p * coef
@@ -460,8 +524,10 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
                    - stats.la_u[:, None])
         dr = dr + g_kl * inv_t * (p - q)
     if cfg.separate_ce:
-        dr = dr - g_ce * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
-    dr = dr[:, 0] + xp.where(x == targets, g_ce[:, 0], 0.0)
+        dr = dr - g_p * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
+    dr = dr[:, 0] + xp.where(x == targets, g_y, 0.0)
+    if g_u is not None:  # the shifted column is a valid one (``found``)
+        dr = dr + g_u
     return xp.where(found & rows.active, dr, 0.0)
 
 
@@ -526,6 +592,12 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     in_range = (targets >= 0) & (targets < k)
     y = xp.where(in_range, targets, 0)
     logp = xp.where(in_range, xp.gather_cols(x_ce, y) - la_ce, float("nan"))
+    if cfg.smoothing:  # Σ_k log p'_k / K over the row's K columns (the oracle's form)
+        eps = cfg.label_smoothing
+        logp = (1.0 - eps) * logp + eps * (xp.rowsum(x_ce) * (1.0 / k) - la_ce)
+    if cfg.z_loss_weight > 0.0:
+        lse_ce = m * (1.0 / cfg.ce_temperature) + la_ce
+        logp = logp - cfg.z_loss_weight * (lse_ce * lse_ce)
     kl = xp.zeros_like(lse)
     if cfg.has_teacher:
         u = xp.where(active[:, None], xp.f32(u), 0.0)

@@ -20,7 +20,10 @@ class TokenStats(NamedTuple):
     """Per-row outputs of :func:`token_stats`, each float32 with the logits' leading shape.
 
     lse:     logsumexp of the (capped, shifted) logits divided by ``temperature``.
-    logp:    log-probability of the target at ``ce_temperature`` (CE = -logp).
+    logp:    minus the row's CE training term at ``ce_temperature`` (CE = -logp): the
+             target's log-probability log p'_y, or with label smoothing ε and z-loss λ
+             (1 - ε)·log p'_y + ε·Σ_k log p'_k / K - λ·lse_ce² (lse_ce the logsumexp at
+             ``ce_temperature``; K the valid vocabulary).
     entropy: entropy of softmax(logits / temperature); None when called with entropy=False.
     kl:      KL(softmax(teacher / teacher_temperature) || softmax(logits / temperature));
              0 when no teacher is given.
@@ -141,7 +144,8 @@ def _flat(x, n, k):
 
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
             shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
-            entropy=True, vocab_size=None):
+            entropy=True, vocab_size=None, label_smoothing=0.0, z_loss_weight=0.0,
+            smoothing_vocab=None):
     """Validate, build the static config and flatten leading dims into rows.
 
     Returns (cfg, lead_shape, Rows) with the bundle's arrays flattened to [N, K] and [N].
@@ -157,6 +161,9 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
+        label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight,
+        smoothing_vocab=smoothing_vocab,
     )
     lead = tuple(logits.shape[:-1])
     k = logits.shape[-1]

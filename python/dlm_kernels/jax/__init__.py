@@ -169,6 +169,8 @@ def token_stats(
     chunk_size: int | None = None,
     inplace_grad: bool = False,
     vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
     vocab_axis: VocabAxis | None = None,
     backend: str | None = None,
 ) -> TokenStats:
@@ -207,6 +209,15 @@ def token_stats(
         the logits buffer to ``jit`` to let XLA reuse it instead.
       vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
         are excluded and get a zero gradient (with a vocab_axis: the global size).
+      label_smoothing: ε in [0, 1] (default 0). ``logp`` becomes minus the smoothed CE,
+        Σ_k q_k·log p'_k with q = (1 - ε)·onehot(y) + ε/K over the K valid columns (K =
+        ``vocab_size`` when given, else the logits' last dim; the global K under vocabulary
+        parallelism), as ``torch.nn.functional.cross_entropy(label_smoothing=ε)``. A column
+        at -inf makes it -inf (finfo.min: huge), as in torch.
+      z_loss_weight: λ >= 0, finite (default 0). ``logp`` also carries -λ·lse_ce², lse_ce
+        the logsumexp of the logits at ``ce_temperature`` (PaLM's z-loss; Liger's
+        ``lse_square_scale``). Both options change ``logp`` only; with ε = λ = 0 it is the
+        target's log-probability.
       vocab_axis: vocabulary parallelism (inside ``jax.shard_map``). The logits are this
         device's contiguous shard of the vocabulary along that mesh axis; targets and shift ids are global ids. Partial states merge with two
         all-reduces of per-row floats (40 bytes per row); the backward is local.
@@ -227,7 +238,7 @@ def token_stats(
         softcap=softcap, shift_ids=shift_ids, shift=shift, teacher_logits=teacher_logits,
         teacher_temperature=teacher_temperature, teacher_grad=teacher_grad, entropy=entropy,
         chunk_size=chunk_size, inplace_grad=inplace_grad, vocab_size=vocab_size,
-        shard=vocab_axis, backend=backend)
+        label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, shard=vocab_axis, backend=backend)
 
 
 def backend_for(logits: Logits, backend: str | None = None) -> str:
@@ -280,6 +291,8 @@ def diffusion_sft_loss(
     diffusion_weight_clip: float | None = None,
     alpha_fn: Callable[[jax.Array], jax.Array | float] = rf_alpha,
     alpha_dot_fn: Callable[[jax.Array], jax.Array | float] = rf_alpha_dot,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
     backend: str | None = None,
 ) -> jax.Array:
     """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
@@ -291,6 +304,8 @@ def diffusion_sft_loss(
     above. ``vocab_size`` <= K. ``alpha_fn`` and ``alpha_dot_fn`` get t as [B] (a number
     broadcast, as float32); in a reweighted variant each returns [B] or a number, in a LOO
     variant alpha may also be [B, 1] or [B, L].
+    ``label_smoothing`` ε in [0, 1] and ``z_loss_weight`` λ >= 0 (default 0: the plain
+    CE) make CE_bl the label-smoothed CE plus λ·lse² (see ``token_stats``).
 
     Bad values raise ValueError where they can be read without a device sync (concrete host
     arrays; accelerator arrays inside ``sync_checks()``): an x0 outside [0, vocab_size) where the mask is
@@ -301,7 +316,8 @@ def diffusion_sft_loss(
     return _OBJECTIVES.diffusion_sft_loss(
         logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
         diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
-        alpha_dot_fn=alpha_dot_fn, backend=backend)
+        alpha_dot_fn=alpha_dot_fn, label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight, backend=backend)
 
 
 def diffusion_sft_logps(
@@ -316,6 +332,8 @@ def diffusion_sft_logps(
     diffusion_weight_clip: float | None = None,
     alpha_fn: Callable[[jax.Array], jax.Array | float] = rf_alpha,
     alpha_dot_fn: Callable[[jax.Array], jax.Array | float] = rf_alpha_dot,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
     backend: str | None = None,
 ) -> jax.Array:
     """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as
@@ -323,7 +341,8 @@ def diffusion_sft_logps(
     return _OBJECTIVES.diffusion_sft_logps(
         logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
         diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
-        alpha_dot_fn=alpha_dot_fn, backend=backend)
+        alpha_dot_fn=alpha_dot_fn, label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight, backend=backend)
 
 
 def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: Logits,
@@ -393,9 +412,16 @@ def compute_diffusion_logits(
 
 
 def weighted_cross_entropy(logits: Logits, batch: DiffusionTokenBatch, *,
+                           label_smoothing: float = 0.0, z_loss_weight: float = 0.0,
                            backend: str | None = None) -> WeightedSum:
-    """WeightedSum(Σ w·CE, Σ w) at T = 1 over the batch's active positions."""
-    return _OBJECTIVES.weighted_cross_entropy(logits, batch, backend=backend)
+    """WeightedSum(Σ w·CE, Σ w) at T = 1 over the batch's active positions.
+
+    ``label_smoothing`` ε in [0, 1]: CE against (1 - ε)·onehot(target) + ε/K over the K
+    valid columns (torch's ``cross_entropy(label_smoothing=ε)``); ``z_loss_weight`` λ >= 0
+    adds λ·lse² per active position (PaLM's z-loss). Both default to 0.
+    """
+    return _OBJECTIVES.weighted_cross_entropy(logits, batch, label_smoothing=label_smoothing,
+                                              z_loss_weight=z_loss_weight, backend=backend)
 
 
 def opd_loss(
@@ -405,6 +431,8 @@ def opd_loss(
     temperature: float = 1.0,
     soft_loss_weight: float = 1.0,
     hard_loss_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    z_loss_weight: float = 0.0,
     backend: str | None = None,
 ) -> tuple[WeightedSum, dict[str, WeightedSum]]:
     """On-policy distillation: (WeightedSum total, {"distill/soft_loss", "distill/hard_loss"}).
@@ -412,10 +440,14 @@ def opd_loss(
     soft = T²·KL(softmax(u/T) ‖ softmax(z/T)), hard = CE(z) at T = 1; one pass over the
     student logits serves both. The teacher is stop-gradient. A disabled term (weight 0)
     neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
+    ``label_smoothing`` and ``z_loss_weight`` apply to the hard term only (as in
+    ``weighted_cross_entropy``); both default to 0.
     """
     return _OBJECTIVES.opd_loss(student_logits, batch, temperature=temperature,
                                 soft_loss_weight=soft_loss_weight,
-                                hard_loss_weight=hard_loss_weight, backend=backend)
+                                hard_loss_weight=hard_loss_weight,
+                                label_smoothing=label_smoothing, z_loss_weight=z_loss_weight,
+                                backend=backend)
 
 
 # -- the denoising step ------------------------------------------------------------------------

@@ -47,7 +47,9 @@ def _statics(cfg, has_shift):
     return dict(inv_t=1.0 / cfg.temperature, inv_t_ce=1.0 / cfg.ce_temperature,
                 inv_t_kl=1.0 / cfg.teacher_temperature, softcap=cfg.softcap, has_shift=has_shift,
                 separate_ce=cfg.separate_ce, entropy=cfg.entropy, block_k=cfg.chunk_size,
-                interpret=interpret_mode(), detect_races=RaceDetection.enabled)
+                interpret=interpret_mode(), detect_races=RaceDetection.enabled,
+                **({"smoothing": True} if cfg.smoothing else {}),
+                **({"ce_terms": True} if cfg.ce_terms else {}))
 
 
 def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0
@@ -110,9 +112,7 @@ class FusedHead:
         out = head_kernels.head_forward(head, teacher, _ints(rows.targets, rows.shift_ids),
                                         _forward_floats(rows, rows.active), **statics)
         stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
-        r_y, found = cls._target_logit(rows, cfg)
-        logp = stats_math.target_logp(JaxOps, r_y, found, stats.m, stats.la_ce, cfg)
-        return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
+        return _with_logp(stats, cls._target_logit(rows, cfg), rows.active, cfg)
 
     @classmethod
     def backward(cls, rows, stats, grads, cfg):
@@ -121,7 +121,7 @@ class FusedHead:
         head, teacher, statics = cls._args(rows, cfg)
         dh, dw, db, du = head_kernels.head_backward(
             head, teacher, _ints(rows.targets, rows.shift_ids),
-            _backward_floats(rows, stats, grads), teacher_grad=cfg.teacher_grad, **statics)
+            _backward_floats(rows, stats, grads, cfg), teacher_grad=cfg.teacher_grad, **statics)
         return (dh, dw, db), du
 
 
@@ -156,16 +156,14 @@ class PallasJax(BackendBase):
         out = cls._run_forward(rows, rows.active, cfg, 0, False)
         stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
         # the kernel leaves logp to us: one gathered logit per row
-        r_y, found = stats_math.target_logit(JaxOps, rows, cfg)
-        logp = stats_math.target_logp(JaxOps, r_y, found, stats.m, stats.la_ce, cfg)
-        return stats._replace(logp=jnp.where(rows.active, logp, 0.0))
+        return _with_logp(stats, stats_math.target_logit(JaxOps, rows, cfg), rows.active, cfg)
 
     @classmethod
     def forward_partial(cls, rows, cfg, offset=0):
         # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
         active = jnp.ones(rows.targets.shape, jnp.bool_)
         out = cls._run_forward(rows, active, cfg, offset, True)
-        state = stats_math.State(*(out[:, j] for j in range(len(PARTIAL_STATE))))
+        state = _partial_state(out, cfg)
         return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
 
     @staticmethod
@@ -174,7 +172,7 @@ class PallasJax(BackendBase):
         if z.shape[0] == 0:  # no rows: nothing to launch
             empty = lambda a: jnp.zeros(a.shape, a.dtype)
             return empty(z), (empty(u) if u is not None and cfg.teacher_grad else None)
-        floats = _backward_floats(rows, stats, grads)  # [N, 16]
+        floats = _backward_floats(rows, stats, grads, cfg)  # [N, 16]
         statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
@@ -220,10 +218,30 @@ def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels
     return jnp.stack([_shift(rows), active.astype(jnp.float32)], axis=1)
 
 
-def _backward_floats(rows, stats, grads):  # [N, 16]: the F_* columns of the backward kernels
+def _partial_state(out, cfg):
+    """The State of a shard's partial output [N, N_STATS] (Σ r only with label smoothing)."""
+    fields = [out[:, j] for j in range(kernels.scratch_rows(cfg.smoothing))]
+    if not cfg.smoothing:
+        fields.append(jnp.zeros_like(fields[0]))
+    return stats_math.State(*fields)
+
+
+def _with_logp(stats, target, active, cfg):
+    """The kernel's statistics with logp from the gathered target logit (r_y, found) and,
+    with label smoothing or z-loss, the CE term (the logp column holds Σ r then)."""
+    logp = stats_math.target_logp(JaxOps, *target, stats.m, stats.la_ce, cfg)
+    sr = stats.logp if cfg.smoothing else None
+    logp = stats_math.ce_objective(JaxOps, logp, sr, stats.m, stats.la_ce, active, cfg)
+    return stats._replace(logp=jnp.where(active, logp, 0.0))
+
+
+def _backward_floats(rows, stats, grads, cfg):  # [N, 16]: the backward kernels' F_* columns
     n = rows.targets.shape[0]
     cols = [_shift(rows), rows.active.astype(jnp.float32), stats.m, stats.la, stats.entropy,
             stats.kl_shift, stats.la_ce, stats.mu, stats.la_u, *grads]
+    if cfg.ce_terms:  # F_GY, F_GU, F_GP: the CE term's per-row coefficients
+        g_y, g_u, g_p = stats_math.ce_coefficients(JaxOps, grads[1], stats, cfg)
+        cols += [g_y, jnp.zeros_like(g_y) if g_u is None else g_u, g_p]
     return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),
                      axis=1)
 

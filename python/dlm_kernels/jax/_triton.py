@@ -135,20 +135,25 @@ def _rows_vmappable(fn, *arrays):
     return fold_vmap_into_rows(call)(*(a for a in arrays if a is not None))
 
 
+def _state_rows(cfg):
+    """Rows of the partial buffer: PARTIAL_STATE, its last (Σ r) only with label smoothing."""
+    return len(PARTIAL_STATE) if cfg.smoothing else len(PARTIAL_STATE) - 1
+
+
 def _partial(z, u, active, x, d, offsets, cfg):
     # z, u: [N, K] row-major (row stride K); active, x, d, offsets: [N]
-    # -> part [PARTIAL_STATE, S, N] f32
+    # -> part [PARTIAL_STATE, S, N] f32 (the Σ r row only with label smoothing)
     n, k, lc = _plan(z, cfg)
     if n == 0:  # a zero-size grid is not a launch
-        return jnp.zeros((len(PARTIAL_STATE), lc["splits"], 0), jnp.float32)
+        return jnp.zeros((_state_rows(cfg), lc["splits"], 0), jnp.float32)
     return _launch(
         kernels.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT, *_scalars(cfg)),
-        jax.ShapeDtypeStruct((len(PARTIAL_STATE), lc["splits"], n), jnp.float32),  # 32·S B/row
+        jax.ShapeDtypeStruct((_state_rows(cfg), lc["splits"], n), jnp.float32),  # 32·S B/row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=kernels.rows_aligned(k),
-        **_flags(cfg, x is not None))
+        **_flags(cfg, x is not None), **({"SMOOTH": True} if cfg.smoothing else {}))
 
 
 def _forward(rows, cfg):
@@ -168,7 +173,13 @@ def _forward(rows, cfg):
         jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 40 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
         **_flags(cfg, x is not None))
-    return stats_math.Stats(*out)
+    stats = stats_math.Stats(*out)
+    if not cfg.ce_terms:
+        return stats
+    # the CE term on the host (O(N)): Σ r merges by a plain sum over the splits
+    sr = jnp.sum(part[PARTIAL_STATE.index("sr")], axis=0) if cfg.smoothing else None
+    return stats._replace(logp=stats_math.ce_objective(JaxOps, stats.logp, sr, stats.m,
+                                                       stats.la_ce, active, cfg))
 
 
 def _backward(rows, offsets, stats, grads, cfg):
@@ -179,6 +190,13 @@ def _backward(rows, offsets, stats, grads, cfg):
         return jnp.zeros_like(z), (jnp.zeros_like(u) if cfg.teacher_grad else None)
     du_type = (jax.ShapeDtypeStruct(u.shape, u.dtype) if cfg.teacher_grad
                else jax.ShapeDtypeStruct((1,), z.dtype))
+    ce_terms = {}
+    if cfg.ce_terms:  # the CE term's per-row coefficients [3, N] in place of g_lp
+        g_y, g_u, g_p = stats_math.ce_coefficients(JaxOps, grads[1], stats_math.Stats(*stats),
+                                                   cfg)
+        g_u = jnp.zeros_like(g_y) if g_u is None else g_u
+        grads = (grads[0], jnp.stack((g_y, g_u, g_p)), grads[2], grads[3])
+        ce_terms = {"CE_TERMS": True}
     dz, du = _launch(
         kernels.stats_grad_kernel,
         (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
@@ -188,7 +206,7 @@ def _backward(rows, offsets, stats, grads, cfg):
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], ROWS_ALIGNED=kernels.rows_aligned(k),
-        **_flags(cfg, x is not None))
+        **_flags(cfg, x is not None), **ce_terms)
     return dz, (du if cfg.teacher_grad else None)
 
 
@@ -251,7 +269,7 @@ class TritonJax(BackendBase):
         rows_first = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, PARTIAL_STATE, S]
         part = _rows_vmappable(rows_first, z, rows.teacher, jnp.ones(z.shape[:1], jnp.int8),
                                rows.shift_ids, rows.shift, _offsets(offset, z.shape[0]))
-        splits = [part[:, i] for i in range(len(PARTIAL_STATE))]  # one [N, S] per field
+        splits = [part[:, i] for i in range(part.shape[1])]  # one [N, S] per field
         state = stats_math.merge_splits(JaxOps, splits, cfg)
         return (state, *stats_math.target_logit(JaxOps, rows, cfg, offset))
 

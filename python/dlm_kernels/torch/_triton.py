@@ -89,13 +89,19 @@ def plan(z, u, block_k=0):
                            num_sms(z.device), block_k or None)
 
 
+def _state_rows(smooth):
+    """Rows of the partial buffer: PARTIAL_STATE, its last (Σ r) only with label smoothing."""
+    return len(PARTIAL_STATE) if smooth else len(PARTIAL_STATE) - 1
+
+
 def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
-                    col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None):
-    """Partial row states [PARTIAL_STATE, S, N] f32 of z: [N, K] (S vocabulary splits); ``cfg`` overrides
-    the heuristic's plan (bench/launch_sweep.py)."""
+                    col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None, smooth=False):
+    """Partial row states [PARTIAL_STATE, S, N] f32 of z: [N, K] (S vocabulary splits; the
+    Σ r row only with ``smooth``); ``cfg`` overrides the heuristic's plan
+    (bench/launch_sweep.py)."""
     n, k = z.shape
     cfg = cfg or plan(z, u, block_k)
-    part = _empty((len(PARTIAL_STATE), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
+    part = _empty((_state_rows(smooth), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
     if n > 0:
         dummy = z
         kernels.stats_partial_kernel[(n, cfg["splits"])](
@@ -106,22 +112,25 @@ def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entro
             part, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if u is None else u.stride(0)),
             num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
+            num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce, entropy),
+            **({"SMOOTH": True} if smooth else {}))
     return part
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_fwd", mutates_args=())
 def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
-                    inv_t_kl: float, softcap: float, entropy: bool, block_k: int) -> Tensor:
+                    inv_t_kl: float, softcap: float, entropy: bool, block_k: int,
+                    smooth: bool = False) -> Tensor:
     """Row statistics [ROW_STATS, N] f32 (lse, logp, entropy, kl, then the backward's
-    residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]."""
+    residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]; with ``smooth`` (label
+    smoothing) one more row, Σ r over the valid columns."""
     z, u = _unit_col(z), _unit_col(u)
     n, k = z.shape
     part = launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
-                           block_k)
+                           block_k, smooth=smooth)
     s = part.shape[1]
-    out = _empty((len(ROW_STATS), n), torch.float32, z.device)  # 40 bytes per row
+    out = _empty((len(ROW_STATS) + smooth, n), torch.float32, z.device)  # 40 bytes per row
     if n > 0:
         dummy = z
         block_n, block_s = kernels.finalize_blocks(s)
@@ -130,30 +139,33 @@ def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
             n, k, s, z.stride(0), inv_t, inv_t_ce, inv_t_kl, softcap, out,
             BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
             **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
+        if smooth:  # Σ r merges by a plain sum over the splits
+            torch.sum(part[PARTIAL_STATE.index("sr")], dim=0, out=out[len(ROW_STATS)])
     return out
 
 
 @token_stats_fwd.register_fake
-def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k):
-    return z.new_empty((len(ROW_STATS), z.shape[0]), dtype=torch.float32)
+def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
+      smooth=False):
+    return z.new_empty((len(ROW_STATS) + smooth, z.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_partial", mutates_args=())
 def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optional[Tensor],
                         d: Optional[Tensor], inv_t: float, inv_t_ce: float, inv_t_kl: float,
                         softcap: float, entropy: bool, block_k: int, col_offset: int,
-                        vocab_limit: int) -> Tensor:
+                        vocab_limit: int, smooth: bool = False) -> Tensor:
     """Partial states [PARTIAL_STATE, S, N] of a vocabulary shard starting at global column
-    col_offset."""
+    col_offset (the Σ r row only with ``smooth``)."""
     return launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
-                           softcap, entropy, block_k, col_offset, vocab_limit)
+                           softcap, entropy, block_k, col_offset, vocab_limit, smooth=smooth)
 
 
 @token_stats_partial.register_fake
 def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k, col_offset,
-      vocab_limit):
+      vocab_limit, smooth=False):
     splits = plan(z, u, block_k)["splits"]  # the same plan as the launch
-    return z.new_empty((len(PARTIAL_STATE), splits, z.shape[0]), dtype=torch.float32)
+    return z.new_empty((_state_rows(smooth), splits, z.shape[0]), dtype=torch.float32)
 
 
 def launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
@@ -172,7 +184,8 @@ def launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, in
         TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
         ROWS_ALIGNED=kernels.rows_aligned(*(t.stride(0) for t in (z, u, dz, du) if t is not None)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
+        **_flags(u, x, softcap, inv_t, inv_t_ce, entropy),
+        **({"CE_TERMS": True} if grads[1].dim() == 2 else {}))
 
 
 @torch.library.custom_op("dlm_kernels::token_stats_bwd", mutates_args=())
@@ -181,7 +194,8 @@ def token_stats_bwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
                     g_lp: Tensor, g_h: Tensor, g_kl: Tensor, inv_t: float, inv_t_ce: float,
                     inv_t_kl: float, softcap: float, entropy: bool, teacher_grad: bool,
                     block_k: int, col_offset: int, vocab_limit: int) -> Tuple[Tensor, Tensor]:
-    """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor)."""
+    """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor). g_lp is [N], or
+    with label smoothing / z-loss the CE term's coefficients [3, N] (g_y, g_u, g_p)."""
     z, u = _unit_col(z), _unit_col(u)
     dz = _empty(z.shape, z.dtype, z.device)
     du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
@@ -300,23 +314,35 @@ class TritonTorch(BackendBase):
     def forward(rows, cfg):
         # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32 (views of one
         # [ROW_STATS, N] buffer)
+        smooth = {"smooth": True} if cfg.smoothing else {}
         out = torch.ops.dlm_kernels.token_stats_fwd(*_op_rows(rows), *_scalars(cfg),
-                                                   cfg.chunk_size or 0)
-        return Stats(*out.unbind(0))
+                                                   cfg.chunk_size or 0, **smooth)
+        stats = Stats(*out.unbind(0)[:len(ROW_STATS)])
+        if not cfg.ce_terms:
+            return stats
+        sr = out[len(ROW_STATS)] if cfg.smoothing else None  # the CE term on the host: O(N)
+        return stats._replace(logp=stats_math.ce_objective(
+            TorchOps, stats.logp, sr, stats.m, stats.la_ce, rows.active, cfg))
 
     @staticmethod
     def forward_partial(rows, cfg, offset=0):
         # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
         z, u, _, _, x, d = _op_rows(rows)
         active = torch.ones(z.shape[0], dtype=torch.int8, device=z.device)
+        smooth = {"smooth": True} if cfg.smoothing else {}
         part = torch.ops.dlm_kernels.token_stats_partial(
-            z, u, active, x, d, *_scalars(cfg), cfg.chunk_size or 0, int(offset), _limit(cfg))
+            z, u, active, x, d, *_scalars(cfg), cfg.chunk_size or 0, int(offset), _limit(cfg),
+            **smooth)
         state = stats_math.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
         return (state, *stats_math.target_logit(TorchOps, rows, cfg, offset))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, inplace=False, offset=0):
         stacked = torch.stack(tuple(stats))  # [ROW_STATS, N] f32
+        if cfg.ce_terms:  # the CE term's per-row coefficients [3, N] in place of g_lp
+            g_y, g_u, g_p = stats_math.ce_coefficients(TorchOps, grads[1], stats, cfg)
+            g_u = torch.zeros_like(g_y) if g_u is None else g_u
+            grads = (grads[0], torch.stack((g_y, g_u, g_p)), grads[2], grads[3])
         args = (*_op_rows(rows), stacked, *(_vec(g) for g in grads), *_scalars(cfg),
                 cfg.teacher_grad, cfg.chunk_size or 0, int(offset), _limit(cfg))
         if inplace:
