@@ -236,6 +236,12 @@ def test_step_functions_upstream_details(rng, fw_name):
                                fw.array(np.zeros((2, 4), np.int64)), 2)
     with pytest.raises(ValueError, match=r"k must be >= 0"):
         api.get_transfer_index(logits, 0.0, "low_confidence", m, x, -1, backend="reference")
+    # k above L: upstream's torch.topk raises a RuntimeError; ours is that and a ValueError
+    for error in (ValueError, RuntimeError):
+        with pytest.raises(error, match=r"num_transfer_tokens must be at most L = 5 .*selected "
+                                        r"index k out of range.*got 6 for sequence 1"):
+            api.get_transfer_index(logits, 0.0, "low_confidence", m, x, fw.array([5, 6]),
+                                   backend="reference")
 
 
 def _chi2_limit(df, zq=3.719):  # the normal quantile at 1 - 1e-4, Wilson-Hilferty

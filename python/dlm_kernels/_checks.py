@@ -46,10 +46,15 @@ def shape_str(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-class IdOutOfRangeError(ValueError, RuntimeError):
-    """An id outside its vocabulary where the upstream code raises ``RuntimeError`` (torch's
-    ``one_hot`` and ``gather`` in Megatron-Bridge's DiffusionGemma losses): both our
-    ValueError and upstream's RuntimeError, so either ``except`` catches it."""
+class OutOfRangeError(ValueError, RuntimeError):
+    """A value outside its range where the upstream code raises ``RuntimeError`` (from a
+    torch op): both our ValueError and upstream's RuntimeError, so either ``except`` catches
+    it."""
+
+
+class IdOutOfRangeError(OutOfRangeError):
+    """An id outside its vocabulary where upstream fails in torch's ``one_hot`` and
+    ``gather`` (Megatron-Bridge's DiffusionGemma losses)."""
 
 
 class _SyncChecks:

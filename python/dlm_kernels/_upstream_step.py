@@ -12,12 +12,14 @@ position (torch.topk leaves them unspecified); see each function for the rest.
 
 from __future__ import annotations
 
-from ._checks import flag, plain, require_array, require_int, require_real, require_shape, \
+import numpy as np
+
+from ._checks import OutOfRangeError, flag, plain, require_array, require_int, require_real, require_shape, \
     shape_str
 from ._linear_head import is_head
 from ._sampling import (_flat_rows, _number, commit_arguments, gumbel, make_sample_config,
                         position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
-                        _commit_topk, _unless_nan)
+                        _commit_topk, _per_sequence, _unless_nan)
 
 REMASKING = ("low_confidence", "random")
 
@@ -93,6 +95,14 @@ def make_step_api(xp, sample_tokens):
                                  "ints) when threshold is None")
             if xp.is_array(k) and tuple(k.shape) == (x.shape[0], 1):
                 k = k.reshape(-1)
+            _, host = _per_sequence(xp, "num_transfer_tokens", k, x.shape[0], integral=True)
+            length = x.shape[1]
+            if host is not None and (host > length).any():  # upstream: torch.topk raises
+                i = int(np.argmax(np.atleast_1d(host) > length))
+                raise OutOfRangeError(
+                    f"num_transfer_tokens must be at most L = {length} positions per sequence "
+                    f"(torch.topk: selected index k out of range); got "
+                    f"{int(np.atleast_1d(host)[i])} for sequence {i}")
         else:
             k = None  # upstream commits every masked position at or above the threshold
         k, threshold, _ = commit_arguments(xp, x, sample, k, threshold, None)

@@ -609,8 +609,9 @@ def get_transfer_index(
       num_transfer_tokens: per row k, an int or [B] or [B, 1] ints: without a threshold row b
         commits the k_b most confident positions, masked ones first (off the mask the
         confidence is -inf; past the masked count upstream's topk fills k with unmasked
-        positions, where x0 = x, and so does this: the lowest ones). A k above L commits
-        every position (upstream's topk raises).
+        positions, where x0 = x, and so does this: the lowest ones). A k above L raises
+        an error that is both a ValueError and upstream's RuntimeError (torch.topk's); where
+        k cannot be read (traced), every position is committed.
       threshold: a number (or [B]): every masked position whose confidence is >= threshold,
         and always the most confident one (num_transfer_tokens is then ignored).
       neg_entropy: with "low_confidence", the confidence is Σ_k p_k log p_k, p =
