@@ -373,6 +373,38 @@ class TestJaxChunked(LinearHeadSuite):
     FW, BACKEND = "jax", "chunked"
 
 
+class TestJaxChunkedVocabBlocks(LinearHeadSuite):
+    """JAX's gradient pass over vocabulary blocks, as ``TestTorchChunkedVocabBlocks``: a
+    16-bit weight whose float32 dW would pass ``HEAD_DW_ACC_BYTES`` (forced at K = 301 by a
+    budget of 128 weight rows), each block's dW finished and rounded once; the planned
+    objectives' gradient is then recomputed in the backward, never held as a float32
+    [K, D] residual."""
+
+    FW, BACKEND = "jax", "chunked"
+    HEAD_CASES = (("KD", "bfloat16"), ("DK", "bfloat16"))
+    CE_DTYPES = ("bfloat16",)
+    OPD_TERMS = (("total", "bfloat16"), ("both", "bfloat16"))
+
+    @pytest.fixture(autouse=True)
+    def _small_budget(self, monkeypatch):
+        from dlm_kernels import _linear_head
+        from dlm_kernels.jax import _linear_head as jax_head
+
+        monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
+        self.blocked_passes = []
+        run_blocked = jax_head._Sweep.run_blocked
+
+        def spy(sweep, stats, grads, blocks):
+            self.blocked_passes.append(blocks)
+            return run_blocked(sweep, stats, grads, blocks)
+
+        monkeypatch.setattr(jax_head._Sweep, "run_blocked", spy)
+
+    def test_weighted_cross_entropy(self, rng, ce_dtype):
+        super().test_weighted_cross_entropy(rng, ce_dtype)
+        assert [(0, 128), (128, 256), (256, 301)] in self.blocked_passes, self.blocked_passes
+
+
 # -- kernel backends: the Triton interpreter (torch; JAX through the jax-triton emulator) and
 # Pallas interpret mode (every output poisoned with NaN before it is written: conftest) ------
 

@@ -157,9 +157,86 @@ class _Sweep:
         fused = self.impl.fused_head
         return fused if fused is not None and fused.takes(self.rows, self.cfg, self.axis) else None
 
+    def blocks(self):
+        """The vocabulary blocks of the gradient pass (``base.dw_blocks``), or None for token
+        chunks over the whole vocabulary: blocks when a 16-bit student head's float32 dW
+        would pass ``HEAD_DW_ACC_BYTES``, outside a vocabulary-parallel map, with no teacher
+        head needing a gradient, on a backend whose backward takes a column offset (the
+        schedule of the torch twin)."""
+        z, u = self.rows.logits, self.rows.teacher
+        if (self.axis is not None or not is_head(z) or not self.impl.capabilities.vocab_shards
+                or jnp.dtype(z.weight.dtype) in (jnp.float32, jnp.float64)
+                or (is_head(u) and self.cfg.teacher_grad)):
+            return None
+        return base.dw_blocks(z.vocab, z.width)
+
+    def run_blocked(self, stats, grads, blocks):
+        """The gradient pass over vocabulary blocks (outer, unrolled) and token chunks
+        (inner): each block's logits [R, K_b] and d(logits) from the row statistics as for a
+        vocabulary shard at its offset; dH (and db) accumulate across blocks in float32,
+        each block's float32 dW [K_b, D] is finished and rounded to the weight's dtype
+        before the next, so no float32 [K, D] accumulator exists."""
+        rows, cfg, r, n = self.rows, self.cfg, self.r, self.n
+        z, u = rows.logits, rows.teacher
+        major = z.weight_layout == VOCAB_MAJOR
+        teacher_grad = u is not None and not is_head(u) and cfg.teacher_grad
+        sl = lambda a, start: None if a is None else _slice(a, start, r)
+        cols = lambda a, b0, b1: a[b0:b1] if major else a[:, b0:b1]  # a weight's columns
+        dh = jnp.zeros(z.hidden.shape, _acc_dtype(z.hidden))  # [N, D]
+        db = None if z.bias is None else jnp.zeros(z.bias.shape, _acc_dtype(z.bias))  # [K]
+        du = jnp.zeros(u.shape, u.dtype) if teacher_grad else None  # [N, K]
+        dw = []
+        for b0, b1 in blocks:
+            w_b = cols(z.weight, b0, b1)  # [K_b, D] or [D, K_b]
+            b_b = None if z.bias is None else z.bias[b0:b1]
+
+            def teacher_chunk(start, b0=b0, b1=b1):
+                if u is None:
+                    return None
+                if is_head(u):
+                    return head_logits(u.replace(hidden=_slice(u.hidden, start, r),
+                                                 weight=cols(u.weight, b0, b1),
+                                                 bias=None if u.bias is None else u.bias[b0:b1]))
+                return _slice(u, start, r)[:, b0:b1]
+
+            def body(i, carry, b0=b0, b1=b1, w_b=w_b, b_b=b_b, teacher_chunk=teacher_chunk):
+                dh, dw_b, db, du = carry
+                start = jnp.minimum(i * r, n - r)
+                fresh = start + jnp.arange(r) >= i * r  # rows no earlier chunk covered
+                h = _slice(z.hidden, start, r)  # [R, D]
+                logits = head_logits(z.replace(hidden=h, weight=w_b, bias=b_b))  # [R, K_b]
+                rc = Rows(logits, teacher_chunk(start), sl(rows.targets, start),
+                          sl(rows.active, start) & fresh, sl(rows.shift_ids, start),
+                          sl(rows.shift, start))
+                sc = Stats(*(_slice(s, start, r) for s in stats))
+                gc = tuple(_slice(g, start, r) for g in grads)
+                dz, du_c = self.impl.backward(rc, sc, gc, cfg, offset=b0)  # stale rows: 0
+                # [R, K_b] x [K_b, D] -> dH rows; [K_b, R] x [R, D] -> dW_b: R·K_b·D each
+                dh = _put(dh, start, _slice(dh, start, r) + _dot_f32(dz, w_b if major else w_b.T),
+                          fresh)
+                dw_b = dw_b + (_dot_f32(dz.T, h) if major else _dot_f32(h.T, dz))
+                if db is not None:
+                    db = db.at[b0:b1].add(jnp.sum(dz, axis=0, dtype=db.dtype))
+                if du is not None:
+                    old = lax.dynamic_slice(du, (start, b0), du_c.shape)
+                    du = lax.dynamic_update_slice(du, jnp.where(fresh[:, None], du_c, old),
+                                                  (start, b0))
+                return dh, dw_b, db, du
+
+            carry = body(0, (dh, jnp.zeros(w_b.shape, _acc_dtype(w_b)), db, du))
+            if self.n_chunks > 1:
+                carry = lax.fori_loop(1, self.n_chunks, body, carry)
+            dh, dw_b, db, du = carry
+            dw.append(dw_b.astype(z.weight.dtype))
+        return stats, ((dh, jnp.concatenate(dw, axis=0 if major else 1), db), du)
+
     def run(self, stats=None, grads=None):
         """-> (Stats [N] f32 fields, accumulators or None)."""
         fused = self.fused
+        if stats is not None and grads is not None:
+            blocks = None if fused is not None else self.blocks()
+            if blocks is not None:
+                return self.run_blocked(stats, grads, blocks)
         if fused is not None:  # one kernel per pass
             if stats is None:
                 stats = fused.forward(self.rows, self.cfg)
@@ -302,10 +379,10 @@ def _head_total_fwd(impl, cfg, axis, rows, coefficients):
 def _head_total_forward(impl, cfg, axis, rows, coefficients):
     n = rows.targets.shape[0]
     sweep = _Sweep(impl, cfg, rows, axis)
-    if sweep.fused is not None:
+    if sweep.fused is not None or sweep.blocks() is not None:
         # fused kernels round their gradients once, to the inputs' dtypes, so scaling them
-        # afterwards would round twice: the total's gradient is recomputed in the backward
-        # (5 matmuls either way)
+        # afterwards would round twice; a gradient over vocabulary blocks is rounded block by
+        # block: the total's gradient is recomputed in the backward (5 matmuls either way)
         stats, acc = sweep.run()[0], None
     else:
         stats, acc = sweep.run(grads=_row_grads(coefficients, n))
