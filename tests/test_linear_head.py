@@ -334,6 +334,24 @@ class TestTorchChunked(LinearHeadSuite):
     FW, BACKEND = "torch", "chunked"
 
 
+def _force_vocab_blocks(monkeypatch, sweep_class):
+    """A budget of 128 float32 weight rows of width 19 (``HEAD_DW_ACC_BYTES``), so K = 301
+    runs in blocks of 128, 128 and 45 columns; returns the list each blocked pass appends
+    its blocks to."""
+    from dlm_kernels import _linear_head
+
+    monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
+    passes = []
+    run_blocked = sweep_class.run_blocked
+
+    def spy(sweep, stats, grads, *rest):
+        passes.append(rest[-1])
+        return run_blocked(sweep, stats, grads, *rest)
+
+    monkeypatch.setattr(sweep_class, "run_blocked", spy)
+    return passes
+
+
 class TestTorchChunkedVocabBlocks(LinearHeadSuite):
     """The gradient pass over vocabulary blocks (a 16-bit weight whose float32 dW would pass
     ``HEAD_DW_ACC_BYTES``), forced at K = 301 by a budget of 128 weight rows: blocks of 128,
@@ -346,18 +364,9 @@ class TestTorchChunkedVocabBlocks(LinearHeadSuite):
 
     @pytest.fixture(autouse=True)
     def _small_budget(self, monkeypatch):
-        from dlm_kernels import _linear_head
         from dlm_kernels.torch import _linear_head as torch_head
 
-        monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
-        self.blocked_passes = []
-        run_blocked = torch_head._Sweep.run_blocked
-
-        def spy(sweep, stats, grads, need, blocks):
-            self.blocked_passes.append(blocks)
-            return run_blocked(sweep, stats, grads, need, blocks)
-
-        monkeypatch.setattr(torch_head._Sweep, "run_blocked", spy)
+        self.blocked_passes = _force_vocab_blocks(monkeypatch, torch_head._Sweep)
 
     def test_weighted_cross_entropy(self, rng, ce_dtype):
         super().test_weighted_cross_entropy(rng, ce_dtype)
@@ -387,18 +396,9 @@ class TestJaxChunkedVocabBlocks(LinearHeadSuite):
 
     @pytest.fixture(autouse=True)
     def _small_budget(self, monkeypatch):
-        from dlm_kernels import _linear_head
         from dlm_kernels.jax import _linear_head as jax_head
 
-        monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
-        self.blocked_passes = []
-        run_blocked = jax_head._Sweep.run_blocked
-
-        def spy(sweep, stats, grads, blocks):
-            self.blocked_passes.append(blocks)
-            return run_blocked(sweep, stats, grads, blocks)
-
-        monkeypatch.setattr(jax_head._Sweep, "run_blocked", spy)
+        self.blocked_passes = _force_vocab_blocks(monkeypatch, jax_head._Sweep)
 
     def test_weighted_cross_entropy(self, rng, ce_dtype):
         super().test_weighted_cross_entropy(rng, ce_dtype)
