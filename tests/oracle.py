@@ -120,7 +120,8 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, with_shift=False, **kw
         x = kw.get("x")
         d_shift = None if x is None else dr[np.arange(n), x]  # the shift adds to r: no cap'
         if softcap:
-            dr = dr * (1.0 - np.tanh(P["z"] / softcap) ** 2)
+            with np.errstate(over="ignore"):  # 1 - tanh² would lose it where tanh saturates
+                dr = dr * np.cosh(P["z"] / softcap) ** -2.0
     act = active.astype(bool)[:, None]
     dz = np.where(act, dr, 0.0)
     du = None if du is None else np.where(act, du, 0.0)
