@@ -461,17 +461,25 @@ def check_objective_case(fw, backend, case, rng):
         return
     u = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}[dtype]
     h2, w2 = data["h"].reshape(B * L, D), data["w"]
-    dz2, sl2 = dz.reshape(B * L, -1), slack.reshape(B * L, -1)
+    dz2 = dz.reshape(B * L, -1)
+    # d logits reach the matmuls rounded to the dtype: by u relative, or by half the
+    # subnormal spacing below its smallest normal number (float16: 2^-25 below 6.1e-5)
+    sl2 = slack.reshape(B * L, -1) + u * np.abs(dz2) + SUBNORMAL_ROUNDING[dtype]
     if not np.isfinite(_as_dtype_holds(dz2, dtype)).all():
         return  # the logits' gradient overflows the dtype: so do its products
     for name, got, exp, err in (
-            ("d hidden", d_h.reshape(B * L, D), dz2 @ w2, (u + case["k"] * 2.0 ** -24)
+            ("d hidden", d_h.reshape(B * L, D), dz2 @ w2, case["k"] * 2.0 ** -24
              * (np.abs(dz2) @ np.abs(w2)) + sl2 @ np.abs(w2)),
-            ("d weight", d_w, dz2.T @ h2, (u + B * L * 2.0 ** -24) * (np.abs(dz2.T) @ np.abs(h2))
+            ("d weight", d_w, dz2.T @ h2, B * L * 2.0 ** -24 * (np.abs(dz2.T) @ np.abs(h2))
              + sl2.T @ np.abs(h2)),
-            ("d bias", d_b, dz2.sum(0), (u + B * L * 2.0 ** -24) * np.abs(dz2).sum(0)
+            ("d bias", d_b, dz2.sum(0), B * L * 2.0 ** -24 * np.abs(dz2).sum(0)
              + sl2.sum(0))):
         assert_close(got, _as_dtype_holds(exp, dtype), dtype, name, slack=err)
+
+
+#: half the subnormal spacing of each dtype: a value below its smallest normal number
+#: rounds to within that, not to within the unit roundoff relative
+SUBNORMAL_ROUNDING = {"float32": 2.0 ** -150, "bfloat16": 2.0 ** -134, "float16": 2.0 ** -25}
 
 
 def sft_time_grad(case, data, z64, w64, alpha):

@@ -7,10 +7,12 @@ a multiple of 1/16 below 8, exact in float32, bfloat16 and float16 whatever the 
 accumulation order, so the oracle sees the very logits the kernels see and the statistics and
 d(logits) obey the logits path's tolerances. The error model of dH = dZ·W and dW = Hᵀ·dZ:
 d(logits) reaches the matmul rounded to the inputs' dtype (unit roundoff u: 2^-24 float32,
-2^-8 bfloat16, 2^-11 float16) with its own error e (the saved-lse slack, or the teacher's
-scaled floor); a float32 sum over J terms adds at most J·2^-24 of Σ|terms|. So element
-(i, j) may differ by (u + J·2^-24)·Σ_k|dz_ik·w_kj| + Σ_k e_ik·|w_kj| before the one final
-rounding (the dtype's rtol). That bound is the ``slack`` passed to ``assert_close``.
+2^-8 bfloat16, 2^-11 float16; below the dtype's smallest normal number, half its subnormal
+spacing s instead: 2^-25 in float16, under 6.1e-5) with its own error e (the saved-lse
+slack, or the teacher's scaled floor); a float32 sum over J terms adds at most J·2^-24 of
+Σ|terms|. So element (i, j) may differ by (u + J·2^-24)·Σ_k|dz_ik·w_kj| +
+Σ_k (e_ik + s)·|w_kj| before the one final rounding (the dtype's rtol). That bound is the
+``slack`` passed to ``assert_close``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from harness import assert_close, framework
 from dlm_kernels.testing import CANCELLATION_ULP, TOLERANCES, cancellation_scale
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+SUBNORMAL_ROUNDING = {"float32": 2.0 ** -150, "bfloat16": 2.0 ** -134, "float16": 2.0 ** -25}
 F32_U = 2.0 ** -24
 
 
@@ -33,7 +36,8 @@ def dyadic(rng, shape, scale=4):
 def matmul_slack(dz, dz_err, w, dtype):
     """[I, J] allowance of dz [I, K] @ w [K, J] (the module docstring's error model)."""
     terms = np.abs(dz) @ np.abs(w)
-    return (UNIT_ROUNDOFF[dtype] + dz.shape[1] * F32_U) * terms + dz_err @ np.abs(w)
+    return ((UNIT_ROUNDOFF[dtype] + dz.shape[1] * F32_U) * terms
+            + (dz_err + SUBNORMAL_ROUNDING[dtype]) @ np.abs(w))
 
 
 class HeadProblem:
