@@ -151,12 +151,34 @@ def _grad_slack(parts, cots, size, ora):
     return np.nan_to_num(ds)
 
 
+#: where rounding to nearest overflows: the largest finite value plus half its ulp (a value
+#: between the two rounds to the largest, float16's 65504 up to 65520; at it, to even: inf)
+OVERFLOW_AT = {"float32": 3.4028234663852886e38 + 2.0 ** 103,
+               "bfloat16": 3.3895313892515355e38 + 2.0 ** 119, "float16": 65504.0 + 16.0}
+
+
 def _as_dtype_holds(expected, dtype):
-    """float64 expectations as a 16-bit gradient can hold them: beyond the dtype's largest
-    finite value a correctly rounded result is ±inf."""
-    top = 3.39e38 if dtype == "bfloat16" else float(np.finfo(dtype).max)
+    """float64 expectations as a gradient of the dtype can hold them: from
+    ``OVERFLOW_AT`` on a correctly rounded result is ±inf, below it finite."""
     with np.errstate(invalid="ignore"):
-        return np.where(np.abs(expected) > top, np.copysign(np.inf, expected), expected)
+        return np.where(np.abs(expected) >= OVERFLOW_AT[dtype], np.copysign(np.inf, expected),
+                        expected)
+
+
+def test_as_dtype_holds_overflows_where_rounding_does():
+    """Just past a dtype's largest value a correctly rounded result is still finite (float16
+    rounds 65510 to 65504); only from the largest value plus half an ulp on is it ±inf."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    for name, top in (("float32", 3.4028234663852886e38), ("bfloat16", 3.3895313892515355e38),
+                      ("float16", 65504.0)):
+        half_ulp = OVERFLOW_AT[name] - top
+        v = np.array([top, top + 0.6 * half_ulp, top + half_ulp, top + 1.5 * half_ulp])
+        v = np.concatenate([v, -v])
+        rounded = torch.tensor(v, dtype=torch.float64).to(dtypes[name]).double().numpy()
+        held = _as_dtype_holds(v, name)
+        assert np.array_equal(np.isinf(held), np.isinf(rounded)), (name, held, rounded)
 
 
 def check_case(fw, backend, case, rng):
