@@ -19,10 +19,19 @@ def _logsumexp(s):  # [N, K] -> [N]
         return ms + np.log(np.sum(np.exp(s - ms[:, None]), axis=-1))
 
 
+def _log_softmax(s):  # [N, K] -> [N, K]
+    """(s - max s) - log Σ e^{s - max s}: centred first, so a log-probability near 0 keeps
+    its digits however large s is (s - lse rounds log 3 away at |s| = 1e33)."""
+    m = np.max(s, axis=-1, keepdims=True)
+    c = s - np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return c - np.log(np.sum(np.exp(c), axis=-1, keepdims=True))
+
+
 def _kl_rows(s, t):
     """KL(softmax(t) || softmax(s)) per row of s, t [N, K], in their dtype."""
-    logq = t - _logsumexp(t)[:, None]
-    logp = s - _logsumexp(s)[:, None]
+    logq = _log_softmax(t)
+    logp = _log_softmax(s)
     q = np.exp(logq)
     terms = np.where(q > 0, q * (np.where(q > 0, logq, 0) - np.where(q > 0, logp, 0)), 0)
     return np.sum(terms, axis=-1).astype(np.float64)
@@ -62,14 +71,15 @@ def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=
     with np.errstate(invalid="ignore", divide="ignore"):
         s = r / T
         lse = _logsumexp(s)
-        logp_all = s - lse[:, None]
+        logp_all = _log_softmax(s)
         p = np.exp(logp_all)
         ent = -np.sum(np.where(p > 0, p * np.where(p > 0, logp_all, 0.0), 0.0), axis=-1)
         s_ce = r / T_ce
         lse_ce = _logsumexp(s_ce)
-        p_ce = np.exp(s_ce - lse_ce[:, None])
+        logp_ce = _log_softmax(s_ce)
+        p_ce = np.exp(logp_ce)
         y_ok = (y >= 0) & (y < k)
-        logp = np.where(y_ok, s_ce[np.arange(n), np.where(y_ok, y, 0)] - lse_ce, np.nan)
+        logp = np.where(y_ok, logp_ce[np.arange(n), np.where(y_ok, y, 0)], np.nan)
         if label_smoothing:
             mean_logp = np.mean(s_ce, axis=-1) - lse_ce
             logp = (1.0 - label_smoothing) * logp + label_smoothing * mean_logp
@@ -80,7 +90,7 @@ def stats_parts(z, y, active, x=None, d=None, u=None, *, T=1.0, T_ce=None, T_kl=
             u = np.where(active[:, None], np.asarray(u, np.float64), 0.0)
             t = u / T_kl
             lse_u = _logsumexp(t)
-            logq = t - lse_u[:, None]
+            logq = _log_softmax(t)
             q = np.exp(logq)
             kl = _kl(r, u, T, T_kl)
     act = active.astype(bool)
@@ -120,7 +130,8 @@ def token_stats_vjp(z, y, active, grads, *, softcap=None, with_shift=False, **kw
         x = kw.get("x")
         d_shift = None if x is None else dr[np.arange(n), x]  # the shift adds to r: no cap'
         if softcap:
-            dr = dr * (1.0 - np.tanh(P["z"] / softcap) ** 2)
+            with np.errstate(over="ignore"):  # 1 - tanh² would lose it where tanh saturates
+                dr = dr * np.cosh(P["z"] / softcap) ** -2.0
     act = active.astype(bool)[:, None]
     dz = np.where(act, dr, 0.0)
     du = None if du is None else np.where(act, du, 0.0)

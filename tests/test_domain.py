@@ -151,12 +151,34 @@ def _grad_slack(parts, cots, size, ora):
     return np.nan_to_num(ds)
 
 
+#: where rounding to nearest overflows: the largest finite value plus half its ulp (a value
+#: between the two rounds to the largest, float16's 65504 up to 65520; at it, to even: inf)
+OVERFLOW_AT = {"float32": 3.4028234663852886e38 + 2.0 ** 103,
+               "bfloat16": 3.3895313892515355e38 + 2.0 ** 119, "float16": 65504.0 + 16.0}
+
+
 def _as_dtype_holds(expected, dtype):
-    """float64 expectations as a 16-bit gradient can hold them: beyond the dtype's largest
-    finite value a correctly rounded result is ±inf."""
-    top = 3.39e38 if dtype == "bfloat16" else float(np.finfo(dtype).max)
+    """float64 expectations as a gradient of the dtype can hold them: from
+    ``OVERFLOW_AT`` on a correctly rounded result is ±inf, below it finite."""
     with np.errstate(invalid="ignore"):
-        return np.where(np.abs(expected) > top, np.copysign(np.inf, expected), expected)
+        return np.where(np.abs(expected) >= OVERFLOW_AT[dtype], np.copysign(np.inf, expected),
+                        expected)
+
+
+def test_as_dtype_holds_overflows_where_rounding_does():
+    """Just past a dtype's largest value a correctly rounded result is still finite (float16
+    rounds 65510 to 65504); only from the largest value plus half an ulp on is it ±inf."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    for name, top in (("float32", 3.4028234663852886e38), ("bfloat16", 3.3895313892515355e38),
+                      ("float16", 65504.0)):
+        half_ulp = OVERFLOW_AT[name] - top
+        v = np.array([top, top + 0.6 * half_ulp, top + half_ulp, top + 1.5 * half_ulp])
+        v = np.concatenate([v, -v])
+        rounded = torch.tensor(v, dtype=torch.float64).to(dtypes[name]).double().numpy()
+        held = _as_dtype_holds(v, name)
+        assert np.array_equal(np.isinf(held), np.isinf(rounded)), (name, held, rounded)
 
 
 def check_case(fw, backend, case, rng):
@@ -222,12 +244,13 @@ def check_case(fw, backend, case, rng):
     slack = oracle.saved_lse_slack(z64, y, ok, g, **ora) + _grad_slack(parts, g, size, ora)
     slack_r = slack  # of d r: the shift's gradient takes no cap'
     if ora["softcap"]:
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            cap = np.nan_to_num(1.0 - np.tanh(z64 / ora["softcap"]) ** 2)
-            # cap' = 1 - tanh² is known to float32's absolute precision, 2^-23 (near
-            # saturation a large relative error of a small number): d r times that
-            dr = np.where(cap > 0, np.abs(e_dz) / np.where(cap > 0, cap, 1.0), 0.0)
-        slack = slack * cap + np.nan_to_num(dr) * 2.0 ** -23
+        with np.errstate(invalid="ignore", over="ignore"):
+            x = np.abs(z64 / ora["softcap"])
+            cap = np.nan_to_num(np.cosh(x) ** -2.0)
+            # cap' = 4e / (1 + e)², e = e^{-2|x|}, is precise relative to itself: x = z·(1/c)
+            # carries two roundings, which move it by 2|x|·2^-23 relative, plus a few ulps
+            rel = np.nan_to_num(np.abs(e_dz) * (2.0 * x + 4.0) * 2.0 ** -23)
+        slack = slack * cap + rel
     e_dz, e_du = _as_dtype_holds(e_dz, case["dtype"]), (
         None if e_du is None else _as_dtype_holds(e_du, case["dtype"]))
     assert_close(dz[ok], e_dz[ok], case["dtype"], "d logits", slack=slack[ok])
@@ -460,17 +483,25 @@ def check_objective_case(fw, backend, case, rng):
         return
     u = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}[dtype]
     h2, w2 = data["h"].reshape(B * L, D), data["w"]
-    dz2, sl2 = dz.reshape(B * L, -1), slack.reshape(B * L, -1)
+    dz2 = dz.reshape(B * L, -1)
+    # d logits reach the matmuls rounded to the dtype: by u relative, or by half the
+    # subnormal spacing below its smallest normal number (float16: 2^-25 below 6.1e-5)
+    sl2 = slack.reshape(B * L, -1) + u * np.abs(dz2) + SUBNORMAL_ROUNDING[dtype]
     if not np.isfinite(_as_dtype_holds(dz2, dtype)).all():
         return  # the logits' gradient overflows the dtype: so do its products
     for name, got, exp, err in (
-            ("d hidden", d_h.reshape(B * L, D), dz2 @ w2, (u + case["k"] * 2.0 ** -24)
+            ("d hidden", d_h.reshape(B * L, D), dz2 @ w2, case["k"] * 2.0 ** -24
              * (np.abs(dz2) @ np.abs(w2)) + sl2 @ np.abs(w2)),
-            ("d weight", d_w, dz2.T @ h2, (u + B * L * 2.0 ** -24) * (np.abs(dz2.T) @ np.abs(h2))
+            ("d weight", d_w, dz2.T @ h2, B * L * 2.0 ** -24 * (np.abs(dz2.T) @ np.abs(h2))
              + sl2.T @ np.abs(h2)),
-            ("d bias", d_b, dz2.sum(0), (u + B * L * 2.0 ** -24) * np.abs(dz2).sum(0)
+            ("d bias", d_b, dz2.sum(0), B * L * 2.0 ** -24 * np.abs(dz2).sum(0)
              + sl2.sum(0))):
         assert_close(got, _as_dtype_holds(exp, dtype), dtype, name, slack=err)
+
+
+#: half the subnormal spacing of each dtype: a value below its smallest normal number
+#: rounds to within that, not to within the unit roundoff relative
+SUBNORMAL_ROUNDING = {"float32": 2.0 ** -150, "bfloat16": 2.0 ** -134, "float16": 2.0 ** -25}
 
 
 def sft_time_grad(case, data, z64, w64, alpha):

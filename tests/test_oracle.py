@@ -122,3 +122,30 @@ def test_saved_lse_slack_bounds_a_perturbed_backward(rng, T):
     if T < 1e-3:
         assert P["lse_all"][2] > 1e6 and p[2, 7] == 1.0
         assert slack[2, 7] < 2e-5 * abs(exact[2, 7]), (slack[2, 7], exact[2, 7])
+
+
+def test_oracle_exact_at_float32s_largest_logits():
+    """Ties far from 0 (logits near float32's largest, a saturated softcap): each
+    distribution still sums to 1, so the KL, entropy and gradients are those of the
+    closed form. A log-softmax formed as s - lse rounds log 3 away at |s| = 1e33 (every
+    tied column got probability 1: a KL 3x too large)."""
+    u = np.array([[6e36, 6e36, 6e36, -3e38]])  # q uniform over the first three
+    z = np.array([[-1.9e37, 2.5e36, -2e37, -3e38]])  # p one-hot on column 1
+    T = 1e4
+    _, logp, ent, kl = oracle.token_stats(z, np.array([0]), np.array([True]), u=u, T=T)
+    gap = (2.5e36 + 1.9e37) / T  # log p_0 = -gap
+    np.testing.assert_allclose(logp, [-gap], rtol=1e-15)
+    np.testing.assert_array_equal(ent, [0.0])
+    expected_kl = (gap + (2.5e36 + 2e37) / T) / 3 - np.log(3.0)
+    np.testing.assert_allclose(kl, [expected_kl], rtol=1e-15)
+    g = [np.zeros(1), np.zeros(1), np.zeros(1), np.ones(1)]
+    dz, du = oracle.token_stats_vjp(z, np.array([0]), np.array([True]), g, u=u, T=T)
+    np.testing.assert_allclose(dz, [[-1 / 3 / T, 2 / 3 / T, -1 / 3 / T, 0.0]], rtol=1e-15)
+    # d KL / d u_k = q_k·(log q_k - log p_k - KL) / T
+    lq_lp = np.array([-np.log(3) + gap, -np.log(3), -np.log(3) + (2.5e36 + 2e37) / T])
+    np.testing.assert_allclose(du[0, :3], (lq_lp - expected_kl) / 3 / T, rtol=1e-12)
+    assert du[0, 3] == 0.0
+    # a softcap saturating at c: tied student logits at 1e30 share the probability
+    _, _, ent, _ = oracle.token_stats(np.array([[np.inf, np.inf, 0.0]]), np.array([2]),
+                                      np.array([True]), softcap=1e30)
+    np.testing.assert_allclose(ent, [np.log(2.0)], rtol=1e-15)

@@ -602,6 +602,27 @@ class TokenStatsSuite:
         assert_close(grad, dz, "float32", "d logits",
                      slack=oracle.saved_lse_slack(z64, y, active, g, softcap=softcap))
 
+    @pytest.mark.parametrize("softcap", [1e-3, 1.0])
+    def test_softcap_derivative_near_saturation(self, rng, softcap):
+        """cap'(z) = 1 - tanh²(z / c) to float32's relative precision where tanh saturates
+        (|z / c| from 4 to 12: cap' from 1.3e-3 down to 1.5e-10). Formed as 1 - th² from a
+        float32 th it is known only to float32's absolute precision, 6e-8: 100 % off past
+        |z / c| = 9, where th rounds to 1. A large cotangent of the lse puts d logits =
+        g·p·cap' / T far above the absolute floor."""
+        fw, n, k = self.fw, 3, 37
+        x = rng.uniform(4.0, 12.0, (n, k)) * rng.choice([-1.0, 1.0], (n, k))
+        z64 = fw.numpy(fw.array(x * softcap, "float32"))
+        y = rng.integers(0, k, n)
+        g = [np.full(n, 1e9, np.float32)] + [np.zeros(n, np.float32)] * 3
+        fn = lambda z_: fw.api.token_stats(z_, fw.array(y), softcap=softcap,  # noqa: E731
+                                           backend=self.BACKEND)[:1]
+        _, (grad,) = fw.vjp(fn, [fw.array(z64, "float32")], g[:1])
+        active = np.ones(n, bool)
+        dz, _ = oracle.token_stats_vjp(z64, y, active, g, softcap=softcap)
+        cap = np.cosh(z64 / softcap) ** -2.0
+        assert_close(grad, dz, "float32", "d logits",
+                     slack=cap * oracle.saved_lse_slack(z64, y, active, g, softcap=softcap))
+
     def test_weights_none_means_all_active(self, rng):
         fw = self.fw
         z64 = rng.normal(size=(5, 33))

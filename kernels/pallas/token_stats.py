@@ -114,7 +114,17 @@ def _cap(z, softcap):
     q = TANH_SERIES[-1]
     for coef in TANH_SERIES[-2::-1]:
         q = q * u + coef
-    return jnp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q), jnp.tanh(x) * softcap)
+    e = jnp.exp(-2.0 * jnp.abs(x))
+    th = (1.0 - e) / (1.0 + e)  # tanh(|x|) from one exp, as the host and Triton form it
+    return jnp.where(u < TANH_SERIES_BOUND ** 2, z + z * (u * q),
+                     jnp.where(x < 0, -th, th) * softcap)
+
+
+def _cap_slope(z, softcap):
+    """cap'(z) = 1 - tanh²(z/c) = 4e / (1 + e)², e = e^{-2|z/c|}: precise relative to itself
+    (1 - th² from a rounded th is precise only to float32's absolute 6e-8)."""
+    e = jnp.exp(-2.0 * jnp.abs(z / softcap))
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
 def _shifted(z, cols, x, d, softcap, has_shift):
@@ -399,8 +409,7 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     # the target column (compared in block-local ids: one per-row subtraction, not one per element)
     dr = dr + jnp.where(iota == y - offset - kb * bk, g_y, 0.0)
     if softcap is not None:
-        th = jnp.tanh(z / softcap)
-        dr = dr * (1.0 - th * th)
+        dr = dr * _cap_slope(z, softcap)
     return jnp.where(keep, dr, 0.0), du
 
 
