@@ -577,3 +577,47 @@ def test_triton_vocab_blocks_match_whole_vocabulary(rng, monkeypatch):
     blocked = grads()
     for name, g1, g2 in zip(("hidden", "weight", "bias"), whole, blocked):
         assert_close(fw.numpy(g2.float()), fw.numpy(g1.float()), "bfloat16", f"d {name}")
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_planned_gradient_of_a_float16_head_keeps_its_digits_at_any_weight_scale(rng, fw_name):
+    """opd_loss's gradient is formed in the forward in the head's dtype, its scale taken out
+    when far from 1 (``_frontend.unit_coefficients``). At T = 1e3 over K = 2^15 columns each
+    d logit is about |p - q| ~ 1e-6 of that scale: brought to 1, a float16 dZ was subnormal
+    and lost its digits (loss weights of 1e30 or 1e-30: d weight off by 1e-5 where weights
+    of 1 were exact). The loss is invariant to the weights' scale, so are its gradients."""
+    fw = framework(fw_name)
+    api = fw.api
+    n, k, d = 6, 2 ** 15, 8
+    h = rng.normal(size=(1, n, d)).astype(np.float32)
+    w = (rng.normal(size=(k, d)) * 0.5).astype(np.float32)  # [K, D]
+    teacher = rng.normal(size=(1, n, k)).astype(np.float32) * 3.0
+    y = rng.integers(0, k, (1, n))
+    layout = api.LinearHead.DEFAULT_LAYOUT
+
+    def d_weight(scale):
+        ids = fw.array(y)
+        student = api.DiffusionTokenBatch.create(
+            model_inputs={"input_tokens": ids}, target_ids=ids,
+            loss_weights=fw.array(np.full((1, n), scale, np.float32)))
+        batch = api.DiffusionDistillationBatch.create(student_batch=student,
+                                                      teacher_logits=fw.array(teacher))
+        hidden = fw.array(h, "float16")
+
+        def loss(weight):
+            head = api.LinearHead(hidden, weight)
+            total, _ = api.opd_loss(head, batch, temperature=1e3, backend="chunked")
+            return total.compute()
+
+        weight = fw.array(w if layout == "KD" else w.T, "float16")
+        if fw_name == "torch":
+            weight.requires_grad_(True)
+            (g,) = fw.torch.autograd.grad(loss(weight).float(), weight)
+        else:
+            g = fw.jax.grad(lambda v: loss(v).astype(fw.jnp.float32))(weight)
+        return fw.numpy(g).astype(np.float64)
+
+    unit = d_weight(1.0)
+    assert np.abs(unit).max() > 0
+    for scale in (1e30, 1e-30):
+        assert_close(d_weight(scale), unit, "float16", f"d weight at loss weights {scale:g}")

@@ -54,6 +54,10 @@ def _array_of(logits):
 
 #: the range of a planned gradient's scale a 16-bit dZ holds with its full precision
 PLANNED_SCALE_RANGE = (2.0 ** -14, 2.0 ** 14)
+#: the scale a planned gradient outside that range is brought to: near its top, since a
+#: d logit is the scale times |p - q| or |δ - p|, often far below 1 (p ~ 1/K), and float16
+#: keeps its relative precision only from 6.1e-5 up (a subnormal dZ loses its digits)
+PLANNED_SCALE_TARGET = 2.0 ** 10
 
 
 def unit_coefficients(xp, coefficients, cfg):
@@ -76,7 +80,7 @@ def unit_coefficients(xp, coefficients, cfg):
         return None, coefficients
     low, high = PLANNED_SCALE_RANGE
     unit = xp.stop_gradient(xp.where((scale > 0) & ((scale < low) | (scale > high)),
-                                     scale, 1.0))
+                                     scale * (1.0 / PLANNED_SCALE_TARGET), 1.0))
     return unit, tuple(None if c is None else c / unit for c in coefficients)
 
 
