@@ -43,8 +43,8 @@ class ChunkedTorch(BackendBase):
         z = rows.logits
         n, k = z.shape
         if use_row_blocks(z) and n > 0:  # row blocks on single-threaded workers (_row_blocks)
-            parts = run_blocks(lambda r0, r1: _partial(_row_slice(rows, r0, r1), cfg, offset,
-                                                       TILE_BYTES), n)
+            parts = run_blocks(lambda r0, r1: _block_partial(_row_slice(rows, r0, r1), cfg,
+                                                             offset), n)
             state = stats_math.State(*(torch.cat(f) for f in zip(*parts)))
         else:
             state = _partial(rows, cfg, offset)
@@ -114,6 +114,54 @@ def _partial(rows, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
         part = stats_math.chunk_partial(xp, chunk, cols, stats_math.column_mask(xp, cols, cfg), cfg)
         state = part if state is None else stats_math.merge(xp, state, part, cfg)
     return state
+
+
+def _block_partial(rows, cfg, offset):
+    """The State of one row block: ``_tile_partial`` where it applies, else the chunk loop
+    in cache-sized tiles."""
+    state = _tile_partial(rows, cfg, offset) if _fast_partial(cfg) else None
+    return _partial(rows, cfg, offset, TILE_BYTES) if state is None else state
+
+
+def _fast_partial(cfg) -> bool:
+    """Whether ``_tile_partial`` covers cfg: CE and the SFT loss (shift, temperatures)."""
+    return (_fast_grads(cfg) and not cfg.has_teacher and not cfg.smoothing
+            and cfg.vocab_size is None)
+
+
+def _tile_partial(rows, cfg, offset):
+    """The State of ``_partial`` in two passes over the rows: their max m first (one read),
+    then Σ e^x (and Σ e^{x'}) relative to it, tile by tile in one float32 buffer (a
+    subtract, an exponential and a sum per logit): no per-chunk maxima to merge. The shift
+    enters the max at its column (r_x = z_x + d); a row with a negative (or NaN) shift could
+    have its max there hidden by the unshifted z_x, so such a block returns None (the chunk
+    loop instead)."""
+    z = rows.logits
+    n, k = z.shape
+    m = z.amax(dim=1).float()  # [N]
+    if rows.shift_ids is not None:
+        found, col = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
+        if not bool((~found | (rows.shift >= 0.0)).all()):  # CPU tensors: no device sync
+            return None
+        r_x = xp.gather_cols(z, col).float() + rows.shift
+        m = torch.where(found, torch.maximum(m, r_x), m)
+    ms = stats_math._safe(xp, m)[:, None]  # [N, 1]
+    a = torch.zeros(n)
+    a2 = torch.zeros(n) if cfg.separate_ce else a
+    chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
+    buf = torch.empty((n, chunks[0][1]), dtype=torch.float32)  # [N, C]
+    for c0, c1 in chunks:
+        t = buf[:, :c1 - c0]
+        torch.sub(z[:, c0:c1], ms, out=t)  # r - m
+        if rows.shift_ids is not None:
+            stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
+        if cfg.separate_ce:
+            a2 += torch.mul(t, 1.0 / cfg.ce_temperature).exp_().sum(dim=1)
+        if cfg.temperature != 1.0:
+            t.mul_(1.0 / cfg.temperature)
+        a += t.exp_().sum(dim=1)
+    zero = torch.zeros(n)
+    return stats_math.State(m, a, zero, a2, m, zero, zero, zero, zero)
 
 
 def _grads_into(dz, du, rows, stats, grads, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
