@@ -14,6 +14,7 @@ import torch
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from . import _chunked_sampling as chunked_sampling
+from ..kernels.series import PSI_COEFFS, PSI_SMALL
 from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from ._buffers import empty
@@ -124,9 +125,9 @@ def _block_partial(rows, cfg, offset):
 
 
 def _fast_partial(cfg) -> bool:
-    """Whether ``_tile_partial`` covers cfg: CE and the SFT loss (shift, temperatures)."""
-    return (_fast_grads(cfg) and not cfg.has_teacher and not cfg.smoothing
-            and cfg.vocab_size is None)
+    """Whether ``_tile_partial`` covers cfg: CE, the SFT loss and distillation (shift,
+    temperatures, a stop-gradient teacher)."""
+    return _fast_grads(cfg) and not cfg.smoothing and cfg.vocab_size is None
 
 
 def _tile_partial(rows, cfg, offset):
@@ -135,8 +136,9 @@ def _tile_partial(rows, cfg, offset):
     subtract, an exponential and a sum per logit): no per-chunk maxima to merge. The shift
     enters the max at its column (r_x = z_x + d); a row with a negative (or NaN) shift could
     have its max there hidden by the unshifted z_x, so such a block returns None (the chunk
-    loop instead)."""
-    z = rows.logits
+    loop instead). With a teacher, its sums (``stats_math.teacher_sums``, the same formulas)
+    are taken relative to the block's teacher max mu in preallocated tiles."""
+    z, u = rows.logits, rows.teacher
     n, k = z.shape
     m = z.amax(dim=1).float()  # [N]
     if rows.shift_ids is not None:
@@ -149,7 +151,16 @@ def _tile_partial(rows, cfg, offset):
     a = torch.zeros(n)
     a2 = torch.zeros(n) if cfg.separate_ce else a
     chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
-    buf = torch.empty((n, chunks[0][1]), dtype=torch.float32)  # [N, C]
+    width = chunks[0][1]
+    buf = torch.empty((n, width), dtype=torch.float32)  # [N, C]
+    zero = torch.zeros(n)
+    mu, au, cu, fu = m, zero, zero, zero
+    if cfg.has_teacher:
+        mu = u.amax(dim=1).float()
+        mus = stats_math._safe(xp, mu)[:, None]
+        au, cu, fu = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        e_b, y_b, eu_b, ct_b, s_b, f_b = torch.empty((6, n, width), dtype=torch.float32)
+        zero_t = torch.zeros(())
     for c0, c1 in chunks:
         t = buf[:, :c1 - c0]
         torch.sub(z[:, c0:c1], ms, out=t)  # r - m
@@ -159,9 +170,28 @@ def _tile_partial(rows, cfg, offset):
             a2 += torch.mul(t, 1.0 / cfg.ce_temperature).exp_().sum(dim=1)
         if cfg.temperature != 1.0:
             t.mul_(1.0 / cfg.temperature)
-        a += t.exp_().sum(dim=1)
-    zero = torch.zeros(n)
-    return stats_math.State(m, a, zero, a2, m, zero, zero, zero, zero)
+        if not cfg.has_teacher:
+            a += t.exp_().sum(dim=1)
+            continue
+        w = c1 - c0
+        e, y, eu, ct, sr, f = (v[:, :w] for v in (e_b, y_b, eu_b, ct_b, s_b, f_b))
+        a += torch.exp(t, out=e).sum(dim=1)  # e = e^x, t keeps x
+        torch.sub(u[:, c0:c1], mus, out=y)
+        if cfg.teacher_temperature != 1.0:
+            y.mul_(1.0 / cfg.teacher_temperature)  # x_u
+        au += torch.exp(y, out=eu).sum(dim=1)
+        y.sub_(t)  # y = x_u - x
+        torch.mul(eu, y, out=ct)
+        torch.where(eu > 0, ct, zero_t, out=ct)  # (y may be ±inf or NaN where q = 0)
+        cu += ct.sum(dim=1)
+        torch.mul(y, PSI_COEFFS[-1], out=sr).add_(PSI_COEFFS[-2])  # S(y) by Horner's rule
+        for coef in reversed(PSI_COEFFS[:-2]):
+            sr.mul_(y).add_(coef)
+        sr.mul_(y).mul_(ct)  # ct·y·S(y)
+        torch.sub(e, eu, out=f).add_(ct)  # ct + (w - eu)
+        torch.where(y.abs() < PSI_SMALL, sr, f, out=f)
+        fu += f.sum(dim=1)
+    return stats_math.State(m, a, zero, a2, mu, au, cu, fu, zero)
 
 
 def _grads_into(dz, du, rows, stats, grads, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
