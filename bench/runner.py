@@ -17,6 +17,7 @@ It prints a line per case with the time left, and at the end a summary; the full
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as _dt
 import gc
 import importlib.metadata
@@ -306,7 +307,8 @@ def vocab_parallel_comm(env):
 
 
 def markdown(env, copy_gbps, results, parity_rows):
-    lines = [f"Device: {env['device']} — {env['date'][:10]} — {env.get('threads', '?')} threads — "
+    lines = [f"Device: {env['device']} — {env['date'][:10]} — {env.get('threads', '?')} threads"
+             + (" — beside a busy-loop process on one core" if env.get("busy_core") else "") + " — "
              f"copy bandwidth {copy_gbps:.1f} GB/s (measured in the same run)", ""]
     lines += [f"Not timed: {line}" for line in env.get("missing_peers", [])]
     lines += ["Speed-ups compare ours with what users run instead (upstream: the loss written "
@@ -464,6 +466,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the run (default: torch's, usually the "
                         "cores); set and reported, so timings on a shared machine say it")
+    p.add_argument("--busy-core", action="store_true",
+                   help="time beside a competing process (a busy loop on one core), as on a "
+                        "shared machine; the report's name ends in -busy, to sit beside a "
+                        "quiet run's")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
@@ -479,6 +485,7 @@ def main(argv=None):
     else:
         env["threads"] = os.cpu_count()
     env["missing_peers"] = missing_peers(env, args.smoke)
+    env["busy_core"] = args.busy_core
     print(f"device: {env['device']}; threads: {env['threads']}; versions: {env['versions']}",
           flush=True)
     if args.reps is None:
@@ -504,7 +511,8 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
-    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
+    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else "")
+                        + ("-busy" if args.busy_core else ""))
 
     def save(**extra):  # after every case too: a run cut short by a timeout keeps what it measured
         report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
@@ -526,6 +534,10 @@ def main(argv=None):
                         + (len(sample_plan.shapes) * len(sample_plan.variants)
                            if sample_plan else 0))
     started = time.monotonic()
+    # the competitor: a busy loop for the rest of the run (killed when the process exits)
+    busy = (subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            if args.busy_core else None)
+    atexit.register(lambda: busy is not None and busy.poll() is None and busy.kill())
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
     # baselines the Triton issue asks for) before any JAX case.
     for fw, index, (label, n, k, dtype), obj, variant in cases:
