@@ -16,6 +16,7 @@ worker ran a block.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +27,8 @@ TILE_BYTES = 1024 * 1024  # one [R, C] float32 tile of a block
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
+# a forked child (a DataLoader worker) has none of the parent's threads: it starts its own
+os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def use_row_blocks(x: torch.Tensor) -> bool:
