@@ -31,7 +31,8 @@ def objective_loss(dk, objective, z, batch, backend):
 
 class TorchCase:
     """``variant``: a backend name, or "reference+compile" (torch.compile of the reference),
-    or "liger" (Liger-Kernel's cross entropy; ce only). Liger writes its gradient into the
+    "upstream" / "upstream+compile" (the materialised loss users write, bench/upstream.py,
+    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only). Liger writes its gradient into the
     logits during the forward pass, so after the first call its inputs hold gradients: the
     pass structure (and so the timing) is the same, the values are not meaningful."""
 
@@ -64,11 +65,18 @@ class TorchCase:
         self._loss = self._make_loss()
         self._graphs = {}
         # compiled backwards donate their buffers: no retain_graph, so bwd is derived there
-        self.separate_bwd = variant != "reference+compile"
+        self.separate_bwd = not variant.endswith("+compile")
 
     def _make_loss(self):
         dk, torch, obj = self.dk, self.torch, self.objective
         backend = "reference" if self.variant == "reference+compile" else self.variant
+        if self.variant.startswith("upstream"):
+            from .upstream import torch_loss
+
+            if self.variant == "upstream":
+                return lambda z, b: torch_loss(obj, z, b)
+            torch._dynamo.reset()  # a static graph per case (see reference+compile below)
+            return torch.compile(lambda z, b: torch_loss(obj, z, b), dynamic=False)
         if self.variant == "liger":
             from liger_kernel.transformers import LigerCrossEntropyLoss
 
@@ -116,7 +124,8 @@ class TorchCase:
 # -- JAX ---------------------------------------------------------------------------------------
 
 class JaxCase:
-    """``variant``: a backend name; every JAX case runs under ``jax.jit``. The backward time
+    """``variant``: a backend name, or "upstream" (bench/upstream.py: the materialised loss,
+    jitted ``jax.nn.log_softmax``); every JAX case runs under ``jax.jit``. The backward time
     is derived as time(value_and_grad) - time(forward) and labelled so."""
 
     framework = "jax"
@@ -142,6 +151,10 @@ class JaxCase:
             self.sets.append((z, b))
 
         def loss(z, b):
+            if variant == "upstream":
+                from .upstream import jax_loss
+
+                return jax_loss(objective, z, b)
             return objective_loss(dk, objective, z, b, variant)
 
         self._fwd = jax.jit(loss)

@@ -44,30 +44,50 @@ def _geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def summary(results, baseline="reference"):
-    """Lines of text: per (framework, objective, backend) other than the baseline, the
-    forward+backward speedup over it and how many times less peak memory beyond the inputs,
-    geometric means over the shapes where both have a number."""
+def ratio_words(speedup):
+    """A time ratio in words: base / ours = 1.9 -> "1.9x faster", 0.37 -> "2.7x slower"."""
+    if speedup >= 1:
+        return f"{speedup:.1f}x faster"
+    return f"{1 / speedup:.1f}x slower"
+
+
+def _memory_words(ratio):
+    """Peak memory of ours relative to a peer's: 1/9 -> "1/9 of its memory"."""
+    if ratio <= 1:
+        return f"1/{1 / ratio:.0f} of its memory" if ratio < 0.95 else "the same memory"
+    return f"{ratio:.1f}x its memory"
+
+
+def summary(results, peers=("reference", "reference+compile", "upstream", "upstream+compile",
+                            "liger"), oracle="reference"):
+    """Lines of text: per (framework, objective, backend of ours), forward+backward against
+    each peer a user would run instead (every name in ``peers`` but ``oracle``, our own
+    materialised parity backend), the strongest (fastest) peer first: time ratio and peak
+    memory beyond the inputs, geometric means over the shapes where both have a number."""
     rows = [r for r in results if r.get("mode") == "fwd+bwd" and "ms" in r]
     index = {(r["framework"], r["objective"], r["shape"], r["backend"]): r for r in rows}
     keys = sorted({(r["framework"], r["objective"], r["backend"]) for r in rows
-                   if r["backend"] != baseline}, key=lambda k: (k[0], k[1], k[2]))
-    lines = [f"Summary (forward+backward, vs the {baseline} backend; geometric mean over "
-             f"shapes):",
-             f"  {'framework':9s} {'objective':9s} {'backend':18s} {'speedup':>8s} "
-             f"{'memory':>14s}  shapes"]
+                   if r["backend"] not in peers})
+    lines = ["Summary (forward+backward against what users run instead, the strongest first; "
+             "geometric mean over shapes):"]
     for fw, obj, backend in keys:
-        speed, memory, shapes = [], [], []
-        for (f, o, shape, b), r in index.items():
-            base = index.get((f, o, shape, baseline))
-            if (f, o, b) != (fw, obj, backend) or base is None:
+        found = []
+        for peer in peers:
+            if peer == oracle:
                 continue
-            shapes.append(shape)
-            speed.append(base["ms"] / r["ms"] if r["ms"] > 0 else None)
-            if base.get("peak_bytes") and r.get("peak_bytes"):
-                memory.append(base["peak_bytes"] / r["peak_bytes"])
-        s, m = _geomean(speed), _geomean(memory)
-        mem = "-" if not m else (f"{m:.1f}x less" if m >= 1 else f"{1 / m:.1f}x more")
-        lines.append(f"  {fw:9s} {obj:9s} {backend:18s} {(f'{s:.2f}x' if s else '-'):>8s} "
-                     f"{mem:>14s}  {len(shapes)}")
+            speed, memory, shapes = [], [], []
+            for (f, o, shape, b), r in index.items():
+                base = index.get((f, o, shape, peer))
+                if (f, o, b) != (fw, obj, backend) or base is None or r["ms"] <= 0:
+                    continue
+                shapes.append(shape)
+                speed.append(base["ms"] / r["ms"])
+                if base.get("peak_bytes") and r.get("peak_bytes"):
+                    memory.append(r["peak_bytes"] / base["peak_bytes"])
+            s, m = _geomean(speed), _geomean(memory)
+            if s:
+                words = f"{ratio_words(s)} than {peer}" + (f", {_memory_words(m)}" if m else "")
+                found.append((s, f"{words} ({len(shapes)} shapes)"))
+        text = "; ".join(w for _, w in sorted(found)) if found else "no peer timed"
+        lines.append(f"  {fw:9s} {obj:9s} {backend:10s} {text}")
     return lines

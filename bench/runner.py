@@ -17,6 +17,7 @@ It prints a line per case with the time left, and at the end a summary; the full
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as _dt
 import gc
 import importlib.metadata
@@ -34,7 +35,7 @@ import numpy as np
 from . import shapes
 from .cases import JaxCase, TorchCase
 from .memory import cpu_peak_bytes, package_cwd
-from .progress import Progress, summary
+from .progress import Progress, ratio_words, summary
 from .timing import copy_bandwidth, copy_bandwidth_jax, measure
 
 
@@ -112,15 +113,22 @@ def skip_reason(env, variant, shape_index, elapsed_s, budget_s):
     return None
 
 
-def variants(env, framework, objective):
-    """(ours, [baselines]) for one framework on this device."""
+#: the rows that are not ours: our own materialised ``reference`` (a parity oracle, kept as a
+#: table row, out of the summary's comparisons) and what a user would run instead
+PEERS = ("reference", "reference+compile", "upstream", "upstream+compile", "liger")
+
+
+def variants(env, framework, objective, smoke=False):
+    """(ours, [baselines]) for one framework on this device: ``reference``, then the peers
+    a user would run instead (bench/upstream.py; torch.compile of it outside --smoke, where
+    its compile would take most of the run; Liger on a GPU)."""
     if framework == "torch":
         from dlm_kernels.torch._primitive import REGISTRY
 
         # the backends auto would use here, from the backend table (on a CPU the chunked
         # one alone: interpreters are not timed)
         native = list(REGISTRY.native("cuda" if env["cuda"] else "cpu"))
-        baselines = ["reference"]
+        baselines = ["reference", "upstream"] + ([] if smoke else ["upstream+compile"])
         if env["cuda"]:
             baselines.append("reference+compile")
             if objective == "ce" and _try_import("liger_kernel") is not None:
@@ -128,7 +136,20 @@ def variants(env, framework, objective):
         return native, baselines
     from dlm_kernels.jax._primitive import REGISTRY as JAX_REGISTRY
 
-    return list(JAX_REGISTRY.native(env["jax_backend"])), ["reference"]
+    return list(JAX_REGISTRY.native(env["jax_backend"])), ["reference", "upstream"]
+
+
+def missing_peers(env, smoke=False):
+    """Lines naming the peers this run does not time, and why."""
+    lines = []
+    if smoke:
+        lines.append("torch upstream+compile: not timed in --smoke (its compile takes the run)")
+    if not env["cuda"]:
+        lines.append("Liger, Cut Cross-Entropy: GPU kernels, not timed on a CPU "
+                     "(bench/gpu_check.sh)")
+    elif _try_import("liger_kernel") is None:
+        lines.append("Liger: not installed")
+    return lines
 
 
 # -- parity ---------------------------------------------------------------------------------------
@@ -286,8 +307,12 @@ def vocab_parallel_comm(env):
 
 
 def markdown(env, copy_gbps, results, parity_rows):
-    lines = [f"Device: {env['device']} — {env['date'][:10]} — copy bandwidth {copy_gbps:.1f} GB/s "
-             f"(measured in the same run)", ""]
+    lines = [f"Device: {env['device']} — {env['date'][:10]} — {env.get('threads', '?')} threads"
+             + (" — beside a busy-loop process on one core" if env.get("busy_core") else "") + " — "
+             f"copy bandwidth {copy_gbps:.1f} GB/s (measured in the same run)", ""]
+    lines += [f"Not timed: {line}" for line in env.get("missing_peers", [])]
+    lines += ["Speed-ups compare ours with what users run instead (upstream: the loss written "
+              "materialised, bench/upstream.py); `reference` is our parity oracle.", ""]
     bad = [p for p in parity_rows if not p["ok"]]
     seed = parity_rows[0]["seed"] if parity_rows else None
     lines.append(f"Parity vs reference (seed {seed}): "
@@ -296,7 +321,7 @@ def markdown(env, copy_gbps, results, parity_rows):
     # GPU runs: also the mean of the same calls back to back (bench/timing.py)
     b2b = any(r.get("back_to_back_ms") is not None for r in results)
     header = ["framework", "backend", "shape", "mode", "ms (p20-p80)"] + (["ms back to back"] if b2b else []) \
-        + ["GB/s", "% copy", "peak MiB beyond inputs", "vs reference", "vs reference+compile"]
+        + ["GB/s", "% copy", "peak MiB beyond inputs", "vs upstream", "vs upstream+compile"]
     row_of = lambda cells: "| " + " | ".join(cells) + " |"
     for obj in shapes.OBJECTIVES:
         rows = [r for r in results if r["objective"] == obj]
@@ -316,8 +341,8 @@ def markdown(env, copy_gbps, results, parity_rows):
             cells += [f"{r['gbps']:.1f}" if r["gbps"] else "-",
                       f"{r['pct_copy']:.0f}%" if r["pct_copy"] else "-",
                       f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"]
-            cells += ["%.2fx" % v if v else "-"
-                      for v in (r["speedup"].get(b) for b in ("reference", "reference+compile"))]
+            cells += [ratio_words(v) if v and r["backend"] not in PEERS else "-"
+                      for v in (r["speedup"].get(b) for b in ("upstream", "upstream+compile"))]
             lines.append(row_of(cells))
     return "\n".join(lines) + "\n"
 
@@ -438,13 +463,31 @@ def main(argv=None):
                    help="leave out the linear-head cases (bench/linear_head.py)")
     p.add_argument("--no-sampling", dest="sampling", action="store_false",
                    help="leave out the denoising step's cases (bench/sampling.py)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the run (default: torch's, usually the "
+                        "cores); set and reported, so timings on a shared machine say it")
+    p.add_argument("--busy-core", action="store_true",
+                   help="time beside a competing process (a busy loop on one core), as on a "
+                        "shared machine; the report's name ends in -busy, to sit beside a "
+                        "quiet run's")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
 
     share_gpu_with_torch(os.environ)
     env = detect()
-    print(f"device: {env['device']}; versions: {env['versions']}", flush=True)
+    if env["torch"]:
+        import torch
+
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        env["threads"] = torch.get_num_threads()
+    else:
+        env["threads"] = os.cpu_count()
+    env["missing_peers"] = missing_peers(env, args.smoke)
+    env["busy_core"] = args.busy_core
+    print(f"device: {env['device']}; threads: {env['threads']}; versions: {env['versions']}",
+          flush=True)
     if args.reps is None:
         args.reps = 10 if env["cuda"] else 5
     if env["cuda"]:
@@ -468,7 +511,8 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
-    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else ""))
+    stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else "")
+                        + ("-busy" if args.busy_core else ""))
 
     def save(**extra):  # after every case too: a run cut short by a timeout keeps what it measured
         report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
@@ -482,7 +526,7 @@ def main(argv=None):
     objectives = args.objectives.split(",")
     cases = [(fw, index, shape, obj, variant)
              for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
-             for variant in sum(variants(env, fw, obj), [])]
+             for variant in sum(variants(env, fw, obj, args.smoke), [])]
     head_plan = linear_head_plan(env, args.smoke, args.full) if args.linear_head else None
     sample_plan = sampling_plan(env, args.smoke, args.full) if args.sampling else None
     progress = Progress(len(cases) + (linear_head_cases(head_plan, frameworks)
@@ -490,6 +534,10 @@ def main(argv=None):
                         + (len(sample_plan.shapes) * len(sample_plan.variants)
                            if sample_plan else 0))
     started = time.monotonic()
+    # the competitor: a busy loop for the rest of the run (killed when the process exits)
+    busy = (subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            if args.busy_core else None)
+    atexit.register(lambda: busy is not None and busy.poll() is None and busy.kill())
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
     # baselines the Triton issue asks for) before any JAX case.
     for fw, index, (label, n, k, dtype), obj, variant in cases:
@@ -545,7 +593,7 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(table)
     png = plot(results, stem + ".png", head, env, draw)
-    print("\n".join(summary(results)), flush=True)
+    print("\n".join(summary(results, PEERS)), flush=True)
     if head is not None:
         print("\n".join(linear_head_summary(head)), flush=True)
     if draw is not None:

@@ -18,15 +18,19 @@ def test_bench_smoke(tmp_path):
                           "ce,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
                          check=True, capture_output=True, text=True).stdout
     steps = [line for line in out.splitlines() if line.startswith("[")]
-    n = len(steps)  # 4 cases x 2 frameworks, then the sampler's 2 (ours and the float32 step)
-    assert n == 10 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
+    n = len(steps)  # 6 cases x 2 frameworks (ours, reference, upstream), then the sampler's 2
+    assert n == 14 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
     assert all(" left | " in line for line in steps), steps
     summary = out[out.index("Summary (forward+backward"):].splitlines()
-    assert {tuple(line.split()[:3]) for line in summary[2:6]} == {
+    assert {tuple(line.split()[:3]) for line in summary[1:5]} == {
         ("torch", "ce", "chunked"), ("torch", "opd", "chunked"), ("jax", "ce", "chunked"),
         ("jax", "opd", "chunked")}, summary
+    # against the upstream loss (never our own reference), ratios in words: no "0.32x faster"
+    assert all(re.search(r"\d\.\dx (faster|slower) than upstream", line)
+               and "than reference" not in line for line in summary[1:5]), summary
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert report["copy_gbps"] > 0 and report["device"] and report["versions"]["numpy"]
+    assert report["threads"] >= 1 and f"threads: {report['threads']}" in out
     assert report["parity"] and all(p["ok"] for p in report["parity"])
     rows = [r for r in report["results"] if "ms" in r]
     assert {r["mode"] for r in rows} == {"fwd", "bwd", "fwd+bwd"}
@@ -122,6 +126,27 @@ def _same_loss_as_ours(variant, objective="ce"):
     (v_ours, g_ours), (v_peer, g_peer) = out
     assert_close(v_peer, v_ours, "float32", f"{variant} loss")
     assert_close(g_peer, g_ours, "float32", f"{variant} d logits")
+
+
+def test_upstream_baselines_time_our_loss(monkeypatch):
+    """The materialised upstream losses (bench/upstream.py), torch eager and JAX jitted, are
+    our loss and gradient for every objective (the torch.compile of the same function is the
+    same code)."""
+    import jax
+    import numpy as np
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.cases import JaxCase
+
+    for objective in ("ce", "policy", "opd"):
+        _same_loss_as_ours("upstream", objective)
+        grads = []
+        for name in ("chunked", "upstream"):
+            case = JaxCase(objective, name, 16, 257, "float32")
+            value, grad = case.fwdbwd(0)
+            grads.append((np.float64(value), np.asarray(grad, np.float64)))
+        assert_close(grads[1][0], grads[0][0], "float32", f"jax upstream {objective} loss")
+        assert_close(grads[1][1], grads[0][1], "float32", f"jax upstream {objective} d logits")
 
 
 def test_torch_compile_baseline_case(monkeypatch):

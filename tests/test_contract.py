@@ -124,6 +124,40 @@ def test_distillation_batch_validation(fw_name):
         fw.api.opd_loss(fw.array(np.zeros((2, 3, 12), np.float32)), batch)
 
 
+@pytest.mark.parametrize("fw_name", FWS)
+def test_teacher_check_reads_rows_not_a_float64_copy(fw_name, monkeypatch):
+    """The teacher-value check of opd_loss screens each row by its sum: a finite teacher
+    is never copied whole to the host as float64 (that copy doubled the teacher's memory and
+    took most of a CPU distillation forward); a finite row whose sum overflows (3e38 twice)
+    passes; an inf at an active position still raises, at an inactive one does not."""
+    from dlm_kernels import _checks
+
+    fw = framework(fw_name)
+    seen = []
+    real = _checks.host_values
+    monkeypatch.setattr(_checks, "host_values",
+                        lambda xp, x, *a: seen.append(tuple(x.shape)) or real(xp, x, *a))
+    weights = np.ones((2, 3), np.float32)
+    weights[1, 2] = 0.0
+    student = fw.api.DiffusionTokenBatch.create(**dict(good(fw), loss_weights=fw.array(weights)))
+    z = fw.array(np.zeros((2, 3, 11), np.float32))
+    teacher = np.zeros((2, 3, 11), np.float32)
+    teacher[1, 2, 5] = np.inf  # an inactive position
+
+    def loss(u):
+        batch = fw.api.DiffusionDistillationBatch.create(student_batch=student,
+                                                         teacher_logits=fw.array(u))
+        return fw.api.opd_loss(z, batch)
+
+    loss(teacher)
+    assert seen and (2, 3, 11) not in seen, seen  # the weights and the row sums only
+    teacher[0, 1, :2] = 3e38  # finite, its row sum is inf: read in full, and it passes
+    loss(teacher)
+    teacher[0, 0, 4] = -np.inf
+    with pytest.raises(ValueError, match="active teacher_logits must contain only finite values"):
+        loss(teacher)
+
+
 BAD_SCALARS = [
     (dict(temperature=0.0), "temperature"),
     (dict(temperature=-1.0), "temperature"),

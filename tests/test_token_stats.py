@@ -827,6 +827,38 @@ class TestTorchChunked(TorchInplaceChecks, TorchCompileChecks, ChunkedSuite):
         assert_close(fw.numpy(g1), fw.numpy(g2))
 
 
+class TestTorchChunkedRowBlocks:
+    """The CPU schedule of the torch chunked backend (``torch/_row_blocks.py``) with blocks of
+    5 rows over two workers and tiles of 128 columns: 12 rows make blocks of 5, 5 and 2,
+    K = 1271 ten tiles, the last ragged. Every feature the in-place tile gradient covers
+    (entropy off), and the general path (softcap, teacher gradient) in blocks, float32 and
+    bfloat16, inactive rows poisoned with NaN/inf."""
+
+    FW, BACKEND = "torch", "chunked"
+
+    @pytest.fixture(autouse=True)
+    def small_blocks(self, monkeypatch):
+        import torch
+
+        from dlm_kernels.torch import _chunked, _row_blocks
+
+        monkeypatch.setattr(_row_blocks, "ROW_BLOCK", 5)
+        monkeypatch.setattr(_chunked, "TILE_BYTES", 5 * 4 * 128)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # two workers even on a one-core runner
+        yield
+        torch.set_num_threads(threads)
+
+    @pytest.mark.parametrize("feature,dtype", [
+        ("plain", "float32"), ("temperature", "bfloat16"), ("ce_temperature", "float32"),
+        ("shift", "bfloat16"), ("teacher", "float32"), ("all", "float32")])
+    def test_row_blocks_match_the_oracle(self, rng, feature, dtype):
+        suite = TestTorchChunked()
+        case = make_case(suite.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
+        suite.check(case, rng, dtype, entropy=False)
+        suite.check(case, rng, dtype, chunk_size=300, entropy=feature == "all")
+
+
 class TestJaxReference(TokenStatsSuite):
     FW, BACKEND = "jax", "reference"
     SHAPE_DTYPES = ROTATED_SHAPE_DTYPES  # the oracle's twin: jnp casts, the same at any shape

@@ -426,10 +426,16 @@ def check_teacher_values(xp, teacher_logits, loss_weights):
 
     if is_head(teacher_logits):  # its logits are never built; a non-finite one gives NaN
         return
-    u = host_values(xp, teacher_logits)
     w = host_values(xp, loss_weights)
-    if u is None or w is None:
+    if w is None:
         return
+    # first each row's sum (one read of the logits, [...] floats to the host, no [..., K]
+    # float64 copy): a row with a NaN or inf sums to one; a finite row whose sum overflows
+    # is checked in full below
+    sums = host_values(xp, xp.rowsum(teacher_logits))
+    if sums is None or np.isfinite(sums)[w != 0].all():
+        return
+    u = host_values(xp, teacher_logits)  # [..., K] float64: only when a row may be bad
     bad = ~np.isfinite(u) & (w != 0)[..., None]
     if bad.any():
         _raise_first(bad, u, "active teacher_logits must contain only finite values")

@@ -14,10 +14,12 @@ import torch
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from . import _chunked_sampling as chunked_sampling
+from ..kernels.series import PSI_COEFFS, PSI_SMALL
 from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from ._buffers import empty
 from ._ops import TorchOps as xp
+from ._row_blocks import TILE_BYTES, row_blocks, run_blocks, use_row_blocks
 
 
 def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
@@ -39,14 +41,14 @@ class ChunkedTorch(BackendBase):
     @torch.no_grad()
     def forward_partial(rows, cfg, offset=0):
         # rows.logits, rows.teacher: [N, K] (one shard) -> (State, r_y, found) of [N] f32
-        z, u = rows.logits, rows.teacher
+        z = rows.logits
         n, k = z.shape
-        state = None
-        for c0, c1 in _chunks(n, k, cfg, z.device):
-            cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
-            chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
-            part = stats_math.chunk_partial(xp, chunk, cols, stats_math.column_mask(xp, cols, cfg), cfg)
-            state = part if state is None else stats_math.merge(xp, state, part, cfg)
+        if use_row_blocks(z) and n > 0:  # row blocks on single-threaded workers (_row_blocks)
+            parts = run_blocks(lambda r0, r1: _block_partial(_row_slice(rows, r0, r1), cfg,
+                                                             offset), n)
+            state = stats_math.State(*(torch.cat(f) for f in zip(*parts)))
+        else:
+            state = _partial(rows, cfg, offset)
         return (state, *stats_math.target_logit(xp, rows, cfg, offset))
 
     @classmethod
@@ -62,13 +64,21 @@ class ChunkedTorch(BackendBase):
         n, k = z.shape
         dz = z if inplace else empty(z.shape, z.dtype, z.device)
         du = empty(u.shape, u.dtype, u.device) if cfg.teacher_grad else None
-        for c0, c1 in _chunks(n, k, cfg, z.device):
-            cols = torch.arange(offset + c0, offset + c1, device=z.device)
-            chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
-            gz, gu = stats_math.chunk_grads(xp, chunk, cols, stats, grads, cfg)
-            dz[:, c0:c1] = gz
-            if du is not None:
-                du[:, c0:c1] = gu
+        if not use_row_blocks(z):
+            _grads_into(dz, du, rows, stats, grads, cfg, offset)
+            return dz, du
+
+        def block(r0, r1):
+            sl = slice(r0, r1)
+            part = (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
+                    tuple(g[sl] for g in grads))
+            if _fast_grads(cfg):
+                _tile_grads_into(dz[sl], *part, cfg, offset)
+            else:
+                _grads_into(dz[sl], None if du is None else du[sl], *part, cfg, offset,
+                            TILE_BYTES)
+
+        run_blocks(block, n)
         return dz, du
 
     @staticmethod
@@ -87,6 +97,192 @@ class ChunkedTorch(BackendBase):
             part = sampling.chunk_state(xp, s, sd, cols, keys, cfg)
             state = part if state is None else sampling.merge_state(xp, state, part, cfg)
         return sampling.finalize(xp, state, keys, cfg)
+
+
+def _row_slice(rows, r0, r1):
+    """The bundle's rows [r0, r1) (every field is per row, or None)."""
+    return type(rows)(*(None if f is None else f[r0:r1] for f in rows))
+
+
+def _partial(rows, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
+    """The merged partial State of rows over all their chunks (the plain chunk loop)."""
+    z, u = rows.logits, rows.teacher
+    n, k = z.shape
+    state = None
+    for c0, c1 in _chunks(n, k, cfg, z.device, cpu_bytes):
+        cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
+        chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
+        part = stats_math.chunk_partial(xp, chunk, cols, stats_math.column_mask(xp, cols, cfg), cfg)
+        state = part if state is None else stats_math.merge(xp, state, part, cfg)
+    return state
+
+
+def _block_partial(rows, cfg, offset):
+    """The State of one row block: ``_tile_partial`` where it applies, else the chunk loop
+    in cache-sized tiles."""
+    state = _tile_partial(rows, cfg, offset) if _fast_partial(cfg) else None
+    return _partial(rows, cfg, offset, TILE_BYTES) if state is None else state
+
+
+def _fast_partial(cfg) -> bool:
+    """Whether ``_tile_partial`` covers cfg: CE, the SFT loss and distillation (shift,
+    temperatures, a stop-gradient teacher)."""
+    return _fast_grads(cfg) and not cfg.smoothing and cfg.vocab_size is None
+
+
+def _tile_partial(rows, cfg, offset):
+    """The State of ``_partial`` in two passes over the rows: their max m first (one read),
+    then Σ e^x (and Σ e^{x'}) relative to it, tile by tile in one float32 buffer (a
+    subtract, an exponential and a sum per logit): no per-chunk maxima to merge. The shift
+    enters the max at its column (r_x = z_x + d); a row with a negative (or NaN) shift could
+    have its max there hidden by the unshifted z_x, so such a block returns None (the chunk
+    loop instead). With a teacher, its sums (``stats_math.teacher_sums``, the same formulas)
+    are taken relative to the block's teacher max mu in preallocated tiles."""
+    z, u = rows.logits, rows.teacher
+    n, k = z.shape
+    m = z.amax(dim=1).float()  # [N]
+    if rows.shift_ids is not None:
+        found, col = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
+        if not bool((~found | (rows.shift >= 0.0)).all()):  # CPU tensors: no device sync
+            return None
+        r_x = xp.gather_cols(z, col).float() + rows.shift
+        m = torch.where(found, torch.maximum(m, r_x), m)
+    ms = stats_math._safe(xp, m)[:, None]  # [N, 1]
+    a = torch.zeros(n)
+    a2 = torch.zeros(n) if cfg.separate_ce else a
+    chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
+    width = chunks[0][1]
+    buf = torch.empty((n, width), dtype=torch.float32)  # [N, C]
+    zero = torch.zeros(n)
+    mu, au, cu, fu = m, zero, zero, zero
+    if cfg.has_teacher:
+        mu = u.amax(dim=1).float()
+        mus = stats_math._safe(xp, mu)[:, None]
+        au, cu, fu = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        e_b, y_b, eu_b, ct_b, s_b, f_b = torch.empty((6, n, width), dtype=torch.float32)
+        zero_t = torch.zeros(())
+    for c0, c1 in chunks:
+        t = buf[:, :c1 - c0]
+        torch.sub(z[:, c0:c1], ms, out=t)  # r - m
+        if rows.shift_ids is not None:
+            stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
+        if cfg.separate_ce:
+            a2 += torch.mul(t, 1.0 / cfg.ce_temperature).exp_().sum(dim=1)
+        if cfg.temperature != 1.0:
+            t.mul_(1.0 / cfg.temperature)
+        if not cfg.has_teacher:
+            a += t.exp_().sum(dim=1)
+            continue
+        w = c1 - c0
+        e, y, eu, ct, sr, f = (v[:, :w] for v in (e_b, y_b, eu_b, ct_b, s_b, f_b))
+        a += torch.exp(t, out=e).sum(dim=1)  # e = e^x, t keeps x
+        torch.sub(u[:, c0:c1], mus, out=y)
+        if cfg.teacher_temperature != 1.0:
+            y.mul_(1.0 / cfg.teacher_temperature)  # x_u
+        au += torch.exp(y, out=eu).sum(dim=1)
+        y.sub_(t)  # y = x_u - x
+        torch.mul(eu, y, out=ct)
+        torch.where(eu > 0, ct, zero_t, out=ct)  # (y may be ±inf or NaN where q = 0)
+        cu += ct.sum(dim=1)
+        torch.mul(y, PSI_COEFFS[-1], out=sr).add_(PSI_COEFFS[-2])  # S(y) by Horner's rule
+        for coef in reversed(PSI_COEFFS[:-2]):
+            sr.mul_(y).add_(coef)
+        sr.mul_(y).mul_(ct)  # ct·y·S(y)
+        torch.sub(e, eu, out=f).add_(ct)  # ct + (w - eu)
+        torch.where(y.abs() < PSI_SMALL, sr, f, out=f)
+        fu += f.sum(dim=1)
+    return stats_math.State(m, a, zero, a2, mu, au, cu, fu, zero)
+
+
+def _grads_into(dz, du, rows, stats, grads, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
+    """Writes d(logits) (and d(teacher)) of rows into dz, du [N, K], chunk by chunk
+    (``stats_math.chunk_grads``: the general path, every feature)."""
+    z, u = rows.logits, rows.teacher
+    n, k = z.shape
+    for c0, c1 in _chunks(n, k, cfg, z.device, cpu_bytes):
+        cols = torch.arange(offset + c0, offset + c1, device=z.device)
+        chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
+        gz, gu = stats_math.chunk_grads(xp, chunk, cols, stats, grads, cfg)
+        dz[:, c0:c1] = gz
+        if du is not None:
+            du[:, c0:c1] = gu
+
+
+def _fast_grads(cfg) -> bool:
+    """Whether ``_tile_grads_into`` covers cfg: CE, the SFT loss and distillation (shift,
+    temperatures, a stop-gradient teacher, label smoothing, z-loss, padding columns); the
+    entropy, softcap and teacher gradient take the general path."""
+    return not cfg.entropy and cfg.softcap is None and not cfg.teacher_grad
+
+
+def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
+    """The gradient of ``stats_math.chunk_grads`` (without entropy, softcap or teacher
+    gradient) written tile by tile in place: with p = e^x·e^{-la}, q = e^{x_u}·e^{-la_u} and
+    p' = e^{x'}·e^{-la_ce} (x = (r - m)/T, x_u = (u - mu)/T_kl, x' = (r - m)/T_ce; no
+    difference of scaled logits, as there),
+
+        dr = e^x·A + e^{x_u}·B + e^{x'}·C + g_u + g_y·[k == y]
+
+    with the per-row A = (g_lse/T - g_p [p' = p] + g_kl/T)·e^{-la}, B = -g_kl/T·e^{-la_u},
+    C = -g_p·e^{-la_ce}: a subtract, an exponential and a multiply per logit for CE (each
+    an in-place pass over one cached [R, C] tile), one more exponential and fused
+    multiply-add per extra distribution. Inactive rows and padding columns get exact zeros.
+    dz: [R, K] rows of the output (a float32 view is written directly)."""
+    z, u = rows.logits, rows.teacher
+    n, k = z.shape
+    g_lse, g_lp, g_h, g_kl = grads
+    inv_t = 1.0 / cfg.temperature
+    g_y, g_u, g_p = stats_math.ce_coefficients(xp, g_lp, stats, cfg)  # [N] each
+    live = rows.active
+    all_live = bool(live.all())  # a CPU tensor: no device sync
+    zero = torch.zeros((), dtype=torch.float32)
+    live_of = lambda v: torch.where(live, v, zero)[:, None]  # noqa: E731  [N, 1]
+    coef = g_lse * inv_t
+    if not cfg.separate_ce:
+        coef = coef - g_p
+    if cfg.has_teacher:
+        coef = coef + g_kl * inv_t
+        b = live_of(-(g_kl * inv_t) * torch.exp(-stats.la_u))
+        mu = stats.mu[:, None]
+    a = live_of(coef * torch.exp(-stats.la))
+    c = live_of(-g_p * torch.exp(-stats.la_ce)) if cfg.separate_ce else None
+    g_u = None if g_u is None else live_of(g_u)
+    g_y = torch.where(live, g_y, zero)
+    m = stats.m[:, None]
+    direct = dz.dtype == torch.float32
+    limit = k if cfg.vocab_size is None else max(0, min(k, cfg.vocab_size - offset))
+    for c0, c1 in _chunks(n, k, cfg, z.device, TILE_BYTES):
+        out = dz[:, c0:c1]
+        if c0 >= limit:  # padding columns only
+            out.zero_()
+            continue
+        t = out if direct else torch.empty(out.shape, dtype=torch.float32)  # [R, C]
+        torch.sub(z[:, c0:c1], m, out=t)  # r - m (the shift lands below, at one column)
+        if rows.shift_ids is not None:
+            stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
+        e2 = None
+        if cfg.separate_ce:
+            e2 = torch.mul(t, 1.0 / cfg.ce_temperature).exp_()  # e^{x'}
+        if cfg.temperature != 1.0:
+            t.mul_(inv_t)
+        t.exp_()  # e^x
+        t.mul_(a)
+        if cfg.has_teacher:
+            eu = torch.sub(u[:, c0:c1], mu)
+            if cfg.teacher_temperature != 1.0:
+                eu.mul_(1.0 / cfg.teacher_temperature)
+            t.addcmul_(eu.exp_(), b)
+        if e2 is not None:
+            t.addcmul_(e2, c)
+        if g_u is not None:
+            t.add_(g_u)
+        stats_math._add_at(xp, t, rows.targets, offset + c0, g_y)
+        if not all_live:  # e^x of a NaN or inf logit times 0 is NaN: exact zeros instead
+            t.masked_fill_(~live[:, None], 0.0)
+        if c1 > limit:
+            t[:, limit - c0:] = 0.0
+        if not direct:
+            out.copy_(t)
 
 
 IMPLEMENTATION = ChunkedTorch()

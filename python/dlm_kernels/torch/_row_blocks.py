@@ -1,0 +1,77 @@
+"""The chunked backend's CPU schedule: row blocks on single-threaded workers.
+
+An eager chunk loop runs a few ATen ops per [N, C] chunk, each one OpenMP parallel region
+over the intra-op threads. On a shared CPU every region waits for its slowest thread, and a
+thread the scheduler has parked stalls them all: bench/NOTES.md ("The torch chunked path on
+a CPU") measured the same backward 5x slower at 2 intra-op threads than at 1 under load.
+Here the rows are cut into blocks of ``ROW_BLOCK`` rows; ``torch.get_num_threads()``
+persistent workers, each with one intra-op thread (no parallel region, no barrier), take
+blocks from one queue, so a worker that loses its core takes fewer blocks instead of
+stalling the others. A block's [R, C] tiles stay in the core's cache (``TILE_BYTES``).
+
+Only for CPU tensors outside tracing (``use_row_blocks``): accelerators and torch.compile
+keep the plain chunk loop. Blocks are independent rows, so results do not depend on which
+worker ran a block.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROW_BLOCK = 64
+TILE_BYTES = 1024 * 1024  # one [R, C] float32 tile of a block
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+# a forked child (a DataLoader worker) has none of the parent's threads: it starts its own
+os.register_at_fork(after_in_child=_POOLS.clear)
+
+
+def use_row_blocks(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _one_thread(barrier: threading.Barrier) -> None:
+    torch.set_num_threads(1)  # this worker's OpenMP team size (a per-thread setting)
+    barrier.wait()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A persistent pool of ``workers`` threads, each set to one intra-op thread. Setting
+    it also resets torch's process-wide default for new threads, which is put back."""
+    with _POOL_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            caller = torch.get_num_threads()
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="dlm-rows")
+            barrier = threading.Barrier(workers + 1)
+            for _ in range(workers):  # each waits at the barrier: all threads start
+                pool.submit(_one_thread, barrier)
+            barrier.wait()
+            torch.set_num_threads(caller)
+            _POOLS[workers] = pool
+        return pool
+
+
+def row_blocks(n: int) -> list[tuple[int, int]]:
+    return [(r0, min(r0 + ROW_BLOCK, n)) for r0 in range(0, n, ROW_BLOCK)]
+
+
+def _no_grad(fn, r0: int, r1: int):
+    with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach here
+        return fn(r0, r1)
+
+
+def run_blocks(fn, n: int) -> list:
+    """[fn(r0, r1) for each row block] under no_grad, the blocks shared out over the
+    workers."""
+    blocks = row_blocks(n)
+    workers = min(torch.get_num_threads(), len(blocks))
+    if workers <= 1:
+        return [_no_grad(fn, r0, r1) for r0, r1 in blocks]
+    pool = _pool(workers)
+    return [f.result() for f in [pool.submit(_no_grad, fn, r0, r1) for r0, r1 in blocks]]
