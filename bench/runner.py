@@ -35,6 +35,7 @@ import numpy as np
 from . import shapes
 from .cases import JaxCase, TorchCase
 from .memory import cpu_peak_bytes, package_cwd
+from .plot import plot
 from .progress import Progress, ratio_words, summary
 from .timing import copy_bandwidth, copy_bandwidth_jax, measure
 
@@ -345,102 +346,6 @@ def markdown(env, copy_gbps, results, parity_rows):
                       for v in (r["speedup"].get(b) for b in ("upstream", "upstream+compile"))]
             lines.append(row_of(cells))
     return "\n".join(lines) + "\n"
-
-
-def plot(results, path, head=None, env=None, draw=None):
-    """One row of two panels per objective (forward+backward time on a log scale, peak memory
-    beyond the inputs), one series per (framework, backend, dtype) over the vocabularies
-    measured; then a row of bars for the linear head's variants and one for the denoising
-    step's (``draw``: bench/sampling.py's report) where they ran. Returns the path, or None
-    when nothing was timed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in results if r["mode"] == "fwd+bwd" and "ms" in r]
-    objectives = [o for o in shapes.OBJECTIVES if any(r["objective"] == o for r in rows)]
-    head_rows = [r for r in (head or {}).get("results", [])
-                 if r["mode"] == "fwd+bwd" and "ms" in r and not r.get("scaling")]
-    draw_rows = [r for r in (draw or {}).get("results", []) if "ms" in r]
-    n_rows = len(objectives) + bool(head_rows) + bool(draw_rows)
-    if not n_rows:
-        return None
-    from matplotlib.ticker import FuncFormatter
-
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    # minor ticks of a log axis: label 2 and 5 of each decade only
-    sparse = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else "")
-    fig, axes = plt.subplots(n_rows, 2, figsize=(12, 3.6 * n_rows), squeeze=False)
-    # colour: framework and backend; line: framework; marker: dtype
-    pairs = sorted({(r["framework"], r["backend"]) for r in rows})
-    colour = {pair: f"C{i % 10}" for i, pair in enumerate(pairs)}
-    line = {"torch": "-", "jax": "--"}
-    marker = {"float32": "o", "bfloat16": "s", "float16": "^"}
-    for (ax_t, ax_m), obj in zip(axes, objectives):
-        mine = [r for r in rows if r["objective"] == obj]
-        ns = sorted({r["n"] for r in mine})
-        for key in sorted({(r["framework"], r["backend"], r["dtype"]) for r in mine}):
-            pts = sorted((r["k"], r["ms"], r["peak_bytes"]) for r in mine
-                         if (r["framework"], r["backend"], r["dtype"]) == key)
-            style = dict(color=colour[key[:2]], linestyle=line.get(key[0], "-"),
-                         marker=marker.get(key[2], "o"), label=" ".join(key))
-            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], **style)
-            mem = [(p[0], p[2] / 2**20) for p in pts if p[2] is not None]
-            if mem:
-                ax_m.plot(*zip(*mem), **style)
-        ks = sorted({r["k"] for r in mine})
-        for ax in (ax_t, ax_m):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ks, [f"{k // 1024}k" if k >= 1024 else str(k) for k in ks])
-            ax.minorticks_off()
-            ax.set_xlabel("vocabulary K")
-            ax.grid(alpha=0.3)
-        ax_t.set_yscale("log")
-        ax_t.yaxis.set_major_formatter(plain)
-        ax_t.yaxis.set_minor_formatter(sparse)
-        ax_t.tick_params(axis="y", which="minor", labelsize=7)
-        ax_t.set_ylabel("ms (median, log scale)")
-        ax_t.set_title(f"{obj}: forward+backward time, N = {', '.join(map(str, ns))}")
-        ax_m.set_ylabel("MiB (torch: RSS growth;\nJAX: XLA temporaries)", fontsize=8)
-        ax_m.set_title(f"{obj}: peak memory beyond the inputs")
-        ax_t.legend(fontsize=7)
-    extra = []  # (time title, memory title, labels, rows) of each bar row
-    if head_rows:
-        s = head["shape"]
-        extra.append((f"linear head: N = {s['n']}, D = {s['d']}, K = {s['k']}, {s['dtype']}, "
-                      "forward+backward", "linear head: peak beyond inputs and gradients",
-                      [f"{r['framework']} {r['backend']}" for r in head_rows], head_rows))
-    if draw_rows:
-        shape_of = lambda r: f"N = {r['n']}, K = {r['k']}, {r['dtype']}"  # noqa: E731
-        one = len({shape_of(r) for r in draw_rows}) == 1  # the shape in the title, else per bar
-        extra.append((f"denoising step: one draw{', ' + shape_of(draw_rows[0]) if one else ''}",
-                      "denoising step: peak beyond the logits",
-                      [r["variant"] if one else f"{r['variant']} ({shape_of(r)})"
-                       for r in draw_rows], draw_rows))
-    for (ax_t, ax_m), (t_title, m_title, labels, bars) in zip(axes[len(objectives):], extra):
-        ax_t.barh(labels, [r["ms"] for r in bars], color="tab:blue")
-        ax_t.set_xscale("log")
-        ax_t.xaxis.set_major_formatter(plain)
-        ax_t.xaxis.set_minor_formatter(sparse)
-        ax_t.tick_params(axis="x", which="minor", labelsize=7)
-        ax_t.set_xlabel("ms (median, log scale)")
-        ax_t.set_title(t_title)
-        peaks = [(lab, r["peak_bytes"] / 2**20) for lab, r in zip(labels, bars)
-                 if r.get("peak_bytes") is not None]
-        if peaks:
-            ax_m.barh(*zip(*peaks), color="tab:orange")
-        ax_m.set_xlabel("MiB")
-        ax_m.set_title(m_title)
-        for ax in (ax_t, ax_m):
-            ax.tick_params(axis="y", labelsize=7)
-            ax.grid(alpha=0.3, axis="x")
-    if env is not None:
-        fig.suptitle(f"dlm-kernels benchmark: {env['device']}, {env['date'][:10]}")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.12 / n_rows))  # room for the suptitle
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def main(argv=None):
