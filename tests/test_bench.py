@@ -414,3 +414,166 @@ def test_sampling_bench(tmp_path):
     table = open(tmp_path / "s.md").read()
     assert all(f"| {v} |" in table for v in variants), table
     assert re.search(r"\| upstream-step \|.*\| [0-9.]+x \|", table), table  # vs ours-step
+
+
+# -- the picture and the words (synthetic results: no timing) --------------------------------------
+
+def _synthetic_run(seed=0, ns=(256,), ks=(2048, 4096, 16384), objectives=("ce", "policy", "opd")):
+    """(results, head, draw) as a CPU quick run would report them, every peer included."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    backends = {"torch": ("chunked", "reference", "upstream", "upstream+compile"),
+                "jax": ("chunked", "reference", "upstream")}
+    kinds = {"torch": "VmHWM delta (own process)", "jax": "XLA temp bytes (memory_analysis)"}
+    results = []
+    for fw, names in backends.items():
+        for obj in objectives:
+            for n in ns:
+                for dtype in ("float32", "bfloat16"):
+                    for k in ks:
+                        for b in names:
+                            base = dict(framework=fw, objective=obj, backend=b, n=n, k=k,
+                                        dtype=dtype, shape=f"N{n}-K{k}-{dtype}")
+                            for mode in ("fwd", "bwd", "fwd+bwd"):
+                                scale = (1 if b == "chunked" else 3) * n * k / 2**17
+                                results.append(dict(
+                                    base, mode=mode, ms=float(scale * rng.uniform(0.8, 1.2)),
+                                    peak_bytes=int(scale * 2**20 * rng.uniform(1, 4)),
+                                    peak_kind=kinds[fw]))
+    head = dict(shape=dict(n=512, d=64, k=4096, dtype="float32"), results=[
+        dict(framework=fw, backend=b, mode="fwd+bwd", ms=float(rng.uniform(5, 30)),
+             peak_bytes=None if b == "tokamax" else int(rng.uniform(1, 40) * 2**20))
+        for fw, b in (("torch", "ours-ce"), ("torch", "unfused"), ("jax", "ours-ce"),
+                      ("jax", "tokamax"))])
+    # the denoising step as the quick run of 2026-12-01 measured it: times within one decade,
+    # where a log axis had two labels
+    draw = dict(results=[dict(variant=v, n=256, k=32768, dtype="float32", ms=ms,
+                              peak_bytes=None if mib is None else int(mib * 2**20))
+                         for v, ms, mib in (("ours", 73.6, 28.7), ("ours-jax", 86.5, None),
+                                            ("llada-float64", 206.9, 320.0),
+                                            ("float32", 94.7, 160.0))])
+    return results, head, draw
+
+
+def _rendered(monkeypatch, tmp_path, *run, env=None):
+    """The figure bench.runner.plot draws for ``run`` (results, head, draw), kept open."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    results, head, draw = run
+    env = env or dict(device="a CPU (2 cores)", date="2026-12-02")
+    assert plot(results, str(tmp_path / "p.png"), head, env, draw)
+    (fig,) = figures
+    fig.canvas.draw()
+    monkeypatch.undo()
+    return fig
+
+
+def _data_axes(fig):
+    return [ax for ax in fig.axes if ax.get_lines() or ax.patches]
+
+
+def test_plot_series_have_their_own_colour_and_marker(monkeypatch, tmp_path):
+    """Issue 30: a series is one backend and dtype; in a panel no two series share a colour or
+    a marker, and a series keeps its colour and marker in every panel (the peers too)."""
+    from matplotlib.colors import to_hex
+
+    fig = _rendered(monkeypatch, tmp_path, *_synthetic_run())
+    seen = {}
+    line_axes = [ax for ax in _data_axes(fig) if ax.get_lines()]
+    for ax in line_axes:
+        styles = [(line.get_label(), to_hex(line.get_color()), line.get_marker())
+                  for line in ax.get_lines()]
+        assert len({c for _, c, _ in styles}) == len(styles), (ax.get_title(), styles)
+        assert len({m for _, _, m in styles}) == len(styles), (ax.get_title(), styles)
+        assert len(styles) in (6, 8), styles  # jax: 3 backends x 2 dtypes; torch: 4 x 2
+        for label, colour, marker in styles:
+            assert seen.setdefault(label, (colour, marker)) == (colour, marker), label
+    assert len(line_axes) == 12  # 3 objectives x (time, memory) x (torch, jax)
+    assert {label.split()[0] for label in seen} == {
+        "chunked", "reference", "upstream", "upstream+compile"}, seen
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_plot_legends_sit_outside_the_data(monkeypatch, tmp_path):
+    fig = _rendered(monkeypatch, tmp_path, *_synthetic_run())
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+    assert len(legends) == 3  # one per row of lines
+    for legend in legends:
+        box = legend.get_window_extent()
+        for ax in _data_axes(fig):
+            assert not box.overlaps(ax.get_window_extent()), ax.get_title()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_plot_bars_carry_their_values(monkeypatch, tmp_path):
+    """The linear head's and the denoising step's bars, time and memory, each with its
+    number (or n/a) at its end; the step's time axis with readable tick labels."""
+    fig = _rendered(monkeypatch, tmp_path, *_synthetic_run())
+    bar_axes = [ax for ax in _data_axes(fig) if ax.patches]
+    assert len(bar_axes) == 4
+    for ax in bar_axes:  # at least 3 labels, one size, none over another
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()
+                  and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]]
+        assert len(labels) >= 3, (ax.get_title(), [t.get_text() for t in labels])
+        assert len({t.get_fontsize() for t in labels}) == 1, ax.get_title()
+        boxes = [t.get_window_extent() for t in labels]
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    for ax in bar_axes:
+        texts = [t.get_text() for t in ax.texts]
+        assert len(texts) == len(ax.patches), (ax.get_title(), texts)
+        assert all(re.fullmatch(r"[0-9.]+ (ms|MiB)|n/a", t) for t in texts), texts
+    by_title = {ax.get_title(): ax for ax in bar_axes}
+    step = by_title["denoising step: N = 256, K = 32768, float32"]
+    assert sorted(t.get_text() for t in step.texts) == ["207 ms", "73.6 ms", "86.5 ms",
+                                                         "94.7 ms"]
+    memory = by_title["denoising step: peak beyond the logits"]
+    assert "n/a" in [t.get_text() for t in memory.texts]  # ours-jax: no peak
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_plot_a_row_per_n(monkeypatch, tmp_path):
+    """A GPU grid with two N: each line is a trend over K at one N (never zig-zags between
+    N), and a framework that timed nothing in a row says so."""
+    results, _, _ = _synthetic_run(ns=(16384, 4096), ks=(32768, 131072, 262144),
+                                   objectives=("ce",))
+    results = [r for r in results if r["framework"] == "torch" or r["n"] == 16384]
+    fig = _rendered(monkeypatch, tmp_path, results, None, None)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "ce, torch: fwd+bwd time, N = 16384" in titles
+    assert "ce, torch: fwd+bwd time, N = 4096" in titles
+    for ax in _data_axes(fig):
+        for line in ax.get_lines():
+            ks = list(line.get_xdata())
+            assert ks == sorted(set(ks)) and len(ks) == 3, (ax.get_title(), ks)
+    (empty,) = [ax for ax in fig.axes if ax.get_title() == "ce, jax: fwd+bwd time, N = 4096"]
+    assert [t.get_text() for t in empty.texts] == ["not timed"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
+    """At least 3 vocabularies per dtype in the quick CPU grid, at one N, none repeated."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import shapes as S
+
+    by_dtype = {}
+    for _, n, k, dtype in S.QUICK_CPU_SHAPES:
+        by_dtype.setdefault((n, dtype), []).append(k)
+    assert {dtype for _, dtype in by_dtype} == {"float32", "bfloat16"}
+    assert all(len(set(ks)) == len(ks) >= 3 for ks in by_dtype.values()), by_dtype
