@@ -540,7 +540,8 @@ def linear_head_cases(plan, frameworks):
 
 
 def linear_head_summary(head):
-    """One line per framework and variant: forward+backward time, TFLOP/s, vs unfused."""
+    """One line per framework and variant: forward+backward time, TFLOP/s, faster or slower
+    than the unfused pipeline."""
     rows = [r for r in head["results"] if r["mode"] == "fwd+bwd" and not r.get("scaling")]
     unfused = {r["framework"]: r for r in rows if r["backend"] == "unfused" and "ms" in r}
     s = head["shape"]
@@ -550,7 +551,8 @@ def linear_head_summary(head):
             lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['error'][:60]}")
             continue
         base = unfused.get(r["framework"])
-        vs = f"{base['ms'] / r['ms']:.2f}x vs unfused" if base and r["ms"] > 0 else ""
+        vs = (f"{ratio_words(base['ms'] / r['ms'])} than unfused"
+              if base and base is not r and r["ms"] > 0 else "")
         lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['ms']:9.1f} ms "
                      f"{(r['tflops'] or 0):7.2f} TFLOP/s  {vs}")
     return lines
@@ -579,7 +581,8 @@ def sampling_plan(env, smoke, full=False):
 
 
 def sampling_summary(draw):
-    """One line per shape and variant: time, GB/s of the one read, ours faster by."""
+    """One line per shape and variant: time, GB/s of the one read, how much faster or slower
+    ours is (ours-step for the whole step)."""
     lines = ["Denoising step (one draw over [N, K] logits):"]
     from .sampling import baseline
 
@@ -591,8 +594,8 @@ def sampling_summary(draw):
             lines.append(f"{what} {r['error'][:60]}")
             continue
         mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
-        vs = (f"{mine['variant']} {r['ms'] / mine['ms']:.2f}x faster"
-              if mine and r["variant"] != mine["variant"] else "")
+        vs = (f"{mine['variant']} {ratio_words(r['ms'] / mine['ms'])}"
+              if mine and r["variant"] != mine["variant"] and mine["ms"] > 0 else "")
         lines.append(f"{what} {r['ms']:9.1f} ms {r['gbps']:7.1f} GB/s  {vs}")
     return lines
 

@@ -36,6 +36,7 @@ import datetime as _dt
 import gc
 
 from .cli import add_common_args, write_outputs
+from .progress import ratio_words
 from .timing import copy_bandwidth, measure
 
 VARIANTS = ("ours", "ours-jax", "llada-float64", "llada+compile", "float32", "upstream-step",
@@ -247,7 +248,7 @@ def markdown(report):
     lines = [f"### denoising step (device: {report['device']}; {report['date']}; copy "
              f"bandwidth {report['copy_gbps']:.1f} GB/s measured in the same run)", "",
              "| N | K | dtype | variant | ms (p20-p80) | GB/s of the one read | % copy | "
-             "peak MiB beyond the logits | ours (ours-step for a step) faster by |",
+             "peak MiB beyond the logits | ours (ours-step for a step) against it |",
              "|---|---|---|---|---|---|---|---|---|"]
     ours = {(r["variant"], r["n"], r["k"], r["dtype"]): r for r in report["results"]
             if r["variant"] in ("ours", "ours-step") and "ms" in r}
@@ -257,7 +258,7 @@ def markdown(report):
             lines.append(f"{head} {r['error'][:100]} | | | | |")
             continue
         mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
-        ratio = (f"{r['ms'] / mine['ms']:.2f}x" if mine and r["variant"] != mine["variant"]
+        ratio = (ratio_words(r["ms"] / mine["ms"]) if mine and r["variant"] != mine["variant"]
                  else "-")
         peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] is not None else "n/a"
         lines.append(f"{head} {r['ms']:.1f} ({r['p20']:.1f}-{r['p80']:.1f}) | {r['gbps']:.1f} | "

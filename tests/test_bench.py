@@ -22,12 +22,13 @@ def test_bench_smoke(tmp_path):
     assert n == 14 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
     assert all(" left | " in line for line in steps), steps
     summary = out[out.index("Summary (forward+backward"):].splitlines()
-    assert {tuple(line.split()[:3]) for line in summary[1:5]} == {
-        ("torch", "ce", "chunked"), ("torch", "opd", "chunked"), ("jax", "ce", "chunked"),
-        ("jax", "opd", "chunked")}, summary
+    lead = [re.fullmatch(r"  (\w+) fwd\+bwd, (\w+) (\w+): (.*)", line) for line in summary[1:5]]
+    assert all(lead) and [m.groups()[:3] for m in lead] == [
+        ("CE", "torch", "chunked"), ("CE", "jax", "chunked"), ("OPD", "torch", "chunked"),
+        ("OPD", "jax", "chunked")], summary
     # against the upstream loss (never our own reference), ratios in words: no "0.32x faster"
-    assert all(re.search(r"\d\.\dx (faster|slower) than upstream", line)
-               and "than reference" not in line for line in summary[1:5]), summary
+    assert all(re.match(r"\d+\.\dx (faster|slower) than (eager PyTorch|jax\.jit) \(upstream\)",
+                        m.group(4)) for m in lead), summary
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert report["copy_gbps"] > 0 and report["device"] and report["versions"]["numpy"]
     assert report["threads"] >= 1 and f"threads: {report['threads']}" in out
@@ -413,7 +414,8 @@ def test_sampling_bench(tmp_path):
         assert r["peak_bytes"] is not None and r["peak_bytes"] >= 0
     table = open(tmp_path / "s.md").read()
     assert all(f"| {v} |" in table for v in variants), table
-    assert re.search(r"\| upstream-step \|.*\| [0-9.]+x \|", table), table  # vs ours-step
+    # ours-step against it, in words
+    assert re.search(r"\| upstream-step \|.*\| [0-9]+\.[0-9]x (faster|slower) \|", table), table
 
 
 # -- the picture and the words (synthetic results: no timing) --------------------------------------
@@ -565,6 +567,54 @@ def test_plot_a_row_per_n(monkeypatch, tmp_path):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_summary_leads_with_the_strongest_peer(monkeypatch):
+    """Issue 30: the closing summary leads, per objective, with ours against the fastest peer
+    a user would run instead (never our own reference), ratios in words."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.progress import summary
+    from bench.runner import PEERS
+
+    def row(fw, obj, backend, shape, ms, mib):
+        return dict(framework=fw, objective=obj, backend=backend, shape=shape, mode="fwd+bwd",
+                    ms=ms, peak_bytes=int(mib * 2**20))
+
+    results = [row("torch", "ce", "chunked", "a", 10.0, 1.0),
+               row("torch", "ce", "reference", "a", 5.0, 9.0),  # the oracle: not a peer
+               row("torch", "ce", "upstream", "a", 30.0, 12.0),
+               row("torch", "ce", "upstream+compile", "a", 13.0, 9.0),
+               row("jax", "ce", "chunked", "a", 20.0, 6.0),
+               row("jax", "ce", "upstream", "a", 10.0, 10.0),
+               row("torch", "opd", "chunked", "a", 8.0, 3.0)]
+    lines = summary(results, PEERS)
+    assert lines[1:4] == [
+        "  CE fwd+bwd, torch chunked: 1.3x faster than torch.compile (upstream+compile), "
+        "1/9 of its memory (1 shape)",
+        "  CE fwd+bwd, jax chunked: 2.0x slower than jax.jit (upstream), 60% of its memory "
+        "(1 shape)",
+        "  OPD fwd+bwd, torch chunked: no peer timed"], lines
+    assert "; 3.0x faster than eager PyTorch (upstream), 1/12 of its memory" in lines[5]
+    assert not any(re.search(r"\b0\.\d+x", line) for line in lines), lines
+
+
+def test_bar_summaries_say_faster_or_slower(monkeypatch):
+    """The linear head's and the denoising step's closing lines: "1.5x faster" or "2.0x
+    slower", never a bare "0.50x"."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.runner import linear_head_summary, sampling_summary
+
+    head = dict(shape=dict(n=8, d=4, k=300, dtype="float32"), results=[
+        dict(framework="torch", backend=b, mode="fwd+bwd", ms=ms, tflops=1.0)
+        for b, ms in (("ours-ce", 10.0), ("unfused", 15.0), ("torch.linear_ce", 30.0))])
+    lines = linear_head_summary(head)
+    assert lines[1].endswith("1.5x faster than unfused") and lines[3].endswith(
+        "2.0x slower than unfused") and "than unfused" not in lines[2], lines
+    draw = dict(results=[dict(variant=v, n=8, k=300, dtype="float32", ms=ms, gbps=1.0)
+                         for v, ms in (("ours", 10.0), ("llada-float64", 40.0),
+                                       ("float32", 5.0))])
+    lines = sampling_summary(draw)
+    assert lines[2].endswith("ours 4.0x faster") and lines[3].endswith("ours 2.0x slower"), lines
 
 
 def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
