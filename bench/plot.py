@@ -37,7 +37,7 @@ def _lighter(colour: str, amount: float = 0.45) -> str:
     return to_hex((r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount))
 
 
-def series_style(keys):
+def series_style(keys) -> dict[tuple[str, str], tuple[str, str]]:
     """{(backend, dtype): (colour, marker)} for the series ``keys``: from the fixed table
     (the same in every panel and run), spares in order for pairs outside it; no colour and no
     marker twice."""
@@ -71,19 +71,19 @@ def _value(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
-def _memory_unit(rows) -> tuple[str, int]:
+def _memory_unit(rows: list[dict]) -> tuple[str, int]:
     """MiB, or GiB where a panel's peaks pass 4 GiB."""
     peaks = [r["peak_bytes"] for r in rows if r.get("peak_bytes") is not None]
     return ("GiB", 2**30) if peaks and max(peaks) > 4 * 2**30 else ("MiB", 2**20)
 
 
-def _memory_label(rows) -> str:
+def _memory_label(rows: list[dict]) -> str:
     kinds = {r.get("peak_kind") or "" for r in rows}
     words = sorted({w for k in kinds for key, w in _MEMORY_KIND if key in k})
     return _memory_unit(rows)[0] + (f" ({', '.join(words)})" if words else "")
 
 
-def _series_order(key):
+def _series_order(key: tuple[str, str]) -> tuple:
     """Ours first, then the peers; float32 before 16-bit."""
     backend, dtype = key
     order = list(_HUES)
@@ -91,7 +91,7 @@ def _series_order(key):
             _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES), dtype)
 
 
-def _bars(ax, labels, values, unit, colours):
+def _bars(ax, labels: list[str], values: list, unit: str, colours: list[str]) -> None:
     """Horizontal bars, the first label on top, each with its value (or n/a) at its end."""
     known = [v for v in values if v is not None]
     bars = ax.barh(labels, [v or 0.0 for v in values], color=colours)
@@ -103,7 +103,8 @@ def _bars(ax, labels, values, unit, colours):
     ax.grid(alpha=0.3, axis="x")
 
 
-def figure(results, head=None, env=None, draw=None):
+def figure(results: list[dict], head: dict | None = None, env: dict | None = None,
+           draw: dict | None = None):
     """The benchmark's figure (module docstring), or None when nothing was timed."""
     import matplotlib
 
@@ -216,7 +217,8 @@ def figure(results, head=None, env=None, draw=None):
     return fig
 
 
-def plot(results, path, head=None, env=None, draw=None):
+def plot(results: list[dict], path: str, head: dict | None = None, env: dict | None = None,
+         draw: dict | None = None) -> str | None:
     """Render ``figure(...)`` to ``path``; returns the path, or None when nothing was timed."""
     import matplotlib.pyplot as plt
 
