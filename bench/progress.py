@@ -54,9 +54,10 @@ def ratio_words(speedup):
 
 
 def _memory_words(ratio):
-    """Peak memory of ours relative to a peer's: 1/9 -> "1/9 of its memory", 0.6 -> "60% of
-    its memory", 2.5 -> "2.5x its memory"."""
-    if ratio < 0.5:
+    """Peak memory of ours relative to a peer's: 1/9 -> "1/9 of its memory", 0.4 -> "40% of
+    its memory" (a fraction 1/n only from 1/4 down, where rounding n misstates it by at most
+    an eighth), 2.5 -> "2.5x its memory"."""
+    if ratio <= 0.25:
         return f"1/{1 / ratio:.0f} of its memory"
     if ratio < 0.95:
         return f"{100 * ratio:.0f}% of its memory"

@@ -596,6 +596,11 @@ def test_summary_leads_with_the_strongest_peer(monkeypatch):
         "  OPD fwd+bwd, torch chunked: no peer timed"], lines
     assert "; 3.0x faster than eager PyTorch (upstream), 1/12 of its memory" in lines[5]
     assert not any(re.search(r"\b0\.\d+x", line) for line in lines), lines
+    from bench.progress import _memory_words
+
+    assert [_memory_words(r) for r in (1 / 9, 0.4, 1.0, 2.5, 52000.0)] == [
+        "1/9 of its memory", "40% of its memory", "the same memory", "2.5x its memory",
+        "52000x its memory"]  # 0.4 read "1/2", 52000 "52000.0x" before
 
 
 def test_bar_summaries_say_faster_or_slower(monkeypatch):
