@@ -187,7 +187,7 @@ class _Sweep:
         if (self.group is not None or not is_head(z) or not need[0][1]
                 or not self.impl.capabilities.vocab_shards
                 or z.weight.dtype in (torch.float32, torch.float64)
-                or (is_head(u) and self.cfg.teacher_grad)):
+                or (is_head(u) and self.cfg.TEACHER_GRAD)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -271,7 +271,7 @@ class _Accumulators:
             return empty(x.shape, x.dtype, x.device)
 
         self.student = make(rows.logits, need[0], blocked)
-        self.teacher = make(rows.teacher, need[1], False) if cfg.teacher_grad else None
+        self.teacher = make(rows.teacher, need[1], False) if cfg.TEACHER_GRAD else None
 
     def add(self, dz, du, r0, r1):
         for acc, g in ((self.student, dz), (self.teacher, du)):
