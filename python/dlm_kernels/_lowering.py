@@ -9,7 +9,6 @@ front end lowers once per call and hands it down in place of the config); no bac
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Optional, Tuple
 
 from ._config import StatsConfig
@@ -64,7 +63,7 @@ class Lowered:
     def flat(self) -> Tuple:
         """The fields in order: the torch custom ops' scalar arguments (``Lowered(*flat)``
         rebuilds the object inside an op)."""
-        return _FLAT(self)
+        return tuple(getattr(self, name) for name in _NAMES)
 
     def triton_flags(self) -> dict:
         """The constexpr flags every Triton statistics kernel takes
@@ -96,7 +95,7 @@ _FIELDS = dataclasses.fields(Lowered)
 _SCHEMA_TYPES = {"float": "float", "int": "int", "Optional[int]": "int?", "bool": "bool"}
 
 
-_FLAT = operator.attrgetter(*(f.name for f in _FIELDS))
+_NAMES = tuple(f.name for f in _FIELDS)
 
 
 def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
