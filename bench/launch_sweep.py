@@ -44,7 +44,7 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     active = torch.ones(n, dtype=torch.int8, device=device)
     # CE (no entropy; with a teacher its KL beside), every temperature 1
     low = lower(make_config(has_teacher=teacher, entropy=False), has_shift=False)
-    stats = torch.ops.dlm_kernels.token_stats_fwd(z, u, y, active, None, None, *low.flat())
+    stats = torch.ops.dlm_kernels.token_stats_fwd(z, u, y, active, None, None, *low)
     grads = [torch.randn(n, generator=gen, device=device) for _ in range(4)]
     dz = torch.empty_like(z)
     elem, streams = z.element_size(), 2 if teacher else 1

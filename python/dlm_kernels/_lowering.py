@@ -8,17 +8,17 @@ front end lowers once per call and hands it down in place of the config); no bac
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional, Tuple
+import typing
+from typing import NamedTuple, Optional
 
 from ._config import StatsConfig
 from .kernels.layout import NO_VOCAB_LIMIT
 
 
-@dataclasses.dataclass(frozen=True)
-class Lowered:
-    """One call as the kernels take it. The fields' order is the order in which the torch
-    custom ops take them, flat (``flat``, ``schema``).
+class Lowered(NamedTuple):
+    """One call as the kernels take it, immutable (a NamedTuple: built and unpacked at the
+    cost of a tuple, once per call and in each torch custom op). Its fields, in order, are
+    the scalar arguments the torch custom ops take flat (``*low``, ``schema``).
 
     inv_t, inv_t_ce, inv_t_kl: 1/T, 1/T_ce and 1/T_kl (student, CE term, teacher).
     softcap:       c of the softcap; 0.0, the one stand-in (never read), without one.
@@ -60,11 +60,6 @@ class Lowered:
     TEACHER_GRAD: bool
     PADDED: bool
 
-    def flat(self) -> Tuple:
-        """The fields in order: the torch custom ops' scalar arguments (``Lowered(*flat)``
-        rebuilds the object inside an op)."""
-        return tuple(getattr(self, name) for name in _NAMES)
-
     def triton_flags(self) -> dict:
         """The constexpr flags every Triton statistics kernel takes
         (``kernels.triton.token_stats``; SMOOTH, CE_TERMS and TEACHER_GRAD are one kernel's
@@ -84,18 +79,15 @@ class Lowered:
                     vocab_limit=self.vocab_limit, smoothing=self.SMOOTH,
                     ce_terms=self.CE_TERMS)
 
-    @staticmethod
-    def schema() -> str:
+    @classmethod
+    def schema(cls) -> str:
         """The fields as torch.library schema arguments ("float inv_t, ..., bool PADDED"):
         the one place the custom ops' scalar signature is written."""
-        return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in _FIELDS)
+        return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}"
+                         for name, kind in typing.get_type_hints(cls).items())
 
 
-_FIELDS = dataclasses.fields(Lowered)
-_SCHEMA_TYPES = {"float": "float", "int": "int", "Optional[int]": "int?", "bool": "bool"}
-
-
-_NAMES = tuple(f.name for f in _FIELDS)
+_SCHEMA_TYPES = {float: "float", int: "int", Optional[int]: "int?", bool: "bool"}
 
 
 def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:

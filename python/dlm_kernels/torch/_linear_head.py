@@ -5,7 +5,6 @@ over token chunks of ``hidden @ weight`` (the math and the two gradient schedule
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +161,7 @@ class _Sweep:
         on_cpu = like.device.type == "cpu"
         self.r = row_chunk_for(n, k, like.element_size(), on_cpu, chunk)
         if on_cpu and impl.name == "chunked" and cfg.chunk_size is None:
-            self.cfg = dataclasses.replace(cfg, chunk_size=base.head_vocab_chunk(self.r, k))
+            self.cfg = cfg._replace(chunk_size=base.head_vocab_chunk(self.r, k))
 
     def _chunk(self, r0, r1, cols=None):
         rows = self.rows

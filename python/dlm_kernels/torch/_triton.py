@@ -333,7 +333,7 @@ class TritonTorch(BackendBase):
     def forward(rows, cfg):
         # rows: [N, K] logits / teacher, [N] per-row inputs; cfg: the lowered call -> Stats
         # of [N] f32 (views of one [ROW_STATS, N] buffer)
-        out = torch.ops.dlm_kernels.token_stats_fwd(*_op_rows(rows), *cfg.flat())
+        out = torch.ops.dlm_kernels.token_stats_fwd(*_op_rows(rows), *cfg)
         stats = Stats(*out.unbind(0)[:len(ROW_STATS)])
         if not cfg.CE_TERMS:
             return stats
@@ -347,7 +347,7 @@ class TritonTorch(BackendBase):
         z, u, _, _, x, d = _op_rows(rows)
         active = torch.ones(z.shape[0], dtype=torch.int8, device=z.device)
         part = torch.ops.dlm_kernels.token_stats_partial(z, u, active, x, d, int(offset),
-                                                         *cfg.flat())
+                                                         *cfg)
         state = stats_math.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
         return (state, *stats_math.target_logit(TorchOps, rows, cfg, offset))
 
@@ -358,7 +358,7 @@ class TritonTorch(BackendBase):
             g_y, g_u, g_p = stats_math.ce_coefficients(TorchOps, grads[1], stats, cfg)
             g_u = torch.zeros_like(g_y) if g_u is None else g_u
             grads = (grads[0], torch.stack((g_y, g_u, g_p)), grads[2], grads[3])
-        args = (*_op_rows(rows), stacked, *(_vec(g) for g in grads), int(offset), *cfg.flat())
+        args = (*_op_rows(rows), stacked, *(_vec(g) for g in grads), int(offset), *cfg)
         if inplace:
             du = torch.ops.dlm_kernels.token_stats_bwd_(*args)
             dz = rows.logits
