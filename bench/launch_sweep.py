@@ -29,6 +29,8 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     """Time every plan; ``save(report)`` after each one (a timeout keeps what was measured)."""
     import torch
 
+    from dlm_kernels._config import make_config
+    from dlm_kernels._lowering import lower
     from dlm_kernels.kernels.triton import token_stats as kernels
     from dlm_kernels.torch import _triton as triton_launch
 
@@ -40,8 +42,9 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     u = normal() if teacher else None
     y = torch.randint(0, k, (n,), generator=gen, device=device)
     active = torch.ones(n, dtype=torch.int8, device=device)
-    scalars = (1.0, 1.0, 1.0, 0.0, False)  # 1/T, 1/T_ce, 1/T_kl, softcap, entropy (CE: none)
-    stats = torch.ops.dlm_kernels.token_stats_fwd(z, u, y, active, None, None, *scalars, 0)
+    # CE (no entropy; with a teacher its KL beside), every temperature 1
+    low = lower(make_config(has_teacher=teacher, entropy=False), has_shift=False)
+    stats = torch.ops.dlm_kernels.token_stats_fwd(z, u, y, active, None, None, *low)
     grads = [torch.randn(n, generator=gen, device=device) for _ in range(4)]
     dz = torch.empty_like(z)
     elem, streams = z.element_size(), 2 if teacher else 1
@@ -61,9 +64,9 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
                        heuristic=cfg == chosen)
             launches = {
                 "partial": (read, lambda _: triton_launch.launch_partial(
-                    z, u, None, None, active, *scalars, 0, cfg=cfg)),
+                    z, u, None, None, active, low, launch=cfg)),
                 "grad": (read + n * k * elem, lambda _: triton_launch.launch_grad(
-                    z, u, y, active, None, None, stats, grads, dz, None, *scalars, 0, cfg=cfg)),
+                    z, u, y, active, None, None, stats, grads, dz, None, low, launch=cfg)),
             }
             for name, (nbytes, launch) in launches.items():
                 try:

@@ -412,11 +412,14 @@ def test_default_configuration_is_unchanged():
     """ε = λ = 0 is the configuration without the options (equal, same hash): no new
     specialisation, no Σ r, no CE coefficients."""
     from dlm_kernels._config import make_config
+    from dlm_kernels._lowering import lower
 
     plain, zero = make_config(), make_config(label_smoothing=0, z_loss_weight=0.0,
                                              smoothing_vocab=37)
     assert plain == zero and hash(plain) == hash(zero)
-    assert not zero.smoothing and not zero.ce_terms
+    low = lower(zero, has_shift=False)
+    assert low == lower(plain, has_shift=False)
+    assert not low.SMOOTH and not low.Z_LOSS and not low.CE_TERMS
 
 
 def test_pallas_lowers_for_tpu_with_both_options(monkeypatch):

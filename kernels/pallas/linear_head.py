@@ -246,11 +246,12 @@ def _dw_kernel(*refs, student, teacher, n, **statics):
             ref[...] = a[...].astype(ref.dtype)
 
 
-def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
-             vocab_limit, smoothing=False, ce_terms=False):
+def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift, separate_ce,
+             entropy, vocab_limit, smoothing=False, ce_terms=False):
     return dict(vocab=vocab, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
-                softcap=softcap, has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
-                vocab_limit=vocab_limit, smoothing=smoothing, ce_terms=ce_terms)
+                softcap=softcap, has_softcap=has_softcap, has_shift=has_shift,
+                separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit,
+                smoothing=smoothing, ce_terms=ce_terms)
 
 
 def _parts(head, teacher, layout, teacher_layout):
@@ -266,8 +267,8 @@ def _parts(head, teacher, layout, teacher_layout):
 
 
 def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
-                 inv_t_kl, softcap, has_shift, separate_ce, entropy, block_k=None, block_n=None,
-                 interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT,
+                 inv_t_kl, softcap, has_softcap, has_shift, separate_ce, entropy, block_k=None,
+                 block_n=None, interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT,
                  smoothing=False, ce_terms=False):
     """Row statistics [N, N_STATS] (as ``token_stats.stats_forward``) of the student head =
     (h [N, D], w [K, D] "KD" or [D, K] "DK", b [K] or None) in ``layout``, with the teacher
@@ -280,8 +281,8 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
     bn, bk = head_blocks("forward", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
     kernel = functools.partial(
         _fwd_kernel, student=student, teacher=tpart, partial=False,
-        **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy,
-                   vocab_limit, smoothing))
+        **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
+                   separate_ce, entropy, vocab_limit, smoothing))
     blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
@@ -301,8 +302,8 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
 
 
 def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
-                  inv_t_kl, softcap, has_shift, separate_ce, teacher_grad, entropy, block_k=None,
-                  block_n=None, interpret=False, detect_races=False,
+                  inv_t_kl, softcap, has_softcap, has_shift, separate_ce, teacher_grad, entropy,
+                  block_k=None, block_n=None, interpret=False, detect_races=False,
                   vocab_limit=NO_VOCAB_LIMIT, smoothing=False, ce_terms=False):
     """-> (dh [N, D], dw in w's layout, db [K] or None, each in its input's dtype, summed in
     float32 VMEM and rounded once; du [N, K] in the teacher logits' dtype or None); arguments
@@ -316,8 +317,9 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
         raise ValueError("teacher_grad needs the teacher as logits in the fused head kernels")
     mode = dict(interpret=ts._interpret_arg(interpret, detect_races))
     stat = functools.partial(_statics, k, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
-                             softcap=softcap, has_shift=has_shift, separate_ce=separate_ce,
-                             entropy=entropy, vocab_limit=vocab_limit, ce_terms=ce_terms)
+                             softcap=softcap, has_softcap=has_softcap, has_shift=has_shift,
+                             separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit,
+                             ce_terms=ce_terms)
     operands = _operands(head, teacher) + [ints, floats]
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 

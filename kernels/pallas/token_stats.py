@@ -104,10 +104,11 @@ def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
     return bn, bk
 
 
-def _cap(z, softcap):
+def _cap(z, softcap, has_softcap):
     """c·tanh(z/c), as the host computes it (``_stats_math.softcap``, kernels/softcap.py):
-    below the series bound z·(1 + u·Q(u)), u = (z/c)², so z itself where z/c underflows."""
-    if softcap is None:
+    below the series bound z·(1 + u·Q(u)), u = (z/c)², so z itself where z/c underflows;
+    z without a cap (``has_softcap`` False: ``softcap`` is the host's stand-in, unread)."""
+    if not has_softcap:
         return z
     x = z * (1.0 / softcap)
     u = x * x
@@ -127,8 +128,8 @@ def _cap_slope(z, softcap):
     return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
-def _shifted(z, cols, x, d, softcap, has_shift):
-    r = _cap(z, softcap)
+def _shifted(z, cols, x, d, softcap, has_softcap, has_shift):
+    r = _cap(z, softcap, has_softcap)
     if has_shift:
         r = r + jnp.where(cols == x, d, 0.0)
     return r
@@ -210,14 +211,14 @@ def _scaled(x, inv_t):
     return x if inv_t == 1.0 else x * inv_t  # a multiply less at unit temperature
 
 
-def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, entropy, vocab_limit, partial, smoothing):
+def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
+                has_teacher, separate_ce, entropy, vocab_limit, partial, smoothing):
     z_ref, *refs = refs
     u_ref = refs.pop(0) if has_teacher else None
     fwd_body(_loader(z_ref), _loader(u_ref), *refs, kb=pl.program_id(1), vocab=vocab, bk=bk,
              inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
-             has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
-             vocab_limit=vocab_limit, partial=partial, smoothing=smoothing)
+             has_softcap=has_softcap, has_shift=has_shift, separate_ce=separate_ce,
+             entropy=entropy, vocab_limit=vocab_limit, partial=partial, smoothing=smoothing)
 
 
 def _loader(ref):
@@ -226,8 +227,8 @@ def _loader(ref):
 
 
 def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab, bk, inv_t,
-             inv_t_ce, inv_t_kl, softcap, has_shift, separate_ce, entropy, vocab_limit,
-             partial, smoothing=False, ce_terms=False):
+             inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift, separate_ce, entropy,
+             vocab_limit, partial, smoothing=False, ce_terms=False):
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
     on the MXU by the linear head's kernels); the scratch rows hold the running state
@@ -262,7 +263,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
             valid = (local < vocab) & (cols < vocab_limit)
         # Inactive rows are not cleaned: every reduction runs along a row, so what they hold
         # stays in their own sums, and their outputs are replaced by zeros at the end.
-        r = _shifted(load_z(), cols, x, d, softcap, has_shift)
+        r = _shifted(load_z(), cols, x, d, softcap, has_softcap, has_shift)
         if smoothing:  # label smoothing: Σ r over the valid columns
             sr_sc[...] += jnp.sum(jnp.where(valid, r, 0.0) if masked else r, axis=1,
                                   keepdims=True)
@@ -330,8 +331,8 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
 
-def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift, has_teacher,
-                separate_ce, entropy, teacher_grad, vocab_limit, ce_terms):
+def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
+                has_teacher, separate_ce, entropy, teacher_grad, vocab_limit, ce_terms):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, dz_ref, *rest = refs
     else:
@@ -341,7 +342,8 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
     dz, du = grad_tile(z_ref[...].astype(jnp.float32), _loader(u_ref), ints_ref[...],
                        floats_ref[...], kb=pl.program_id(1), vocab=vocab, bk=bk, inv_t=inv_t,
                        inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
-                       has_shift=has_shift, separate_ce=separate_ce, entropy=entropy,
+                       has_softcap=has_softcap, has_shift=has_shift, separate_ce=separate_ce,
+                       entropy=entropy,
                        teacher_grad=teacher_grad, vocab_limit=vocab_limit, mask_tail=False,
                        ce_terms=ce_terms)
     dz_ref[...] = dz.astype(dz_ref.dtype)
@@ -350,7 +352,7 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
 
 
 def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap,
-              has_shift, separate_ce, entropy, teacher_grad, vocab_limit, mask_tail,
+              has_softcap, has_shift, separate_ce, entropy, teacher_grad, vocab_limit, mask_tail,
               ce_terms=False, smoothing=False):
     """(dz, du or None), float32 (BN, BK) tiles of vocabulary block ``kb``: z the float32
     logits tile, ``load_u()`` the teacher's (None: no teacher), ints (BN, 3) and f (BN, 16)
@@ -380,7 +382,7 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     coef = g_lse * inv_t if separate_ce else g_lse * inv_t - g_p  # (BN, 1)
     inv_a = jnp.exp(-la)  # (BN, 1): 1 / Σ e^x
     # Inactive rows are not cleaned first: their gradient is replaced by zeros at the end.
-    r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_shift)
+    r = _shifted(z, cols, x, col(F_SHIFT), softcap, has_softcap, has_shift)
     d = r - m  # logit differences
     xs = _scaled(d, inv_t)
     e = jnp.exp(xs)  # p·Σ e^x
@@ -408,7 +410,7 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
         dr = dr + g_u
     # the target column (compared in block-local ids: one per-row subtraction, not one per element)
     dr = dr + jnp.where(iota == y - offset - kb * bk, g_y, 0.0)
-    if softcap is not None:
+    if has_softcap:
         dr = dr * _cap_slope(z, softcap)
     return jnp.where(keep, dr, 0.0), du
 
@@ -451,8 +453,8 @@ def scratch_rows(smoothing):
     return len(PARTIAL_STATE) if smoothing else len(PARTIAL_STATE) - 1
 
 
-def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                  separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
+def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap,
+                  has_shift, separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
                   vocab_limit=NO_VOCAB_LIMIT, partial=False, smoothing=False, ce_terms=False):
     """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, N_STATS] f32
     (ROW_STATS; the logp column is 0, or Σ r with ``smoothing``: the caller computes logp
@@ -463,8 +465,9 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
     kernel = functools.partial(
         _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
-        softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        entropy=entropy, vocab_limit=vocab_limit, partial=partial, smoothing=smoothing)
+        softcap=softcap, has_softcap=has_softcap, has_shift=has_shift, has_teacher=has_teacher,
+        separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit, partial=partial,
+        smoothing=smoothing)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     return pl.pallas_call(
         kernel,
@@ -479,8 +482,8 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     )(*operands)
 
 
-def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_shift,
-                   separate_ce, teacher_grad, entropy, block_k=None, interpret=False,
+def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap,
+                   has_shift, separate_ce, teacher_grad, entropy, block_k=None, interpret=False,
                    detect_races=False, vocab_limit=NO_VOCAB_LIMIT, smoothing=False,
                    ce_terms=False):
     """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
@@ -491,8 +494,9 @@ def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, ha
     _, bk, grid, tile, per_row = _grid(z, has_teacher, True, block_k)
     kernel = functools.partial(
         _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
-        softcap=softcap, has_shift=has_shift, has_teacher=has_teacher, separate_ce=separate_ce,
-        entropy=entropy, teacher_grad=teacher_grad, vocab_limit=vocab_limit, ce_terms=ce_terms)
+        softcap=softcap, has_softcap=has_softcap, has_shift=has_shift, has_teacher=has_teacher,
+        separate_ce=separate_ce, entropy=entropy, teacher_grad=teacher_grad,
+        vocab_limit=vocab_limit, ce_terms=ce_terms)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     out_shape = [_out_struct(z.shape, z.dtype, operands)]
     if teacher_grad:

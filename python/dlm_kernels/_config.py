@@ -96,7 +96,9 @@ def check_vocab_size(vocab_size) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StatsConfig:
-    """Static (hashable) configuration of one token-statistics call.
+    """Static (hashable) configuration of one token-statistics call: the call as described
+    by its keywords. What the kernels take (1/T, stand-ins, flags) is derived from it in one
+    place, ``_lowering.lower``; the backends read that, never this.
 
     temperature:       T of the student distribution p = softmax(s), s = r / T (entropy, KL);
                        every temperature is at least MIN_TEMPERATURE.
@@ -132,21 +134,6 @@ class StatsConfig:
     label_smoothing: float = 0.0
     z_loss_weight: float = 0.0
     smoothing_vocab: Optional[int] = None
-
-    @property
-    def separate_ce(self) -> bool:
-        return self.ce_temperature != self.temperature
-
-    @property
-    def smoothing(self) -> bool:
-        """The forward keeps Σ r over the valid columns (the label-smoothing term)."""
-        return self.label_smoothing > 0.0
-
-    @property
-    def ce_terms(self) -> bool:
-        """The CE term is more than log p'_y: label smoothing or z-loss (the backward's CE
-        gradient then takes three per-row coefficients, ``_stats_math.ce_coefficients``)."""
-        return self.label_smoothing > 0.0 or self.z_loss_weight > 0.0
 
 
 def make_config(
@@ -211,7 +198,7 @@ CHUNK_BYTES_ACCELERATOR = 128 * 1024 * 1024
 SAMPLE_CHUNK_BYTES_CPU = 2 * 1024 * 1024
 
 
-def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = True,
+def chunk_size_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
                    cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
     """Vocabulary chunk of the framework-native chunked backends.
 
@@ -219,8 +206,8 @@ def chunk_size_for(n_rows: int, vocab: int, cfg: StatsConfig, on_cpu: bool = Tru
     stays under ``cpu_bytes`` (default ``CHUNK_BYTES_CPU``, 8 MiB) on a CPU,
     ``CHUNK_BYTES_ACCELERATOR`` (128 MiB)
     elsewhere, a multiple of 128 columns, at least 128 and at most K. Peak extra memory is
-    then a handful of these buffers, independent of K. ``cfg.chunk_size`` overrides.
-    """
+    then a handful of these buffers, independent of K. ``cfg.chunk_size`` overrides (``cfg``:
+    the lowered call, ``_lowering.Lowered``, or a sampler's ``SampleConfig``)."""
     if cfg.chunk_size is not None:
         return max(1, min(cfg.chunk_size, vocab))
     budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR

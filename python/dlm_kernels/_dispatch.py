@@ -44,7 +44,8 @@ NATIVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 class Backend(Protocol):
     """One framework's implementation of the token-statistics primitive, in full (``rows``:
-    the row bundle of ``_rows.Rows``; ``cfg``: the static ``StatsConfig``; ``Stats``,
+    the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the front
+    end, ``_lowering.Lowered``, the only place its flags and constants come from; ``Stats``,
     ``State``: ``_stats_math``). What an implementation offers is declared, never probed:
 
     custom_vjp False: ``compute`` only, differentiated by the framework's autodiff.

@@ -5,6 +5,7 @@ Each framework supplies only what differs: its ops adapter (``xp``), its registr
 *VJP adapter*, an object with
 
   apply(impl, cfg, rows, inplace, shard) -> (lse, logp, entropy, kl)
+      (``cfg``: the call lowered once, ``_lowering.Lowered``; every backend reads it)
       the framework's custom-VJP mechanics around ``impl.forward`` / ``impl.backward``
       (with a vocabulary ``shard``, the partial states merged by its collectives)
   shards(shard) -> int
@@ -27,6 +28,7 @@ import contextlib
 from ._checks import flag, require_array
 from ._config import check_vocab_size
 from ._linear_head import is_head, planned_total, weighting_term
+from ._lowering import lower
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
 
@@ -64,17 +66,18 @@ def unit_coefficients(xp, coefficients, cfg):
     """(unit, coefficients / unit): a linear head forms its planned gradient Σ c·dstats in
     the head's dtype, where coefficients far from unit size (loss weights of 1e-30 or 1e30)
     would underflow or overflow a 16-bit dZ. Its scale g = max over fields of max|c| / T
-    (each statistic's gradient carries 1 / T, ``ce_temperature`` for logp) is taken out when
+    (each statistic's gradient carries 1 / T, ``ce_temperature`` for logp; ``cfg`` the
+    lowered call) is taken out when
     it leaves PLANNED_SCALE_RANGE (unit = g, a constant; else 1, so terms of different
     scales, as distillation's T²-weighted KL beside its CE, keep theirs); the total times
     ``unit`` carries it in its cotangent instead."""
     if coefficients is None:
         return None, None
     scale = None
-    temperatures = (cfg.temperature, cfg.ce_temperature, cfg.temperature, cfg.temperature)
-    for c, t in zip(coefficients, temperatures):
+    inverse_temperatures = (cfg.inv_t, cfg.inv_t_ce, cfg.inv_t, cfg.inv_t)
+    for c, inv_t in zip(coefficients, inverse_temperatures):
         if c is not None:
-            top = (xp.rowmax(abs(c)) if c.shape[0] else xp.rowsum(c)) * (1.0 / t)  # []
+            top = (xp.rowmax(abs(c)) if c.shape[0] else xp.rowsum(c)) * inv_t  # []
             scale = top if scale is None else xp.maximum(scale, top)
     if scale is None:
         return None, coefficients
@@ -156,6 +159,7 @@ class TokenStatsFrontEnd:
             teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
             vocab_size=vocab_size, label_smoothing=label_smoothing,
             z_loss_weight=z_loss_weight, smoothing_vocab=smoothing_vocab)
+        low = lower(cfg, has_shift=rows.shift_ids is not None)  # what every backend reads
         n = rows.targets.shape[0]
         weighting = None  # the coefficients as given: differentiable (loss weights, times)
         if coefficients is not None:
@@ -174,14 +178,14 @@ class TokenStatsFrontEnd:
                              "use 'chunked' or 'triton'")
         total = None
         if heads and impl.custom_vjp:
-            unit, planned = unit_coefficients(xp, coefficients, cfg)
-            *outs, total = self.vjp.apply_head(impl, cfg, rows, shard, planned)
+            unit, planned = unit_coefficients(xp, coefficients, low)
+            *outs, total = self.vjp.apply_head(impl, low, rows, shard, planned)
             if unit is not None:
                 total = total * unit
         elif impl.custom_vjp:
-            outs = self.vjp.apply(impl, cfg, rows, inplace_grad, shard)
+            outs = self.vjp.apply(impl, low, rows, inplace_grad, shard)
         else:
-            outs = impl.compute(rows, cfg)
+            outs = impl.compute(rows, low)
         if coefficients is not None and total is None:
             total = planned_total(xp, outs, weighting)
         elif total is not None:

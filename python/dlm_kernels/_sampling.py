@@ -362,8 +362,9 @@ def finalize(xp, st, keys, cfg):
             g = gumbel(xp, keys, ids)  # [N, k'] noise of the k columns
             key = v + g
             best = xp.rowmax(key)
+            # the first slot holding the best key (k', one past the last, is no slot)
             pos = xp.rowmin(xp.where(key == best[:, None], xp.arange(v.shape[1], v)[None, :],
-                                     2 ** 31 - 1))
+                                     v.shape[1]))
             token, logp = xp.gather_cols(ids, pos), xp.gather_cols(logq, pos)
         st = st._replace(i1=ids[:, 0])
     fix = lambda x: xp.where(valid, x, nan)  # noqa: E731

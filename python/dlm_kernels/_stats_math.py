@@ -21,7 +21,7 @@ log of the sum relative to it, ``la`` (lse = m / T + la), never lse itself.
 
 The streaming state of a row is ``(m, a, b, a2, mu, au, cu, fu, sr)``:
   m, a, b     running max of r, Σ e^x, Σ e^x·x  (b relative to m: no cancellation between lse
-              and Σ p s in the entropy; b = 0 when cfg.entropy is False)
+              and Σ p s in the entropy; b = 0 when cfg.HAS_ENTROPY is False)
   a2          Σ e^{x'} (only when T_ce != T; the max is m)
   mu, au      running max of u, Σ e^{x_u}   (teacher)
   cu, fu      Σ e^{x_u}·y and Σ e^{x_u}·psi(y) with y = x_u - x, the log-ratio log(q/p) up to
@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._config import StatsConfig
 from ._linear_head import VOCAB_MAJOR, is_head
+from ._lowering import Lowered
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
 from .kernels.series import PSI_COEFFS, PSI_SMALL
@@ -56,7 +56,7 @@ State = NamedTuple("State", [(field, object) for field in PARTIAL_STATE])
 State.__doc__ = "The streaming state of each row (module docstring), every field [N] float32."
 
 
-def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
+def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: Lowered):
     """r = cap(z) + d·[k == x].
 
     z: [N, C] any float dtype; col_ids: the column id of each entry, broadcastable to
@@ -68,7 +68,7 @@ def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: StatsConfig):
     return r
 
 
-def chunk_logits(xp, z, col0, shift_ids, shift, cfg: StatsConfig):
+def chunk_logits(xp, z, col0, shift_ids, shift, cfg: Lowered):
     """r = cap(z) + d·[k == x] of a chunk of contiguous columns whose first global id is
     ``col0``: the same values as ``shifted_logits``, but the shift lands at one column per
     row instead of a compare and a select over [N, C] (in torch those took about half of a
@@ -79,10 +79,10 @@ def chunk_logits(xp, z, col0, shift_ids, shift, cfg: StatsConfig):
     return r
 
 
-def _capped(xp, z, cfg: StatsConfig):
+def _capped(xp, z, cfg: Lowered):
     """cap(z) in float32 (z itself when it is float32 and there is no softcap)."""
     r = xp.f32(z)
-    if cfg.softcap is not None:
+    if cfg.HAS_SOFTCAP:
         r = softcap(xp, r, cfg.softcap)
     return r
 
@@ -125,9 +125,10 @@ def _add_at(xp, x, ids, col0, vals):
     return xp.add_at_cols(x, xp.where(hit, local, 0), xp.where(hit, vals, 0.0))
 
 
-def _scaled(x, temperature):
-    """x / T (x itself at T = 1: one [N, C] pass less in eager frameworks, same values)."""
-    return x if temperature == 1.0 else x * (1.0 / temperature)
+def _scaled(x, inv_t):
+    """x / T as x·(1/T), ``inv_t`` = 1/T (x itself at T = 1: one [N, C] pass less in eager
+    frameworks, same values)."""
+    return x if inv_t == 1.0 else x * inv_t
 
 
 def _safe(xp, m):
@@ -164,7 +165,7 @@ def _psi(xp, y):
     return xp.where(abs(y) < PSI_SMALL, y * y * _psi_series(y), y - 1.0 + xp.exp(-y))
 
 
-def teacher_sums(xp, u, x, w, cfg: StatsConfig):
+def teacher_sums(xp, u, x, w, cfg: Lowered):
     """(mu, au, cu, fu) [N] of the teacher over a block of columns: u [N, C] the float32
     teacher logits, x = (r - m) / T and w = e^x [N, C] the student's (relative to its max m).
 
@@ -174,7 +175,7 @@ def teacher_sums(xp, u, x, w, cfg: StatsConfig):
     so far below the teacher's max that e^{x_u} is 0) adds e^x to fu and nothing else; one
     with p = 0 where q > 0 makes cu and fu +inf (or of order |x|: an infinite KL)."""
     mu, mus = _safe_max(xp, u)
-    xu = _scaled(u - mus[:, None], cfg.teacher_temperature)
+    xu = _scaled(u - mus[:, None], cfg.inv_t_kl)
     eu = xp.exp(xu)
     y = xu - x
     ct = xp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
@@ -182,7 +183,7 @@ def teacher_sums(xp, u, x, w, cfg: StatsConfig):
     return mu, xp.rowsum(eu), xp.rowsum(ct), xp.rowsum(f)
 
 
-def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
+def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered) -> State:
     """Partial state of one vocabulary chunk.
 
     rows: the bundle over the chunk's columns (logits, teacher: [N, C], the teacher may be
@@ -192,20 +193,20 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     z, u = rows.logits, rows.teacher
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     sr = None
-    if cfg.smoothing:  # Σ r over the valid columns (masked ones count as 0, not -inf)
+    if cfg.SMOOTH:  # Σ r over the valid columns (masked ones count as 0, not -inf)
         sr = xp.rowsum(r if valid is None else xp.where(valid[None, :], r, 0.0))
     if valid is not None:
         r = xp.where(valid[None, :], r, NEG_INF)
     m, ms = _safe_max(xp, r)
     d = r - ms[:, None]  # [N, C] logit differences, shared by every sum below
-    x = _scaled(d, cfg.temperature)
-    a, b, e = _row_sums(xp, x, cfg.entropy)
+    x = _scaled(d, cfg.inv_t)
+    a, b, e = _row_sums(xp, x, cfg.HAS_ENTROPY)
     zero = xp.zeros_like(a)
     a2 = a
-    if cfg.separate_ce:
-        a2, _, _ = _row_sums(xp, _scaled(d, cfg.ce_temperature), False)
+    if cfg.SEPARATE_CE:
+        a2, _, _ = _row_sums(xp, _scaled(d, cfg.inv_t_ce), False)
     mu, au, cu, fu = m, zero, zero, zero
-    if cfg.has_teacher:
+    if cfg.HAS_TEACHER:
         u = xp.f32(u)
         if valid is not None:
             u = xp.where(valid[None, :], u, NEG_INF)
@@ -213,10 +214,10 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: StatsConfig) -> State:
     return State(m, a, b, a2, mu, au, cu, fu, zero if sr is None else sr)
 
 
-def _rescale(xp, m_part, m, temperature):
+def _rescale(xp, m_part, m, inv_t):
     """(e^δ, δ) with δ = (m_part - m) / T, the move of a part's exponents to the merged
     maximum m, an all -inf row guarded (e^δ = 0 for an empty part)."""
-    delta = _scaled(m_part - _safe(xp, m), temperature)
+    delta = _scaled(m_part - _safe(xp, m), inv_t)
     return xp.exp(delta), delta
 
 
@@ -247,46 +248,46 @@ def teacher_at(xp, st: State, f, delta, g, delta_u):
     return cu, xp.where(near, fu_near, fu_far)
 
 
-def _moved_parts(xp, state: State, m, mu, cfg: StatsConfig):
+def _moved_parts(xp, state: State, m, mu, cfg: Lowered):
     """The sums of ``state`` relative to the maxima m and mu: (a, b, a2, au, cu, fu)."""
-    f, delta = _rescale(xp, state.m, m, cfg.temperature)
+    f, delta = _rescale(xp, state.m, m, cfg.inv_t)
     a, b, a2 = f * state.a, state.b, f * state.a  # b: 0 without entropy; a2 = a at T_ce = T
-    if cfg.entropy:
+    if cfg.HAS_ENTROPY:
         b = _moved(xp, f, delta, state.a, state.b)
-    if cfg.separate_ce:
-        a2 = _rescale(xp, state.m, m, cfg.ce_temperature)[0] * state.a2
+    if cfg.SEPARATE_CE:
+        a2 = _rescale(xp, state.m, m, cfg.inv_t_ce)[0] * state.a2
     au, cu, fu = state.au, state.cu, state.fu  # 0 without a teacher
-    if cfg.has_teacher:
-        g, delta_u = _rescale(xp, state.mu, mu, cfg.teacher_temperature)
+    if cfg.HAS_TEACHER:
+        g, delta_u = _rescale(xp, state.mu, mu, cfg.inv_t_kl)
         au = g * state.au
         cu, fu = teacher_at(xp, state, f, delta, g, delta_u)
     return a, b, a2, au, cu, fu
 
 
-def merge(xp, s1: State, s2: State, cfg: StatsConfig) -> State:
+def merge(xp, s1: State, s2: State, cfg: Lowered) -> State:
     """Associative merge of two partial states (chunks, split-K blocks or vocab shards)."""
     m = xp.maximum(s1.m, s2.m)
-    mu = xp.maximum(s1.mu, s2.mu) if cfg.has_teacher else m
+    mu = xp.maximum(s1.mu, s2.mu) if cfg.HAS_TEACHER else m
     p1, p2 = _moved_parts(xp, s1, m, mu, cfg), _moved_parts(xp, s2, m, mu, cfg)
     a, b, a2, au, cu, fu = (v1 + v2 for v1, v2 in zip(p1, p2))
     return State(m, a, b, a2, mu, au, cu, fu, s1.sr + s2.sr)
 
 
-def merge_collective(xp, state: State, pmax, psum, cfg: StatsConfig, extra_sums=()):
+def merge_collective(xp, state: State, pmax, psum, cfg: Lowered, extra_sums=()):
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
     ``pmax`` of the two running maxima, then one ``psum`` of the sums re-expressed at those
     maxima and of ``extra_sums`` (docs/design.md §2): 2 + 6 + len(extra_sums) floats per row
     in all (one more, Σ r, with label smoothing). ``pmax``/``psum`` take and return lists of
     [N] arrays (one all-reduce each). Returns (merged State, summed extra_sums)."""
     m, mu = pmax([state.m, state.mu])
-    smooth = [state.sr] if cfg.smoothing else []
+    smooth = [state.sr] if cfg.SMOOTH else []
     a, b, a2, au, cu, fu, *extra = psum([*_moved_parts(xp, state, m, mu, cfg), *smooth,
                                          *extra_sums])
-    sr = extra.pop(0) if cfg.smoothing else state.sr
+    sr = extra.pop(0) if cfg.SMOOTH else state.sr
     return State(m, a, b, a2, mu, au, cu, fu, sr), extra
 
 
-def shard_stats(xp, impl, rows, cfg: StatsConfig, offset, pmax, psum) -> "Stats":
+def shard_stats(xp, impl, rows, cfg: Lowered, offset, pmax, psum) -> "Stats":
     """Megatron-style vocabulary parallelism, the one merge every front end and the linear
     head use: ``rows.logits`` is one shard of columns [offset, offset + K_local); the
     backend's partial state, merged across the shards by the framework's collectives
@@ -297,7 +298,7 @@ def shard_stats(xp, impl, rows, cfg: StatsConfig, offset, pmax, psum) -> "Stats"
     return finalize(xp, state, r_y, found, rows.active, cfg)
 
 
-def merge_splits(xp, parts, cfg: StatsConfig) -> State:
+def merge_splits(xp, parts, cfg: Lowered) -> State:
     """Merge S partial states given as one [N, S] array per State field (the last, Σ r, may
     be absent without label smoothing) into one State of [N] arrays, with the same
     rescaling as ``merge_collective``."""
@@ -307,7 +308,7 @@ def merge_splits(xp, parts, cfg: StatsConfig) -> State:
     keep_max = lambda values: [xp.rowmax(v)[:, None] for v in values]
     state, _ = merge_collective(xp, State(*parts), keep_max, lambda vs: [xp.rowsum(v) for v in vs],
                                 cfg)
-    sr = state.sr if cfg.smoothing else xp.zeros_like(state.a)
+    sr = state.sr if cfg.SMOOTH else xp.zeros_like(state.a)
     return state._replace(m=state.m[:, 0], mu=state.mu[:, 0], sr=sr)
 
 
@@ -336,7 +337,7 @@ def kl_divergence(xp, a, au, cu, fu):
     return xp.where(kl < 0, 0.0, kl)  # rounding can leave -ulps; NaN stays NaN
 
 
-def target_logit(xp, rows: Rows, cfg: StatsConfig, offset=0):
+def target_logit(xp, rows: Rows, cfg: Lowered, offset=0):
     """(r_y, found), both [N] f32: the shifted logit at the target column when this block of
     columns [offset, offset + C) of ``rows.logits`` holds the target (else 0), and 1.0 / 0.0
     for whether it does. Summed over vocabulary shards, found == 1 exactly when the target is
@@ -347,39 +348,39 @@ def target_logit(xp, rows: Rows, cfg: StatsConfig, offset=0):
     return shifted_target(xp, xp.gather_cols(z, idx), found, rows, cfg)
 
 
-def target_column(xp, targets, c, offset, cfg: StatsConfig):
+def target_column(xp, targets, c, offset, cfg: Lowered):
     """(found [N] bool, local column [N], 0 where not found) of each target in the block of
     columns [offset, offset + c)."""
     local = targets - offset
     found = (local >= 0) & (local < c)
-    if cfg.vocab_size is not None:
-        found = found & (targets < cfg.vocab_size)
+    if cfg.PADDED:
+        found = found & (targets < cfg.vocab_limit)
     return found, xp.where(found, local, 0)
 
 
-def shifted_target(xp, z_y, found, rows: Rows, cfg: StatsConfig):
+def shifted_target(xp, z_y, found, rows: Rows, cfg: Lowered):
     """(r_y, found) as ``target_logit`` returns them, from the raw target logits z_y [N]."""
     r = shifted_logits(xp, z_y[:, None], rows.targets[:, None], rows.shift_ids, rows.shift,
                        cfg)[:, 0]
     return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 
-def target_logp(xp, r_y, found, m, la_ce, cfg: StatsConfig):
+def target_logp(xp, r_y, found, m, la_ce, cfg: Lowered):
     """logp = (r_y - m) / T_ce - la_ce, [N] f32 (m the row's largest logit, la_ce the log of
     the sum relative to it); NaN where the target was not found (out of range: loud, never
     silently wrong)."""
-    return xp.where(found > 0, _scaled(r_y - m, cfg.ce_temperature) - la_ce, float("nan"))
+    return xp.where(found > 0, _scaled(r_y - m, cfg.inv_t_ce) - la_ce, float("nan"))
 
 
-def column_mask(xp, cols, cfg: StatsConfig, valid=None):
-    """[C] bool: columns that count (below ``cfg.vocab_size``, and ``valid`` when given)."""
-    if cfg.vocab_size is not None:
-        limit = cols < cfg.vocab_size
+def column_mask(xp, cols, cfg: Lowered, valid=None):
+    """[C] bool: columns that count (below ``cfg.vocab_limit``, and ``valid`` when given)."""
+    if cfg.PADDED:
+        limit = cols < cfg.vocab_limit
         valid = limit if valid is None else valid & limit
     return valid
 
 
-def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: StatsConfig):
+def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: Lowered):
     """The CE term's ``logp`` [N]: minus the per-row CE training loss at ``ce_temperature``,
 
         logp = (1 - ε)·log p'_y + ε·Σ_k log p'_k / K - λ·lse_ce²
@@ -388,20 +389,20 @@ def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: StatsConfig):
     (``sr``, logit units), its max m and log-sum la_ce (lse_ce = m / T_ce + la_ce); logp_y
     itself when ε = λ = 0. Inactive rows give exact zeros. A column at -inf (or finfo.min)
     makes the smoothed term -inf (or huge): torch's cross_entropy(label_smoothing=ε) alike."""
-    if not cfg.ce_terms:
+    if not cfg.CE_TERMS:
         return logp_y
     logp = logp_y
-    if cfg.smoothing:
+    if cfg.SMOOTH:
         eps = cfg.label_smoothing
-        mean = _scaled(sr * (1.0 / cfg.smoothing_vocab) - m, cfg.ce_temperature) - la_ce
+        mean = _scaled(sr * cfg.smooth_mean - m, cfg.inv_t_ce) - la_ce
         logp = (1.0 - eps) * logp + eps * mean
-    if cfg.z_loss_weight > 0.0:
-        lse_ce = _scaled(m, cfg.ce_temperature) + la_ce
+    if cfg.Z_LOSS:
+        lse_ce = _scaled(m, cfg.inv_t_ce) + la_ce
         logp = logp - cfg.z_loss_weight * (lse_ce * lse_ce)
     return xp.where(active, logp, 0.0)
 
 
-def ce_coefficients(xp, g_lp, stats: Stats, cfg: StatsConfig):
+def ce_coefficients(xp, g_lp, stats: Stats, cfg: Lowered):
     """(g_y, g_u, g_p), each [N] f32: the CE term's gradient with respect to the shifted
     logits r is g_y·[k == y] + g_u·[k valid] - g_p·p'_k (then the softcap's chain), from the
     cotangent g_lp of ``ce_objective``'s logp:
@@ -409,43 +410,43 @@ def ce_coefficients(xp, g_lp, stats: Stats, cfg: StatsConfig):
         g_y = (1 - ε)·g_lp / T_ce,   g_u = ε / K·g_lp / T_ce,   g_p = (1 + 2λ·lse_ce)·g_lp / T_ce
 
     (g_y = g_p = g_lp / T_ce and g_u = 0 when ε = λ = 0)."""
-    g = g_lp * (1.0 / cfg.ce_temperature)
-    if not cfg.ce_terms:
+    g = g_lp * cfg.inv_t_ce
+    if not cfg.CE_TERMS:
         return g, None, g
     eps, lam = cfg.label_smoothing, cfg.z_loss_weight
-    g_y = g * (1.0 - eps) if eps > 0.0 else g
-    g_u = g * (eps / cfg.smoothing_vocab) if eps > 0.0 else None
+    g_y = g * (1.0 - eps) if cfg.SMOOTH else g
+    g_u = g * cfg.smooth_weight if cfg.SMOOTH else None
     g_p = g
-    if lam > 0.0:
-        lse_ce = _scaled(stats.m, cfg.ce_temperature) + stats.la_ce
+    if cfg.Z_LOSS:
+        lse_ce = _scaled(stats.m, cfg.inv_t_ce) + stats.la_ce
         g_p = g * (1.0 + 2.0 * lam * lse_ce)
     return g_y, g_u, g_p
 
 
-def finalize(xp, state: State, r_y, found, active, cfg: StatsConfig) -> Stats:
+def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
     """Row statistics from a merged state; logp is NaN where the target was not found
     (out of range: loud, never silently wrong) and carries label smoothing and z-loss
     (``ce_objective``); inactive rows give exact zeros."""
     la = xp.log(state.a)
-    lse = _scaled(state.m, cfg.temperature) + la
-    entropy = la - state.b / state.a if cfg.entropy else xp.zeros_like(lse)
-    la_ce = xp.log(state.a2) if cfg.separate_ce else la
+    lse = _scaled(state.m, cfg.inv_t) + la
+    entropy = la - state.b / state.a if cfg.HAS_ENTROPY else xp.zeros_like(lse)
+    la_ce = xp.log(state.a2) if cfg.SEPARATE_CE else la
     logp = ce_objective(xp, target_logp(xp, r_y, found, state.m, la_ce, cfg), state.sr,
                         state.m, la_ce, active, cfg)
     zero = xp.zeros_like(lse)
     kl, la_u, kl_shift = zero, zero, zero
-    if cfg.has_teacher:
+    if cfg.HAS_TEACHER:
         la_u = xp.log(state.au)
         kl_shift = state.cu / state.au  # E_q[x_u - x]
         kl = kl_divergence(xp, state.a, state.au, state.cu, state.fu)
         kl = xp.where(xp.isfinite(lse), kl, float("nan"))  # no distribution p: no KL
-    mu = state.mu if cfg.has_teacher else zero
+    mu = state.mu if cfg.HAS_TEACHER else zero
     stats = dict(lse=lse, logp=logp, entropy=entropy, kl=kl, kl_shift=kl_shift, m=state.m,
                  la=la, la_ce=la_ce, mu=mu, la_u=la_u)
     return Stats(*(xp.where(active, stats[field], 0.0) for field in ROW_STATS))
 
 
-def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
+def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered):
     """d(student logits) and d(teacher logits) of one chunk, both [N, C] float32 (``rows``:
     the bundle over the chunk's columns, as in ``chunk_partial``).
 
@@ -466,45 +467,45 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: StatsConfig):
     z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
     r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     d = r - stats.m[:, None]  # [N, C] logit differences
-    x = _scaled(d, cfg.temperature)
+    x = _scaled(d, cfg.inv_t)
     logp_k = x - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
-    inv_t = 1.0 / cfg.temperature
+    inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, g_lp, stats, cfg)  # [N] each (g_u None: 0)
     coef = g_lse * inv_t  # [N]: the factor of p_k in dr
-    if not cfg.separate_ce:
+    if not cfg.SEPARATE_CE:
         coef = coef - g_p  # p' = p
     coef = coef[:, None]
-    if cfg.entropy:  # (without it g_h is the cotangent of nothing)
+    if cfg.HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
         coef = coef - (g_h * inv_t)[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None],
                                                           0.0)
     dr = p * coef
     du = None
-    if cfg.has_teacher:
-        xu = _scaled(xp.f32(u) - stats.mu[:, None], cfg.teacher_temperature)
+    if cfg.HAS_TEACHER:
+        xu = _scaled(xp.f32(u) - stats.mu[:, None], cfg.inv_t_kl)
         q = xp.exp(xu - stats.la_u[:, None])
         dr = dr + (g_kl * inv_t)[:, None] * (p - q)  # float32 p - q: no cancellation trap
-        if cfg.teacher_grad:
+        if cfg.TEACHER_GRAD:
             # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of log-normalisers
             du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
-            du = xp.where(active[:, None], du * (1.0 / cfg.teacher_temperature), 0.0)
-    if cfg.separate_ce:
-        dr = dr - g_p[:, None] * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
+            du = xp.where(active[:, None], du * cfg.inv_t_kl, 0.0)
+    if cfg.SEPARATE_CE:
+        dr = dr - g_p[:, None] * xp.exp(_scaled(d, cfg.inv_t_ce) - stats.la_ce[:, None])
     if g_u is not None:  # label smoothing's uniform term (padding columns are zeroed below)
         dr = dr + g_u[:, None]
     dr = _add_at(xp, dr, targets, cols[0], g_y)  # the target's column, when in this chunk
-    if cfg.softcap is not None:
+    if cfg.HAS_SOFTCAP:
         dr = dr * softcap_slope(xp, xp.f32(z), cfg.softcap)
     dz = xp.where(active[:, None], dr, 0.0)
-    if cfg.vocab_size is not None:  # padding columns get exact zeros
-        keep = (cols < cfg.vocab_size)[None, :]
+    if cfg.PADDED:  # padding columns get exact zeros
+        keep = (cols < cfg.vocab_limit)[None, :]
         dz = xp.where(keep, dz, 0.0)
         du = None if du is None else xp.where(keep, du, 0.0)
     return dz, du
 
 
-def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
+def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: Lowered):
     """d(Σ cotangent·stats) / d shift, [N] float32: the gradient dr of ``chunk_grads`` at
     each row's shifted column x (the shift is added after the cap, so no cap' factor):
 
@@ -520,31 +521,31 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: StatsConfig):
     x, targets = rows.shift_ids, rows.targets
     r = shifted_logits(xp, z_x[:, None], x[:, None], x, rows.shift, cfg)  # [N, 1]
     d = r - stats.m[:, None]  # a logit difference, as in chunk_grads
-    logp_k = _scaled(d, cfg.temperature) - stats.la[:, None]
+    logp_k = _scaled(d, cfg.inv_t) - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = (g[:, None] for g in grads)
-    inv_t = 1.0 / cfg.temperature
+    inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, grads[1], stats, cfg)  # [N] each (g_u None: 0)
     g_p = g_p[:, None]
     coef = g_lse * inv_t
-    if not cfg.separate_ce:
+    if not cfg.SEPARATE_CE:
         coef = coef - g_p
-    if cfg.entropy:
+    if cfg.HAS_ENTROPY:
         coef = coef - g_h * inv_t * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
     dr = p * coef
-    if cfg.has_teacher:
-        q = xp.exp(_scaled(xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.teacher_temperature)
+    if cfg.HAS_TEACHER:
+        q = xp.exp(_scaled(xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.inv_t_kl)
                    - stats.la_u[:, None])
         dr = dr + g_kl * inv_t * (p - q)
-    if cfg.separate_ce:
-        dr = dr - g_p * xp.exp(_scaled(d, cfg.ce_temperature) - stats.la_ce[:, None])
+    if cfg.SEPARATE_CE:
+        dr = dr - g_p * xp.exp(_scaled(d, cfg.inv_t_ce) - stats.la_ce[:, None])
     dr = dr[:, 0] + xp.where(x == targets, g_y, 0.0)
     if g_u is not None:  # the shifted column is a valid one (``found``)
         dr = dr + g_u
     return xp.where(found & rows.active, dr, 0.0)
 
 
-def shift_columns(xp, rows: Rows, cfg: StatsConfig, offset=0):
+def shift_columns(xp, rows: Rows, cfg: Lowered, offset=0):
     """(z_x, u_x, found) for ``shift_grad`` from rows whose logits (and teacher) are
     [N, K] arrays holding the columns [offset, offset + K): two gathers, O(N). Read them
     before a backward writes its gradient over the logits (``inplace_grad``)."""
@@ -570,7 +571,7 @@ def _finite_max(xp, v):
     return xp.where(xp.isfinite(m), m, 0.0)
 
 
-def reference_stats(xp, rows: Rows, cfg: StatsConfig):
+def reference_stats(xp, rows: Rows, cfg: Lowered):
     """Full-materialisation float32 statistics, differentiable by the framework's autodiff.
 
     rows.logits, rows.teacher: [N, K]; returns (lse, logp, entropy, kl) [N] f32. Inactive rows
@@ -590,33 +591,33 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     # with m the row max, a constant to autodiff (lse's gradient does not depend on it)
     m = _finite_max(xp, r)
     d = r - m[:, None]
-    x = d * (1.0 / cfg.temperature)
+    x = d * cfg.inv_t
     no_inf = lambda v: xp.where(v == float("inf"), float("nan"), v)  # noqa: E731
     la = no_inf(xp.logsumexp(x))
-    lse = m * (1.0 / cfg.temperature) + la
+    lse = m * cfg.inv_t + la
     logp_all = x - la[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
     entropy = -xp.rowsum(xp.where(pos, p * xp.where(pos, logp_all, 0.0), 0.0))
     # no distribution (NaN, +inf or an all -inf row): no entropy either, not the empty sum 0
     entropy = xp.where(xp.isfinite(lse), entropy, float("nan"))
-    x_ce = d * (1.0 / cfg.ce_temperature)
-    la_ce = no_inf(xp.logsumexp(x_ce)) if cfg.separate_ce else la
+    x_ce = d * cfg.inv_t_ce
+    la_ce = no_inf(xp.logsumexp(x_ce)) if cfg.SEPARATE_CE else la
     in_range = (targets >= 0) & (targets < k)
     y = xp.where(in_range, targets, 0)
     logp = xp.where(in_range, xp.gather_cols(x_ce, y) - la_ce, float("nan"))
-    if cfg.smoothing:  # Σ_k log p'_k / K over the row's K columns (the oracle's form)
+    if cfg.SMOOTH:  # Σ_k log p'_k / K over the row's K columns (the oracle's form)
         eps = cfg.label_smoothing
         logp = (1.0 - eps) * logp + eps * (xp.rowsum(x_ce) * (1.0 / k) - la_ce)
-    if cfg.z_loss_weight > 0.0:
-        lse_ce = m * (1.0 / cfg.ce_temperature) + la_ce
+    if cfg.Z_LOSS:
+        lse_ce = m * cfg.inv_t_ce + la_ce
         logp = logp - cfg.z_loss_weight * (lse_ce * lse_ce)
     kl = xp.zeros_like(lse)
-    if cfg.has_teacher:
+    if cfg.HAS_TEACHER:
         u = xp.where(active[:, None], xp.f32(u), 0.0)
-        if not cfg.teacher_grad:
+        if not cfg.TEACHER_GRAD:
             u = xp.stop_gradient(u)
-        xu = (u - _finite_max(xp, u)[:, None]) * (1.0 / cfg.teacher_temperature)
+        xu = (u - _finite_max(xp, u)[:, None]) * cfg.inv_t_kl
         la_u = xp.logsumexp(xu)
         q = xp.exp(xu - la_u[:, None])
         qpos = q > 0
@@ -632,7 +633,7 @@ def reference_stats(xp, rows: Rows, cfg: StatsConfig):
     return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))
 
 
-def _row_kl(xp, x, u, lse, cfg: StatsConfig):
+def _row_kl(xp, x, u, lse, cfg: Lowered):
     """KL(softmax(u / T_kl) || p) [N] of whole rows, x = (r - m) / T and u [N, K], as the
     streaming backends compute it (``teacher_sums`` over one chunk, ``kl_divergence``); NaN
     where lse is not finite (no distribution)."""

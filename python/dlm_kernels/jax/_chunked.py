@@ -144,13 +144,13 @@ class ChunkedJax(BackendBase):
                     du = update(du, gu, u.dtype, carry_u)
                 return dz, du
 
-            du0 = jnp.zeros(u.shape, carry_u) if cfg.teacher_grad else None
+            du0 = jnp.zeros(u.shape, carry_u) if cfg.TEACHER_GRAD else None
             # peeled first chunk: the carry then varies like the inputs under shard_map
             first = body(0, (jnp.zeros(z.shape, carry_z), du0))
             dz, du = lax.fori_loop(1, n_chunks, body, first)
             return _from_carry(dz, z.dtype), (None if du is None else _from_carry(du, u.dtype))
 
-        half = _is_half(z.dtype) or (cfg.teacher_grad and _is_half(u.dtype))
+        half = _is_half(z.dtype) or (cfg.TEACHER_GRAD and _is_half(u.dtype))
         return _per_platform(gradient, z, cfg, cpu_differs=half)
 
     @staticmethod

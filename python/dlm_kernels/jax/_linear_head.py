@@ -134,7 +134,7 @@ class _Sweep:
             return jnp.zeros(x.shape, x.dtype)
 
         return (zeros(self.rows.logits, True),
-                zeros(self.rows.teacher, self.cfg.teacher_grad))
+                zeros(self.rows.teacher, self.cfg.TEACHER_GRAD))
 
     def _add(self, acc, x, g, start, fresh):
         if acc is None:
@@ -166,7 +166,7 @@ class _Sweep:
         z, u = self.rows.logits, self.rows.teacher
         if (self.axis is not None or not is_head(z) or not self.impl.capabilities.vocab_shards
                 or jnp.dtype(z.weight.dtype) in (jnp.float32, jnp.float64)
-                or (is_head(u) and self.cfg.teacher_grad)):
+                or (is_head(u) and self.cfg.TEACHER_GRAD)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -179,7 +179,7 @@ class _Sweep:
         rows, cfg, r, n = self.rows, self.cfg, self.r, self.n
         z, u = rows.logits, rows.teacher
         major = z.weight_layout == VOCAB_MAJOR
-        teacher_grad = u is not None and not is_head(u) and cfg.teacher_grad
+        teacher_grad = u is not None and not is_head(u) and cfg.TEACHER_GRAD
         sl = lambda a, start: None if a is None else _slice(a, start, r)
         cols = lambda a, b0, b1: a[b0:b1] if major else a[:, b0:b1]  # a weight's columns
         dh = jnp.zeros(z.hidden.shape, _acc_dtype(z.hidden))  # [N, D]

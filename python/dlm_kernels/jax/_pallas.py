@@ -18,7 +18,7 @@ from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import BackendBase, Capabilities
 from .._env import PALLAS_INTERPRET_ENV
-from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
+from ..kernels.layout import PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from .._linear_head import VOCAB_MAJOR, is_head
 from ..kernels.pallas import linear_head as head_kernels
 from ..kernels.pallas import sampling as sampler
@@ -43,23 +43,16 @@ class RaceDetection:
     enabled = False
 
 
-def _statics(cfg, has_shift):
-    return dict(inv_t=1.0 / cfg.temperature, inv_t_ce=1.0 / cfg.ce_temperature,
-                inv_t_kl=1.0 / cfg.teacher_temperature, softcap=cfg.softcap, has_shift=has_shift,
-                separate_ce=cfg.separate_ce, entropy=cfg.entropy, block_k=cfg.chunk_size,
-                interpret=interpret_mode(), detect_races=RaceDetection.enabled,
-                **({"smoothing": True} if cfg.smoothing else {}),
-                **({"ce_terms": True} if cfg.ce_terms else {}))
+def _statics(cfg):
+    # the lowered call's statics, and how this process runs the kernels
+    return dict(cfg.pallas_statics(), interpret=interpret_mode(),
+                detect_races=RaceDetection.enabled)
 
 
 def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0
     y = y.astype(jnp.int32)
     return jnp.stack([y, (y if x is None else x).astype(jnp.int32),
                       jnp.zeros_like(y) + jnp.asarray(offset, jnp.int32)], axis=1)
-
-
-def _limit(cfg):
-    return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
 
 
 class FusedHead:
@@ -81,13 +74,12 @@ class FusedHead:
         head, teacher = rows.logits, rows.teacher
         if axis is not None or not is_head(head) or not cls._kernel_dtype(head):
             return False
-        return not is_head(teacher) or (not cfg.teacher_grad and cls._kernel_dtype(teacher))
+        return not is_head(teacher) or (not cfg.TEACHER_GRAD and cls._kernel_dtype(teacher))
 
     @staticmethod
     def _args(rows, cfg):
         head, teacher = rows.logits, rows.teacher
-        statics = dict(_statics(cfg, rows.shift_ids is not None), vocab_limit=_limit(cfg),
-                       layout=head.weight_layout, block_n=head.row_chunk)
+        statics = dict(_statics(cfg), layout=head.weight_layout, block_n=head.row_chunk)
         if is_head(teacher):
             statics["teacher_layout"] = teacher.weight_layout
             teacher = (teacher.hidden, teacher.weight, teacher.bias)
@@ -121,7 +113,7 @@ class FusedHead:
         head, teacher, statics = cls._args(rows, cfg)
         dh, dw, db, du = head_kernels.head_backward(
             head, teacher, _ints(rows.targets, rows.shift_ids),
-            _backward_floats(rows, stats, grads, cfg), teacher_grad=cfg.teacher_grad, **statics)
+            _backward_floats(rows, stats, grads, cfg), teacher_grad=cfg.TEACHER_GRAD, **statics)
         return (dh, dw, db), du
 
 
@@ -144,7 +136,7 @@ class PallasJax(BackendBase):
         if z.shape[0] == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
             return jnp.zeros((0, max(len(ROW_STATS), len(PARTIAL_STATE))), jnp.float32)
         floats = _forward_floats(rows, active)  # [N, 2]
-        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg), partial=partial)
+        statics = dict(_statics(cfg), partial=partial)
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
                                              **statics))
@@ -171,12 +163,12 @@ class PallasJax(BackendBase):
         z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
         if z.shape[0] == 0:  # no rows: nothing to launch
             empty = lambda a: jnp.zeros(a.shape, a.dtype)
-            return empty(z), (empty(u) if u is not None and cfg.teacher_grad else None)
+            return empty(z), (empty(u) if u is not None and cfg.TEACHER_GRAD else None)
         floats = _backward_floats(rows, stats, grads, cfg)  # [N, 16]
-        statics = dict(_statics(cfg, x is not None), vocab_limit=_limit(cfg))
+        statics = _statics(cfg)
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
-                                              teacher_grad=cfg.teacher_grad, **statics))
+                                              teacher_grad=cfg.TEACHER_GRAD, **statics))
         return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
 
 
@@ -220,8 +212,8 @@ def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels
 
 def _partial_state(out, cfg):
     """The State of a shard's partial output [N, N_STATS] (Σ r only with label smoothing)."""
-    fields = [out[:, j] for j in range(kernels.scratch_rows(cfg.smoothing))]
-    if not cfg.smoothing:
+    fields = [out[:, j] for j in range(kernels.scratch_rows(cfg.SMOOTH))]
+    if not cfg.SMOOTH:
         fields.append(jnp.zeros_like(fields[0]))
     return stats_math.State(*fields)
 
@@ -230,7 +222,7 @@ def _with_logp(stats, target, active, cfg):
     """The kernel's statistics with logp from the gathered target logit (r_y, found) and,
     with label smoothing or z-loss, the CE term (the logp column holds Σ r then)."""
     logp = stats_math.target_logp(JaxOps, *target, stats.m, stats.la_ce, cfg)
-    sr = stats.logp if cfg.smoothing else None
+    sr = stats.logp if cfg.SMOOTH else None
     logp = stats_math.ce_objective(JaxOps, logp, sr, stats.m, stats.la_ce, active, cfg)
     return stats._replace(logp=jnp.where(active, logp, 0.0))
 
@@ -239,7 +231,7 @@ def _backward_floats(rows, stats, grads, cfg):  # [N, 16]: the backward kernels'
     n = rows.targets.shape[0]
     cols = [_shift(rows), rows.active.astype(jnp.float32), stats.m, stats.la, stats.entropy,
             stats.kl_shift, stats.la_ce, stats.mu, stats.la_u, *grads]
-    if cfg.ce_terms:  # F_GY, F_GU, F_GP: the CE term's per-row coefficients
+    if cfg.CE_TERMS:  # F_GY, F_GU, F_GP: the CE term's per-row coefficients
         g_y, g_u, g_p = stats_math.ce_coefficients(JaxOps, grads[1], stats, cfg)
         cols += [g_y, jnp.zeros_like(g_y) if g_u is None else g_u, g_p]
     return jnp.stack(cols + [jnp.zeros((n,), jnp.float32)] * (kernels.BWD_FLOATS - len(cols)),

@@ -24,7 +24,7 @@ def _cotangent(rows, stats, grads, cfg, impl, offset=None, axis=None):
     """The bundle's cotangent: the backend's d(logits), d(teacher), and d(shift) from the
     shifted column (summed over the vocabulary shards of ``axis``: one of them holds it)."""
     columns = None
-    if rows.shift_ids is not None:
+    if cfg.HAS_SHIFT:
         columns = stats_math.shift_columns(JaxOps, rows, cfg, 0 if offset is None else offset)
     kw = {} if offset is None else {"offset": offset}
     dz, du = impl.backward(rows, stats, grads, cfg, **kw)

@@ -62,7 +62,7 @@ import triton
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import BackendBase, Capabilities
-from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
+from ..kernels.layout import PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._rows import Rows
@@ -96,19 +96,13 @@ def _launch(kernel, arrays, scalars, out, grid, **options):
 
 
 def _scalars(cfg):
-    return (1.0 / cfg.temperature, 1.0 / cfg.ce_temperature, 1.0 / cfg.teacher_temperature,
-            float(cfg.softcap or 0.0))
-
-
-def _flags(cfg, has_shift):
-    return dict(HAS_SOFTCAP=cfg.softcap is not None, HAS_SHIFT=has_shift,
-                HAS_TEACHER=cfg.has_teacher, SEPARATE_CE=cfg.separate_ce,
-                HAS_ENTROPY=cfg.entropy)
+    # the kernels' (inv_t, inv_t_ce, inv_t_kl, softcap) of the lowered call
+    return cfg.inv_t, cfg.inv_t_ce, cfg.inv_t_kl, cfg.softcap
 
 
 def _plan(z, cfg):
     n, k = z.shape
-    return n, k, kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, cfg.has_teacher, _num_sms(),
+    return n, k, kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, cfg.HAS_TEACHER, _num_sms(),
                                  cfg.chunk_size)
 
 
@@ -137,7 +131,7 @@ def _rows_vmappable(fn, *arrays):
 
 def _state_rows(cfg):
     """Rows of the partial buffer: PARTIAL_STATE, its last (Σ r) only with label smoothing."""
-    return len(PARTIAL_STATE) if cfg.smoothing else len(PARTIAL_STATE) - 1
+    return len(PARTIAL_STATE) if cfg.SMOOTH else len(PARTIAL_STATE) - 1
 
 
 def _partial(z, u, active, x, d, offsets, cfg):
@@ -149,11 +143,11 @@ def _partial(z, u, active, x, d, offsets, cfg):
     return _launch(
         kernels.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
-        (n, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT, *_scalars(cfg)),
+        (n, k, k, k, lc["cols_per_split"], cfg.vocab_limit, *_scalars(cfg)),
         jax.ShapeDtypeStruct((_state_rows(cfg), lc["splits"], n), jnp.float32),  # 32·S B/row
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
         BLOCK_K=lc["block_k"], VEC=lc["vec"], ROWS_ALIGNED=kernels.rows_aligned(k),
-        **_flags(cfg, x is not None), **({"SMOOTH": True} if cfg.smoothing else {}))
+        **cfg.triton_flags(), **({"SMOOTH": True} if cfg.SMOOTH else {}))
 
 
 def _forward(rows, cfg):
@@ -172,12 +166,12 @@ def _forward(rows, cfg):
         (n, k, s, k, *_scalars(cfg)),
         jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 40 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
-        **_flags(cfg, x is not None))
+        **cfg.triton_flags())
     stats = stats_math.Stats(*out)
-    if not cfg.ce_terms:
+    if not cfg.CE_TERMS:
         return stats
     # the CE term on the host (O(N)): Σ r merges by a plain sum over the splits
-    sr = jnp.sum(part[PARTIAL_STATE.index("sr")], axis=0) if cfg.smoothing else None
+    sr = jnp.sum(part[PARTIAL_STATE.index("sr")], axis=0) if cfg.SMOOTH else None
     return stats._replace(logp=stats_math.ce_objective(JaxOps, stats.logp, sr, stats.m,
                                                        stats.la_ce, active, cfg))
 
@@ -187,11 +181,11 @@ def _backward(rows, offsets, stats, grads, cfg):
                              rows.shift_ids, rows.shift)
     n, k, lc = _plan(z, cfg)
     if n == 0:
-        return jnp.zeros_like(z), (jnp.zeros_like(u) if cfg.teacher_grad else None)
-    du_type = (jax.ShapeDtypeStruct(u.shape, u.dtype) if cfg.teacher_grad
+        return jnp.zeros_like(z), (jnp.zeros_like(u) if cfg.TEACHER_GRAD else None)
+    du_type = (jax.ShapeDtypeStruct(u.shape, u.dtype) if cfg.TEACHER_GRAD
                else jax.ShapeDtypeStruct((1,), z.dtype))
     ce_terms = {}
-    if cfg.ce_terms:  # the CE term's per-row coefficients [3, N] in place of g_lp
+    if cfg.CE_TERMS:  # the CE term's per-row coefficients [3, N] in place of g_lp
         g_y, g_u, g_p = stats_math.ce_coefficients(JaxOps, grads[1], stats_math.Stats(*stats),
                                                    cfg)
         g_u = jnp.zeros_like(g_y) if g_u is None else g_u
@@ -201,13 +195,12 @@ def _backward(rows, offsets, stats, grads, cfg):
         kernels.stats_grad_kernel,
         (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
          jnp.stack(stats), *grads, offsets),
-        (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_size or NO_VOCAB_LIMIT,
-         *_scalars(cfg)),
+        (n, k, k, k, k, k, lc["cols_per_split"], cfg.vocab_limit, *_scalars(cfg)),
         (jax.ShapeDtypeStruct(z.shape, z.dtype), du_type),
         (n, lc["splits"]), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
-        TEACHER_GRAD=cfg.teacher_grad, BLOCK_K=lc["block_k"], ROWS_ALIGNED=kernels.rows_aligned(k),
-        **_flags(cfg, x is not None), **ce_terms)
-    return dz, (du if cfg.teacher_grad else None)
+        TEACHER_GRAD=cfg.TEACHER_GRAD, BLOCK_K=lc["block_k"], ROWS_ALIGNED=kernels.rows_aligned(k),
+        **cfg.triton_flags(), **ce_terms)
+    return dz, (du if cfg.TEACHER_GRAD else None)
 
 
 def _sample_partial(z, zu, keys, suppress_rows, cfg):

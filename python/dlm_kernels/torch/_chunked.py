@@ -63,7 +63,7 @@ class ChunkedTorch(BackendBase):
         z, u = rows.logits, rows.teacher
         n, k = z.shape
         dz = z if inplace else empty(z.shape, z.dtype, z.device)
-        du = empty(u.shape, u.dtype, u.device) if cfg.teacher_grad else None
+        du = empty(u.shape, u.dtype, u.device) if cfg.TEACHER_GRAD else None
         if not use_row_blocks(z):
             _grads_into(dz, du, rows, stats, grads, cfg, offset)
             return dz, du
@@ -127,7 +127,7 @@ def _block_partial(rows, cfg, offset):
 def _fast_partial(cfg) -> bool:
     """Whether ``_tile_partial`` covers cfg: CE, the SFT loss and distillation (shift,
     temperatures, a stop-gradient teacher)."""
-    return _fast_grads(cfg) and not cfg.smoothing and cfg.vocab_size is None
+    return _fast_grads(cfg) and not cfg.SMOOTH and not cfg.PADDED
 
 
 def _tile_partial(rows, cfg, offset):
@@ -141,7 +141,7 @@ def _tile_partial(rows, cfg, offset):
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     m = z.amax(dim=1).float()  # [N]
-    if rows.shift_ids is not None:
+    if cfg.HAS_SHIFT:
         found, col = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
         if not bool((~found | (rows.shift >= 0.0)).all()):  # CPU tensors: no device sync
             return None
@@ -149,13 +149,13 @@ def _tile_partial(rows, cfg, offset):
         m = torch.where(found, torch.maximum(m, r_x), m)
     ms = stats_math._safe(xp, m)[:, None]  # [N, 1]
     a = torch.zeros(n)
-    a2 = torch.zeros(n) if cfg.separate_ce else a
+    a2 = torch.zeros(n) if cfg.SEPARATE_CE else a
     chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
     width = chunks[0][1]
     buf = torch.empty((n, width), dtype=torch.float32)  # [N, C]
     zero = torch.zeros(n)
     mu, au, cu, fu = m, zero, zero, zero
-    if cfg.has_teacher:
+    if cfg.HAS_TEACHER:
         mu = u.amax(dim=1).float()
         mus = stats_math._safe(xp, mu)[:, None]
         au, cu, fu = torch.zeros(n), torch.zeros(n), torch.zeros(n)
@@ -164,21 +164,21 @@ def _tile_partial(rows, cfg, offset):
     for c0, c1 in chunks:
         t = buf[:, :c1 - c0]
         torch.sub(z[:, c0:c1], ms, out=t)  # r - m
-        if rows.shift_ids is not None:
+        if cfg.HAS_SHIFT:
             stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
-        if cfg.separate_ce:
-            a2 += torch.mul(t, 1.0 / cfg.ce_temperature).exp_().sum(dim=1)
-        if cfg.temperature != 1.0:
-            t.mul_(1.0 / cfg.temperature)
-        if not cfg.has_teacher:
+        if cfg.SEPARATE_CE:
+            a2 += torch.mul(t, cfg.inv_t_ce).exp_().sum(dim=1)
+        if cfg.inv_t != 1.0:
+            t.mul_(cfg.inv_t)
+        if not cfg.HAS_TEACHER:
             a += t.exp_().sum(dim=1)
             continue
         w = c1 - c0
         e, y, eu, ct, sr, f = (v[:, :w] for v in (e_b, y_b, eu_b, ct_b, s_b, f_b))
         a += torch.exp(t, out=e).sum(dim=1)  # e = e^x, t keeps x
         torch.sub(u[:, c0:c1], mus, out=y)
-        if cfg.teacher_temperature != 1.0:
-            y.mul_(1.0 / cfg.teacher_temperature)  # x_u
+        if cfg.inv_t_kl != 1.0:
+            y.mul_(cfg.inv_t_kl)  # x_u
         au += torch.exp(y, out=eu).sum(dim=1)
         y.sub_(t)  # y = x_u - x
         torch.mul(eu, y, out=ct)
@@ -212,7 +212,7 @@ def _fast_grads(cfg) -> bool:
     """Whether ``_tile_grads_into`` covers cfg: CE, the SFT loss and distillation (shift,
     temperatures, a stop-gradient teacher, label smoothing, z-loss, padding columns); the
     entropy, softcap and teacher gradient take the general path."""
-    return not cfg.entropy and cfg.softcap is None and not cfg.teacher_grad
+    return not cfg.HAS_ENTROPY and not cfg.HAS_SOFTCAP and not cfg.TEACHER_GRAD
 
 
 def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
@@ -231,26 +231,26 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     g_lse, g_lp, g_h, g_kl = grads
-    inv_t = 1.0 / cfg.temperature
+    inv_t = cfg.inv_t
     g_y, g_u, g_p = stats_math.ce_coefficients(xp, g_lp, stats, cfg)  # [N] each
     live = rows.active
     all_live = bool(live.all())  # a CPU tensor: no device sync
     zero = torch.zeros((), dtype=torch.float32)
     live_of = lambda v: torch.where(live, v, zero)[:, None]  # noqa: E731  [N, 1]
     coef = g_lse * inv_t
-    if not cfg.separate_ce:
+    if not cfg.SEPARATE_CE:
         coef = coef - g_p
-    if cfg.has_teacher:
+    if cfg.HAS_TEACHER:
         coef = coef + g_kl * inv_t
         b = live_of(-(g_kl * inv_t) * torch.exp(-stats.la_u))
         mu = stats.mu[:, None]
     a = live_of(coef * torch.exp(-stats.la))
-    c = live_of(-g_p * torch.exp(-stats.la_ce)) if cfg.separate_ce else None
+    c = live_of(-g_p * torch.exp(-stats.la_ce)) if cfg.SEPARATE_CE else None
     g_u = None if g_u is None else live_of(g_u)
     g_y = torch.where(live, g_y, zero)
     m = stats.m[:, None]
     direct = dz.dtype == torch.float32
-    limit = k if cfg.vocab_size is None else max(0, min(k, cfg.vocab_size - offset))
+    limit = max(0, min(k, cfg.vocab_limit - offset)) if cfg.PADDED else k
     for c0, c1 in _chunks(n, k, cfg, z.device, TILE_BYTES):
         out = dz[:, c0:c1]
         if c0 >= limit:  # padding columns only
@@ -258,19 +258,19 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
             continue
         t = out if direct else torch.empty(out.shape, dtype=torch.float32)  # [R, C]
         torch.sub(z[:, c0:c1], m, out=t)  # r - m (the shift lands below, at one column)
-        if rows.shift_ids is not None:
+        if cfg.HAS_SHIFT:
             stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
         e2 = None
-        if cfg.separate_ce:
-            e2 = torch.mul(t, 1.0 / cfg.ce_temperature).exp_()  # e^{x'}
-        if cfg.temperature != 1.0:
+        if cfg.SEPARATE_CE:
+            e2 = torch.mul(t, cfg.inv_t_ce).exp_()  # e^{x'}
+        if cfg.inv_t != 1.0:
             t.mul_(inv_t)
         t.exp_()  # e^x
         t.mul_(a)
-        if cfg.has_teacher:
+        if cfg.HAS_TEACHER:
             eu = torch.sub(u[:, c0:c1], mu)
-            if cfg.teacher_temperature != 1.0:
-                eu.mul_(1.0 / cfg.teacher_temperature)
+            if cfg.inv_t_kl != 1.0:
+                eu.mul_(cfg.inv_t_kl)
             t.addcmul_(eu.exp_(), b)
         if e2 is not None:
             t.addcmul_(e2, c)

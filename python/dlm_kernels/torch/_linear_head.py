@@ -5,7 +5,6 @@ over token chunks of ``hidden @ weight`` (the math and the two gradient schedule
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +161,7 @@ class _Sweep:
         on_cpu = like.device.type == "cpu"
         self.r = row_chunk_for(n, k, like.element_size(), on_cpu, chunk)
         if on_cpu and impl.name == "chunked" and cfg.chunk_size is None:
-            self.cfg = dataclasses.replace(cfg, chunk_size=base.head_vocab_chunk(self.r, k))
+            self.cfg = cfg._replace(chunk_size=base.head_vocab_chunk(self.r, k))
 
     def _chunk(self, r0, r1, cols=None):
         rows = self.rows
@@ -187,7 +186,7 @@ class _Sweep:
         if (self.group is not None or not is_head(z) or not need[0][1]
                 or not self.impl.capabilities.vocab_shards
                 or z.weight.dtype in (torch.float32, torch.float64)
-                or (is_head(u) and self.cfg.teacher_grad)):
+                or (is_head(u) and self.cfg.TEACHER_GRAD)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -271,7 +270,7 @@ class _Accumulators:
             return empty(x.shape, x.dtype, x.device)
 
         self.student = make(rows.logits, need[0], blocked)
-        self.teacher = make(rows.teacher, need[1], False) if cfg.teacher_grad else None
+        self.teacher = make(rows.teacher, need[1], False) if cfg.TEACHER_GRAD else None
 
     def add(self, dz, du, r0, r1):
         for acc, g in ((self.student, dz), (self.teacher, du)):

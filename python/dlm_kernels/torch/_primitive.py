@@ -65,7 +65,7 @@ class _TokenStatsFunction(torch.autograd.Function):
         rows, stats = Rows(*saved[:_N_FIELDS]), Stats(*saved[_N_FIELDS:])
         grads = tuple(g.float() for g in (g_lse, g_lp, g_h, g_kl))
         columns = None
-        if rows.shift_ids is not None and ctx.needs_input_grad[4 + Rows._fields.index("shift")]:
+        if ctx.cfg.HAS_SHIFT and ctx.needs_input_grad[4 + Rows._fields.index("shift")]:
             # the shifted column, read before an in-place backward overwrites the logits
             columns = stats_math.shift_columns(TorchOps, rows, ctx.cfg,
                                                ctx.backward_kw.get("offset", 0))

@@ -10,7 +10,8 @@ kernels leave unwritten cannot pass for a value.
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+import typing
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -18,7 +19,8 @@ import triton
 from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import BackendBase, Capabilities
-from ..kernels.layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
+from .._lowering import Lowered
+from ..kernels.layout import PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._stats_math import Stats
@@ -53,13 +55,6 @@ def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-def _flags(u, x, softcap, inv_t, inv_t_ce, entropy):
-    return dict(HAS_SOFTCAP=softcap > 0.0, HAS_SHIFT=x is not None, HAS_TEACHER=u is not None,
-                SEPARATE_CE=inv_t != inv_t_ce, HAS_ENTROPY=entropy)
-
-
-
-
 _ZERO_OFFSET = {}
 
 
@@ -89,152 +84,186 @@ def plan(z, u, block_k=0):
                            num_sms(z.device), block_k or None)
 
 
-def _state_rows(smooth):
+def _state_rows(low: Lowered):
     """Rows of the partial buffer: PARTIAL_STATE, its last (Σ r) only with label smoothing."""
-    return len(PARTIAL_STATE) if smooth else len(PARTIAL_STATE) - 1
+    return len(PARTIAL_STATE) if low.SMOOTH else len(PARTIAL_STATE) - 1
 
 
-def launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
-                    col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None, smooth=False):
+def launch_partial(z, u, x, d, active, low: Lowered, col_offset=0, launch=None):
     """Partial row states [PARTIAL_STATE, S, N] f32 of z: [N, K] (S vocabulary splits; the
-    Σ r row only with ``smooth``); ``cfg`` overrides the heuristic's plan
-    (bench/launch_sweep.py)."""
+    Σ r row only with label smoothing), the call lowered as ``low``; ``launch`` overrides
+    the heuristic's plan (bench/launch_sweep.py)."""
     n, k = z.shape
-    cfg = cfg or plan(z, u, block_k)
-    part = _empty((_state_rows(smooth), cfg["splits"], n), torch.float32, z.device)  # 32·S B/row
+    launch = launch or plan(z, u, low.chunk_size)
+    part = _empty((_state_rows(low), launch["splits"], n), torch.float32, z.device)  # 32·S B/row
     if n > 0:
         dummy = z
-        kernels.stats_partial_kernel[(n, cfg["splits"])](
+        kernels.stats_partial_kernel[(n, launch["splits"])](
             z, dummy if u is None else u, dummy if x is None else x, dummy if d is None else d,
             active, _offset(col_offset, z.device), n, k, z.stride(0),
-            0 if u is None else u.stride(0), cfg["cols_per_split"], vocab_limit, inv_t,
-            inv_t_ce, inv_t_kl, softcap,
-            part, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
+            0 if u is None else u.stride(0), launch["cols_per_split"], low.vocab_limit,
+            low.inv_t, low.inv_t_ce, low.inv_t_kl, low.softcap,
+            part, BLOCK_K=launch["block_k"], VEC=launch["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if u is None else u.stride(0)),
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **_flags(u, x, softcap, inv_t, inv_t_ce, entropy),
-            **({"SMOOTH": True} if smooth else {}))
+            num_warps=launch["num_warps"],
+            num_stages=launch["num_stages"], **low.triton_flags(),
+            **({"SMOOTH": True} if low.SMOOTH else {}))
     return part
 
 
-@torch.library.custom_op("dlm_kernels::token_stats_fwd", mutates_args=())
-def token_stats_fwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
-                    x: Optional[Tensor], d: Optional[Tensor], inv_t: float, inv_t_ce: float,
-                    inv_t_kl: float, softcap: float, entropy: bool, block_k: int,
-                    smooth: bool = False) -> Tensor:
+# -- the custom ops ---------------------------------------------------------------------
+# Each op takes its own arguments (one NamedTuple below), then the lowered call's fields
+# flat (Lowered.schema(): written once, for every op); its body and its fake receive both
+# rebuilt, (own arguments, Lowered).
+
+_SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", int: "int"}
+
+
+def _custom_op(name, own, returns, fake, mutates=()):
+    """Registers the decorated ``body(args: own, low: Lowered)`` as the torch.library op
+    ``name`` (and ``fake`` for it): schema own's fields, then Lowered's, -> ``returns``."""
+    params = ", ".join(f"{_SCHEMA_TYPES[kind]}{'(a!)' if field in mutates else ''} {field}"
+                       for field, kind in typing.get_type_hints(own).items())
+    schema = f"({params}, {Lowered.schema()}) -> {returns}"
+    n = len(own._fields)
+    split = lambda args: (own(*args[:n]), Lowered(*args[n:]))  # noqa: E731
+
+    def define(body):
+        op = torch.library.custom_op(name, lambda *args: body(*split(args)),
+                                     mutates_args=mutates, schema=schema)
+        op.register_fake(lambda *args: fake(*split(args)))
+        op.__doc__ = body.__doc__
+        return op
+
+    return define
+
+
+class FwdArgs(NamedTuple):
+    z: Tensor  # [N, K] logits
+    u: Optional[Tensor]  # [N, K] teacher logits
+    y: Tensor  # [N] targets
+    active: Tensor  # [N] int8
+    x: Optional[Tensor]  # [N] shift columns
+    d: Optional[Tensor]  # [N] shifts
+
+
+class PartialArgs(NamedTuple):
+    z: Tensor
+    u: Optional[Tensor]
+    active: Tensor
+    x: Optional[Tensor]
+    d: Optional[Tensor]
+    col_offset: int  # the shard's first global column
+
+
+class GradArgs(NamedTuple):
+    z: Tensor
+    u: Optional[Tensor]
+    y: Tensor
+    active: Tensor
+    x: Optional[Tensor]
+    d: Optional[Tensor]
+    stats: Tensor  # [ROW_STATS, N] f32
+    g_lse: Tensor  # [N] cotangents; g_lp [3, N] with the CE terms
+    g_lp: Tensor
+    g_h: Tensor
+    g_kl: Tensor
+    col_offset: int
+
+
+def _fwd_fake(a: FwdArgs, low: Lowered):
+    return a.z.new_empty((len(ROW_STATS) + low.SMOOTH, a.z.shape[0]), dtype=torch.float32)
+
+
+@_custom_op("dlm_kernels::token_stats_fwd", FwdArgs, "Tensor", _fwd_fake)
+def token_stats_fwd(a: FwdArgs, low: Lowered) -> Tensor:
     """Row statistics [ROW_STATS, N] f32 (lse, logp, entropy, kl, then the backward's
-    residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]; with ``smooth`` (label
-    smoothing) one more row, Σ r over the valid columns."""
-    z, u = _unit_col(z), _unit_col(u)
+    residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]; with label smoothing one more
+    row, Σ r over the valid columns."""
+    z, u = _unit_col(a.z), _unit_col(a.u)
     n, k = z.shape
-    part = launch_partial(z, u, x, d, active, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
-                           block_k, smooth=smooth)
+    part = launch_partial(z, u, a.x, a.d, a.active, low)
     s = part.shape[1]
-    out = _empty((len(ROW_STATS) + smooth, n), torch.float32, z.device)  # 40 bytes per row
+    out = _empty((len(ROW_STATS) + low.SMOOTH, n), torch.float32, z.device)  # 40 B/row
     if n > 0:
         dummy = z
         block_n, block_s = kernels.finalize_blocks(s)
         kernels.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
-            part, z, y, dummy if x is None else x, dummy if d is None else d, active,
-            n, k, s, z.stride(0), inv_t, inv_t_ce, inv_t_kl, softcap, out,
-            BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
-            **_flags(u, x, softcap, inv_t, inv_t_ce, entropy))
-        if smooth:  # Σ r merges by a plain sum over the splits
+            part, z, a.y, dummy if a.x is None else a.x, dummy if a.d is None else a.d,
+            a.active, n, k, s, z.stride(0), low.inv_t, low.inv_t_ce, low.inv_t_kl,
+            low.softcap, out, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
+            **low.triton_flags())
+        if low.SMOOTH:  # Σ r merges by a plain sum over the splits
             torch.sum(part[PARTIAL_STATE.index("sr")], dim=0, out=out[len(ROW_STATS)])
     return out
 
 
-@token_stats_fwd.register_fake
-def _(z, u, y, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k,
-      smooth=False):
-    return z.new_empty((len(ROW_STATS) + smooth, z.shape[0]), dtype=torch.float32)
+def _partial_fake(a: PartialArgs, low: Lowered):
+    splits = plan(a.z, a.u, low.chunk_size)["splits"]  # the same plan as the launch
+    return a.z.new_empty((_state_rows(low), splits, a.z.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("dlm_kernels::token_stats_partial", mutates_args=())
-def token_stats_partial(z: Tensor, u: Optional[Tensor], active: Tensor, x: Optional[Tensor],
-                        d: Optional[Tensor], inv_t: float, inv_t_ce: float, inv_t_kl: float,
-                        softcap: float, entropy: bool, block_k: int, col_offset: int,
-                        vocab_limit: int, smooth: bool = False) -> Tensor:
+@_custom_op("dlm_kernels::token_stats_partial", PartialArgs, "Tensor", _partial_fake)
+def token_stats_partial(a: PartialArgs, low: Lowered) -> Tensor:
     """Partial states [PARTIAL_STATE, S, N] of a vocabulary shard starting at global column
-    col_offset (the Σ r row only with ``smooth``)."""
-    return launch_partial(_unit_col(z), _unit_col(u), x, d, active, inv_t, inv_t_ce, inv_t_kl,
-                           softcap, entropy, block_k, col_offset, vocab_limit, smooth=smooth)
+    col_offset (the Σ r row only with label smoothing)."""
+    return launch_partial(_unit_col(a.z), _unit_col(a.u), a.x, a.d, a.active, low,
+                          a.col_offset)
 
 
-@token_stats_partial.register_fake
-def _(z, u, active, x, d, inv_t, inv_t_ce, inv_t_kl, softcap, entropy, block_k, col_offset,
-      vocab_limit, smooth=False):
-    splits = plan(z, u, block_k)["splits"]  # the same plan as the launch
-    return z.new_empty((_state_rows(smooth), splits, z.shape[0]), dtype=torch.float32)
-
-
-def launch_grad(z, u, y, active, x, d, stats, grads, dz, du, inv_t, inv_t_ce, inv_t_kl,
-                 softcap, entropy, block_k, col_offset=0, vocab_limit=NO_VOCAB_LIMIT, cfg=None):
+def launch_grad(z, u, y, active, x, d, stats, grads, dz, du, low: Lowered, col_offset=0,
+                launch=None):
     n, k = z.shape
     if n == 0:
         return
-    cfg = cfg or plan(z, u, block_k)
+    launch = launch or plan(z, u, low.chunk_size)
     dummy = z
-    kernels.stats_grad_kernel[(n, cfg["splits"])](
+    kernels.stats_grad_kernel[(n, launch["splits"])](
         z, dummy if u is None else u, y, dummy if x is None else x, dummy if d is None else d,
         active, stats, grads[0], grads[1], grads[2], grads[3], _offset(col_offset, z.device),
         n, k, z.stride(0), 0 if u is None else u.stride(0), dz.stride(0),
-        0 if du is None else du.stride(0), cfg["cols_per_split"], vocab_limit,
-        inv_t, inv_t_ce, inv_t_kl, softcap, dz, dummy if du is None else du,
-        TEACHER_GRAD=du is not None, BLOCK_K=cfg["block_k"],
+        0 if du is None else du.stride(0), launch["cols_per_split"], low.vocab_limit,
+        low.inv_t, low.inv_t_ce, low.inv_t_kl, low.softcap, dz, dummy if du is None else du,
+        TEACHER_GRAD=low.TEACHER_GRAD, BLOCK_K=launch["block_k"],
         ROWS_ALIGNED=kernels.rows_aligned(*(t.stride(0) for t in (z, u, dz, du) if t is not None)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **_flags(u, x, softcap, inv_t, inv_t_ce, entropy),
-        **({"CE_TERMS": True} if grads[1].dim() == 2 else {}))
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **low.triton_flags(),
+        **({"CE_TERMS": True} if low.CE_TERMS else {}))
 
 
-@torch.library.custom_op("dlm_kernels::token_stats_bwd", mutates_args=())
-def token_stats_bwd(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
-                    x: Optional[Tensor], d: Optional[Tensor], stats: Tensor, g_lse: Tensor,
-                    g_lp: Tensor, g_h: Tensor, g_kl: Tensor, inv_t: float, inv_t_ce: float,
-                    inv_t_kl: float, softcap: float, entropy: bool, teacher_grad: bool,
-                    block_k: int, col_offset: int, vocab_limit: int) -> Tuple[Tensor, Tensor]:
-    """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor). g_lp is [N], or
-    with label smoothing / z-loss the CE term's coefficients [3, N] (g_y, g_u, g_p)."""
-    z, u = _unit_col(z), _unit_col(u)
-    dz = _empty(z.shape, z.dtype, z.device)
-    du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
-    launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), dz,
-                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
-                 block_k, col_offset, vocab_limit)
-    return dz, du
+def _teacher_grad_out(u, low: Lowered, like: Tensor):
+    """du [N, K] in u's dtype with teacher_grad, else an empty tensor."""
+    return _empty(u.shape, u.dtype, u.device) if low.TEACHER_GRAD else like.new_empty((0,))
 
 
-@token_stats_bwd.register_fake
-def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
-      entropy, teacher_grad, block_k, col_offset, vocab_limit):
-    du = torch.empty_like(u) if teacher_grad else z.new_empty((0,))
-    return torch.empty_like(z), du
-
-
-@torch.library.custom_op("dlm_kernels::token_stats_bwd_", mutates_args=("z",))
-def token_stats_bwd_inplace(z: Tensor, u: Optional[Tensor], y: Tensor, active: Tensor,
-                            x: Optional[Tensor], d: Optional[Tensor], stats: Tensor,
-                            g_lse: Tensor, g_lp: Tensor, g_h: Tensor, g_kl: Tensor,
-                            inv_t: float, inv_t_ce: float, inv_t_kl: float, softcap: float,
-                            entropy: bool, teacher_grad: bool, block_k: int, col_offset: int,
-                            vocab_limit: int) -> Tensor:
-    """Writes dz into z itself (z must have unit column stride); returns du or empty."""
-    if z.stride(-1) != 1:
-        raise ValueError("inplace_grad needs logits with unit stride on the vocabulary axis; "
-                         f"got strides {tuple(z.stride())}")
-    u = _unit_col(u)
-    du = _empty(u.shape, u.dtype, u.device) if teacher_grad else z.new_empty((0,))
-    launch_grad(z, u, y, active, x, d, stats, (g_lse, g_lp, g_h, g_kl), z,
-                 du if teacher_grad else None, inv_t, inv_t_ce, inv_t_kl, softcap, entropy,
-                 block_k, col_offset, vocab_limit)
+def _grad(a: GradArgs, low: Lowered, dz: Tensor, u: Optional[Tensor]) -> Tensor:
+    du = _teacher_grad_out(u, low, dz)
+    launch_grad(a.z, u, a.y, a.active, a.x, a.d, a.stats, (a.g_lse, a.g_lp, a.g_h, a.g_kl),
+                dz, du if low.TEACHER_GRAD else None, low, a.col_offset)
     return du
 
 
-@token_stats_bwd_inplace.register_fake
-def _(z, u, y, active, x, d, stats, g_lse, g_lp, g_h, g_kl, inv_t, inv_t_ce, inv_t_kl, softcap,
-      entropy, teacher_grad, block_k, col_offset, vocab_limit):
-    return torch.empty_like(u) if teacher_grad else z.new_empty((0,))
+def _bwd_fake(a: GradArgs, low: Lowered):
+    du = torch.empty_like(a.u) if low.TEACHER_GRAD else a.z.new_empty((0,))
+    return torch.empty_like(a.z), du
+
+
+@_custom_op("dlm_kernels::token_stats_bwd", GradArgs, "(Tensor, Tensor)", _bwd_fake)
+def token_stats_bwd(a: GradArgs, low: Lowered) -> Tuple[Tensor, Tensor]:
+    """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor). g_lp is [N], or
+    with label smoothing / z-loss the CE term's coefficients [3, N] (g_y, g_u, g_p)."""
+    a = a._replace(z=_unit_col(a.z))
+    dz = _empty(a.z.shape, a.z.dtype, a.z.device)
+    return dz, _grad(a, low, dz, _unit_col(a.u))
+
+
+@_custom_op("dlm_kernels::token_stats_bwd_", GradArgs, "Tensor",
+            lambda a, low: _bwd_fake(a, low)[1], mutates=("z",))
+def token_stats_bwd_inplace(a: GradArgs, low: Lowered) -> Tensor:
+    """Writes dz into z itself (z must have unit column stride); returns du or empty."""
+    if a.z.stride(-1) != 1:
+        raise ValueError("inplace_grad needs logits with unit stride on the vocabulary axis; "
+                         f"got strides {tuple(a.z.stride())}")
+    return _grad(a, low, a.z, _unit_col(a.u))
 
 
 @torch.library.custom_op("dlm_kernels::sample_partial", mutates_args=())
@@ -286,16 +315,6 @@ def _op_rows(rows):
             _vec(rows.shift_ids), _vec(rows.shift))
 
 
-def _scalars(cfg):
-    # the custom ops' (inv_t, inv_t_ce, inv_t_kl, softcap, entropy)
-    return (1.0 / cfg.temperature, 1.0 / cfg.ce_temperature, 1.0 / cfg.teacher_temperature,
-            cfg.softcap or 0.0, cfg.entropy)
-
-
-def _limit(cfg):
-    return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
-
-
 class TritonTorch(BackendBase):
     name = "triton"
     custom_vjp = True
@@ -312,15 +331,13 @@ class TritonTorch(BackendBase):
 
     @staticmethod
     def forward(rows, cfg):
-        # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32 (views of one
-        # [ROW_STATS, N] buffer)
-        smooth = {"smooth": True} if cfg.smoothing else {}
-        out = torch.ops.dlm_kernels.token_stats_fwd(*_op_rows(rows), *_scalars(cfg),
-                                                   cfg.chunk_size or 0, **smooth)
+        # rows: [N, K] logits / teacher, [N] per-row inputs; cfg: the lowered call -> Stats
+        # of [N] f32 (views of one [ROW_STATS, N] buffer)
+        out = torch.ops.dlm_kernels.token_stats_fwd(*_op_rows(rows), *cfg)
         stats = Stats(*out.unbind(0)[:len(ROW_STATS)])
-        if not cfg.ce_terms:
+        if not cfg.CE_TERMS:
             return stats
-        sr = out[len(ROW_STATS)] if cfg.smoothing else None  # the CE term on the host: O(N)
+        sr = out[len(ROW_STATS)] if cfg.SMOOTH else None  # the CE term on the host: O(N)
         return stats._replace(logp=stats_math.ce_objective(
             TorchOps, stats.logp, sr, stats.m, stats.la_ce, rows.active, cfg))
 
@@ -329,28 +346,25 @@ class TritonTorch(BackendBase):
         # one vocabulary shard starting at global column ``offset`` -> (State, r_y, found)
         z, u, _, _, x, d = _op_rows(rows)
         active = torch.ones(z.shape[0], dtype=torch.int8, device=z.device)
-        smooth = {"smooth": True} if cfg.smoothing else {}
-        part = torch.ops.dlm_kernels.token_stats_partial(
-            z, u, active, x, d, *_scalars(cfg), cfg.chunk_size or 0, int(offset), _limit(cfg),
-            **smooth)
+        part = torch.ops.dlm_kernels.token_stats_partial(z, u, active, x, d, int(offset),
+                                                         *cfg)
         state = stats_math.merge_splits(TorchOps, [p.t() for p in part.unbind(0)], cfg)  # S splits
         return (state, *stats_math.target_logit(TorchOps, rows, cfg, offset))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, inplace=False, offset=0):
         stacked = torch.stack(tuple(stats))  # [ROW_STATS, N] f32
-        if cfg.ce_terms:  # the CE term's per-row coefficients [3, N] in place of g_lp
+        if cfg.CE_TERMS:  # the CE term's per-row coefficients [3, N] in place of g_lp
             g_y, g_u, g_p = stats_math.ce_coefficients(TorchOps, grads[1], stats, cfg)
             g_u = torch.zeros_like(g_y) if g_u is None else g_u
             grads = (grads[0], torch.stack((g_y, g_u, g_p)), grads[2], grads[3])
-        args = (*_op_rows(rows), stacked, *(_vec(g) for g in grads), *_scalars(cfg),
-                cfg.teacher_grad, cfg.chunk_size or 0, int(offset), _limit(cfg))
+        args = (*_op_rows(rows), stacked, *(_vec(g) for g in grads), int(offset), *cfg)
         if inplace:
             du = torch.ops.dlm_kernels.token_stats_bwd_(*args)
             dz = rows.logits
         else:
             dz, du = torch.ops.dlm_kernels.token_stats_bwd(*args)
-        return dz, (du if cfg.teacher_grad else None)
+        return dz, (du if cfg.TEACHER_GRAD else None)
 
 
     @staticmethod

@@ -1,0 +1,172 @@
+"""The one lowering (``_lowering.lower``): a call's keywords become one ``Lowered`` object,
+the only place a kernel flag, a scaled constant or a stand-in is derived, and every backend's
+launch receives that object."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+from dlm_kernels._config import make_config
+from dlm_kernels._lowering import Lowered, lower
+from dlm_kernels.kernels.layout import NO_VOCAB_LIMIT
+from harness import framework
+
+FLAGS = ("HAS_TEACHER", "HAS_SHIFT", "HAS_SOFTCAP", "SEPARATE_CE", "HAS_ENTROPY", "SMOOTH",
+         "Z_LOSS", "CE_TERMS", "TEACHER_GRAD", "PADDED")
+
+# (config keywords, has_shift) -> the lowered fields expected (flags not named are False)
+CASES = {
+    "plain": (dict(), False, dict(
+        inv_t=1.0, inv_t_ce=1.0, inv_t_kl=1.0, softcap=0.0, vocab_limit=NO_VOCAB_LIMIT,
+        chunk_size=None, smooth_mean=0.0, smooth_weight=0.0, HAS_ENTROPY=True)),
+    "every feature": (dict(temperature=0.5, ce_temperature=2.0, teacher_temperature=4.0,
+                           softcap=30.0, has_teacher=True, teacher_grad=True, entropy=False,
+                           chunk_size=130, vocab_size=37, label_smoothing=0.1,
+                           z_loss_weight=0.01, smoothing_vocab=40), True, dict(
+        inv_t=2.0, inv_t_ce=0.5, inv_t_kl=0.25, softcap=30.0, vocab_limit=37, chunk_size=130,
+        label_smoothing=0.1, z_loss_weight=0.01, smooth_mean=1.0 / 40, smooth_weight=0.1 / 40,
+        HAS_TEACHER=True, HAS_SHIFT=True, HAS_SOFTCAP=True, SEPARATE_CE=True, SMOOTH=True,
+        Z_LOSS=True, CE_TERMS=True, TEACHER_GRAD=True, PADDED=True)),
+    "z-loss, T_ce given equal to T": (dict(temperature=3.0, ce_temperature=3.0,
+                                           z_loss_weight=1e-4), False, dict(
+        inv_t=1.0 / 3.0, inv_t_ce=1.0 / 3.0, inv_t_kl=1.0 / 3.0, z_loss_weight=1e-4,
+        HAS_ENTROPY=True, Z_LOSS=True, CE_TERMS=True)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_lower_gives_the_kernels_flags_and_constants(name):
+    keywords, has_shift, expected = CASES[name]
+    low = lower(make_config(**keywords), has_shift=has_shift)
+    want = dict({flag: False for flag in FLAGS}, label_smoothing=0.0, z_loss_weight=0.0)
+    want.update(expected)
+    got = {field: getattr(low, field) for field in want}
+    assert got == want
+    assert Lowered(*tuple(low)) == low  # what a torch custom op rebuilds from its arguments
+    assert len(Lowered.schema().split(", ")) == len(low)
+    assert low.triton_flags() == {flag: getattr(low, flag) for flag in (
+        "HAS_SOFTCAP", "HAS_SHIFT", "HAS_TEACHER", "SEPARATE_CE", "HAS_ENTROPY")}
+
+
+def test_no_derivation_outside_the_lowering():
+    """1/T, the stand-ins (softcap 0, vocabulary limit 2^31 - 1) and SEPARATE_CE are formed
+    in ``_lowering`` only: no other host module spells them."""
+    root = os.path.join(os.path.dirname(__file__), "..", "python", "dlm_kernels")
+    pattern = re.compile(r"separate_ce|1\.0 / cfg\.|2 \*\* 31 - 1|softcap or 0")
+    hits = []
+    for folder, _, files in os.walk(root):  # the kernels/ and bench/ links are not followed
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or os.path.samefile(path, os.path.join(root, "_lowering.py")):
+                continue
+            with open(path) as f:
+                hits += [f"{os.path.relpath(path, root)}:{i}: {line.strip()}"
+                         for i, line in enumerate(f, 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
+
+
+def _spy(monkeypatch, owner, name, seen, pick):
+    """Wrap owner.name so that each call appends pick(args, kwargs) to seen."""
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        seen.append(pick(args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+def _lowered_once(monkeypatch):
+    """The objects ``lower`` returns to the front end, as a list that fills per call."""
+    import dlm_kernels._frontend as frontend
+
+    made = []
+
+    def record(*args, **kwargs):
+        made.append(lower(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(frontend, "lower", record)
+    return made
+
+
+def _stats_math_spies(monkeypatch, seen):
+    import dlm_kernels._stats_math as stats_math
+
+    for name, at in (("reference_stats", 2), ("chunk_partial", 4), ("chunk_grads", 5),
+                     ("finalize", 5)):
+        _spy(monkeypatch, stats_math, name, seen, lambda a, kw, at=at: a[at])
+
+
+KEYWORDS = dict(temperature=0.7, ce_temperature=1.3, softcap=3.0, label_smoothing=0.1,
+                z_loss_weight=0.01, teacher_grad=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "triton"])
+def test_torch_backends_receive_the_lowered_call(backend, monkeypatch, rng):
+    import torch
+
+    from dlm_kernels.torch import _triton
+
+    fw = framework("torch")
+    made, seen = _lowered_once(monkeypatch), []
+    _stats_math_spies(monkeypatch, seen)
+    _spy(monkeypatch, _triton, "launch_partial", seen, lambda a, kw: a[5])
+    _spy(monkeypatch, _triton, "launch_grad", seen, lambda a, kw: a[10])
+    n, k = 3, 37
+    z = fw.array(rng.normal(size=(n, k)), "float32").requires_grad_(True)
+    u = fw.array(rng.normal(size=(n, k)), "float32").requires_grad_(True)
+    y = fw.array(rng.integers(0, k, n))
+    s = fw.api.token_stats(z, y, teacher_logits=u, shift_ids=y, shift=0.5, backend=backend,
+                           **KEYWORDS)
+    torch.autograd.grad(sum(v.sum() for v in s), (z, u))
+    (low,) = made
+    assert low.HAS_SHIFT and low.TEACHER_GRAD and low.SEPARATE_CE and low.CE_TERMS
+    assert seen and all(got == low for got in seen), seen  # a custom op rebuilds an equal one
+    if backend != "triton":
+        assert all(got is low for got in seen)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "pallas", "triton"])
+def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, request):
+    import jax
+    import jax.numpy as jnp
+
+    from dlm_kernels.kernels.pallas import token_stats as pallas_kernels
+
+    fw = framework("jax")
+    made, seen, launched = _lowered_once(monkeypatch), [], []
+    _stats_math_spies(monkeypatch, seen)
+    for name in ("stats_forward", "stats_backward"):
+        _spy(monkeypatch, pallas_kernels, name, launched, lambda a, kw: kw)
+    if backend == "triton":
+        module = request.getfixturevalue("jax_triton_on_cpu")
+        _spy(monkeypatch, module, "_scalars", seen, lambda a, kw: a[0])
+        _spy(monkeypatch, module, "_launch", launched, lambda a, kw: kw)
+    n, k = 3, 37
+    z = fw.array(rng.normal(size=(n, k)), "float32")
+    u = fw.array(rng.normal(size=(n, k)), "float32")
+    y = fw.array(rng.integers(0, k, n))
+
+    def loss(z, u):
+        s = fw.api.token_stats(z, y, teacher_logits=u, shift_ids=y, shift=0.5,
+                               backend=backend, **KEYWORDS)
+        return sum(jnp.sum(v) for v in s)
+
+    jax.grad(loss, argnums=(0, 1))(z, u)
+    (low,) = made
+    assert low.HAS_SHIFT and low.TEACHER_GRAD and low.SEPARATE_CE and low.CE_TERMS
+    assert all(got is low for got in seen), seen
+    if backend == "pallas":
+        assert len(launched) == 2
+        statics = low.pallas_statics()
+        assert all({key: kw[key] for key in statics} == statics for kw in launched)
+    elif backend == "triton":
+        assert seen and len(launched) == 3  # partial, finalize, gradient
+        assert all(kw.items() >= low.triton_flags().items() for kw in launched)
+    else:
+        assert seen and not launched
