@@ -26,6 +26,11 @@ class Rows(NamedTuple):
         """The same rows over a block of columns: ``logits`` / ``teacher`` are [N, C] slices."""
         return self._replace(logits=logits, teacher=teacher)
 
+    def map_logits(self, fn) -> "Rows":
+        """The same rows with ``fn`` applied to the logits and to the teacher (when given)."""
+        return self._replace(logits=fn(self.logits),
+                             teacher=None if self.teacher is None else fn(self.teacher))
+
     def gradients(self, d_logits, d_teacher, d_shift=None) -> "Rows":
         """The cotangent of a bundle: d(logits), d(teacher), d(shift) (None: no gradient),
         None for every other field (ids and masks get no gradient)."""
