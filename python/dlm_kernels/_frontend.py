@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ._checks import flag, require_array
+from ._checks import flag
 from ._config import check_vocab_size
 from ._linear_head import as_logits, planned_total, weighting_term
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,

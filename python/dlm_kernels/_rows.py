@@ -15,8 +15,10 @@ from typing import NamedTuple
 
 
 class Rows(NamedTuple):
-    logits: object  # [N, K] student logits (float32, bfloat16 or float16)
-    teacher: object = None  # [N, K] teacher logits, or None
+    # [N, K] student logits (float32, bfloat16 or float16); from ``prepare`` to the dispatch
+    # and in a framework's head path a ``_linear_head.LogitsSource`` (an array or a head)
+    logits: object
+    teacher: object = None  # [N, K] teacher logits (likewise), or None
     targets: object = None  # [N] int target ids
     active: object = None  # [N] bool: rows whose weight is non-zero
     shift_ids: object = None  # [N] int column of the LOO shift, or None
