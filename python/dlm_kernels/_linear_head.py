@@ -104,8 +104,6 @@ def row_chunks(n_rows: int, r: int):
 A = TypeVar("A")
 #: what a ``LogitsKinds`` visitor returns
 T = TypeVar("T")
-#: ``take`` of ``LogitsSource.chunk``: the rows of one token chunk of an [N, ...] array
-Take = Callable[[A], A]
 
 
 class LogitsKinds(Protocol[A, T]):
@@ -189,8 +187,8 @@ class LogitsSource(Generic[A]):
         """The source of the first ``stop`` columns (the vocabulary without its padding)."""
         raise NotImplementedError
 
-    def chunk(self, xp: Any, take: Take, cols: tuple[int, int] | None = None) -> A:
-        """[R, K] logits of the token chunk ``take`` cuts from [N, ...] rows (the columns
+    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+        """[R, K] logits of the token chunk ``take`` cuts from [N, ...] arrays (the columns
         [b0, b1) = ``cols`` only, when given), in the logits' dtype."""
         raise NotImplementedError
 
@@ -233,7 +231,7 @@ class DenseLogits(LogitsSource[A]):
         return self._array.shape[-1]
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return self._array.shape
 
     @property
@@ -269,7 +267,7 @@ class DenseLogits(LogitsSource[A]):
     def vocab_slice(self, stop: int) -> DenseLogits[A]:
         return DenseLogits(self._array[..., :stop])
 
-    def chunk(self, xp: Any, take: Take, cols: tuple[int, int] | None = None) -> A:
+    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
         z = take(self._array)  # [R, K]
         return z if cols is None else z[:, cols[0]:cols[1]]
 
@@ -400,7 +398,7 @@ class LinearHead(LogitsSource[A]):
         return type(self)(hidden, weight, bias, weight_layout=self.weight_layout,
                           row_chunk=self.row_chunk)
 
-    def chunk(self, xp: Any, take: Take, cols: tuple[int, int] | None = None) -> A:
+    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
         head = self.replace(hidden=take(self.hidden))  # [R, D]
         return xp.head_logits(head if cols is None else head._columns(*cols))
 
