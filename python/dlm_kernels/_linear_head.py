@@ -206,6 +206,7 @@ class LogitsSource(Generic[A]):
         raise NotImplementedError
 
     def accept(self, kinds: LogitsKinds[A, T]) -> T:
+        """``kinds.array(the array)`` or ``kinds.head(the head)``, by this source's kind."""
         raise NotImplementedError
 
 
