@@ -8,6 +8,8 @@ import dataclasses
 import inspect
 import json
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -106,3 +108,30 @@ def test_a_type_checker_sees_every_public_name(module, tmp_path):
     public = {f"{module}.{n}" for n in __import__(module, fromlist=["_"]).__all__}
     seen = {s["name"] for s in report["symbols"] if s["name"] in public}
     assert seen == public, public - seen
+
+
+#: a test of the kind of a logits argument: ``grep -rn "is_head\|isinstance(.*LinearHead"``,
+#: and the same test spelled with the protocol's classes
+KIND_TEST = re.compile(r"is_head|isinstance\(.*(LinearHead|LogitsSource|DenseLogits)")
+
+
+def test_the_kind_of_logits_is_decided_in_few_places():
+    """Objectives and checks read the ``LogitsSource`` protocol; an array or a LinearHead is
+    told apart where an op is entered (``_linear_head.as_logits``), never in their bodies:
+    at most 5 such tests under python/, in at most 2 files (symbolic links not followed, as
+    ``grep -r`` does not)."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "python"
+    hits = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(folder, d))]
+        for name in files:
+            path = pathlib.Path(folder, name)
+            if path.is_symlink() or path.suffix != ".py":
+                continue
+            lines = [f"{i}: {line.strip()}"
+                     for i, line in enumerate(path.read_text().splitlines(), 1)
+                     if KIND_TEST.search(line) and not line.lstrip().startswith("def is_head")]
+            if lines:
+                hits[str(path.relative_to(root))] = lines
+    count = sum(len(lines) for lines in hits.values())
+    assert count <= 5 and len(hits) <= 2, f"{count} tests of the kind of logits: {hits}"

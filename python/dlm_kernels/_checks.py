@@ -197,12 +197,9 @@ def require_instance(name, value, cls):
 
 def require_logits(xp, name, x):
     """A logits array, or a ``LinearHead`` standing for one (its parts checked)."""
-    from ._linear_head import is_head
+    from ._linear_head import as_logits
 
-    if is_head(x):
-        x.check(xp, name)
-    else:
-        require_array(xp, name, x)
+    as_logits(x).check(xp, name)
 
 
 def require_rank(xp, name, x, rank, layout, logits=False):
@@ -422,10 +419,10 @@ def check_teacher_values(xp, teacher_logits, loss_weights):
     """Teacher logits must be finite at active positions (concrete host arrays only, unless
     inside ``sync_checks()``: a scoring call never syncs an accelerator by default; a
     non-finite teacher there gives a NaN loss)."""
-    from ._linear_head import is_head
+    from ._linear_head import as_logits
 
-    if is_head(teacher_logits):  # its logits are never built; a non-finite one gives NaN
-        return
+    if not as_logits(teacher_logits).materialized:  # a head's logits are never built; a
+        return                                         # non-finite one gives NaN
     w = host_values(xp, loss_weights)
     if w is None:
         return

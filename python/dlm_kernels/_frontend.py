@@ -11,7 +11,8 @@ Each framework supplies only what differs: its ops adapter (``xp``), its registr
   shards(shard) -> int
       how many vocabulary shards a process group / mesh axis splits the logits into
   apply_head(impl, cfg, rows, shard, coefficients) -> (lse, logp, entropy, kl, total)
-      the same for rows whose logits (and/or teacher) are a ``LinearHead``: token chunks of
+      the same for rows of ``LogitsSource``s whose logits and/or teacher are a
+      ``LinearHead`` (the choice made once, in ``token_stats_total``): token chunks of
       matmuls feeding ``impl``; ``total`` is None without ``coefficients``, else the planned
       scalar with its gradient formed in the forward (``_linear_head``)
   inplace_grad: bool
@@ -25,9 +26,9 @@ from __future__ import annotations
 
 import contextlib
 
-from ._checks import flag, require_array
+from ._checks import flag
 from ._config import check_vocab_size
-from ._linear_head import is_head, planned_total, weighting_term
+from ._linear_head import as_logits, planned_total, weighting_term
 from ._lowering import lower
 from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
                          shard_capable)
@@ -47,11 +48,6 @@ class VocabParallel:
             yield
         finally:
             self.current = previous
-
-
-def _array_of(logits):
-    """The array whose device a call runs on: the logits, or a linear head's hidden states."""
-    return logits.hidden if is_head(logits) else logits
 
 
 #: the range of a planned gradient's scale a 16-bit dZ holds with its full precision
@@ -116,8 +112,7 @@ class TokenStatsFrontEnd:
         return self.vocab_parallel.within(shard, vocab_size)
 
     def backend_for(self, logits, backend=None) -> str:
-        array = _array_of(logits)
-        require_array(self.xp, "logits.hidden" if is_head(logits) else "logits", array)
+        array = as_logits(logits).on_device(self.xp, "logits")
         return self.registry.resolve(backend, self.xp.platform(array)).name
 
     def token_stats(self, logits, targets, weights=None, **options):
@@ -139,7 +134,12 @@ class TokenStatsFrontEnd:
         if inplace_grad and not self.vjp.inplace_grad:
             raise ValueError("inplace_grad=True is torch-only: JAX arrays are immutable (donate "
                              "the logits buffer to jit to let XLA reuse it instead)")
-        heads = is_head(logits) or is_head(teacher_logits)
+        # the one place the kind of the logits is decided: arrays go to the backend as they
+        # are, a LinearHead (student or teacher) to the framework's head path
+        logits = as_logits(logits)
+        teacher_logits = None if teacher_logits is None else as_logits(teacher_logits)
+        heads = not (logits.materialized and (teacher_logits is None
+                                              or teacher_logits.materialized))
         if inplace_grad and heads:
             raise ValueError("inplace_grad=True applies to a logits tensor; a LinearHead never "
                              "builds one (its chunks are always overwritten by their gradient)")
@@ -165,27 +165,26 @@ class TokenStatsFrontEnd:
         if coefficients is not None:
             weighting = tuple(None if c is None else xp.f32(c).reshape(n) for c in coefficients)
             coefficients = tuple(None if c is None else xp.stop_gradient(c) for c in weighting)
-        impl = self.registry.resolve(backend, xp.platform(_array_of(logits)))
+        impl = self.registry.resolve(backend, xp.platform(logits.device_array))
         require_dtype(impl, logits)
         if rows.teacher is not None and not cfg.teacher_grad:
-            detach = xp.stop_gradient
-            rows = rows._replace(teacher=rows.teacher.map_arrays(detach)
-                                 if is_head(rows.teacher) else detach(rows.teacher))
+            rows = rows._replace(teacher=rows.teacher.map_arrays(xp.stop_gradient))
         if shard is not None:
             impl = shard_capable(self.registry, impl, backend)
         if inplace_grad and not impl.capabilities.inplace_grad:
             raise ValueError(f"inplace_grad=True is not supported by backend {impl.name!r}; "
                              "use 'chunked' or 'triton'")
         total = None
-        if heads and impl.custom_vjp:
+        if heads and impl.custom_vjp:  # rows of LogitsSources: token chunks of the heads
             unit, planned = unit_coefficients(xp, coefficients, low)
             *outs, total = self.vjp.apply_head(impl, low, rows, shard, planned)
             if unit is not None:
                 total = total * unit
-        elif impl.custom_vjp:
-            outs = self.vjp.apply(impl, low, rows, inplace_grad, shard)
-        else:
-            outs = impl.compute(rows, low)
+        elif impl.custom_vjp:  # rows of arrays: the backend as it is
+            outs = self.vjp.apply(impl, low, rows.map_logits(lambda x: x.array), inplace_grad,
+                                  shard)
+        else:  # the reference: every logits array whole (a head's formed in float32)
+            outs = impl.compute(rows.map_logits(lambda x: x.reference_array(xp)), low)
         if coefficients is not None and total is None:
             total = planned_total(xp, outs, weighting)
         elif total is not None:

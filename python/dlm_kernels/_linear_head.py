@@ -2,6 +2,11 @@
 objective and ``token_stats`` accept in place of a logits array, without the [N, K] logits
 (or their gradient) ever existing in full.
 
+What an op sees of it (``LogitsSource``): a logits array (``DenseLogits``) and a head are
+one protocol, the kind decided once where an op is entered (``as_logits``); the op's one
+dispatch sends arrays to the backend as they are and rows with any head to the framework's
+head path.
+
 How it runs (each framework's ``_linear_head`` module):
 the N rows are cut into token chunks of R rows. For each chunk the logits ``Z_c = H_c W``
 ([R, K], a matmul in the inputs' dtype with float32 accumulation) feed the chosen backend's
@@ -28,7 +33,7 @@ Two gradient schedules (chosen by the objective, never by guessing from the cota
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
 from ._checks import require_array, require_float, shape_str
 from ._config import check_positive_int
@@ -97,9 +102,190 @@ def row_chunks(n_rows: int, r: int):
 
 #: the array type of a front end's LinearHead (torch.Tensor, jax.Array)
 A = TypeVar("A")
+#: what a ``LogitsKinds`` visitor returns
+T = TypeVar("T")
 
 
-class LinearHead(Generic[A]):
+class LogitsKinds(Protocol[A, T]):
+    """What a framework's head path does with each kind of logits source, where the two
+    differ in its own code (its gradient accumulators): ``LogitsSource.accept`` calls the
+    one of its kind."""
+
+    def array(self, logits: A) -> T: ...
+
+    def head(self, head: LinearHead[A]) -> T: ...
+
+
+class LogitsSource(Generic[A]):
+    """What an op sees of a ``logits`` argument: a [..., K] array (``DenseLogits``) or a
+    ``LinearHead`` standing for one, resolved once where the op is entered (``as_logits``).
+
+    Shape checks read ``shape`` / ``dtype`` / ``ndim`` / ``vocab``; the row bundle is built
+    with ``flat`` and ``vocab_slice``; a token chunk of logits comes from ``chunk`` and a
+    chunk's gradient goes back through the accumulator ``accept`` picks. ``materialized``
+    tells the one dispatch at an op's entry whether the logits exist as one array (the
+    backends as they are, on ``array``) or are formed token chunk by token chunk (the head
+    path of each framework)."""
+
+    #: whether the logits exist as one array (``array``); False: formed chunk by chunk
+    materialized: bool = True
+    #: rows per token chunk the caller asked for (None: the platform's heuristic)
+    row_chunk: int | None = None
+
+    @property
+    def array(self) -> A | None:
+        """The [..., K] logits array (None where they are formed chunk by chunk)."""
+        raise NotImplementedError
+
+    @property
+    def device_array(self) -> A:
+        """An array on the device the call runs on (the logits, or a head's hidden states)."""
+        raise NotImplementedError
+
+    @property
+    def vocab(self) -> int:  # K
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def ndim(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> Any:
+        raise NotImplementedError
+
+    def on_device(self, xp: Any, name: str) -> A:
+        """``device_array``, checked to be one of ``xp``'s arrays (the error names ``name``'s
+        part)."""
+        raise NotImplementedError
+
+    def check(self, xp: Any, name: str) -> None:
+        """Kinds, ranks and dtypes of the parts; the error names ``name``'s part."""
+        raise NotImplementedError
+
+    def map_arrays(self, fn: Callable[[A], A]) -> LogitsSource[A]:
+        """fn applied to every array (e.g. a stop-gradient)."""
+        raise NotImplementedError
+
+    def arrays(self) -> tuple[A | None, ...]:
+        """The arrays a gradient reaches, in a fixed order (``with_arrays`` inverts it)."""
+        raise NotImplementedError
+
+    def with_arrays(self, arrays: tuple[A | None, ...]) -> LogitsSource[A]:
+        """The same kind of source over ``arrays`` (in ``arrays()``'s order), unchecked."""
+        raise NotImplementedError
+
+    def flat(self, n_rows: int) -> LogitsSource[A]:
+        """The source over [N, K] rows (leading dimensions flattened)."""
+        raise NotImplementedError
+
+    def vocab_slice(self, stop: int) -> LogitsSource[A]:
+        """The source of the first ``stop`` columns (the vocabulary without its padding)."""
+        raise NotImplementedError
+
+    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+        """[R, K] logits of the token chunk ``take`` cuts from [N, ...] arrays (the columns
+        [b0, b1) = ``cols`` only, when given), in the logits' dtype."""
+        raise NotImplementedError
+
+    def dense(self, xp: Any) -> A:
+        """The whole [..., K] logits array in the logits' dtype (a head's formed)."""
+        raise NotImplementedError
+
+    def reference_array(self, xp: Any) -> A:
+        """The logits as the reference backend reads them: an array as it is, a head's
+        formed in float32 (the oracle's twin: float32 autodiff of hidden @ weight)."""
+        raise NotImplementedError
+
+    def column(self, xp: Any, idx: A) -> A:
+        """[N] float32: the logit of column idx[n] of each of the [N, K] rows."""
+        raise NotImplementedError
+
+    def accept(self, kinds: LogitsKinds[A, T]) -> T:
+        """``kinds.array(the array)`` or ``kinds.head(the head)``, by this source's kind."""
+        raise NotImplementedError
+
+
+class DenseLogits(LogitsSource[A]):
+    """A [..., K] logits array as a ``LogitsSource`` (unchecked: ``check`` says what is
+    wrong with it, in the words an array argument's checks use)."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: A) -> None:
+        self._array = array
+
+    @property
+    def array(self) -> A:
+        return self._array
+
+    @property
+    def device_array(self) -> A:
+        return self._array
+
+    @property
+    def vocab(self) -> int:
+        return self._array.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._array.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._array.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self._array.dtype
+
+    def __repr__(self) -> str:
+        return f"DenseLogits({self._array!r})"
+
+    def on_device(self, xp: Any, name: str) -> A:
+        require_array(xp, name, self._array)
+        return self._array
+
+    def check(self, xp: Any, name: str) -> None:
+        require_array(xp, name, self._array)
+
+    def map_arrays(self, fn: Callable[[A], A]) -> DenseLogits[A]:
+        return DenseLogits(fn(self._array))
+
+    def arrays(self) -> tuple[A]:
+        return (self._array,)
+
+    def with_arrays(self, arrays: tuple[A | None, ...]) -> DenseLogits[A]:
+        return DenseLogits(arrays[0])
+
+    def flat(self, n_rows: int) -> DenseLogits[A]:
+        return DenseLogits(self._array.reshape(n_rows, self._array.shape[-1]))
+
+    def vocab_slice(self, stop: int) -> DenseLogits[A]:
+        return DenseLogits(self._array[..., :stop])
+
+    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+        z = take(self._array)  # [R, K]
+        return z if cols is None else z[:, cols[0]:cols[1]]
+
+    def dense(self, xp: Any) -> A:
+        return self._array
+
+    def reference_array(self, xp: Any) -> A:
+        return self._array
+
+    def column(self, xp: Any, idx: A) -> A:
+        return xp.f32(xp.gather_cols(self._array, idx))
+
+    def accept(self, kinds: LogitsKinds[A, T]) -> T:
+        return kinds.array(self._array)
+
+
+class LinearHead(LogitsSource[A]):
     """``logits = hidden @ weight (+ bias)``, given in place of a logits array.
 
     hidden: [..., D] (``[B, L, D]`` for the objectives, ``[..., D]`` for ``token_stats``).
@@ -185,6 +371,53 @@ class LinearHead(Generic[A]):
         w = self.weight[:stop] if self.weight_layout == VOCAB_MAJOR else self.weight[:, :stop]
         return self.replace(weight=w, bias=None if self.bias is None else self.bias[:stop])
 
+    def _columns(self, b0: int, b1: int) -> LinearHead[A]:
+        """The head of the columns [b0, b1) (a vocabulary block)."""
+        w = self.weight[b0:b1] if self.weight_layout == VOCAB_MAJOR else self.weight[:, b0:b1]
+        return self.replace(weight=w, bias=None if self.bias is None else self.bias[b0:b1])
+
+    # -- as a LogitsSource: its logits formed token chunk by token chunk --------------------
+    materialized = False
+
+    @property
+    def array(self) -> None:
+        return None
+
+    @property
+    def device_array(self) -> A:
+        return self.hidden
+
+    def on_device(self, xp: Any, name: str) -> A:
+        require_array(xp, f"{name}.hidden", self.hidden)
+        return self.hidden
+
+    def arrays(self) -> tuple[A, A, A | None]:
+        return (self.hidden, self.weight, self.bias)
+
+    def with_arrays(self, arrays: tuple[A | None, ...]) -> LinearHead[A]:
+        hidden, weight, bias = arrays
+        return type(self)(hidden, weight, bias, weight_layout=self.weight_layout,
+                          row_chunk=self.row_chunk)
+
+    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+        head = self.replace(hidden=take(self.hidden))  # [R, D]
+        return xp.head_logits(head if cols is None else head._columns(*cols))
+
+    def dense(self, xp: Any) -> A:
+        return xp.head_logits(self)
+
+    def reference_array(self, xp: Any) -> A:
+        return xp.head_logits(self.map_arrays(xp.f32))
+
+    def column(self, xp: Any, idx: A) -> A:
+        # one dot product of D per row with the gathered row of the weight: O(N·D)
+        w = self.weight if self.weight_layout == VOCAB_MAJOR else self.weight.T  # [K, D]
+        z = xp.rowsum(xp.f32(self.hidden) * xp.f32(w[idx]))
+        return z if self.bias is None else z + xp.f32(self.bias[idx])
+
+    def accept(self, kinds: LogitsKinds[A, T]) -> T:
+        return kinds.head(self)
+
     # -- checks ---------------------------------------------------------------------------
     def check(self, xp: Any, name: str) -> None:
         """Kinds, ranks, dtypes and the shared width D; the error names ``name``'s part."""
@@ -221,8 +454,11 @@ class LinearHead(Generic[A]):
                                 f"{str(arr.dtype).replace('torch.', '')}")
 
 
-def is_head(x) -> bool:
-    return isinstance(x, LinearHead)
+def as_logits(x: Any) -> LogitsSource:
+    """A ``logits`` argument as the source an op reads: a ``LinearHead`` (or a source
+    already resolved) as it is, anything else as a ``DenseLogits`` array (its checks say
+    what is wrong with it). The one place the kind of a logits argument is decided."""
+    return x if isinstance(x, LogitsSource) else DenseLogits(x)
 
 
 def weighting_term(xp, stats, weighting, detached):

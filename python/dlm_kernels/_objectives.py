@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from . import _checks as checks
 from ._checks import flag, number, shape_str
-from ._linear_head import is_head
+from ._linear_head import as_logits
 from ._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
                       check_positive_float, check_vocab_size)
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
@@ -153,8 +153,7 @@ class Objectives:
         xp = self.xp
         checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
         checks.require_float(xp, "logits", logits)
-        if is_head(logits):  # this function's output is the [B, L, K] array itself
-            logits = xp.head_logits(logits)
+        logits = as_logits(logits).dense(xp)  # the output is the [B, L, K] array itself
         checks.require_array(xp, "xt", xt)
         checks.require_shape("xt", xt, logits.shape[:2], "logits.shape[:2] [B, L]")
         checks.require_int(xp, "xt", xt)
@@ -432,7 +431,7 @@ class Objectives:
                     f"{kind.__name__}: all batches must have the same structure")
         if kind is self.DiffusionDistillationBatch:
             for i, b in enumerate(batches):
-                if is_head(b.teacher_logits):
+                if not as_logits(b.teacher_logits).materialized:
                     raise TypeError(
                         f"batches[{i}].teacher_logits is a LinearHead: merge the teacher's "
                         f"hidden states (and the student batches), then build one head")

@@ -15,8 +15,10 @@ from typing import NamedTuple
 
 
 class Rows(NamedTuple):
-    logits: object  # [N, K] student logits (float32, bfloat16 or float16)
-    teacher: object = None  # [N, K] teacher logits, or None
+    # [N, K] student logits (float32, bfloat16 or float16); from ``prepare`` to the dispatch
+    # and in a framework's head path a ``_linear_head.LogitsSource`` (an array or a head)
+    logits: object
+    teacher: object = None  # [N, K] teacher logits (likewise), or None
     targets: object = None  # [N] int target ids
     active: object = None  # [N] bool: rows whose weight is non-zero
     shift_ids: object = None  # [N] int column of the LOO shift, or None
@@ -25,6 +27,11 @@ class Rows(NamedTuple):
     def columns(self, logits, teacher) -> "Rows":
         """The same rows over a block of columns: ``logits`` / ``teacher`` are [N, C] slices."""
         return self._replace(logits=logits, teacher=teacher)
+
+    def map_logits(self, fn) -> "Rows":
+        """The same rows with ``fn`` applied to the logits and to the teacher (when given)."""
+        return self._replace(logits=fn(self.logits),
+                             teacher=None if self.teacher is None else fn(self.teacher))
 
     def gradients(self, d_logits, d_teacher, d_shift=None) -> "Rows":
         """The cotangent of a bundle: d(logits), d(teacher), d(shift) (None: no gradient),

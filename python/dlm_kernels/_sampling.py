@@ -36,7 +36,7 @@ import numpy as np
 
 from ._checks import (dtype_str, flag, host_values, plain, require_array, require_float,
                       require_int, require_logits, require_real, require_shape, shape_str)
-from ._linear_head import is_head, row_chunk_for, row_chunks
+from ._linear_head import as_logits, row_chunk_for, row_chunks
 from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
 MASK32 = 0xFFFFFFFF
@@ -626,20 +626,15 @@ def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclu
 
 # -- the public functions of one front end ---------------------------------------------------
 
-def _flat_rows(xp, x, n, k):
-    """[N, K] logits, or the LinearHead over [N, D] rows standing for them; no gradient."""
-    if is_head(x):
-        return x.map_arrays(xp.stop_gradient).flat(n)
-    return xp.stop_gradient(x).reshape(n, k)
+def _flat_rows(xp, x, n):
+    """A ``LogitsSource`` over [N, K] rows; no gradient."""
+    return x.map_arrays(xp.stop_gradient).flat(n)
 
 
 def _rows(xp, x, r0, r1):
-    """Rows [r0, r1) of [N, K] logits (a head's: formed here, in the head's dtype)."""
-    if x is None:
-        return None
-    if is_head(x):
-        return xp.head_logits(x.replace(hidden=x.hidden[r0:r1]))
-    return x[r0:r1]
+    """Rows [r0, r1) of an [N, K] ``LogitsSource``'s logits (a head's: formed here, in the
+    head's dtype)."""
+    return None if x is None else x.chunk(xp, lambda a: a[r0:r1])
 
 
 def make_sampling_api(xp, registry):
@@ -654,7 +649,11 @@ def make_sampling_api(xp, registry):
                                  chunk_size, stats_temperature)
         seed = seed_argument(xp, "seed", seed, logits.shape[:-1])
         step = seed_argument(xp, "step", step, None)
-        like = logits.hidden if is_head(logits) else logits  # an array on the device
+        # the one place the kind of the logits is decided: arrays go to the backend's sampler
+        # as they are, a LinearHead (either of the two) by token chunk
+        logits = as_logits(logits)
+        uncond_logits = None if uncond_logits is None else as_logits(uncond_logits)
+        like = logits.device_array  # an array on the device
         suppress_ids, unseen_bad = suppressed_ids(xp, suppress_ids, logits.shape[-1], like)
         impl = registry.resolve(backend, xp.platform(like))
         if not impl.capabilities.sampling:
@@ -663,12 +662,13 @@ def make_sampling_api(xp, registry):
         n = 1
         for dim in lead:
             n *= dim
-        z, zu = (None if x is None else _flat_rows(xp, x, n, k) for x in (logits, uncond_logits))
+        z, zu = (None if x is None else _flat_rows(xp, x, n) for x in (logits, uncond_logits))
         keys = row_keys(xp, seed, step, n, like)
-        if not (is_head(z) or is_head(zu)):
-            out = impl.sample(z, zu, keys, suppress_ids, cfg)
+        heads = [x for x in (z, zu) if x is not None and not x.materialized]
+        if not heads:  # arrays: the backend as it is
+            out = impl.sample(z.array, None if zu is None else zu.array, keys, suppress_ids, cfg)
         else:  # token chunks of R rows: one [R, K] logits chunk at a time, never [N, K]
-            head = z if is_head(z) else zu
+            head = heads[0]
             r = row_chunk_for(n, k, head.dtype.itemsize, xp.platform(like) == "cpu",
                               head.row_chunk)
             parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._linear_head import VOCAB_MAJOR, is_head
+from ._linear_head import as_logits
 from ._lowering import Lowered
 from ._rows import Rows
 from .kernels.layout import PARTIAL_STATE, ROW_STATS
@@ -558,11 +558,7 @@ def shift_columns(xp, rows: Rows, cfg: Lowered, offset=0):
 def _column(xp, x, idx):
     """[N] float32: x[n, idx[n]] of [N, K] logits, or of a linear head's (one dot product
     of D per row with the gathered row of the weight: O(N·D), no logits)."""
-    if not is_head(x):
-        return xp.f32(xp.gather_cols(x, idx))
-    w = x.weight if x.weight_layout == VOCAB_MAJOR else x.weight.T  # [K, D]
-    z = xp.rowsum(xp.f32(x.hidden) * xp.f32(w[idx]))
-    return z if x.bias is None else z + xp.f32(x.bias[idx])
+    return as_logits(x).column(xp, idx)
 
 
 def _finite_max(xp, v):

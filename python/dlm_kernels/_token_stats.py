@@ -12,7 +12,6 @@ from . import _checks
 from ._config import check_vocab_size, make_config
 from ._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
                         logger)
-from ._linear_head import is_head
 from ._rows import Rows
 
 
@@ -78,15 +77,12 @@ class ReferenceBackend(BackendBase):
         return None
 
     def compute(self, rows, cfg):
-        # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32; a linear head is
-        # materialised here in float32 (the reference is the oracle's twin, not a lean path:
-        # its gradients are the float32 autodiff of hidden @ weight, rounded once)
+        # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32; a linear head arrives
+        # materialised in float32 (``LogitsSource.reference_array``: the reference is the
+        # oracle's twin, not a lean path: its gradients are the float32 autodiff of
+        # hidden @ weight, rounded once)
         from ._stats_math import reference_stats
 
-        xp = self.xp
-        built = lambda x: xp.head_logits(x.map_arrays(xp.f32)) if is_head(x) else x
-        rows = rows._replace(logits=built(rows.logits),
-                             teacher=None if rows.teacher is None else built(rows.teacher))
         return reference_stats(self.xp, rows, cfg)
 
 
@@ -98,15 +94,15 @@ class ReferenceBackend(BackendBase):
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):
-    """Drop padding columns >= vocab_size (a view in torch; autodiff pads the gradient)."""
+    """Drop padding columns >= vocab_size of two ``LogitsSource``s (a view in torch;
+    autodiff pads the gradient)."""
     vocab_size = check_vocab_size(vocab_size)
     k = logits.shape[-1]
     if vocab_size > k:
         raise ValueError(f"vocab_size must be <= logits.shape[-1] = {k}; got {vocab_size}")
     if vocab_size == k:
         return logits, teacher_logits
-    trim = lambda a: None if a is None else (
-        a.vocab_slice(vocab_size) if is_head(a) else a[..., :vocab_size])
+    trim = lambda a: None if a is None else a.vocab_slice(vocab_size)
     return trim(logits), trim(teacher_logits)
 
 
@@ -137,18 +133,15 @@ def shard_capable(registry, impl, requested):
     return registry.IMPLEMENTATIONS[FALLBACK]
 
 
-def _flat(x, n, k):
-    """[..., K] logits (or a LinearHead standing for them) as [N, K] rows."""
-    return x.flat(n) if is_head(x) else x.reshape(n, k)
-
-
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
             shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
             entropy=True, vocab_size=None, label_smoothing=0.0, z_loss_weight=0.0,
             smoothing_vocab=None):
     """Validate, build the static config and flatten leading dims into rows.
 
-    Returns (cfg, lead_shape, Rows) with the bundle's arrays flattened to [N, K] and [N].
+    ``logits`` / ``teacher_logits``: ``LogitsSource``s (``_linear_head.as_logits``).
+    Returns (cfg, lead_shape, Rows) with the bundle's sources flattened to [N, K] rows and
+    its arrays to [N].
     """
     _checks.check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_logits)
     cfg = make_config(
@@ -166,14 +159,13 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         smoothing_vocab=smoothing_vocab,
     )
     lead = tuple(logits.shape[:-1])
-    k = logits.shape[-1]
     n = 1
     for dim in lead:
         n *= dim
     y = targets.reshape(n)
     rows = Rows(
-        logits=_flat(logits, n, k),
-        teacher=None if teacher_logits is None else _flat(teacher_logits, n, k),
+        logits=logits.flat(n),
+        teacher=None if teacher_logits is None else teacher_logits.flat(n),
         targets=y,
         active=y == y if weights is None else weights.reshape(n) != 0,  # None: all True, on
     )                                                                    # the targets' device

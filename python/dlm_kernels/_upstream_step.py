@@ -16,7 +16,7 @@ import numpy as np
 
 from ._checks import OutOfRangeError, flag, plain, require_array, require_int, require_real, require_shape, \
     shape_str
-from ._linear_head import is_head
+from ._linear_head import as_logits
 from ._sampling import (_flat_rows, _number, commit_arguments, gumbel, make_sample_config,
                         position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
                         _commit_topk, _per_sequence, _unless_nan)
@@ -43,14 +43,13 @@ def make_step_api(xp, sample_tokens):
         cfg = make_sample_config(xp, logits, temperature, None, None, 0.0, None)
         lead, k = _lead(logits), logits.shape[-1]
         if cfg.temperature == 0.0:  # upstream returns its logits as they are
-            return xp.head_logits(logits) if is_head(logits) else logits
+            return as_logits(logits).dense(xp)
         seed = seed_argument(xp, "seed", seed, lead)
         step = seed_argument(xp, "step", step, None)
         n = _rows_of(lead)
-        like = logits.hidden if is_head(logits) else logits
-        z = _flat_rows(xp, logits, n, k)
-        if is_head(z):
-            z = xp.head_logits(z)
+        logits = as_logits(logits)
+        like = logits.device_array
+        z = _flat_rows(xp, logits, n).dense(xp)  # [N, K]
         cols = xp.arange(k, like)
         s, _ = scaled_logits(xp, z, None, cols, None, cfg)  # [N, K] z / T, float32
         keys = row_keys(xp, seed, step, n, like)

@@ -22,7 +22,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from .. import _linear_head as base
 from .. import _stats_math as stats_math
-from .._linear_head import (HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, is_head,
+from .._linear_head import (HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, DenseLogits,
                             row_chunk_for)
 from .._rows import Rows
 from .._stats_math import Stats
@@ -54,6 +54,11 @@ class LinearHead(base.LinearHead[jax.Array]):
         return head
 
 
+# a logits array beside a head in the rows of the head path: a pytree of that one array
+jax.tree_util.register_pytree_node(DenseLogits, lambda x: ((x.array,), None),
+                                   lambda _, children: DenseLogits(children[0]))
+
+
 def head_logits(head):
     """The logits [..., K] of a head over [..., D] hidden states, in the head's dtype."""
     if head.weight_layout == VOCAB_MAJOR:
@@ -83,6 +88,65 @@ def _put(buf, start, new, fresh):
     return lax.dynamic_update_slice_in_dim(buf, jnp.where(mask, new, old), start, axis=0)
 
 
+class _ArrayPart:
+    """The gradient of a logits array in the rows of the head path (a teacher's, or a
+    student's beside a teacher head): [N, K] in its dtype, each chunk's rows put in."""
+
+    def __init__(self, x):
+        self.x = x  # [N, K]
+
+    def zeros(self):
+        return jnp.zeros(self.x.shape, self.x.dtype)
+
+    def add(self, acc, g, start, fresh, r):
+        return _put(acc, start, g, fresh)
+
+    def cotangent(self, acc, scale):
+        g = acc if scale is None else (acc.astype(jnp.float32) * scale).astype(acc.dtype)
+        return DenseLogits(_summed_like(g, self.x))
+
+
+class _HeadPart:
+    """The gradients of a head: float32 (dH, dW, db) accumulated chunk by chunk."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def zeros(self):
+        z = lambda a: None if a is None else jnp.zeros(a.shape, _acc_dtype(a))
+        return (z(self.head.hidden), z(self.head.weight), z(self.head.bias))
+
+    def add(self, acc, g, start, fresh, r):
+        x = self.head
+        dh, dw, db = acc
+        w, h = x.weight, _slice(x.hidden, start, r)
+        major = x.weight_layout == VOCAB_MAJOR
+        # [R, K] x [K, D] -> dH rows; [K, R] x [R, D] (or [D, R] x [R, K]) -> dW: R·K·D each
+        dh = _put(dh, start, _dot_f32(g, w if major else w.T), fresh)
+        dw = dw + (_dot_f32(g.T, h) if major else _dot_f32(h.T, g))
+        db = None if db is None else db + jnp.sum(g, axis=0, dtype=db.dtype)
+        return (dh, dw, db)
+
+    def cotangent(self, acc, scale):
+        x = self.head
+        parts = []
+        for g, like in zip(acc, (x.hidden, x.weight, x.bias)):
+            if g is not None and scale is not None:
+                g = g * scale
+            parts.append(None if g is None else _summed_like(g, like).astype(like.dtype))
+        return x.replace(*parts)
+
+
+class _Parts:
+    """The gradient part of one source of the rows, by its kind (``LogitsSource.accept``)."""
+
+    array = staticmethod(_ArrayPart)
+    head = staticmethod(_HeadPart)
+
+
+_PARTS = _Parts()
+
+
 class _Sweep:
     """One pass over the token chunks of a head's rows (see the torch twin in
     ``dlm_kernels.torch._linear_head``): statistics when not given, and given per-row
@@ -90,25 +154,18 @@ class _Sweep:
 
     def __init__(self, impl, cfg, rows, axis):
         self.impl, self.cfg, self.rows, self.axis = impl, cfg, rows, axis
-        z = rows.logits
+        z = rows.logits  # rows of LogitsSources: the logits and/or the teacher a head
         self.n, k = rows.targets.shape[0], z.shape[-1]
-        like = z.hidden if is_head(z) else z
         on_cpu = jax.default_backend() == "cpu"
-        self.r = row_chunk_for(self.n, k, jnp.dtype(like.dtype).itemsize, on_cpu,
-                               z.row_chunk if is_head(z) else None, HEAD_CHUNK_BYTES_CPU_JAX)
+        self.r = row_chunk_for(self.n, k, jnp.dtype(z.dtype).itemsize, on_cpu, z.row_chunk,
+                               HEAD_CHUNK_BYTES_CPU_JAX)
         self.n_chunks = -(-self.n // self.r)
 
     def _chunk(self, start, fresh):
         r, rows = self.r, self.rows
-
-        def part(x):
-            if x is None:
-                return None
-            if is_head(x):
-                return head_logits(x.replace(hidden=_slice(x.hidden, start, r)))
-            return _slice(x, start, r)
-
-        sl = lambda a: None if a is None else _slice(a, start, r)
+        take = lambda a: _slice(a, start, r)
+        part = lambda x: None if x is None else x.chunk(JaxOps, take)
+        sl = lambda a: None if a is None else take(a)
         return Rows(part(rows.logits), part(rows.teacher), sl(rows.targets),
                     sl(rows.active) & fresh, sl(rows.shift_ids), sl(rows.shift))
 
@@ -126,12 +183,7 @@ class _Sweep:
         """The float32 accumulators: per part (student, teacher) a head's (dH, dW, db), an
         array's gradient [N, K] in its dtype, or None."""
         def zeros(x, wanted):
-            if x is None or not wanted:
-                return None
-            if is_head(x):
-                z = lambda a: None if a is None else jnp.zeros(a.shape, _acc_dtype(a))
-                return (z(x.hidden), z(x.weight), z(x.bias))
-            return jnp.zeros(x.shape, x.dtype)
+            return None if x is None or not wanted else x.accept(_PARTS).zeros()
 
         return (zeros(self.rows.logits, True),
                 zeros(self.rows.teacher, self.cfg.TEACHER_GRAD))
@@ -139,16 +191,7 @@ class _Sweep:
     def _add(self, acc, x, g, start, fresh):
         if acc is None:
             return None
-        if not is_head(x):
-            return _put(acc, start, g, fresh)
-        dh, dw, db = acc
-        w, h = x.weight, _slice(x.hidden, start, self.r)
-        major = x.weight_layout == VOCAB_MAJOR
-        # [R, K] x [K, D] -> dH rows; [K, R] x [R, D] (or [D, R] x [R, K]) -> dW: R·K·D each
-        dh = _put(dh, start, _dot_f32(g, w if major else w.T), fresh)
-        dw = dw + (_dot_f32(g.T, h) if major else _dot_f32(h.T, g))
-        db = None if db is None else db + jnp.sum(g, axis=0, dtype=db.dtype)
-        return (dh, dw, db)
+        return x.accept(_PARTS).add(acc, g, start, fresh, self.r)
 
     @property
     def fused(self):
@@ -164,9 +207,9 @@ class _Sweep:
         head needing a gradient, on a backend whose backward takes a column offset (the
         schedule of the torch twin)."""
         z, u = self.rows.logits, self.rows.teacher
-        if (self.axis is not None or not is_head(z) or not self.impl.capabilities.vocab_shards
+        if (self.axis is not None or z.materialized or not self.impl.capabilities.vocab_shards
                 or jnp.dtype(z.weight.dtype) in (jnp.float32, jnp.float64)
-                or (is_head(u) and self.cfg.TEACHER_GRAD)):
+                or (u is not None and not u.materialized and self.cfg.TEACHER_GRAD)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -179,7 +222,7 @@ class _Sweep:
         rows, cfg, r, n = self.rows, self.cfg, self.r, self.n
         z, u = rows.logits, rows.teacher
         major = z.weight_layout == VOCAB_MAJOR
-        teacher_grad = u is not None and not is_head(u) and cfg.TEACHER_GRAD
+        teacher_grad = u is not None and u.materialized and cfg.TEACHER_GRAD
         sl = lambda a, start: None if a is None else _slice(a, start, r)
         cols = lambda a, b0, b1: a[b0:b1] if major else a[:, b0:b1]  # a weight's columns
         dh = jnp.zeros(z.hidden.shape, _acc_dtype(z.hidden))  # [N, D]
@@ -191,13 +234,8 @@ class _Sweep:
             b_b = None if z.bias is None else z.bias[b0:b1]
 
             def teacher_chunk(start, b0=b0, b1=b1):
-                if u is None:
-                    return None
-                if is_head(u):
-                    return head_logits(u.replace(hidden=_slice(u.hidden, start, r),
-                                                 weight=cols(u.weight, b0, b1),
-                                                 bias=None if u.bias is None else u.bias[b0:b1]))
-                return _slice(u, start, r)[:, b0:b1]
+                take = lambda a: _slice(a, start, r)
+                return None if u is None else u.chunk(JaxOps, take, (b0, b1))
 
             def body(i, carry, b0=b0, b1=b1, w_b=w_b, b_b=b_b, teacher_chunk=teacher_chunk):
                 dh, dw_b, db, du = carry
@@ -308,15 +346,7 @@ def _cotangent(rows, acc, scale=None):
             return None
         if a is None:
             return jax.tree_util.tree_map(jnp.zeros_like, x)
-        if not is_head(x):
-            g = a if scale is None else (a.astype(jnp.float32) * scale).astype(a.dtype)
-            return _summed_like(g, x)
-        parts = []
-        for g, like in zip(a, (x.hidden, x.weight, x.bias)):
-            if g is not None and scale is not None:
-                g = g * scale
-            parts.append(None if g is None else _summed_like(g, like).astype(like.dtype))
-        return x.replace(*parts)
+        return x.accept(_PARTS).cotangent(a, scale)
 
     return rows.gradients(one(rows.logits, acc[0]), one(rows.teacher, acc[1]))
 

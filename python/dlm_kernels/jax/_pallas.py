@@ -19,7 +19,7 @@ from .. import _stats_math as stats_math
 from .._dispatch import BackendBase, Capabilities
 from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
-from .._linear_head import VOCAB_MAJOR, is_head
+from .._linear_head import VOCAB_MAJOR
 from ..kernels.pallas import linear_head as head_kernels
 from ..kernels.pallas import sampling as sampler
 from ..kernels.pallas import token_stats as kernels
@@ -71,18 +71,21 @@ class FusedHead:
 
     @classmethod
     def takes(cls, rows, cfg, axis):
-        head, teacher = rows.logits, rows.teacher
-        if axis is not None or not is_head(head) or not cls._kernel_dtype(head):
+        head, teacher = rows.logits, rows.teacher  # LogitsSources
+        if axis is not None or head.materialized or not cls._kernel_dtype(head):
             return False
-        return not is_head(teacher) or (not cfg.TEACHER_GRAD and cls._kernel_dtype(teacher))
+        return (teacher is None or teacher.materialized
+                or (not cfg.TEACHER_GRAD and cls._kernel_dtype(teacher)))
 
     @staticmethod
     def _args(rows, cfg):
         head, teacher = rows.logits, rows.teacher
         statics = dict(_statics(cfg), layout=head.weight_layout, block_n=head.row_chunk)
-        if is_head(teacher):
+        if teacher is not None and teacher.materialized:  # an array
+            teacher = teacher.array
+        elif teacher is not None:  # a head: (hidden, weight, bias) in its layout
             statics["teacher_layout"] = teacher.weight_layout
-            teacher = (teacher.hidden, teacher.weight, teacher.bias)
+            teacher = teacher.arrays()
         return (head.hidden, head.weight, head.bias), teacher, statics
 
     @staticmethod

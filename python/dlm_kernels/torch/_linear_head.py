@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _linear_head as base
-from .._linear_head import VOCAB_MAJOR, is_head, row_chunk_for, row_chunks
+from .._linear_head import VOCAB_MAJOR, row_chunk_for, row_chunks
 from .._rows import Rows
 from .. import _stats_math as stats_math
 from .._stats_math import Stats
@@ -28,16 +28,10 @@ class LinearHead(base.LinearHead[torch.Tensor]):
     DEFAULT_LAYOUT: str = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
 
 
-def head_logits(head, r0=None, r1=None, cols=None):
-    """The logits of rows [r0, r1) of ``head`` (all rows, any leading shape, when None) and
-    of the columns [b0, b1) = ``cols`` (all when None), in the head's dtype (the matmul
-    accumulates in float32)."""
-    h = head.hidden if r0 is None else head.hidden[r0:r1]
-    w, b = head.weight, head.bias
-    if cols is not None:
-        b0, b1 = cols
-        w = w[b0:b1] if head.weight_layout == VOCAB_MAJOR else w[:, b0:b1]
-        b = None if b is None else b[b0:b1]
+def head_logits(head):
+    """The logits [..., K] of a head over [..., D] hidden states, in the head's dtype (the
+    matmul accumulates in float32)."""
+    h, w, b = head.hidden, head.weight, head.bias
     if head.weight_layout == VOCAB_MAJOR:
         return F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
     z = h @ w  # [.., D] x [D, K]
@@ -126,6 +120,10 @@ class _HeadGrads:
 
             dist.all_reduce(self.dh, group=group)
 
+    def fresh(self):
+        """Empty accumulators of the same head, for ``absorb``."""
+        return _HeadGrads(self.head, (False,) * 3)
+
     def absorb(self, other, scale):
         """Add ``scale`` times another schedule's float32 gradients of the same head, so
         the sum is rounded once (in ``result``), not each term."""
@@ -148,33 +146,78 @@ class _HeadGrads:
         return tuple(out)
 
 
+class _ArrayGrads:
+    """The gradient of a logits array (a teacher's, or a student's beside a teacher head):
+    [N, K] in its dtype, each token chunk's d(logits) written into its rows; the methods
+    of ``_HeadGrads``, so the sweep treats both alike."""
+
+    def __init__(self, grad):
+        self.grad = grad  # [N, K]
+
+    def add(self, dz, r0, r1):
+        self.grad[r0:r1] = dz
+
+    def add_block(self, dz, r0, r1, b0, b1):
+        self.grad[r0:r1, b0:b1] = dz
+
+    def open_block(self, b0, b1):
+        pass
+
+    def close_block(self, b0, b1):
+        pass
+
+    def reduce(self, group):
+        pass  # each rank's gradient is its own columns'
+
+    def fresh(self):
+        return _ArrayGrads(torch.zeros_like(self.grad))
+
+    def absorb(self, other, scale):
+        """The two terms summed in float32 and rounded here."""
+        self.grad.copy_(self.grad.float() + other.grad.float() * scale)
+
+    def result(self, scale=None, inplace=False):
+        """(d logits, None, None): one rounding of the float32 product with ``scale``."""
+        g = self.grad
+        if scale is not None:
+            g = g.mul_(scale) if inplace else (g.float() * scale).to(g.dtype)
+        return (g, None, None)
+
+
+class _GradsOf:
+    """The accumulator of one part of the rows, by its kind (``LogitsSource.accept``)."""
+
+    def __init__(self, need, blocked):
+        self.need, self.blocked = need, blocked
+
+    def array(self, logits):
+        return _ArrayGrads(empty(logits.shape, logits.dtype, logits.device))
+
+    def head(self, head):
+        return _HeadGrads(head, self.need, self.blocked)
+
+
 class _Sweep:
     """One pass over the token chunks of a head's rows: the statistics (when not given) and,
     given per-row cotangents, the gradients of every input that needs one."""
 
     def __init__(self, impl, cfg, rows, group):
         self.impl, self.cfg, self.rows, self.group = impl, cfg, rows, group
-        z = rows.logits
+        z = rows.logits  # rows of LogitsSources: the logits and/or the teacher a head
         n, k = rows.targets.shape[0], z.shape[-1]
-        like = z.hidden if is_head(z) else z
-        chunk = z.row_chunk if is_head(z) else None
+        like = z.device_array
         on_cpu = like.device.type == "cpu"
-        self.r = row_chunk_for(n, k, like.element_size(), on_cpu, chunk)
+        self.r = row_chunk_for(n, k, like.element_size(), on_cpu, z.row_chunk)
         if on_cpu and impl.name == "chunked" and cfg.chunk_size is None:
             self.cfg = cfg._replace(chunk_size=base.head_vocab_chunk(self.r, k))
 
     def _chunk(self, r0, r1, cols=None):
+        take = lambda a: a[r0:r1]
+        # logits and teacher: rows [r0, r1), columns ``cols`` (all when None)
+        part = lambda x: None if x is None else x.chunk(TorchOps, take, cols)
         rows = self.rows
-
-        def part(x):  # logits or teacher: rows [r0, r1), columns ``cols`` (all when None)
-            if x is None:
-                return None
-            if is_head(x):
-                return head_logits(x, r0, r1, cols)
-            return x[r0:r1] if cols is None else x[r0:r1, cols[0]:cols[1]]
-
         return Rows(part(rows.logits), part(rows.teacher), *(
-            None if x is None else x[r0:r1] for x in rows[2:]))
+            None if x is None else take(x) for x in rows[2:]))
 
     def blocks(self, need):
         """The vocabulary blocks of the gradient pass (``dw_blocks``), or None for token
@@ -183,10 +226,10 @@ class _Sweep:
         vocabulary-parallel group, with no teacher head needing a gradient, on a backend
         whose backward takes a column offset (``vocab_shards``)."""
         z, u = self.rows.logits, self.rows.teacher
-        if (self.group is not None or not is_head(z) or not need[0][1]
+        if (self.group is not None or z.materialized or not need[0][1]
                 or not self.impl.capabilities.vocab_shards
                 or z.weight.dtype in (torch.float32, torch.float64)
-                or (is_head(u) and self.cfg.TEACHER_GRAD)):
+                or (u is not None and not u.materialized and self.cfg.TEACHER_GRAD)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -207,8 +250,8 @@ class _Sweep:
                 dz, du = self.impl.backward(rc, sc, tuple(g[r0:r1] for g in grads), cfg,
                                             offset=b0, **kw)
                 acc.student.add_block(dz, r0, r1, b0, b1)
-                if isinstance(acc.teacher, torch.Tensor):
-                    acc.teacher[r0:r1, b0:b1] = du
+                if acc.teacher is not None:  # an array's (no teacher head needs a gradient)
+                    acc.teacher.add_block(du, r0, r1, b0, b1)
             acc.student.close_block(b0, b1)
         return stats, acc
 
@@ -240,8 +283,8 @@ class _Sweep:
                 offset = self._offset(rc)
             if acc is not None:
                 kw = {"offset": offset} if self.group is not None else {}
-                if is_head(rows.logits) and self.impl.capabilities.inplace_grad:
-                    kw["inplace"] = True  # the chunk's logits are ours: overwrite them
+                if not rows.logits.materialized and self.impl.capabilities.inplace_grad:
+                    kw["inplace"] = True  # the chunk's logits are formed here: overwrite them
                 dz, du = self.impl.backward(rc, sc, tuple(g[r0:r1] for g in grads), cfg, **kw)
                 acc.add(dz, du, r0, r1)
         if stats is None:
@@ -265,19 +308,15 @@ class _Accumulators:
         def make(x, needed, blocked):
             if x is None or not any(needed):
                 return None
-            if is_head(x):
-                return _HeadGrads(x, needed, blocked)
-            return empty(x.shape, x.dtype, x.device)
+            return x.accept(_GradsOf(needed, blocked))
 
         self.student = make(rows.logits, need[0], blocked)
         self.teacher = make(rows.teacher, need[1], False) if cfg.TEACHER_GRAD else None
 
     def add(self, dz, du, r0, r1):
         for acc, g in ((self.student, dz), (self.teacher, du)):
-            if isinstance(acc, _HeadGrads):
+            if acc is not None:
                 acc.add(g, r0, r1)
-            elif acc is not None:
-                acc[r0:r1] = g
 
     def absorb(self, other, scale):
         """Fold ``scale`` times another schedule's gradients into these (heads in float32,
@@ -287,23 +326,20 @@ class _Accumulators:
             if theirs is None:
                 continue
             if mine is None:
-                mine = _HeadGrads(theirs.head, (False,) * 3) if isinstance(theirs, _HeadGrads) \
-                    else torch.zeros_like(theirs)
+                mine = theirs.fresh()
                 setattr(self, name, mine)
-            if isinstance(mine, _HeadGrads):
-                mine.absorb(theirs, scale)
-            else:
-                mine.copy_(mine.float() + theirs.float() * scale)
+            mine.absorb(theirs, scale)
 
     def reduce(self, group):
         for acc in (self.student, self.teacher):
-            if isinstance(acc, _HeadGrads):
+            if acc is not None:
                 acc.reduce(group)
 
 
 # The flat layout of the Function's tensor arguments: each of the student and the teacher
-# takes three slots (a head's hidden, weight, bias; an array in the first), then the row
-# fields after them, then the four coefficient rows of a gradient-in-forward call.
+# takes three slots (its ``arrays()``: a head's hidden, weight, bias; an array in the
+# first), then the row fields after them, then the four coefficient rows of a
+# gradient-in-forward call. The spec holds each part's source without its arrays.
 _PART = 3
 _ROW_FIELDS = Rows._fields[2:]  # targets, active, shift_ids, shift
 _N_ROW = len(_ROW_FIELDS)
@@ -312,12 +348,13 @@ _N_ROW = len(_ROW_FIELDS)
 def _pack(rows, coefficients):
     spec, tensors = [], []
     for x in (rows.logits, rows.teacher):
-        if is_head(x):
-            spec.append((x.weight_layout, x.row_chunk))
-            tensors += [x.hidden, x.weight, x.bias]
-        else:
+        if x is None:
             spec.append(None)
-            tensors += [x, None, None]
+            tensors += [None] * _PART
+        else:
+            arrays = x.arrays()
+            spec.append(x.with_arrays((None,) * len(arrays)))
+            tensors += list(arrays) + [None] * (_PART - len(arrays))
     tensors += list(rows[2:])
     tensors += list(coefficients) if coefficients is not None else [None] * 4
     return (tuple(spec), coefficients is not None), tensors
@@ -327,9 +364,7 @@ def _unpack(spec, tensors):
     (parts, planned) = spec
     out = []
     for i, kind in enumerate(parts):
-        a, w, b = tensors[i * _PART:(i + 1) * _PART]
-        out.append(a if kind is None else LinearHead(a, w, b, weight_layout=kind[0],
-                                                   row_chunk=kind[1]))
+        out.append(None if kind is None else kind.with_arrays(tensors[i * _PART:(i + 1) * _PART]))
     fields = tensors[2 * _PART:2 * _PART + _N_ROW]
     coefficients = tuple(tensors[2 * _PART + _N_ROW:]) if planned else None
     return Rows(out[0], out[1], *fields), coefficients
@@ -340,7 +375,7 @@ def _needs(parts, needs_input_grad):
     out = []
     for i, kind in enumerate(parts):
         flags = needs_input_grad[i * _PART:(i + 1) * _PART]
-        out.append(tuple(flags) if kind is not None else (flags[0],))
+        out.append(() if kind is None else tuple(flags[:len(kind.arrays())]))
     return out
 
 
@@ -350,19 +385,12 @@ def _cotangents(grads, like):
                  for g in grads)
 
 
-def _flat_grads(parts, acc, scale=None, inplace=False):
+def _flat_grads(acc, scale=None, inplace=False):
     """The gradients in the flat argument layout (None where there is none); ``inplace``:
     scaled in the accumulators themselves (spent after it)."""
     out = []
-    for kind, part in zip(parts, (acc.student, acc.teacher)):
-        if part is None:
-            out += [None] * _PART
-        elif kind is None:  # an array's gradient: one rounding of the float32 product
-            if scale is not None:
-                part = part.mul_(scale) if inplace else (part.float() * scale).to(part.dtype)
-            out += [part, None, None]
-        else:
-            out += list(part.result(scale, inplace))
+    for part in (acc.student, acc.teacher):
+        out += [None] * _PART if part is None else list(part.result(scale, inplace))
     return out
 
 
@@ -407,7 +435,6 @@ class _LinearHeadFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         n_in = len(saved) - len(Stats._fields)
         tensors, stats = saved[:n_in], Stats(*saved[n_in:])
-        parts = ctx.spec[0]
         planned = ctx.planned if g_total is not None else None
         row_cts = (g_lse, g_lp, g_h, g_kl)
         if planned is _RECOMPUTE:
@@ -429,9 +456,9 @@ class _LinearHeadFunction(torch.autograd.Function):
             planned = None
         out = None
         if acc is not None:
-            out = _flat_grads(parts, acc)
+            out = _flat_grads(acc)
         elif planned is not None:  # scaled in place: no second copy of the gradients
-            out = _flat_grads(parts, planned, g_total.float(), inplace=True)
+            out = _flat_grads(planned, g_total.float(), inplace=True)
             ctx.planned = _RECOMPUTE
         if out is None:
             out = [None] * (2 * _PART)
