@@ -62,6 +62,20 @@ def _limit(cfg):
     return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
 
 
+class _TeacherOperand:
+    """A teacher as the fused head kernels take it, by its kind (``LogitsSource.accept``):
+    (the operand, its statics, whether the kernels take its dtypes)."""
+
+    @staticmethod
+    def array(logits):  # [N, K], read as it is
+        return logits, {}, True
+
+    @staticmethod
+    def head(head):  # (hidden, weight, bias) in its layout
+        return (head.arrays(), {"teacher_layout": head.weight_layout},
+                FusedHead._kernel_dtype(head))
+
+
 class FusedHead:
     """The linear head in Mosaic kernels (``kernels.pallas.linear_head``): statistics and the
     gradients of hidden, weight and bias with every logits tile made on the MXU and used in
@@ -77,23 +91,23 @@ class FusedHead:
         return dt in (jnp.float32, jnp.bfloat16) and jnp.dtype(head.weight.dtype) == dt
 
     @classmethod
-    def takes(cls, rows, cfg, axis):
-        head, teacher = rows.logits, rows.teacher  # LogitsSources
-        if axis is not None or head.materialized or not cls._kernel_dtype(head):
+    def takes(cls, rows, cfg, axis, plan):
+        """Whether the kernels take these rows: ``plan`` (``_linear_head.HeadPlan``) says
+        whether the student is the one head needing a gradient; the dtypes are checked here."""
+        if not plan.student_head_grad_only or axis is not None:
             return False
-        return (teacher is None or teacher.materialized
-                or (not cfg.teacher_grad and cls._kernel_dtype(teacher)))
+        teacher = rows.teacher  # a LogitsSource or None
+        return cls._kernel_dtype(rows.logits) and (
+            teacher is None or teacher.accept(_TeacherOperand)[2])
 
     @staticmethod
     def _args(rows, cfg):
         head, teacher = rows.logits, rows.teacher
         statics = dict(_statics(cfg, rows.shift_ids is not None), vocab_limit=_limit(cfg),
                        layout=head.weight_layout, block_n=head.row_chunk)
-        if teacher is not None and teacher.materialized:  # an array
-            teacher = teacher.array
-        elif teacher is not None:  # a head: (hidden, weight, bias) in its layout
-            statics["teacher_layout"] = teacher.weight_layout
-            teacher = teacher.arrays()
+        if teacher is not None:
+            teacher, more, _ = teacher.accept(_TeacherOperand)
+            statics.update(more)
         return (head.hidden, head.weight, head.bias), teacher, statics
 
     @staticmethod
