@@ -199,7 +199,7 @@ class _Sweep:
         """The backend's fused head kernels when they take these rows (else None): they
         return gradients already in the inputs' dtypes."""
         fused = self.impl.fused_head
-        takes = fused is not None and fused.takes(self.rows, self.cfg, self.axis, self.plan)
+        takes = fused is not None and fused.takes(self.rows, self.axis, self.plan)
         return fused if takes else None
 
     def blocks(self):

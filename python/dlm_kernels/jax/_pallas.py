@@ -10,6 +10,7 @@ is how the block rules are checked without a TPU.
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,18 +63,25 @@ def _limit(cfg):
     return cfg.vocab_size if cfg.vocab_size is not None else NO_VOCAB_LIMIT
 
 
+class _Teacher(NamedTuple):
+    """A teacher as the fused head kernels take it."""
+
+    operand: Any  # [N, K] logits, or a head's (hidden, weight, bias)
+    statics: dict  # what the kernels' statics add for it
+    kernel_dtype: bool  # whether the kernels take its dtypes
+
+
 class _TeacherOperand:
-    """A teacher as the fused head kernels take it, by its kind (``LogitsSource.accept``):
-    (the operand, its statics, whether the kernels take its dtypes)."""
+    """The ``_Teacher`` of a teacher source, by its kind (``LogitsSource.accept``)."""
 
     @staticmethod
-    def array(logits):  # [N, K], read as it is
-        return logits, {}, True
+    def array(logits):  # read as it is
+        return _Teacher(logits, {}, True)
 
     @staticmethod
-    def head(head):  # (hidden, weight, bias) in its layout
-        return (head.arrays(), {"teacher_layout": head.weight_layout},
-                FusedHead._kernel_dtype(head))
+    def head(head):  # its arrays in its layout
+        return _Teacher(head.arrays(), {"teacher_layout": head.weight_layout},
+                        FusedHead._kernel_dtype(head))
 
 
 class FusedHead:
@@ -91,14 +99,14 @@ class FusedHead:
         return dt in (jnp.float32, jnp.bfloat16) and jnp.dtype(head.weight.dtype) == dt
 
     @classmethod
-    def takes(cls, rows, cfg, axis, plan):
+    def takes(cls, rows, axis, plan):
         """Whether the kernels take these rows: ``plan`` (``_linear_head.HeadPlan``) says
         whether the student is the one head needing a gradient; the dtypes are checked here."""
         if not plan.student_head_grad_only or axis is not None:
             return False
         teacher = rows.teacher  # a LogitsSource or None
         return cls._kernel_dtype(rows.logits) and (
-            teacher is None or teacher.accept(_TeacherOperand)[2])
+            teacher is None or teacher.accept(_TeacherOperand).kernel_dtype)
 
     @staticmethod
     def _args(rows, cfg):
@@ -106,8 +114,9 @@ class FusedHead:
         statics = dict(_statics(cfg, rows.shift_ids is not None), vocab_limit=_limit(cfg),
                        layout=head.weight_layout, block_n=head.row_chunk)
         if teacher is not None:
-            teacher, more, _ = teacher.accept(_TeacherOperand)
-            statics.update(more)
+            operand = teacher.accept(_TeacherOperand)
+            teacher = operand.operand
+            statics.update(operand.statics)
         return (head.hidden, head.weight, head.bias), teacher, statics
 
     @staticmethod
