@@ -451,8 +451,8 @@ class HeadSampling:
     def test_linear_head_samples_as_its_logits(self, rng):
         """sample_tokens(LinearHead(h, W)) draws exactly what sample_tokens(h @ W) draws, over
         token chunks of 4 rows (a ragged last one), with top-k, suppressed ids and guidance
-        from an unconditional head (of 3-row chunks: the fewer rows win) or array, and from
-        a head beside logits given as an array; then the oracle. Dyadic inputs make the
+        from an unconditional head (the logits' chunks lead: its own 3 rows are not used)
+        or array, and from a head beside logits given as an array; then the oracle. Dyadic inputs make the
         logits exact, so every field matches bit for bit."""
         fw = self.fw
         api = fw.api

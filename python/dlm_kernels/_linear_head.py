@@ -225,9 +225,11 @@ class LogitsSource(Generic[A]):
         (a head: its hidden states are merged instead, then one head built)."""
         raise NotImplementedError
 
-    def rows_per_chunk(self, n_rows: int, on_cpu: bool) -> int:
-        """Rows R of one token chunk of the [N, K] logits: all N of an array (it exists
-        whole; at least 1), ``row_chunk_for``'s R for a head."""
+    def rows_per_chunk(self, n_rows: int, on_cpu: bool,
+                       beside: LogitsSource[A] | None = None) -> int:
+        """Rows R of one token chunk of these [N, K] logits and of ``beside`` (another source
+        of the same rows, or None): a head's own ``row_chunk_for``; an array exists whole, so
+        the R that ``beside`` wants (all N, at least 1, without one)."""
         raise NotImplementedError
 
 
@@ -311,8 +313,9 @@ class DenseLogits(LogitsSource[A]):
     def check_mergeable(self, name: str) -> None:
         pass  # arrays concatenate along their rows
 
-    def rows_per_chunk(self, n_rows: int, on_cpu: bool) -> int:
-        return max(1, n_rows)
+    def rows_per_chunk(self, n_rows: int, on_cpu: bool,
+                       beside: LogitsSource[A] | None = None) -> int:
+        return max(1, n_rows) if beside is None else beside.rows_per_chunk(n_rows, on_cpu)
 
 
 class LinearHead(LogitsSource[A]):
@@ -455,7 +458,8 @@ class LinearHead(LogitsSource[A]):
         raise TypeError(f"{name} is a LinearHead: merge its hidden states (and the batches' "
                         f"other fields), then build one head")
 
-    def rows_per_chunk(self, n_rows: int, on_cpu: bool) -> int:
+    def rows_per_chunk(self, n_rows: int, on_cpu: bool,
+                       beside: LogitsSource[A] | None = None) -> int:
         return row_chunk_for(n_rows, self.vocab, self.dtype.itemsize, on_cpu, self.row_chunk)
 
     # -- checks ---------------------------------------------------------------------------

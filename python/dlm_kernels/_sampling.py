@@ -665,10 +665,9 @@ def make_sampling_api(xp, registry):
         keys = row_keys(xp, seed, step, n, like)
         # token chunks of R rows, each source's [R, K] logits chunk formed or sliced there:
         # arrays exist whole, so one chunk of all N rows (the backend's sampler on them as
-        # they are); a head's chunk of R rows at a time, never [N, K]. Rows are sampled
-        # independently (one key each), so R never changes a draw.
-        on_cpu = xp.platform(like) == "cpu"
-        r = min(x.rows_per_chunk(n, on_cpu) for x in (z, zu) if x is not None)
+        # they are); with a head, R rows at a time (the logits' R, else the guidance's),
+        # never [N, K]
+        r = z.rows_per_chunk(n, xp.platform(like) == "cpu", zu)
         parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
                              suppress_ids, cfg) for r0, r1 in row_chunks(n, r) or [(0, n)]]
         out = parts[0] if len(parts) == 1 else Sample(*(xp.concat(list(f)) for f in zip(*parts)))
