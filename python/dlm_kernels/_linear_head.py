@@ -5,7 +5,8 @@ objective and ``token_stats`` accept in place of a logits array, without the [N,
 What an op sees of it (``LogitsSource``): a logits array (``DenseLogits``) and a head are
 one protocol, the kind decided once where an op is entered (``as_logits``); the op's one
 dispatch sends arrays to the backend as they are and rows with any head to the framework's
-head path.
+head path, whose sweeps read the schedule choices ``head_plan`` makes from the two kinds
+once (``HeadPlan``), never the kinds themselves.
 
 How it runs (each framework's ``_linear_head`` module):
 the N rows are cut into token chunks of R rows. For each chunk the logits ``Z_c = H_c W``
