@@ -154,7 +154,7 @@ class _Sweep:
 
     def __init__(self, impl, cfg, rows, axis):
         self.impl, self.cfg, self.rows, self.axis = impl, cfg, rows, axis
-        self.plan = base.head_plan(rows.logits, rows.teacher, cfg.teacher_grad)
+        self.plan = base.head_plan(rows.logits, rows.teacher, cfg.teacher_grad)  # once
         z = rows.logits  # rows of LogitsSources: the logits and/or the teacher a head
         self.n, k = rows.targets.shape[0], z.shape[-1]
         on_cpu = jax.default_backend() == "cpu"

@@ -204,7 +204,7 @@ class _Sweep:
 
     def __init__(self, impl, cfg, rows, group):
         self.impl, self.cfg, self.rows, self.group = impl, cfg, rows, group
-        self.plan = base.head_plan(rows.logits, rows.teacher, cfg.teacher_grad)
+        self.plan = base.head_plan(rows.logits, rows.teacher, cfg.teacher_grad)  # once
         z = rows.logits  # rows of LogitsSources: the logits and/or the teacher a head
         n, k = rows.targets.shape[0], z.shape[-1]
         like = z.device_array
