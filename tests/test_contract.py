@@ -272,6 +272,30 @@ def test_merge_diffusion_batches(fw_name):
 
 
 @pytest.mark.parametrize("fw_name", FWS)
+def test_a_teacher_head_is_read_through_the_protocol(fw_name):
+    """A LinearHead teacher: batches holding one are not merged (the error names the
+    batch's field and says what to merge instead), and its logits are never read for the
+    finite check (a NaN hidden state gives a NaN loss, not an error)."""
+    fw = framework(fw_name)
+    api = fw.api
+    student = api.DiffusionTokenBatch.create(**good(fw))
+    h = np.zeros((2, 3, 5), np.float32)
+    w = np.zeros((11, 5) if api.LinearHead.DEFAULT_LAYOUT == "KD" else (5, 11), np.float32)
+    head = lambda h: api.LinearHead(fw.array(h), fw.array(w))
+    arrays = api.DiffusionDistillationBatch.create(
+        student_batch=student, teacher_logits=fw.array(np.zeros((2, 3, 11), np.float32)))
+    heads = api.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=head(h))
+    with pytest.raises(TypeError, match=r"batches\[1\]\.teacher_logits is a LinearHead: "
+                                        r"merge its hidden states"):
+        api.merge_diffusion_batches([arrays, heads])
+    h[0, 0, 1] = np.nan  # an active position
+    nan_heads = api.DiffusionDistillationBatch.create(student_batch=student,
+                                                      teacher_logits=head(h))
+    loss, _ = api.opd_loss(fw.array(np.zeros((2, 3, 11), np.float32)), nan_heads)
+    assert np.isnan(fw.numpy(loss.unreduced_sum))
+
+
+@pytest.mark.parametrize("fw_name", FWS)
 def test_weighted_sum(fw_name):
     fw = framework(fw_name)
     ws = fw.api.WeightedSum(fw.array(np.float32(3.0)), fw.array(np.float32(4.0)))

@@ -621,3 +621,21 @@ def test_planned_gradient_of_a_float16_head_keeps_its_digits_at_any_weight_scale
     assert np.abs(unit).max() > 0
     for scale in (1e30, 1e-30):
         assert_close(d_weight(scale), unit, "float16", f"d weight at loss weights {scale:g}")
+
+
+def test_head_plan_decides_the_schedule_from_the_two_kinds():
+    """``head_plan``: the student's chunks are overwritten only when it is a head; the
+    vocabulary-block pass and the fused Pallas kernels only when the student is the one
+    head needing a gradient (not beside a teacher head with teacher_grad)."""
+    from dlm_kernels._linear_head import DenseLogits, LinearHead, head_plan
+
+    array = DenseLogits(np.zeros((4, 7), np.float32))
+    head = LinearHead(np.zeros((4, 3), np.float32), np.zeros((7, 3), np.float32))
+    for student, teacher, teacher_grad, overwrite, one in [
+            (head, None, False, True, True), (head, array, True, True, True),
+            (head, head, False, True, True), (head, head, True, True, False),
+            (array, head, False, False, False), (array, head, True, False, False)]:
+        plan = head_plan(student, teacher, teacher_grad)
+        case = (type(student).__name__, type(teacher).__name__, teacher_grad)
+        assert plan.overwrite_chunks == overwrite, case
+        assert plan.student_head_grad_only == one, case

@@ -460,23 +460,25 @@ class HeadSampling:
     def test_linear_head_samples_as_its_logits(self, rng):
         """sample_tokens(LinearHead(h, W)) draws exactly what sample_tokens(h @ W) draws, over
         token chunks of 4 rows (a ragged last one), with top-k, suppressed ids and guidance
-        from an unconditional head or array; then the oracle. Dyadic inputs make the logits
-        exact, so every field matches bit for bit."""
+        from an unconditional head (the logits' chunks lead: its own 3 rows are not used)
+        or array, and from a head beside logits given as an array; then the oracle. Dyadic inputs make the
+        logits exact, so every field matches bit for bit."""
         fw = self.fw
         api = fw.api
         layout = api.LinearHead.DEFAULT_LAYOUT
         h, hu = (rng.integers(-2, 3, (3, 7, 19)) / 4 for _ in range(2))
         w = rng.integers(-2, 3, (301, 19)) / 4  # [K, D]
         wl = fw.array(w if layout == "KD" else w.T, "float32")
-        head = lambda a: api.LinearHead(fw.array(a, "float32"), wl, row_chunk=4)
+        head = lambda a, r=4: api.LinearHead(fw.array(a, "float32"), wl, row_chunk=r)
         kw = dict(temperature=0.9, seed=int(rng.integers(0, 2**31)), step=2, top_k=5,
                   suppress_ids=fw.array(np.array([0, 1])), cfg_scale=1.5, chunk_size=64,
                   backend=self.BACKEND)
         z, zu = h @ w.T, hu @ w.T
         want = api.sample_tokens(fw.array(z, "float32"), uncond_logits=fw.array(zu, "float32"),
                                  **kw)
-        for uncond in (head(hu), fw.array(zu, "float32")):
-            got = api.sample_tokens(head(h), uncond_logits=uncond, **kw)
+        for logits, uncond in ((head(h), head(hu, 3)), (head(h), fw.array(zu, "float32")),
+                               (fw.array(z, "float32"), head(hu))):
+            got = api.sample_tokens(logits, uncond_logits=uncond, **kw)
             for name, g, e in zip(got._fields, got, want):
                 g, e = np.asarray(fw.numpy(g)), np.asarray(fw.numpy(e))
                 assert np.array_equal(g, e, equal_nan=True), f"{name} differs from the logits'"

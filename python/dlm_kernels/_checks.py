@@ -416,23 +416,27 @@ def check_logits_for_batch(xp, name, logits, batch_shape):
 
 
 def check_teacher_values(xp, teacher_logits, loss_weights):
-    """Teacher logits must be finite at active positions (concrete host arrays only, unless
-    inside ``sync_checks()``: a scoring call never syncs an accelerator by default; a
-    non-finite teacher there gives a NaN loss)."""
+    """Teacher logits (an array or a LinearHead) must be finite at active positions
+    (``LogitsSource.check_finite``: a head's are never built, nothing to read)."""
     from ._linear_head import as_logits
 
-    if not as_logits(teacher_logits).materialized:  # a head's logits are never built; a
-        return                                         # non-finite one gives NaN
-    w = host_values(xp, loss_weights)
+    as_logits(teacher_logits).check_finite(xp, "teacher_logits", loss_weights)
+
+
+def require_finite_at_active(xp, name, logits, weights):
+    """Logits [..., K] must be finite at the rows of nonzero ``weights`` [...] (concrete host
+    arrays only, unless inside ``sync_checks()``: a scoring call never syncs an accelerator
+    by default; a non-finite teacher there gives a NaN loss)."""
+    w = host_values(xp, weights)
     if w is None:
         return
     # first each row's sum (one read of the logits, [...] floats to the host, no [..., K]
     # float64 copy): a row with a NaN or inf sums to one; a finite row whose sum overflows
     # is checked in full below
-    sums = host_values(xp, xp.rowsum(teacher_logits))
+    sums = host_values(xp, xp.rowsum(logits))
     if sums is None or np.isfinite(sums)[w != 0].all():
         return
-    u = host_values(xp, teacher_logits)  # [..., K] float64: only when a row may be bad
+    u = host_values(xp, logits)  # [..., K] float64: only when a row may be bad
     bad = ~np.isfinite(u) & (w != 0)[..., None]
     if bad.any():
-        _raise_first(bad, u, "active teacher_logits must contain only finite values")
+        _raise_first(bad, u, f"active {name} must contain only finite values")

@@ -138,8 +138,7 @@ class TokenStatsFrontEnd:
         # are, a LinearHead (student or teacher) to the framework's head path
         logits = as_logits(logits)
         teacher_logits = None if teacher_logits is None else as_logits(teacher_logits)
-        heads = not (logits.materialized and (teacher_logits is None
-                                              or teacher_logits.materialized))
+        heads = any(x is not None and not x.materialized for x in (logits, teacher_logits))
         if inplace_grad and heads:
             raise ValueError("inplace_grad=True applies to a logits tensor; a LinearHead never "
                              "builds one (its chunks are always overwritten by their gradient)")

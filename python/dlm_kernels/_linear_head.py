@@ -5,7 +5,8 @@ objective and ``token_stats`` accept in place of a logits array, without the [N,
 What an op sees of it (``LogitsSource``): a logits array (``DenseLogits``) and a head are
 one protocol, the kind decided once where an op is entered (``as_logits``); the op's one
 dispatch sends arrays to the backend as they are and rows with any head to the framework's
-head path.
+head path, whose sweeps read the schedule choices ``head_plan`` makes from the two kinds
+once (``HeadPlan``), never the kinds themselves.
 
 How it runs (each framework's ``_linear_head`` module):
 the N rows are cut into token chunks of R rows. For each chunk the logits ``Z_c = H_c W``
@@ -33,9 +34,10 @@ Two gradient schedules (chosen by the objective, never by guessing from the cota
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from ._checks import require_array, require_float, shape_str
+from ._checks import require_array, require_finite_at_active, require_float, shape_str
 from ._config import check_positive_int
 
 #: weight layouts: [K, D] (torch nn.Linear.weight, a tied nn.Embedding / nnx.Embed table)
@@ -122,12 +124,16 @@ class LogitsSource(Generic[A]):
 
     Shape checks read ``shape`` / ``dtype`` / ``ndim`` / ``vocab``; the row bundle is built
     with ``flat`` and ``vocab_slice``; a token chunk of logits comes from ``chunk`` and a
-    chunk's gradient goes back through the accumulator ``accept`` picks. ``materialized``
-    tells the one dispatch at an op's entry whether the logits exist as one array (the
-    backends as they are, on ``array``) or are formed token chunk by token chunk (the head
-    path of each framework)."""
+    chunk's gradient goes back through the accumulator ``accept`` picks; value checks
+    (``check_finite``, ``check_mergeable``) and the rows of a token chunk
+    (``rows_per_chunk``) are methods whose two implementations give the answer. The kind
+    itself, ``materialized``, is read in two places only: the one dispatch at an op's entry
+    (the backends as they are on ``array``, or the head path of each framework) and
+    ``head_plan``, which turns the kinds of a call's two sources into the head path's
+    schedule choices once."""
 
-    #: whether the logits exist as one array (``array``); False: formed chunk by chunk
+    #: whether the logits exist as one array (``array``); False: formed chunk by chunk.
+    #: Read by the dispatch at an op's entry and by ``head_plan`` only.
     materialized: bool = True
     #: rows per token chunk the caller asked for (None: the platform's heuristic)
     row_chunk: int | None = None
@@ -209,6 +215,24 @@ class LogitsSource(Generic[A]):
         """``kinds.array(the array)`` or ``kinds.head(the head)``, by this source's kind."""
         raise NotImplementedError
 
+    def check_finite(self, xp: Any, name: str, weights: A) -> None:
+        """Raise when the logits are not finite at a row of nonzero ``weights`` (an array on
+        the host only, see ``require_finite_at_active``); a head's logits are never built,
+        so there is nothing to read (a non-finite head gives a NaN result)."""
+        raise NotImplementedError
+
+    def check_mergeable(self, name: str) -> None:
+        """Raise when batches cannot be merged along their rows with this source as it is
+        (a head: its hidden states are merged instead, then one head built)."""
+        raise NotImplementedError
+
+    def rows_per_chunk(self, n_rows: int, on_cpu: bool,
+                       beside: LogitsSource[A] | None = None) -> int:
+        """Rows R of one token chunk of these [N, K] logits and of ``beside`` (another source
+        of the same rows, or None): a head's own ``row_chunk_for``; an array exists whole, so
+        the R that ``beside`` wants (all N, at least 1, without one)."""
+        raise NotImplementedError
+
 
 class DenseLogits(LogitsSource[A]):
     """A [..., K] logits array as a ``LogitsSource`` (unchecked: ``check`` says what is
@@ -283,6 +307,16 @@ class DenseLogits(LogitsSource[A]):
 
     def accept(self, kinds: LogitsKinds[A, T]) -> T:
         return kinds.array(self._array)
+
+    def check_finite(self, xp: Any, name: str, weights: A) -> None:
+        require_finite_at_active(xp, name, self._array, weights)
+
+    def check_mergeable(self, name: str) -> None:
+        pass  # arrays concatenate along their rows
+
+    def rows_per_chunk(self, n_rows: int, on_cpu: bool,
+                       beside: LogitsSource[A] | None = None) -> int:
+        return max(1, n_rows) if beside is None else beside.rows_per_chunk(n_rows, on_cpu)
 
 
 class LinearHead(LogitsSource[A]):
@@ -418,6 +452,17 @@ class LinearHead(LogitsSource[A]):
     def accept(self, kinds: LogitsKinds[A, T]) -> T:
         return kinds.head(self)
 
+    def check_finite(self, xp: Any, name: str, weights: A) -> None:
+        pass  # its logits are never built: a non-finite one gives NaN
+
+    def check_mergeable(self, name: str) -> None:
+        raise TypeError(f"{name} is a LinearHead: merge its hidden states (and the batches' "
+                        f"other fields), then build one head")
+
+    def rows_per_chunk(self, n_rows: int, on_cpu: bool,
+                       beside: LogitsSource[A] | None = None) -> int:
+        return row_chunk_for(n_rows, self.vocab, self.dtype.itemsize, on_cpu, self.row_chunk)
+
     # -- checks ---------------------------------------------------------------------------
     def check(self, xp: Any, name: str) -> None:
         """Kinds, ranks, dtypes and the shared width D; the error names ``name``'s part."""
@@ -459,6 +504,32 @@ def as_logits(x: Any) -> LogitsSource:
     already resolved) as it is, anything else as a ``DenseLogits`` array (its checks say
     what is wrong with it). The one place the kind of a logits argument is decided."""
     return x if isinstance(x, LogitsSource) else DenseLogits(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """The head path's schedule choices that depend on which of a call's two sources are
+    heads, made once (``head_plan``) where the path is entered (each framework's sweep) and
+    read there and by a backend's fused head kernels, which never test the kinds again."""
+
+    #: the student's [R, K] logits chunks are formed by the sweep (a student head), so a
+    #: backend may overwrite each with its gradient
+    overwrite_chunks: bool
+    #: one head needs a gradient and it is the student's: the student is a head and no
+    #: teacher head needs one. Required by the vocabulary-block gradient pass (``dw_blocks``)
+    #: and by JAX's fused Pallas head kernels (which form no teacher head's gradient)
+    student_head_grad_only: bool
+
+
+def head_plan(logits: LogitsSource, teacher: LogitsSource | None,
+              teacher_grad: bool) -> HeadPlan:
+    """The ``HeadPlan`` of rows of ``logits`` and ``teacher`` (None: no teacher), with
+    ``teacher_grad`` the call's flag: the one place past an op's dispatch where the kinds of
+    the sources are read."""
+    student_head, teacher_head = (x is not None and not x.materialized
+                                  for x in (logits, teacher))
+    return HeadPlan(overwrite_chunks=student_head,
+                    student_head_grad_only=student_head and not (teacher_head and teacher_grad))
 
 
 def weighting_term(xp, stats, weighting, detached):

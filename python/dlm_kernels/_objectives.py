@@ -431,10 +431,7 @@ class Objectives:
                     f"{kind.__name__}: all batches must have the same structure")
         if kind is self.DiffusionDistillationBatch:
             for i, b in enumerate(batches):
-                if not as_logits(b.teacher_logits).materialized:
-                    raise TypeError(
-                        f"batches[{i}].teacher_logits is a LinearHead: merge the teacher's "
-                        f"hidden states (and the student batches), then build one head")
+                as_logits(b.teacher_logits).check_mergeable(f"batches[{i}].teacher_logits")
             students = [b.student_batch for b in batches]
             fields = {"teacher_logits": [b.teacher_logits for b in batches]}
             plan = {f: self._merge_plan(f, trees) for f, trees in fields.items()}

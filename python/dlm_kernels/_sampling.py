@@ -36,7 +36,7 @@ import numpy as np
 
 from ._checks import (dtype_str, flag, host_values, plain, require_array, require_float,
                       require_int, require_logits, require_real, require_shape, shape_str)
-from ._linear_head import as_logits, row_chunk_for, row_chunks
+from ._linear_head import as_logits, row_chunks
 from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
 MASK32 = 0xFFFFFFFF
@@ -649,8 +649,8 @@ def make_sampling_api(xp, registry):
                                  chunk_size, stats_temperature)
         seed = seed_argument(xp, "seed", seed, logits.shape[:-1])
         step = seed_argument(xp, "step", step, None)
-        # the one place the kind of the logits is decided: arrays go to the backend's sampler
-        # as they are, a LinearHead (either of the two) by token chunk
+        # an array or a LinearHead (either of the two) as one protocol: nothing below tests
+        # which; ``rows_per_chunk`` gives each kind's token chunk
         logits = as_logits(logits)
         uncond_logits = None if uncond_logits is None else as_logits(uncond_logits)
         like = logits.device_array  # an array on the device
@@ -664,16 +664,14 @@ def make_sampling_api(xp, registry):
             n *= dim
         z, zu = (None if x is None else _flat_rows(xp, x, n) for x in (logits, uncond_logits))
         keys = row_keys(xp, seed, step, n, like)
-        heads = [x for x in (z, zu) if x is not None and not x.materialized]
-        if not heads:  # arrays: the backend as it is
-            out = impl.sample(z.array, None if zu is None else zu.array, keys, suppress_ids, cfg)
-        else:  # token chunks of R rows: one [R, K] logits chunk at a time, never [N, K]
-            head = heads[0]
-            r = row_chunk_for(n, k, head.dtype.itemsize, xp.platform(like) == "cpu",
-                              head.row_chunk)
-            parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
-                                 suppress_ids, cfg) for r0, r1 in row_chunks(n, r)]
-            out = Sample(*(xp.concat(list(f)) for f in zip(*parts)))
+        # token chunks of R rows, each source's [R, K] logits chunk formed or sliced there:
+        # arrays exist whole, so one chunk of all N rows (the backend's sampler on them as
+        # they are); with a head, R rows at a time (the logits' R, else the guidance's),
+        # never [N, K]
+        r = z.rows_per_chunk(n, xp.platform(like) == "cpu", zu)
+        parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
+                             suppress_ids, cfg) for r0, r1 in row_chunks(n, r) or [(0, n)]]
+        out = parts[0] if len(parts) == 1 else Sample(*(xp.concat(list(f)) for f in zip(*parts)))
         out = Sample(*(f.reshape(lead) for f in out), vocab_size=k)
         return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)
 

@@ -154,6 +154,7 @@ class _Sweep:
 
     def __init__(self, impl, cfg, rows, axis):
         self.impl, self.cfg, self.rows, self.axis = impl, cfg, rows, axis
+        self.plan = base.head_plan(rows.logits, rows.teacher, cfg.TEACHER_GRAD)  # once
         z = rows.logits  # rows of LogitsSources: the logits and/or the teacher a head
         self.n, k = rows.targets.shape[0], z.shape[-1]
         on_cpu = jax.default_backend() == "cpu"
@@ -198,7 +199,8 @@ class _Sweep:
         """The backend's fused head kernels when they take these rows (else None): they
         return gradients already in the inputs' dtypes."""
         fused = self.impl.fused_head
-        return fused if fused is not None and fused.takes(self.rows, self.cfg, self.axis) else None
+        takes = fused is not None and fused.takes(self.rows, self.axis, self.plan)
+        return fused if takes else None
 
     def blocks(self):
         """The vocabulary blocks of the gradient pass (``base.dw_blocks``), or None for token
@@ -206,10 +208,10 @@ class _Sweep:
         would pass ``HEAD_DW_ACC_BYTES``, outside a vocabulary-parallel map, with no teacher
         head needing a gradient, on a backend whose backward takes a column offset (the
         schedule of the torch twin)."""
-        z, u = self.rows.logits, self.rows.teacher
-        if (self.axis is not None or z.materialized or not self.impl.capabilities.vocab_shards
-                or jnp.dtype(z.weight.dtype) in (jnp.float32, jnp.float64)
-                or (u is not None and not u.materialized and self.cfg.TEACHER_GRAD)):
+        z = self.rows.logits
+        if (not self.plan.student_head_grad_only or self.axis is not None
+                or not self.impl.capabilities.vocab_shards
+                or jnp.dtype(z.weight.dtype) in (jnp.float32, jnp.float64)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -222,7 +224,9 @@ class _Sweep:
         rows, cfg, r, n = self.rows, self.cfg, self.r, self.n
         z, u = rows.logits, rows.teacher
         major = z.weight_layout == VOCAB_MAJOR
-        teacher_grad = u is not None and u.materialized and cfg.TEACHER_GRAD
+        # blocks run only when no teacher head needs a gradient: a teacher needing one is an
+        # array, its [N, K] gradient written block by block
+        teacher_grad = u is not None and cfg.TEACHER_GRAD
         sl = lambda a, start: None if a is None else _slice(a, start, r)
         cols = lambda a, b0, b1: a[b0:b1] if major else a[:, b0:b1]  # a weight's columns
         dh = jnp.zeros(z.hidden.shape, _acc_dtype(z.hidden))  # [N, D]

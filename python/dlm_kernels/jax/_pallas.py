@@ -10,6 +10,7 @@ is how the block rules are checked without a TPU.
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,27 @@ def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of c
                       jnp.zeros_like(y) + jnp.asarray(offset, jnp.int32)], axis=1)
 
 
+class _Teacher(NamedTuple):
+    """A teacher as the fused head kernels take it."""
+
+    operand: Any  # [N, K] logits, or a head's (hidden, weight, bias)
+    statics: dict  # what the kernels' statics add for it
+    kernel_dtype: bool  # whether the kernels take its dtypes
+
+
+class _TeacherOperand:
+    """The ``_Teacher`` of a teacher source, by its kind (``LogitsSource.accept``)."""
+
+    @staticmethod
+    def array(logits):  # read as it is
+        return _Teacher(logits, {}, True)
+
+    @staticmethod
+    def head(head):  # its arrays in its layout
+        return _Teacher(head.arrays(), {"teacher_layout": head.weight_layout},
+                        FusedHead._kernel_dtype(head))
+
+
 class FusedHead:
     """The linear head in Mosaic kernels (``kernels.pallas.linear_head``): statistics and the
     gradients of hidden, weight and bias with every logits tile made on the MXU and used in
@@ -70,22 +92,23 @@ class FusedHead:
         return dt in (jnp.float32, jnp.bfloat16) and jnp.dtype(head.weight.dtype) == dt
 
     @classmethod
-    def takes(cls, rows, cfg, axis):
-        head, teacher = rows.logits, rows.teacher  # LogitsSources
-        if axis is not None or head.materialized or not cls._kernel_dtype(head):
+    def takes(cls, rows, axis, plan):
+        """Whether the kernels take these rows: ``plan`` (``_linear_head.HeadPlan``) says
+        whether the student is the one head needing a gradient; the dtypes are checked here."""
+        if not plan.student_head_grad_only or axis is not None:
             return False
-        return (teacher is None or teacher.materialized
-                or (not cfg.TEACHER_GRAD and cls._kernel_dtype(teacher)))
+        teacher = rows.teacher  # a LogitsSource or None
+        return cls._kernel_dtype(rows.logits) and (
+            teacher is None or teacher.accept(_TeacherOperand).kernel_dtype)
 
     @staticmethod
     def _args(rows, cfg):
         head, teacher = rows.logits, rows.teacher
         statics = dict(_statics(cfg), layout=head.weight_layout, block_n=head.row_chunk)
-        if teacher is not None and teacher.materialized:  # an array
-            teacher = teacher.array
-        elif teacher is not None:  # a head: (hidden, weight, bias) in its layout
-            statics["teacher_layout"] = teacher.weight_layout
-            teacher = teacher.arrays()
+        if teacher is not None:
+            operand = teacher.accept(_TeacherOperand)
+            teacher = operand.operand
+            statics.update(operand.statics)
         return (head.hidden, head.weight, head.bias), teacher, statics
 
     @staticmethod

@@ -203,6 +203,7 @@ class _Sweep:
 
     def __init__(self, impl, cfg, rows, group):
         self.impl, self.cfg, self.rows, self.group = impl, cfg, rows, group
+        self.plan = base.head_plan(rows.logits, rows.teacher, cfg.TEACHER_GRAD)  # once
         z = rows.logits  # rows of LogitsSources: the logits and/or the teacher a head
         n, k = rows.targets.shape[0], z.shape[-1]
         like = z.device_array
@@ -225,11 +226,10 @@ class _Sweep:
         its gradient and the float32 accumulator would pass HEAD_DW_ACC_BYTES, outside a
         vocabulary-parallel group, with no teacher head needing a gradient, on a backend
         whose backward takes a column offset (``vocab_shards``)."""
-        z, u = self.rows.logits, self.rows.teacher
-        if (self.group is not None or z.materialized or not need[0][1]
+        z = self.rows.logits
+        if (not self.plan.student_head_grad_only or self.group is not None or not need[0][1]
                 or not self.impl.capabilities.vocab_shards
-                or z.weight.dtype in (torch.float32, torch.float64)
-                or (u is not None and not u.materialized and self.cfg.TEACHER_GRAD)):
+                or z.weight.dtype in (torch.float32, torch.float64)):
             return None
         return base.dw_blocks(z.vocab, z.width)
 
@@ -283,7 +283,7 @@ class _Sweep:
                 offset = self._offset(rc)
             if acc is not None:
                 kw = {"offset": offset} if self.group is not None else {}
-                if not rows.logits.materialized and self.impl.capabilities.inplace_grad:
+                if self.plan.overwrite_chunks and self.impl.capabilities.inplace_grad:
                     kw["inplace"] = True  # the chunk's logits are formed here: overwrite them
                 dz, du = self.impl.backward(rc, sc, tuple(g[r0:r1] for g in grads), cfg, **kw)
                 acc.add(dz, du, r0, r1)
