@@ -43,9 +43,6 @@ AXES = dict(
 # interpreted kernels: block sizes they take, K up to a thousand in five blocks, the last
 # ragged (seconds a case)
 KERNEL_K_CHUNK = [(1, None), (7, 128), (128, 128), (301, 128), (1029, 256)]
-# the reference backends materialise the row whatever K is (no chunks to cross): K = 2^17 is
-# the chunked backends' level, where it spans eight chunks
-REFERENCE_K_CHUNK = AXES["k_chunk"][:-1]
 
 
 def _masked_columns(k, chunk, mask):
@@ -315,10 +312,18 @@ def run_design(name, axes, check, fw_name, backend, request, monkeypatch):
 KERNELS = ("triton", "pallas")
 
 
+def k_levels(backend, levels, kernel_levels):
+    """The K levels of a backend's design: the interpreted kernels' own (seconds a case); all
+    but the largest, 2^17, on the reference backends, which materialise the row whatever K is
+    (no chunks to cross); all on the chunked backends, where 2^17 spans eight chunks."""
+    if backend in KERNELS:
+        return kernel_levels
+    return levels[:-1] if backend == "reference" else levels
+
+
 @pytest.mark.parametrize("fw_name,backend", BACKENDS, ids=[f"{f}-{b}" for f, b in BACKENDS])
 def test_token_stats_over_the_domain(fw_name, backend, request, monkeypatch):
-    k_chunk = {"reference": REFERENCE_K_CHUNK}.get(backend, AXES["k_chunk"])
-    axes = dict(AXES, k_chunk=KERNEL_K_CHUNK if backend in KERNELS else k_chunk)
+    axes = dict(AXES, k_chunk=k_levels(backend, AXES["k_chunk"], KERNEL_K_CHUNK))
     run_design("token_stats", axes, check_case, fw_name, backend, request, monkeypatch)
 
 
@@ -336,7 +341,6 @@ OBJECTIVE_AXES = dict(
     opd_temperature=[1.0, 2.0, 1e3],
 )
 KERNEL_K = [2, 7, 301, 4099]
-REFERENCE_K = OBJECTIVE_AXES["k"][:-1]  # as REFERENCE_K_CHUNK: 2^17 is the chunked level
 B, L, D = 3, 4, 5
 
 
@@ -589,7 +593,6 @@ def objective_dz(case, data, z64, w64, alpha64):
 
 @pytest.mark.parametrize("fw_name,backend", BACKENDS, ids=[f"{f}-{b}" for f, b in BACKENDS])
 def test_objectives_over_the_domain(fw_name, backend, request, monkeypatch):
-    k = {"reference": REFERENCE_K}.get(backend, OBJECTIVE_AXES["k"])
-    axes = dict(OBJECTIVE_AXES, k=KERNEL_K if backend in KERNELS else k)
+    axes = dict(OBJECTIVE_AXES, k=k_levels(backend, OBJECTIVE_AXES["k"], KERNEL_K))
     run_design("objectives", axes, check_objective_case, fw_name, backend, request,
                monkeypatch)
