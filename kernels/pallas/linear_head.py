@@ -44,7 +44,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..layout import NO_VOCAB_LIMIT
 from . import token_stats as ts
 
 VMEM_BUDGET = 12 * 1024 * 1024
@@ -247,11 +246,11 @@ def _dw_kernel(*refs, student, teacher, n, **statics):
 
 
 def _statics(vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift, separate_ce,
-             entropy, vocab_limit, smoothing=False, ce_terms=False):
+             entropy, vocab_limit, padded, smoothing, ce_terms):
     return dict(vocab=vocab, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
                 softcap=softcap, has_softcap=has_softcap, has_shift=has_shift,
                 separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit,
-                smoothing=smoothing, ce_terms=ce_terms)
+                padded=padded, smoothing=smoothing, ce_terms=ce_terms)
 
 
 def _parts(head, teacher, layout, teacher_layout):
@@ -267,9 +266,9 @@ def _parts(head, teacher, layout, teacher_layout):
 
 
 def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
-                 inv_t_kl, softcap, has_softcap, has_shift, separate_ce, entropy, block_k=None,
-                 block_n=None, interpret=False, detect_races=False, vocab_limit=NO_VOCAB_LIMIT,
-                 smoothing=False, ce_terms=False):
+                 inv_t_kl, softcap, has_softcap, has_shift, separate_ce, entropy, vocab_limit,
+                 padded, smoothing, ce_terms, block_k=None, block_n=None, interpret=False,
+                 detect_races=False):
     """Row statistics [N, N_STATS] (as ``token_stats.stats_forward``) of the student head =
     (h [N, D], w [K, D] "KD" or [D, K] "DK", b [K] or None) in ``layout``, with the teacher
     None, logits u [N, K], or its own head (hu, wu, bu) in ``teacher_layout``; ints [N, 3],
@@ -282,7 +281,7 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
     kernel = functools.partial(
         _fwd_kernel, student=student, teacher=tpart, partial=False,
         **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
-                   separate_ce, entropy, vocab_limit, smoothing))
+                   separate_ce, entropy, vocab_limit, padded, smoothing, ce_terms))
     blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
@@ -303,8 +302,8 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
 
 def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, inv_t, inv_t_ce,
                   inv_t_kl, softcap, has_softcap, has_shift, separate_ce, teacher_grad, entropy,
-                  block_k=None, block_n=None, interpret=False, detect_races=False,
-                  vocab_limit=NO_VOCAB_LIMIT, smoothing=False, ce_terms=False):
+                  vocab_limit, padded, smoothing, ce_terms, block_k=None, block_n=None,
+                  interpret=False, detect_races=False):
     """-> (dh [N, D], dw in w's layout, db [K] or None, each in its input's dtype, summed in
     float32 VMEM and rounded once; du [N, K] in the teacher logits' dtype or None); arguments
     as ``head_forward``, floats [N, 16] as
@@ -319,7 +318,7 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
     stat = functools.partial(_statics, k, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
                              softcap=softcap, has_softcap=has_softcap, has_shift=has_shift,
                              separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit,
-                             ce_terms=ce_terms)
+                             padded=padded, smoothing=smoothing, ce_terms=ce_terms)
     operands = _operands(head, teacher) + [ints, floats]
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..layout import NO_VOCAB_LIMIT, PARTIAL_STATE, ROW_STATS
+from ..layout import PARTIAL_STATE, ROW_STATS
 from ..series import PSI_COEFFS, PSI_SMALL
 from ..softcap import TANH_SERIES, TANH_SERIES_BOUND
 
@@ -212,13 +212,14 @@ def _scaled(x, inv_t):
 
 
 def _fwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
-                has_teacher, separate_ce, entropy, vocab_limit, partial, smoothing):
+                has_teacher, separate_ce, entropy, vocab_limit, padded, partial, smoothing):
     z_ref, *refs = refs
     u_ref = refs.pop(0) if has_teacher else None
     fwd_body(_loader(z_ref), _loader(u_ref), *refs, kb=pl.program_id(1), vocab=vocab, bk=bk,
              inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
              has_softcap=has_softcap, has_shift=has_shift, separate_ce=separate_ce,
-             entropy=entropy, vocab_limit=vocab_limit, partial=partial, smoothing=smoothing)
+             entropy=entropy, vocab_limit=vocab_limit, padded=padded, partial=partial,
+             smoothing=smoothing)
 
 
 def _loader(ref):
@@ -228,7 +229,7 @@ def _loader(ref):
 
 def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab, bk, inv_t,
              inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift, separate_ce, entropy,
-             vocab_limit, partial, smoothing=False, ce_terms=False):
+             vocab_limit, padded, partial, smoothing=False, ce_terms=False):
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
     on the MXU by the linear head's kernels); the scratch rows hold the running state
@@ -291,7 +292,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
 
     # Columns past the vocabulary: the ragged tail of the last block, or (a padded shard)
     # global ids >= vocab_limit, which any block may hold.
-    if vocab_limit < NO_VOCAB_LIMIT:
+    if padded:
         pl.when(jnp.any(active))(lambda: accumulate(True))
     elif vocab % bk:
         pl.when(jnp.any(active) & ~last)(lambda: accumulate(False))
@@ -332,7 +333,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
 
 
 def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
-                has_teacher, separate_ce, entropy, teacher_grad, vocab_limit, ce_terms):
+                has_teacher, separate_ce, entropy, teacher_grad, vocab_limit, padded, ce_terms):
     if has_teacher:
         z_ref, u_ref, ints_ref, floats_ref, dz_ref, *rest = refs
     else:
@@ -344,16 +345,16 @@ def _bwd_kernel(*refs, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softca
                        inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl, softcap=softcap,
                        has_softcap=has_softcap, has_shift=has_shift, separate_ce=separate_ce,
                        entropy=entropy,
-                       teacher_grad=teacher_grad, vocab_limit=vocab_limit, mask_tail=False,
-                       ce_terms=ce_terms)
+                       teacher_grad=teacher_grad, vocab_limit=vocab_limit, padded=padded,
+                       mask_tail=False, ce_terms=ce_terms)
     dz_ref[...] = dz.astype(dz_ref.dtype)
     if teacher_grad:
         du_ref[...] = du.astype(du_ref.dtype)
 
 
 def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, softcap,
-              has_softcap, has_shift, separate_ce, entropy, teacher_grad, vocab_limit, mask_tail,
-              ce_terms=False, smoothing=False):
+              has_softcap, has_shift, separate_ce, entropy, teacher_grad, vocab_limit, padded,
+              mask_tail, ce_terms=False, smoothing=False):
     """(dz, du or None), float32 (BN, BK) tiles of vocabulary block ``kb``: z the float32
     logits tile, ``load_u()`` the teacher's (None: no teacher), ints (BN, 3) and f (BN, 16)
     the packed per-row inputs. Inactive rows (and
@@ -371,7 +372,7 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     g_lse, g_lp, g_h, g_kl = (jnp.where(active, col(j), 0.0) for j in (F_GLSE, F_GLP, F_GH, F_GKL))
     bn = z.shape[0]
     iota = jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
-    cols = kb * bk + iota + offset if has_shift or vocab_limit < NO_VOCAB_LIMIT else None
+    cols = kb * bk + iota + offset if has_shift or padded else None
     # Per-row factors first, so each element costs as few vector operations as the math
     # allows (chunk_grads in _stats_math has the same form):
     #   dr = p·coef + (g_kl/T)·(p - q) - (g_lp/T_ce)·p' + [k == y]·g_lp/T_ce
@@ -390,7 +391,7 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
         coef = coef - g_h * inv_t * jnp.where(e > 0, xs - la + ent, 0.0)
     dr = e * (coef * inv_a)
     keep = active  # and a padded shard's padding columns get exact zeros
-    if vocab_limit < NO_VOCAB_LIMIT:
+    if padded:
         keep = keep & (cols < vocab_limit)
     if mask_tail:
         keep = keep & (kb * bk + iota < vocab)
@@ -454,8 +455,8 @@ def scratch_rows(smoothing):
 
 
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap,
-                  has_shift, separate_ce, entropy, block_k=None, interpret=False, detect_races=False,
-                  vocab_limit=NO_VOCAB_LIMIT, partial=False, smoothing=False, ce_terms=False):
+                  has_shift, separate_ce, entropy, vocab_limit, padded, smoothing, ce_terms,
+                  block_k=None, interpret=False, detect_races=False, partial=False):
     """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, N_STATS] f32
     (ROW_STATS; the logp column is 0, or Σ r with ``smoothing``: the caller computes logp
     from the target logit), or with ``partial`` the running state (PARTIAL_STATE) of this
@@ -466,8 +467,8 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     kernel = functools.partial(
         _fwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_softcap=has_softcap, has_shift=has_shift, has_teacher=has_teacher,
-        separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit, partial=partial,
-        smoothing=smoothing)
+        separate_ce=separate_ce, entropy=entropy, vocab_limit=vocab_limit, padded=padded,
+        partial=partial, smoothing=smoothing)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     return pl.pallas_call(
         kernel,
@@ -483,9 +484,8 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
 
 
 def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap,
-                   has_shift, separate_ce, teacher_grad, entropy, block_k=None, interpret=False,
-                   detect_races=False, vocab_limit=NO_VOCAB_LIMIT, smoothing=False,
-                   ce_terms=False):
+                   has_shift, separate_ce, teacher_grad, entropy, vocab_limit, padded, smoothing,
+                   ce_terms, block_k=None, interpret=False, detect_races=False):
     """-> (dz [N, K] in z's dtype, du [N, K] or None); floats [N, 16] packs the saved
     statistics and cotangents (F_* columns; the CE term's coefficients with ``ce_terms``).
     ``smoothing`` is the forward's (ignored here)."""
@@ -496,7 +496,7 @@ def stats_backward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, ha
         _bwd_kernel, vocab=k, bk=bk, inv_t=inv_t, inv_t_ce=inv_t_ce, inv_t_kl=inv_t_kl,
         softcap=softcap, has_softcap=has_softcap, has_shift=has_shift, has_teacher=has_teacher,
         separate_ce=separate_ce, entropy=entropy, teacher_grad=teacher_grad,
-        vocab_limit=vocab_limit, ce_terms=ce_terms)
+        vocab_limit=vocab_limit, padded=padded, ce_terms=ce_terms)
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     out_shape = [_out_struct(z.shape, z.dtype, operands)]
     if teacher_grad:

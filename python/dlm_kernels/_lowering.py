@@ -35,8 +35,9 @@ class Lowered(NamedTuple):
     HAS_TEACHER, HAS_SHIFT (a LOO shift column per row), HAS_SOFTCAP, SEPARATE_CE (T_ce != T:
     the CE term keeps its own sums), HAS_ENTROPY, SMOOTH (ε > 0: the forward keeps Σ r),
     CE_TERMS (ε > 0 or λ > 0: the backward's CE gradient takes three per-row coefficients),
-    TEACHER_GRAD; and two the host reads: Z_LOSS (λ > 0), PADDED (columns >= vocab_limit are
-    padding).
+    TEACHER_GRAD, PADDED (columns >= vocab_limit are padding: the Pallas kernels mask them;
+    the Triton ones clamp their spans to vocab_limit, which needs no flag); and one the host
+    reads: Z_LOSS (λ > 0).
     """
 
     inv_t: float
@@ -76,8 +77,8 @@ class Lowered(NamedTuple):
                     softcap=self.softcap, has_softcap=self.HAS_SOFTCAP,
                     has_shift=self.HAS_SHIFT, separate_ce=self.SEPARATE_CE,
                     entropy=self.HAS_ENTROPY, block_k=self.chunk_size,
-                    vocab_limit=self.vocab_limit, smoothing=self.SMOOTH,
-                    ce_terms=self.CE_TERMS)
+                    vocab_limit=self.vocab_limit, padded=self.PADDED,
+                    smoothing=self.SMOOTH, ce_terms=self.CE_TERMS)
 
     @classmethod
     def schema(cls) -> str:
