@@ -13,7 +13,7 @@ import pytest
 from dlm_kernels._config import make_config
 from dlm_kernels._lowering import Lowered, lower
 from dlm_kernels.kernels.layout import NO_VOCAB_LIMIT
-from harness import framework
+from harness import assert_close, framework
 
 FLAGS = ("HAS_TEACHER", "HAS_SHIFT", "HAS_SOFTCAP", "SEPARATE_CE", "HAS_ENTROPY", "SMOOTH",
          "Z_LOSS", "CE_TERMS", "TEACHER_GRAD", "PADDED")
@@ -184,3 +184,59 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
         assert all(kw.items() >= low.triton_flags().items() for kw in launched)
     else:
         assert seen and not launched
+
+
+def _host_gathers(monkeypatch):
+    """The calls of the host's target-logit gathers (``_stats_math.target_logit``, and
+    ``target_column``, which a gather of a head's weight rows starts from), as a list."""
+    import dlm_kernels._stats_math as stats_math
+
+    seen = []
+    for name in ("target_logit", "target_column"):
+        _spy(monkeypatch, stats_math, name, seen, lambda a, kw, name=name: name)
+    return seen
+
+
+@pytest.mark.parametrize("backend,head", [("pallas", False), ("pallas", True),
+                                          ("triton", False)])
+def test_jax_kernels_make_logp(backend, head, monkeypatch, rng, request):
+    """logp comes one way on every kernel backend: the forward kernel forms the target's
+    logit (docs/design.md §5), the host gathers none (a vocabulary shard's excepted), also
+    for the fused linear head's Pallas kernels; and it matches the float64 oracle."""
+    import oracle
+
+    if backend == "triton":
+        request.getfixturevalue("jax_triton_on_cpu")
+    fw = framework("jax")
+    n, k, d = 8, 130, 16
+    y_np = rng.integers(0, k, n)
+    if head:
+        h_np, w_np = rng.normal(size=(n, d)), rng.normal(size=(k, d)) / 4
+        z_np = h_np @ w_np.T
+        logits = fw.api.LinearHead(fw.array(h_np, "float32"), fw.array(w_np, "float32"),
+                                   weight_layout="KD")
+    else:
+        z_np = rng.normal(size=(n, k)) * 3
+        logits = fw.array(z_np, "float32")
+    seen, fused = _host_gathers(monkeypatch), []
+    if head:  # the fused head's kernels, not logits chunks
+        from dlm_kernels.kernels.pallas import linear_head
+
+        _spy(monkeypatch, linear_head, "head_forward", fused, lambda a, kw: True)
+    s = fw.api.token_stats(logits, fw.array(y_np), temperature=0.7, ce_temperature=1.3,
+                           softcap=5.0, backend=backend)
+    assert not seen, seen
+    assert fused == ([True] if head else [])
+    _, want, _, _ = oracle.token_stats(z_np, y_np, np.ones(n, bool), T=0.7, T_ce=1.3,
+                                       softcap=5.0)
+    assert_close(np.asarray(s.logp), want, "float32", "logp")
+
+
+def test_torch_triton_makes_logp(monkeypatch, rng):
+    """The torch Triton forward: logp from the finalize kernel, no host gather."""
+    fw = framework("torch")
+    n, k = 8, 130
+    z = fw.array(rng.normal(size=(n, k)), "float32")
+    seen = _host_gathers(monkeypatch)
+    fw.api.token_stats(z, fw.array(rng.integers(0, k, n)), backend="triton")
+    assert not seen, seen

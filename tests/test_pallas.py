@@ -204,9 +204,10 @@ def kernel_vector_ops(fn, *args):
 
 def test_full_blocks_pay_for_no_masks(monkeypatch):
     """As the CE objective launches them at a vocabulary that fills whole blocks, the kernel
-    bodies do only the math of docs/design.md §2: no column ids, masks or selects in the
-    forward (it is an online logsumexp and nothing more), and in the gradient one compare for
-    the target column plus the two selects that zero inactive rows and place the target's
+    bodies do only the math of docs/design.md §2: no masks in the forward (an online
+    logsumexp, and the target's logit by one compare of the lane ids with it, a select and a
+    sum: logp comes from the kernel, as on Triton), and in the gradient one compare for the
+    target column plus the two selects that zero inactive rows and place the target's
     term."""
     import jax
     import jax.numpy as jnp
@@ -225,6 +226,6 @@ def test_full_blocks_pay_for_no_masks(monkeypatch):
                             jax.ShapeDtypeStruct((1, n), jnp.float32))
     fwd, bwd = ops["dlm_token_stats_fwd"], ops["dlm_token_stats_bwd"]
     assert sorted(fwd) == sorted(["convert_element_type", "reduce_max", "sub", "exp",
-                                  "reduce_sum"]), fwd
+                                  "reduce_sum", "eq", "select_n", "reduce_sum"]), fwd
     assert bwd.count("eq") == 1 and bwd.count("select_n") == 2 and "lt" not in bwd, bwd
     assert len(bwd) <= 10, bwd

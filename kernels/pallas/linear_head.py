@@ -269,7 +269,7 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
                  inv_t_kl, softcap, has_softcap, has_shift, separate_ce, entropy, vocab_limit,
                  padded, smoothing, ce_terms, block_k=None, block_n=None, interpret=False,
                  detect_races=False):
-    """Row statistics [N, N_STATS] (as ``token_stats.stats_forward``) of the student head =
+    """Row statistics [N, stats_width] (as ``token_stats.stats_forward``) of the student head =
     (h [N, D], w [K, D] "KD" or [D, K] "DK", b [K] or None) in ``layout``, with the teacher
     None, logits u [N, K], or its own head (hu, wu, bu) in ``teacher_layout``; ints [N, 3],
     floats [N, 2] as ``token_stats.stats_forward``."""
@@ -288,12 +288,11 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
     operands = _operands(head, teacher) + [ints, floats]
     return pl.pallas_call(
         kernel,
-        out_shape=ts._out_struct((n, ts.N_STATS), jnp.float32, operands),
+        out_shape=ts._out_struct((n, ts.stats_width(smoothing)), jnp.float32, operands),
         grid=(pl.cdiv(n, bn), pl.cdiv(k, bk)),
         in_specs=specs + [row(ts.N_INTS), row(ts.FWD_FLOATS)],
-        out_specs=row(ts.N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)
-                        for _ in range(ts.scratch_rows(smoothing))],
+        out_specs=row(ts.stats_width(smoothing)),
+        scratch_shapes=ts.scratch_shapes(bn, smoothing, partial=False),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=ts._interpret_arg(interpret, detect_races),
         name="dlm_linear_head_fwd",

@@ -14,9 +14,9 @@ Blocks and VMEM budget
 Logits blocks are (BN, BK) with BN a multiple of 8 (sublanes) and BK a multiple of 128
 (lanes). Per-row data travels packed, so each kernel has few DMAs: ints [N, 3] (target,
 shift column, global id of the shard's first column), floats [N, F] (shift, active, saved
-statistics, cotangents), and the forward writes stats [N, 10] (or, for a vocabulary shard,
-its 8 running sums); their blocks (BN, 3|F|10) use the full last dimension, which Mosaic
-accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
+statistics, cotangents), and the forward writes stats [N, 10] (11 with label smoothing; a
+vocabulary shard its 8 or 9 running sums in them); their blocks (BN, 3|F|10|11) use the
+full last dimension, which Mosaic accepts. ``block_sizes`` picks BK = 2048 and the largest BN (<= 256, multiple of 8)
 whose estimate fits ``VMEM_BUDGET`` = 12 MiB, under the 16 MiB default scoped VMEM limit of
 TPU v4/v5e (32 MiB on v6e):
 
@@ -32,12 +32,16 @@ before any reduction, and Pallas drops out-of-bounds stores), and every block of
 vocabulary shard (global ids >= vocab_size). Whole blocks run the bare math.
 
 Bytes per row (K columns, E bytes per logit): forward reads K·E (+ K·E of teacher logits)
-and writes 40 (10 floats); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
+and writes 40 (10 floats, 44 with label smoothing); backward reads K·E (+ K·E teacher) and writes K·E (+ K·E teacher gradient).
 Inactive rows are not cleaned before the math (a select per element): every reduction runs
 along a row, so NaN or inf there stays in that row's sums, and the row's outputs and
 gradient are replaced by exact zeros at the end; a row block with no active row skips the
-forward's arithmetic. The forward leaves logp to the caller, which gathers one target logit
-per row (a compare, select and sum over every element otherwise). The gradient gathers its
+forward's arithmetic. The forward makes logp itself, as the Triton finalize does (one way
+on every kernel backend): each block adds r at the target's column to a running r_y, one
+compare of the lane ids with the target, a select and a sum per element (the only tile
+operations beyond the online logsumexp in a whole block); a vocabulary shard leaves it to
+the caller, which gathers one target logit per row on every backend (``forward_partial``),
+to merge across shards. The gradient gathers its
 per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels._stats_math``). With
 ``entropy=False`` the entropy's running sum and its gradient term are left out (the entropy
 column is then 0). Every exponent is a difference of logits scaled afterwards, (r - m)/T,
@@ -46,7 +50,7 @@ m in logit units, and the backward forms p = e^{(r - m)/T}·e^{-la} from the sav
 log-sum la, exact at any temperature down to 2^-102 (``MIN_TEMPERATURE``).
 
 Label smoothing and z-loss (docs/design.md §2): with ``smoothing`` the forward keeps one
-more running sum, Σ r over the valid columns, and writes it in the logp column (or, for a
+more running sum, Σ r over the valid columns, and writes it after ROW_STATS (or, for a
 shard, as PARTIAL_STATE's ``sr``); the caller forms the CE term from it
 (``_stats_math.ce_objective``). With ``ce_terms`` the backward reads the CE term's per-row
 coefficients (g_y, g_u, g_p) from three more packed float columns (F_GY, F_GU, F_GP;
@@ -79,10 +83,7 @@ MAX_BLOCK_N = 256
 N_INTS = 3  # target, shift column, global id of the shard's column 0
 FWD_FLOATS = 2  # shift, active
 BWD_FLOATS = 16  # everything above, padded
-# Output columns: ROW_STATS (logp 0, or Σ r with label smoothing: the caller's) and a zero
-# pad, or, for a vocabulary shard, PARTIAL_STATE (kernels/layout.py; Σ r only with label
-# smoothing): one width serves both.
-N_STATS = max(len(PARTIAL_STATE), len(ROW_STATS))
+
 
 
 def vmem_bytes(bn, bk, itemsize, has_teacher, backward):
@@ -233,23 +234,27 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
     """The forward of one (BN, BK) step at vocabulary block ``kb``: ``load_z()`` and
     ``load_u()`` (None: no teacher) give the float32 logits tiles (read from HBM here, made
     on the MXU by the linear head's kernels); the scratch rows hold the running state
-    (PARTIAL_STATE: maxima in logit units; Σ r only with ``smoothing``, ``scratch_rows``).
-    ``ce_terms`` is the backward's (taken here so one set of statics serves both)."""
+    (PARTIAL_STATE: maxima in logit units; Σ r only with ``smoothing``, ``scratch_rows``),
+    then, for whole rows (not ``partial``), the target's logit r_y. ``ce_terms`` is the
+    backward's (taken here so one set of statics serves both)."""
     has_teacher = load_u is not None
     m_sc, a_sc, b_sc, a2_sc, mu_sc, au_sc, cu_sc, fu_sc = scratch[:8]
     sr_sc = scratch[8] if smoothing else None
+    ry_sc = None if partial else scratch[-1]  # Σ over the block of r·[k == y]: r_y
     last = kb == pl.num_programs(1) - 1
 
     @pl.when(kb == 0)
     def _init():
         for ref in (m_sc, mu_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
-        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, fu_sc) + ((sr_sc,) if smoothing else ()):
-            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+        for ref in (a_sc, b_sc, a2_sc, au_sc, cu_sc, fu_sc, sr_sc, ry_sc):
+            if ref is not None:
+                ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     ints = ints_ref[...]  # (BN, 3) int32: target, shift column, global id of column 0
     floats = floats_ref[...]  # (BN, 2) f32: shift, active
     x = ints[:, 1:2]
+    y_local = ints[:, 0:1] - ints[:, 2:3]  # (BN, 1): the target's column in this shard
     d, active = floats[:, F_SHIFT:F_SHIFT + 1], floats[:, F_ACTIVE:F_ACTIVE + 1] != 0
     bn = ints_ref.shape[0]
 
@@ -265,6 +270,12 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         # Inactive rows are not cleaned: every reduction runs along a row, so what they hold
         # stays in their own sums, and their outputs are replaced by zeros at the end.
         r = _shifted(load_z(), cols, x, d, softcap, has_softcap, has_shift)
+        if not partial:  # the target's logit: a compare, select and sum per element (the
+            # lane ids (1, BK) are shared by every row; a target past the vocabulary is
+            # picked up here but not found at the end)
+            lanes = jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            ry_sc[...] += jnp.sum(jnp.where(lanes == y_local - kb * bk, r, 0.0), axis=1,
+                                  keepdims=True)
         if smoothing:  # label smoothing: Σ r over the valid columns
             sr_sc[...] += jnp.sum(jnp.where(valid, r, 0.0) if masked else r, axis=1,
                                   keepdims=True)
@@ -322,12 +333,15 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
             kl_shift = cu_sc[...] / au_sc[...]  # E_q[x_u - x]
             kl = _kl(a_sc[...], au_sc[...], cu_sc[...], fu_sc[...])
             kl = jnp.where(jnp.isfinite(lse), kl, jnp.nan)  # no distribution p: no KL
-        # logp (column 1) is left to the caller: (r_y - m)/T_ce - la_ce from one gathered
-        # logit per row, instead of a compare, select and sum over every element here; with
-        # label smoothing the column carries Σ r, the caller's for the smoothed term
-        stats = dict(lse=lse, logp=sr_sc[...] if smoothing else zero, entropy=ent, kl=kl,
-                     kl_shift=kl_shift, m=m, la=la, la_ce=la_ce, mu=mu, la_u=la_u)
-        values = [stats[field] for field in ROW_STATS] + [zero] * (N_STATS - len(ROW_STATS))
+        # logp = (r_y - m)/T_ce - la_ce; NaN where the target is not a column of the
+        # vocabulary (out of range, or padding: loud, never silently wrong)
+        found = (y_local >= 0) & (y_local < vocab)
+        if padded:
+            found = found & (ints[:, 0:1] < vocab_limit)
+        logp = jnp.where(found, _scaled(ry_sc[...] - m, inv_t_ce) - la_ce, jnp.nan)
+        stats = dict(lse=lse, logp=logp, entropy=ent, kl=kl, kl_shift=kl_shift, m=m, la=la,
+                     la_ce=la_ce, mu=mu, la_u=la_u)
+        values = [stats[field] for field in ROW_STATS] + ([sr_sc[...]] if smoothing else [])
         for j, v in enumerate(values):
             out_ref[:, j:j + 1] = jnp.where(active, v, 0.0)
 
@@ -454,13 +468,26 @@ def scratch_rows(smoothing):
     return len(PARTIAL_STATE) if smoothing else len(PARTIAL_STATE) - 1
 
 
+def scratch_shapes(bn, smoothing, partial):
+    """The forward's (BN, 1) float32 scratch rows: ``scratch_rows``, then, for whole rows,
+    the target's logit."""
+    return [pltpu.VMEM((bn, 1), jnp.float32)
+            for _ in range(scratch_rows(smoothing) + (not partial))]
+
+
+def stats_width(smoothing):
+    """Columns of the forward's output: ROW_STATS, then Σ r with label smoothing; a
+    vocabulary shard writes its first ``scratch_rows`` (PARTIAL_STATE)."""
+    return len(ROW_STATS) + int(smoothing)
+
+
 def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap,
                   has_shift, separate_ce, entropy, vocab_limit, padded, smoothing, ce_terms,
                   block_k=None, interpret=False, detect_races=False, partial=False):
-    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, N_STATS] f32
-    (ROW_STATS; the logp column is 0, or Σ r with ``smoothing``: the caller computes logp
-    from the target logit), or with ``partial`` the running state (PARTIAL_STATE) of this
-    vocabulary shard. ``ce_terms`` is the backward's (ignored here)."""
+    """z, u: [N, K]; ints [N, 3] int32; floats [N, 2] f32 -> stats [N, stats_width] f32
+    (ROW_STATS, logp the target's log-probability at T_ce, then Σ r with ``smoothing``), or
+    with ``partial`` the running state (PARTIAL_STATE) of this vocabulary shard in its first
+    columns. ``ce_terms`` is the backward's (ignored here)."""
     n, k = z.shape
     has_teacher = u is not None
     bn, bk, grid, tile, per_row = _grid(z, has_teacher, False, block_k)
@@ -472,11 +499,11 @@ def stats_forward(z, u, ints, floats, *, inv_t, inv_t_ce, inv_t_kl, softcap, has
     operands = [z] + ([u] if has_teacher else []) + [ints, floats]
     return pl.pallas_call(
         kernel,
-        out_shape=_out_struct((n, N_STATS), jnp.float32, operands),
+        out_shape=_out_struct((n, stats_width(smoothing)), jnp.float32, operands),
         grid=grid,
         in_specs=[tile] * (1 + has_teacher) + [per_row(N_INTS), per_row(FWD_FLOATS)],
-        out_specs=per_row(N_STATS),
-        scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32) for _ in range(scratch_rows(smoothing))],
+        out_specs=per_row(stats_width(smoothing)),
+        scratch_shapes=scratch_shapes(bn, smoothing, partial),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret, detect_races),
         name="dlm_token_stats_fwd",

@@ -19,8 +19,7 @@ from .. import _sampling as sampling
 from .. import _stats_math as stats_math
 from .._dispatch import BackendBase, Capabilities
 from .._env import PALLAS_INTERPRET_ENV
-from ..kernels.layout import PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
-from .._linear_head import VOCAB_MAJOR
+from ..kernels.layout import ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.pallas import linear_head as head_kernels
 from ..kernels.pallas import sampling as sampler
 from ..kernels.pallas import token_stats as kernels
@@ -111,26 +110,13 @@ class FusedHead:
             statics.update(operand.statics)
         return (head.hidden, head.weight, head.bias), teacher, statics
 
-    @staticmethod
-    def _target_logit(rows, cfg):
-        """(r_y, found) [N] from one gathered weight row per token: h·W[y] (+ b[y])."""
-        head = rows.logits
-        found, idx = stats_math.target_column(JaxOps, rows.targets, head.vocab, 0, cfg)
-        idx = idx.astype(jnp.int32)
-        w_y = head.weight[idx] if head.weight_layout == VOCAB_MAJOR else head.weight[:, idx].T
-        z_y = jnp.sum(head.hidden.astype(jnp.float32) * w_y.astype(jnp.float32), axis=1)
-        if head.bias is not None:
-            z_y = z_y + head.bias[idx].astype(jnp.float32)
-        return stats_math.shifted_target(JaxOps, z_y, found, rows, cfg)
-
     @classmethod
     def forward(cls, rows, cfg):
         """-> Stats of [N] f32 (one kernel: 1 matmul)."""
         head, teacher, statics = cls._args(rows, cfg)
         out = head_kernels.head_forward(head, teacher, _ints(rows.targets, rows.shift_ids),
                                         _forward_floats(rows, rows.active), **statics)
-        stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
-        return _with_logp(stats, cls._target_logit(rows, cfg), rows.active, cfg)
+        return _stats(out, rows.active, cfg)
 
     @classmethod
     def backward(cls, rows, stats, grads, cfg):
@@ -160,7 +146,7 @@ class PallasJax(BackendBase):
     def _run_forward(rows, active, cfg, offset, partial):
         z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
         if z.shape[0] == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
-            return jnp.zeros((0, max(len(ROW_STATS), len(PARTIAL_STATE))), jnp.float32)
+            return jnp.zeros((0, kernels.stats_width(cfg.SMOOTH)), jnp.float32)
         floats = _forward_floats(rows, active)  # [N, 2]
         statics = dict(_statics(cfg), partial=partial)
         call = fold_vmap_into_rows(
@@ -171,10 +157,7 @@ class PallasJax(BackendBase):
     @classmethod
     def forward(cls, rows, cfg):
         # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32
-        out = cls._run_forward(rows, rows.active, cfg, 0, False)
-        stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
-        # the kernel leaves logp to us: one gathered logit per row
-        return _with_logp(stats, stats_math.target_logit(JaxOps, rows, cfg), rows.active, cfg)
+        return _stats(cls._run_forward(rows, rows.active, cfg, 0, False), rows.active, cfg)
 
     @classmethod
     def forward_partial(cls, rows, cfg, offset=0):
@@ -237,20 +220,24 @@ def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels
 
 
 def _partial_state(out, cfg):
-    """The State of a shard's partial output [N, N_STATS] (Σ r only with label smoothing)."""
+    """The State of a shard's partial output [N, stats_width] (Σ r only with label
+    smoothing)."""
     fields = [out[:, j] for j in range(kernels.scratch_rows(cfg.SMOOTH))]
     if not cfg.SMOOTH:
         fields.append(jnp.zeros_like(fields[0]))
     return stats_math.State(*fields)
 
 
-def _with_logp(stats, target, active, cfg):
-    """The kernel's statistics with logp from the gathered target logit (r_y, found) and,
-    with label smoothing or z-loss, the CE term (the logp column holds Σ r then)."""
-    logp = stats_math.target_logp(JaxOps, *target, stats.m, stats.la_ce, cfg)
-    sr = stats.logp if cfg.SMOOTH else None
-    logp = stats_math.ce_objective(JaxOps, logp, sr, stats.m, stats.la_ce, active, cfg)
-    return stats._replace(logp=jnp.where(active, logp, 0.0))
+def _stats(out, active, cfg):
+    """The Stats of the forward's output [N, stats_width] (ROW_STATS, logp the target's
+    log-probability, then Σ r with label smoothing), logp made the CE term (O(N)) with label
+    smoothing or z-loss."""
+    stats = stats_math.Stats(*(out[:, j] for j in range(len(ROW_STATS))))
+    if not cfg.CE_TERMS:
+        return stats
+    sr = out[:, len(ROW_STATS)] if cfg.SMOOTH else None
+    return stats._replace(logp=stats_math.ce_objective(JaxOps, stats.logp, sr, stats.m,
+                                                       stats.la_ce, active, cfg))
 
 
 def _backward_floats(rows, stats, grads, cfg):  # [N, 16]: the backward kernels' F_* columns
