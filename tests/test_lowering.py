@@ -83,6 +83,19 @@ def test_no_derivation_outside_the_lowering():
     assert not hits, "\n".join(hits)
 
 
+def test_no_sampler_derivation_outside_its_lowering():
+    """The sampler's kernel flags (GREEDY: T = 0, TWO_T), its stand-ins (T = 1 at T = 0,
+    top_k 0) and guidance's s + 1 are formed in ``SampleConfig.lowered`` only: no kernel
+    and no backend module spells them."""
+    here = os.path.dirname(__file__)
+    flags = r"temperature\s*(==|!=|>|<)|cfg_scale \+ 1|top_k or 0|temperature or 1"
+    hits = _scan(os.path.join(here, "..", "kernels"), re.compile(flags), set())
+    for folder in ("jax", "torch"):
+        hits += _scan(os.path.join(here, "..", "python", "dlm_kernels", folder),
+                      re.compile(flags), set())
+    assert not hits, "\n".join(hits)
+
+
 def _spy(monkeypatch, owner, name, seen, pick):
     """Wrap owner.name so that each call appends pick(args, kwargs) to seen."""
     original = getattr(owner, name)

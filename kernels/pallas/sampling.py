@@ -74,8 +74,8 @@ def _worst_slot(tv, ti, slot):
     return wv, jnp.min(jnp.where((tv == wv) & (ti == wid), slot, BIG_ID), axis=1, keepdims=True)
 
 
-def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, has_uncond,
-                   n_suppress, top_k):
+def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greedy, two_t,
+                   has_uncond, n_suppress, top_k):
     if has_uncond:
         z_ref, zu_ref, ints_ref, f_out, i_out, *rest = refs
     else:
@@ -89,7 +89,7 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, has_u
     v1_sc, v2_sc, a_sc, b_sc, gv_sc, gs_sc, i1_sc, gi_sc = scratch
     kb = pl.program_id(1)
     last = kb == pl.num_programs(1) - 1
-    greedy, sample = temperature == 0.0, temperature > 0.0 and not top_k
+    sample = not greedy and not top_k
     bn = z_ref.shape[0]
 
     @pl.when(kb == 0)
@@ -115,7 +115,6 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, has_u
         z = jnp.where(cols == ints[:, 1 + j:2 + j], NEG_INF, z)
     if vocab % bk:  # the ragged last block: columns past K
         z = jnp.where(cols < vocab, z, NEG_INF)
-    two_t = not greedy and stat_temperature != temperature
     s = z if greedy else z / (stat_temperature if two_t else temperature)  # the statistics'
     sd = z / temperature if two_t else s  # the draw's scores
 
@@ -185,10 +184,12 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, has_u
             topi_out[...] = ti_sc[:, :top_k]
 
 
-def sample_partial(z, zu, ints, *, temperature, cfg_c, top_k, stat_temperature=None,
+def sample_partial(z, zu, ints, *, temperature, stat_temperature, cfg_c, greedy, two_t, top_k,
                    block_k=None, interpret=False, detect_races=False):
     """z, zu: [N, K]; ints [N, 1 + S] int32 (row key, suppressed ids) -> (floats [N, 7] f32,
-    ids [N, 2] int32, top-k values [N, k] f32 and ids [N, k] int32, or None without top_k)."""
+    ids [N, 2] int32, top-k values [N, k] f32 and ids [N, k] int32, or None without top_k);
+    the scalars and flags as ``_sampling.SampleLowered`` gives them (``greedy``: the
+    temperatures are not read; ``two_t``: the statistics read z / stat_temperature)."""
     n, k = z.shape
     has_uncond = zu is not None
     bn, bk = block_sizes(n, k, z.dtype.itemsize, has_uncond, False, block_k)
@@ -206,9 +207,8 @@ def sample_partial(z, zu, ints, *, temperature, cfg_c, top_k, stat_temperature=N
         out_specs += [per_row(top_k), per_row(top_k)]
         scratch += [pltpu.VMEM((bn, SLOTS), jnp.float32), pltpu.VMEM((bn, SLOTS), jnp.int32)]
     kernel = functools.partial(_sample_kernel, vocab=k, bk=bk, temperature=temperature,
-                               stat_temperature=(temperature if stat_temperature is None
-                                                 else stat_temperature),
-                               cfg_c=cfg_c, has_uncond=has_uncond,
+                               stat_temperature=stat_temperature, cfg_c=cfg_c, greedy=greedy,
+                               two_t=two_t, has_uncond=has_uncond,
                                n_suppress=ints.shape[1] - 1, top_k=top_k)
     outs = pl.pallas_call(
         kernel,

@@ -105,9 +105,43 @@ class SampleConfig(NamedTuple):
     stats_temperature: float = 1.0  # of the statistics (the draw's T unless given; 1 at T = 0)
 
     @property
+    def greedy(self):
+        """T = 0: the draw is the argmax."""
+        return self.temperature == 0.0
+
+    @property
     def two_temperatures(self):
         """The draw's scores z / T differ from the statistics' z / T_s (both T > 0)."""
         return self.temperature > 0.0 and self.stats_temperature != self.temperature
+
+    def lowered(self) -> SampleLowered:
+        """The call as the sampler kernels take it: the one place their flags, scalars and
+        stand-ins are derived (every backend's ``sample`` reads this)."""
+        return SampleLowered(
+            temperature=self.temperature or 1.0, stats_temperature=self.stats_temperature,
+            cfg_c=self.cfg_scale + 1.0, top_k=self.top_k or 0, block_k=self.chunk_size,
+            GREEDY=self.greedy, TWO_T=self.two_temperatures)
+
+
+class SampleLowered(NamedTuple):
+    """A sampling call as the kernels take it (``SampleConfig.lowered``).
+
+    temperature:        T of the draw; 1.0, the stand-in (never read), at T = 0.
+    stats_temperature:  T_s of the statistics (read with TWO_T only).
+    cfg_c:              guidance's s + 1 (read with an unconditional row only).
+    top_k:              k, 0 without top-k.
+    block_k:            the vocabulary block asked for (the call's chunk_size); None: each
+                        backend's plan.
+    GREEDY, TWO_T:      T = 0 (the draw is the argmax); T_s differs from T (both > 0).
+    """
+
+    temperature: float
+    stats_temperature: float
+    cfg_c: float
+    top_k: int
+    block_k: Any
+    GREEDY: bool
+    TWO_T: bool
 
 
 # -- the counter-based noise ----------------------------------------------------------------

@@ -190,18 +190,18 @@ class PallasJax(BackendBase):
         ints = [jax.lax.bitcast_convert_type(keys, jnp.int32)[:, None]]  # [N, 1 + S]
         if suppress is not None:
             ints.append(jnp.broadcast_to(suppress.astype(jnp.int32), (n,) + suppress.shape))
-        statics = dict(temperature=cfg.temperature, stat_temperature=cfg.stats_temperature,
-                       cfg_c=cfg.cfg_scale + 1.0,
-                       top_k=cfg.top_k or 0, block_k=cfg.chunk_size, interpret=interpret_mode(),
+        low = cfg.lowered()
+        statics = dict(temperature=low.temperature, stat_temperature=low.stats_temperature,
+                       cfg_c=low.cfg_c, greedy=low.GREEDY, two_t=low.TWO_T, top_k=low.top_k,
+                       block_k=low.block_k, interpret=interpret_mode(),
                        detect_races=RaceDetection.enabled)
         call = fold_vmap_into_rows(
             lambda z, *rest: sampler.sample_partial(z, rest[0] if zu is not None else None,
                                                     rest[-1], **statics))
         if n == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
-            kk = cfg.top_k or 0
             floats, ids = (jnp.zeros((0, len(f)), t) for f, t in
                            ((SAMPLE_STATE, jnp.float32), (SAMPLE_IDS, jnp.int32)))
-            top_v, top_i = jnp.zeros((0, kk), jnp.float32), jnp.zeros((0, kk), jnp.int32)
+            top_v, top_i = (jnp.zeros((0, low.top_k), t) for t in (jnp.float32, jnp.int32))
         else:
             floats, ids, top_v, top_i = call(z, *([zu] if zu is not None else []),
                                              jnp.concatenate(ints, axis=1))

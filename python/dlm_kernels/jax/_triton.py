@@ -208,9 +208,10 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg):
     # ids, so a vmapped call folds it like a row input) -> the split states with rows first:
     # ([N, SAMPLE_STATE, S] f32, [N, SAMPLE_IDS, S] i32, [N, S, k] f32 and i32 slots)
     n, k = z.shape
+    low = cfg.lowered()
     lc = kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, zu is not None, _num_sms(),
-                               cfg.chunk_size)
-    s, top_k = lc["splits"], cfg.top_k or 0
+                               low.block_k)
+    s, top_k = lc["splits"], low.top_k
     slots = (s, n, top_k) if top_k else (1,)
     types = (jax.ShapeDtypeStruct((len(SAMPLE_STATE), s, n), jnp.float32),  # 28·S B/row
              jax.ShapeDtypeStruct((len(SAMPLE_IDS), s, n), jnp.int32),  # 8·S B/row
@@ -223,11 +224,11 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg):
             sampler.sample_partial_kernel,
             (z, z if zu is None else zu, keys,
              keys if suppress_rows is None else suppress_rows[0]),
-            (n, k, n_sup, k, k, lc["cols_per_split"], cfg.temperature or 1.0,
-             cfg.stats_temperature, cfg.cfg_scale + 1.0),
+            (n, k, n_sup, k, k, lc["cols_per_split"], low.temperature, low.stats_temperature,
+             low.cfg_c),
             types, (n, s), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
             enable_fp_fusion=False,  # guidance's multiply and add round as on the host
-            GREEDY=cfg.temperature == 0.0, TWO_T=cfg.two_temperatures, HAS_UNCOND=zu is not None,
+            GREEDY=low.GREEDY, TWO_T=low.TWO_T, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress_rows is not None, TOP_K=top_k,
             TOP_KP=sampler.slot_count(top_k), BLOCK_K=lc["block_k"], VEC=lc["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(k))

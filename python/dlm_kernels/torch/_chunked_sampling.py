@@ -66,7 +66,7 @@ def _chunk_values_(s, sd, cols, noisy, cfg, out, work):
     out[_FIELD["b"]] = xp.rowsum(e.mul_(d))
     out[_FIELD["m"]], out[_FIELD["v1"]] = m, v1
     out[_FIELD["v2"]], out[_FIELD["gs"]] = _NEG_INF, 0.0  # as chunk_values: found later
-    out[_FIELD["gv"]] = _NEG_INF if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
+    out[_FIELD["gv"]] = _NEG_INF if cfg.greedy else xp.rowmax(noisy(sd, cols))
 
 
 def sample(z, zu, keys, suppress, cfg, chunks):

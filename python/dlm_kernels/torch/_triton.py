@@ -268,8 +268,9 @@ def token_stats_bwd_inplace(a: GradArgs, low: Lowered) -> Tensor:
 
 @torch.library.custom_op("dlm_kernels::sample_partial", mutates_args=())
 def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Optional[Tensor],
-                   temperature: float, top_k: int, cfg_c: float, block_k: int,
-                   stat_temperature: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                   temperature: float, top_k: int, cfg_c: float, block_k: Optional[int],
+                   stat_temperature: float, greedy: bool,
+                   two_t: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The sampler's split states of z: [N, K] (``kernels.triton.sampling``): (state
     [SAMPLE_STATE, S, N] f32, ids [SAMPLE_IDS, S, N] i32, top-k slots [S, N, k] f32 and i32,
     empty without top_k)."""
@@ -287,9 +288,8 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
             z, z if zu is None else zu, keys, keys if suppress is None else suppress, n, k,
             0 if suppress is None else suppress.shape[0], z.stride(0),
             0 if zu is None else zu.stride(0), cfg["cols_per_split"],
-            temperature or 1.0, stat_temperature, cfg_c, state, ids, top_v, top_i,
-            GREEDY=temperature == 0.0,
-            TWO_T=temperature > 0.0 and stat_temperature != temperature, HAS_UNCOND=zu is not None,
+            temperature, stat_temperature, cfg_c, state, ids, top_v, top_i,
+            GREEDY=greedy, TWO_T=two_t, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress is not None, TOP_K=top_k,
             TOP_KP=sampler.slot_count(top_k), BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if zu is None else zu.stride(0)),
@@ -299,7 +299,8 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
 
 
 @sample_partial.register_fake
-def _(z, zu, keys, suppress, temperature, top_k, cfg_c, block_k, stat_temperature):
+def _(z, zu, keys, suppress, temperature, top_k, cfg_c, block_k, stat_temperature, greedy,
+      two_t):
     s = plan(z, zu, block_k)["splits"]  # the same plan as the launch
     n = z.shape[0]
     slots = (s, n, top_k) if top_k else (0,)
@@ -372,10 +373,11 @@ class TritonTorch(BackendBase):
     def sample(z, zu, keys, suppress, cfg):
         # z, zu: [N, K] -> Sample of [N] fields: the kernel's split states merged here
         n, k = z.shape
+        low = cfg.lowered()
         state, ids, top_v, top_i = torch.ops.dlm_kernels.sample_partial(
             z, zu, keys.contiguous(), None if suppress is None else suppress.contiguous(),
-            cfg.temperature, cfg.top_k or 0, cfg.cfg_scale + 1.0, cfg.chunk_size or 0,
-            cfg.stats_temperature)
+            low.temperature, low.top_k, low.cfg_c, low.block_k, low.stats_temperature,
+            low.GREEDY, low.TWO_T)
         if cfg.top_k:  # [S, N, k] -> [N, S·k]
             top_v, top_i = (t.permute(1, 0, 2).reshape(n, t.shape[0] * t.shape[2])
                             for t in (top_v, top_i))
