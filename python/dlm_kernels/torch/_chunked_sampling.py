@@ -51,20 +51,26 @@ def noisy_scores_(s, keys, cols, scratch):
 _FIELD = {name: i for i, name in enumerate(SAMPLE_STATE)}
 
 
-def _chunk_values_(s, sd, cols, noisy, cfg, out, work):
-    """``_sampling.chunk_values`` of s [N, C] (draw scores sd) into out [len(SAMPLE_STATE),
-    N], its [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands
-    large freed buffers back to the system and faults their pages in again, so fresh
-    temporaries per chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's
-    time)."""
-    v1 = xp.rowmax(s)
-    m = torch.where(v1 == _NEG_INF, 0.0, v1)
+def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
+    """``_sampling.chunk_values`` of z, s, sd [N, C] into out [len(SAMPLE_STATE), N], its
+    [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
+    buffers back to the system and faults their pages in again, so fresh temporaries per
+    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time). The
+    exponents are differences of z, (z - max z) / T_s (``_sampling.exponents``)."""
+    z1 = xp.rowmax(z)
+    # the largest s = z / T_s (T_s = 1 at T = 0): the division rounds monotonically, so one
+    # per row gives max(s) bit for bit
+    v1 = z1 / cfg.stats_temperature
+    safe = torch.where(v1 == _NEG_INF, 0.0, z1)
     d, e = (buf[:, :s.shape[1]] for buf in work)
-    torch.sub(s, m[:, None], out=d).clamp_min_(_F32_LOWEST)  # -inf out of e·d (0·inf: NaN)
+    torch.sub(z, safe[:, None], out=d)
+    if cfg.stats_temperature != 1.0:
+        d.div_(cfg.stats_temperature)
+    d.clamp_min_(_F32_LOWEST)  # -inf out of e·d (0·inf: NaN)
     torch.exp(d, out=e)
     out[_FIELD["a"]] = xp.rowsum(e)
     out[_FIELD["b"]] = xp.rowsum(e.mul_(d))
-    out[_FIELD["m"]], out[_FIELD["v1"]] = m, v1
+    out[_FIELD["m"]], out[_FIELD["v1"]] = torch.where(v1 == _NEG_INF, 0.0, v1), v1
     out[_FIELD["v2"]], out[_FIELD["gs"]] = _NEG_INF, 0.0  # as chunk_values: found later
     out[_FIELD["gv"]] = _NEG_INF if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
 
@@ -80,23 +86,23 @@ def sample(z, zu, keys, suppress, cfg, chunks):
     state = torch.empty((len(SAMPLE_STATE), len(chunks), n), device=z.device)
     for j, (c0, c1) in enumerate(chunks):  # pass 1: every logit once
         cols = torch.arange(c0, c1, device=z.device)
-        s, sd = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
-                                       cols, suppress, cfg)
-        _chunk_values_(s, sd, cols, noisy, cfg, state[:, j], scratch[3:])
+        scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
+                                        cols, suppress, cfg)
+        _chunk_values_(*scores, cols, noisy, cfg, state[:, j], scratch[3:])
     chunk_ids = torch.arange(len(chunks), dtype=torch.int32, device=z.device)
     ids = chunk_ids[None, :, None].expand(len(SAMPLE_IDS), len(chunks), n)
     st = sampling.merge_splits(xp, state, ids, None, None, cfg, k)
 
-    def reread(chunk):  # [N] -> s, sd, cols [N, c] of that chunk of each row, past K at -inf
+    def reread(chunk):  # [N] -> z, s, sd, cols [N, c] of that chunk of each row, past K at -inf
         cols = chunk[:, None].long() * c + torch.arange(c, device=z.device)[None, :]
         inside = cols < k
         cols = torch.where(inside, cols, k - 1)
         zu_rows = None if zu is None else zu.gather(1, cols)
-        s, sd = sampling.scaled_logits(xp, z.gather(1, cols), zu_rows, cols, suppress, cfg)
+        scores = sampling.scaled_logits(xp, z.gather(1, cols), zu_rows, cols, suppress, cfg)
         outside = ~inside
-        for scores in (s,) if sd is s else (s, sd):
-            scores.masked_fill_(outside, _NEG_INF)
-        return s, sd, cols
+        for x in {id(x): x for x in scores}.values():  # z, s and sd may be one tensor
+            x.masked_fill_(outside, _NEG_INF)
+        return scores + (cols,)
 
     st = sampling.settle(xp, st, reread, noisy, cfg)
     return sampling.finalize(xp, st, keys, cfg)
