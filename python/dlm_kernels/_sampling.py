@@ -5,7 +5,8 @@ then choose which masked positions to commit.
 Per row, with z the logits (after classifier-free guidance ``z_u + (s + 1)(z_c - z_u)``,
 suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
-  (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
+  (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats, the
+                 exponents logit differences (z - z1) / T_s taken before scaling (``exponents``)
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
   (gv, gi, gs)   the largest sd + g with its id and its s, g the Gumbel noise of the column,
                  sd = z / T the draw's scores (s itself unless ``stats_temperature`` differs)
