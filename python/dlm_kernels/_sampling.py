@@ -184,13 +184,13 @@ def scaled_logits(xp, z, zu, cols, suppress, cfg):
 
 
 def exponents(xp, z, z1, cfg):
-    """(z - z1) / T_s [N, C] (or [N] of [N] z): the statistics' exponents relative to the
-    logit z1 [N] at the largest s, from logit differences taken before scaling, as
+    """(z - z1) / T_s: the statistics' exponents of logits z [N, C] (or [N]) relative to the
+    logit z1 [N, 1] (or [N]) at the largest s, from logit differences taken before scaling, as
     token_stats forms them (docs/design.md §2): a logit tied with z1 gets exactly 0 whatever
     a compiler fuses. (s - m, with s = z / T recomputed as z·(1/T) inside a fusion and
     contracted with the subtraction into one fused multiply-add, gives a tie the rounding
     error of m instead: 2e-4 at T = 1e-3 under jax.jit on CPU.) T_s is 1 at T = 0."""
-    d = z - z1[..., None] if len(z.shape) > len(z1.shape) else z - z1
+    d = z - z1
     return d if cfg.stats_temperature == 1.0 else d / cfg.stats_temperature
 
 
@@ -240,7 +240,8 @@ def chunk_state(xp, z, s, sd, cols, keys, cfg):
     cols [C]."""
     v1, i1 = _first_max(xp, s, cols)
     m = _safe(xp, v1, v1)
-    d = exponents(xp, z, _safe(xp, v1, xp.gather_cols(z, i1 - cols[0])), cfg)  # [N, C]
+    z1 = _safe(xp, v1, xp.gather_cols(z, i1 - cols[0]))  # [N] the logit at the largest s
+    d = exponents(xp, z, z1[:, None], cfg)  # [N, C]
     a, b = _sums(xp, d)
     v2 = m + xp.second_max(d) if s.shape[1] > 1 else v1 * 0.0 + float("-inf")
     gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
@@ -271,7 +272,7 @@ def chunk_values(xp, z, s, sd, cols, index, noisy, cfg):
     position costs a CPU many times the maximum itself (torch's argmax about 10x its amax;
     XLA's about 18x, and fused with the noise about 100x)."""
     v1 = xp.rowmax(s)
-    a, b = _sums(xp, exponents(xp, z, _safe(xp, v1, xp.rowmax(z)), cfg))
+    a, b = _sums(xp, exponents(xp, z, _safe(xp, v1, xp.rowmax(z))[:, None], cfg))
     none = xp.full(v1.shape, float("-inf"), v1)
     gv = none if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
     return StreamState(_safe(xp, v1, v1), a, b, v1, index, none, gv, index, xp.zeros_like(v1),
@@ -288,7 +289,7 @@ def settle(xp, st, reread, noisy, cfg):
     _, pos = xp.first_max(s)
     z1 = _safe(xp, st.v1, xp.gather_cols(z, pos))  # [N] the logit at the largest s
     at = xp.arange(s.shape[1], s)[None, :] == pos[:, None]
-    inside = xp.rowmax(xp.where(at, float("-inf"), exponents(xp, z, z1, cfg)))
+    inside = xp.rowmax(xp.where(at, float("-inf"), exponents(xp, z, z1[:, None], cfg)))
     st = st._replace(i1=xp.gather_cols(cols, pos), v2=xp.maximum(st.v2, st.m + inside))
     if cfg.temperature > 0.0:
         z, _, sd, cols = reread(st.gi)
