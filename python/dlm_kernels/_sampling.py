@@ -177,10 +177,13 @@ def scaled_logits(xp, z, zu, cols, suppress, cfg):
         z = xp.where(xp.isin(cols, suppress), float("-inf"), z)  # [C] or [N, C] hits
     if cfg.temperature == 0.0:
         return z, z, z
-    if cfg.two_temperatures:
-        return z, z / cfg.stats_temperature, z / cfg.temperature
-    s = z / cfg.temperature
-    return z, s, s
+    s = _over(z, cfg.stats_temperature)
+    return z, s, _over(z, cfg.temperature) if cfg.two_temperatures else s
+
+
+def _over(x, t):
+    """x / t, x itself at t = 1 (the same values: one [N, C] pass less in eager frameworks)."""
+    return x if t == 1.0 else x / t
 
 
 def exponents(xp, z, z1, cfg):
@@ -190,8 +193,7 @@ def exponents(xp, z, z1, cfg):
     a compiler fuses. (s - m, with s = z / T recomputed as z·(1/T) inside a fusion and
     contracted with the subtraction into one fused multiply-add, gives a tie the rounding
     error of m instead: 2e-4 at T = 1e-3 under jax.jit on CPU.) T_s is 1 at T = 0."""
-    d = z - z1
-    return d if cfg.stats_temperature == 1.0 else d / cfg.stats_temperature
+    return _over(z - z1, cfg.stats_temperature)
 
 
 class StreamState(NamedTuple):
@@ -243,7 +245,9 @@ def chunk_state(xp, z, s, sd, cols, keys, cfg):
     z1 = _safe(xp, v1, xp.gather_cols(z, i1 - cols[0]))  # [N] the logit at the largest s
     d = exponents(xp, z, z1[:, None], cfg)  # [N, C]
     a, b = _sums(xp, d)
-    v2 = m + xp.second_max(d) if s.shape[1] > 1 else v1 * 0.0 + float("-inf")
+    # the runner-up: m plus the exponent of the second largest z (the same order as s's)
+    v2 = (m + exponents(xp, xp.second_max(z), z1, cfg) if s.shape[1] > 1
+          else v1 * 0.0 + float("-inf"))
     gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
     if cfg.temperature > 0.0 and cfg.top_k is None:
         key = sd + gumbel(xp, keys, cols)
@@ -288,9 +292,9 @@ def settle(xp, st, reread, noisy, cfg):
     z, s, _, cols = reread(st.i1)
     _, pos = xp.first_max(s)
     z1 = _safe(xp, st.v1, xp.gather_cols(z, pos))  # [N] the logit at the largest s
-    at = xp.arange(s.shape[1], s)[None, :] == pos[:, None]
-    inside = xp.rowmax(xp.where(at, float("-inf"), exponents(xp, z, z1[:, None], cfg)))
-    st = st._replace(i1=xp.gather_cols(cols, pos), v2=xp.maximum(st.v2, st.m + inside))
+    inside = xp.where(xp.arange(s.shape[1], s)[None, :] == pos[:, None], float("-inf"), z)
+    st = st._replace(i1=xp.gather_cols(cols, pos), v2=xp.maximum(
+        st.v2, st.m + exponents(xp, xp.rowmax(inside), z1, cfg)))
     if cfg.temperature > 0.0:
         z, _, sd, cols = reread(st.gi)
         _, pos = xp.first_max(noisy(sd, cols))

@@ -55,22 +55,21 @@ def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
     """``_sampling.chunk_values`` of z, s, sd [N, C] into out [len(SAMPLE_STATE), N], its
     [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
     buffers back to the system and faults their pages in again, so fresh temporaries per
-    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time). The
-    exponents are differences of z, (z - max z) / T_s (``_sampling.exponents``)."""
-    z1 = xp.rowmax(z)
-    # the largest s = z / T_s (T_s = 1 at T = 0): the division rounds monotonically, so one
-    # per row gives max(s) bit for bit
-    v1 = z1 / cfg.stats_temperature
-    safe = torch.where(v1 == _NEG_INF, 0.0, z1)
+    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time).
+
+    The exponents are s - max s here, not ``_sampling.exponents``' (z - max z) / T_s: eager
+    torch rounds each s = z / T_s once, so a tie is exactly 0 all the same (the logit
+    differences guard against a compiler contracting z·(1/T) - m into a fused multiply-add),
+    and the division of the differences would be one more pass over the chunk."""
+    del z  # the same state from s alone (above)
+    v1 = xp.rowmax(s)
+    m = torch.where(v1 == _NEG_INF, 0.0, v1)
     d, e = (buf[:, :s.shape[1]] for buf in work)
-    torch.sub(z, safe[:, None], out=d)
-    if cfg.stats_temperature != 1.0:
-        d.div_(cfg.stats_temperature)
-    d.clamp_min_(_F32_LOWEST)  # -inf out of e·d (0·inf: NaN)
+    torch.sub(s, m[:, None], out=d).clamp_min_(_F32_LOWEST)  # -inf out of e·d (0·inf: NaN)
     torch.exp(d, out=e)
     out[_FIELD["a"]] = xp.rowsum(e)
     out[_FIELD["b"]] = xp.rowsum(e.mul_(d))
-    out[_FIELD["m"]], out[_FIELD["v1"]] = torch.where(v1 == _NEG_INF, 0.0, v1), v1
+    out[_FIELD["m"]], out[_FIELD["v1"]] = m, v1
     out[_FIELD["v2"]], out[_FIELD["gs"]] = _NEG_INF, 0.0  # as chunk_values: found later
     out[_FIELD["gv"]] = _NEG_INF if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
 
