@@ -92,15 +92,19 @@ def sample(z, zu, keys, suppress, cfg, chunks):
     ids = chunk_ids[None, :, None].expand(len(SAMPLE_IDS), len(chunks), n)
     st = sampling.merge_splits(xp, state, ids, None, None, cfg, k)
 
+    ragged = k % c != 0  # the last chunk reaches past K
+
     def reread(chunk):  # [N] -> z, s, sd, cols [N, c] of that chunk of each row, past K at -inf
         cols = chunk[:, None].long() * c + torch.arange(c, device=z.device)[None, :]
-        inside = cols < k
-        cols = torch.where(inside, cols, k - 1)
+        if ragged:
+            inside = cols < k
+            cols = torch.where(inside, cols, k - 1)
         zu_rows = None if zu is None else zu.gather(1, cols)
         scores = sampling.scaled_logits(xp, z.gather(1, cols), zu_rows, cols, suppress, cfg)
-        outside = ~inside
-        for x in {id(x): x for x in scores}.values():  # z, s and sd may be one tensor
-            x.masked_fill_(outside, _NEG_INF)
+        if ragged:
+            outside = ~inside
+            for x in {id(x): x for x in scores}.values():  # z, s and sd may be one tensor
+                x.masked_fill_(outside, _NEG_INF)
         return scores + (cols,)
 
     st = sampling.settle(xp, st, reread, noisy, cfg)
