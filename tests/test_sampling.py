@@ -390,10 +390,10 @@ class SamplingSuite:
         z[np.arange(6, 16), lead] = 4.0  # one leader, 1000 nats above the rest at T = 1e-3
         t = MIN_TEMPERATURE
         seed = int(rng.integers(0, 2**31))
-        # op by op: under jax.jit XLA on CPU recomputes z / T inside each fusion and contracts
-        # it with the subtraction of the maximum, so tied maxima differ by a fraction of an
-        # ulp of s (test_tied_maxima_under_jit, an open defect)
-        got = self.sample(z, temperature=t, seed=seed, chunk_size=64, jit=False)
+        # under jax.jit as well: XLA on CPU recomputes z / T inside each fusion and contracts
+        # it with a subtraction, but every exponent is a logit difference (z - z_max) / T
+        # (test_tied_maxima_under_jit)
+        got = self.sample(z, temperature=t, seed=seed, chunk_size=64)
         want = oracle(z, temperature=t, seed=seed)
         assert np.array_equal(got[0][6:], lead), "a leading logit must be drawn as T -> 0"
         assert np.all(np.isin(got[0][:4], [3, 250])) and np.all(np.isin(got[0][4:6], [0, 64, 300]))
@@ -637,24 +637,31 @@ def test_same_seed_same_tokens_on_every_backend(rng):
     assert not np.array_equal(np.asarray(other.token), first), "step must change the draw"
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: under jax.jit on CPU, XLA recomputes s = z / T "
-                   "as z·(1/T) inside each fusion and contracts it with s - m into one fused "
-                   "multiply-add, so tied maxima at T = 1e-3 get s - m = 2e-4 instead of 0 "
-                   "(log-probability -0.69325 for -log 2); op by op it is exact. The fix is to "
-                   "form the sampler's exponents from logit differences, (z - z_max)/T, as "
-                   "token_stats does (docs/design.md §2)")
 @pytest.mark.parametrize("backend", ["reference", "chunked"])
-def test_tied_maxima_under_jit(rng, backend):
-    """Two tied maxima at the smallest temperature give log-probability -log 2 under jit."""
+@pytest.mark.parametrize("stats_temperature", [None, 2e-3])
+def test_tied_maxima_under_jit(rng, backend, stats_temperature):
+    """Two and three tied maxima at the smallest temperature keep their exact statistics
+    under jit (log-probabilities -log n, entropy log n), with the statistics at the draw's
+    temperature or their own, ties inside a chunk and across chunks. XLA on CPU recomputes
+    s = z / T as z·(1/T) inside each fusion and contracts it with s - m into one fused
+    multiply-add: a tie got s - m = 2e-4 (log-probability -0.69325 for -log 2) until the
+    exponents were formed from logit differences (z - z_max) / T (docs/design.md §3)."""
     import jax
 
     api = framework("jax").api
     z = rng.uniform(-3.0, 3.0, size=(4, 301)).astype(np.float32)
     z[:, [3, 250]] = 4.5
+    z[2:, 40] = 4.5  # rows 2 and 3: a three-way tie, two of it in one chunk
     draw = jax.jit(lambda z: api.sample_tokens(z, temperature=1e-3, seed=1, chunk_size=64,
+                                               stats_temperature=stats_temperature,
                                                backend=backend))
-    assert_close(np.asarray(draw(framework("jax").array(z)).logp, np.float64),
-                 np.full(4, -math.log(2.0)), "float32", "logp of a two-way tie")
+    got = draw(framework("jax").array(z))
+    log_n = np.log([2.0, 2.0, 3.0, 3.0])
+    assert np.all(np.isin(np.asarray(got.token), [3, 40, 250]))
+    for name in ("logp", "top1_logp", "top2_logp"):
+        assert_close(np.asarray(getattr(got, name), np.float64), -log_n, "float32",
+                     f"{name} of tied maxima")
+    assert_close(np.asarray(got.entropy, np.float64), log_n, "float32", "entropy of ties")
 
 
 def test_jax_sampler_under_jit_and_vmap(rng):

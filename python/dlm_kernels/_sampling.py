@@ -5,7 +5,8 @@ then choose which masked positions to commit.
 Per row, with z the logits (after classifier-free guidance ``z_u + (s + 1)(z_c - z_u)``,
 suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
-  (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats
+  (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats, the
+                 exponents logit differences (z - z1) / T_s taken before scaling (``exponents``)
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
   (gv, gi, gs)   the largest sd + g with its id and its s, g the Gumbel noise of the column,
                  sd = z / T the draw's scores (s itself unless ``stats_temperature`` differs)
@@ -197,9 +198,11 @@ def open_uniform(xp, h):
 # -- the stream -----------------------------------------------------------------------------
 
 def scaled_logits(xp, z, zu, cols, suppress, cfg):
-    """(s, sd) [N, C] float32 of one chunk with global column ids cols ([C], or [N, C] per
-    row): guidance, suppressed ids at -inf, then s = z / T_s (the statistics' scale) and
-    sd = z / T (the draw's scores; the same array as s unless the temperatures differ)."""
+    """(z, s, sd) [N, C] float32 of one chunk with global column ids cols ([C], or [N, C] per
+    row): z the logits after guidance, suppressed ids at -inf; s = z / T_s (the statistics'
+    scale) and sd = z / T (the draw's scores; the same array as s unless the temperatures
+    differ; both z itself at T = 0). The statistics' exponents are differences of z, taken
+    before scaling (``exponents``); s and sd make the decisions (maxima, the draw)."""
     z = xp.f32(z)
     if zu is not None:
         zu = xp.f32(zu)
@@ -207,15 +210,34 @@ def scaled_logits(xp, z, zu, cols, suppress, cfg):
     if suppress is not None:
         z = xp.where(xp.isin(cols, suppress), float("-inf"), z)  # [C] or [N, C] hits
     if cfg.temperature == 0.0:
-        return z, z
-    if cfg.two_temperatures:
-        return z / cfg.stats_temperature, z / cfg.temperature
-    s = z / cfg.temperature
-    return s, s
+        return z, z, z
+    s = _over(z, cfg.stats_temperature)
+    return z, s, _over(z, cfg.temperature) if cfg.two_temperatures else s
+
+
+def _over(x, t):
+    """x / t, x itself at t = 1 (the same values: one [N, C] pass less in eager frameworks)."""
+    return x if t == 1.0 else x / t
+
+
+def exponents(xp, z, z1, cfg):
+    """(z - z1) / T_s: the statistics' exponents of logits z [N, C] (or [N]) relative to the
+    logit z1 [N, 1] (or [N]) at the largest s, from logit differences taken before scaling, as
+    token_stats forms them (docs/design.md §2): a logit tied with z1 gets exactly 0 whatever
+    a compiler fuses. (s - m, with s = z / T recomputed as z·(1/T) inside a fusion and
+    contracted with the subtraction into one fused multiply-add, gives a tie the rounding
+    error of m instead: 2e-4 at T = 1e-3 under jax.jit on CPU.) T_s is 1 at T = 0."""
+    return _over(z - z1, cfg.stats_temperature)
 
 
 class StreamState(NamedTuple):
-    m: object  # [N] running max of s
+    """One row's stream over the columns seen, in units of s (the layout of the kernels'
+    split buffers, ``kernels.layout.SAMPLE_STATE``). Where the framework code forms them,
+    m and v1 are maxima of s (reductions, never a gather of a scaled chunk) and gs and v2
+    are m plus a difference of logits (``exponents``), so a tie with the largest s is m
+    itself, bit for bit."""
+
+    m: object  # [N] running max of s (0 while none is finite)
     a: object  # [N] Σ exp(s - m)
     b: object  # [N] Σ exp(s - m)·(s - m)
     v1: object
@@ -228,14 +250,19 @@ class StreamState(NamedTuple):
     topi: object
 
 
-def _sums(xp, s, v1):
-    """(m, a, b) [N] of s [N, C] with row maxima v1: m = v1 (0 where no s is finite),
-    a = Σ exp(s - m), b = Σ exp(s - m)·(s - m). The clamp keeps -inf out of the product
-    (its e is 0 and 0·(-inf) is NaN); it is cheaper than a select on CPUs."""
-    m = xp.where(v1 == float("-inf"), 0.0, v1)
-    d = xp.clamp_min(s - m[:, None], _F32_LOWEST)
+def _safe(xp, v1, x):
+    """x where the row has a finite or NaN largest s v1, 0 where every s is -inf (no inf - inf
+    below)."""
+    return xp.where(v1 == float("-inf"), 0.0, x)
+
+
+def _sums(xp, d):
+    """(a, b) [N] of the exponents d [N, C] (``exponents``): a = Σ exp(d), b = Σ exp(d)·d.
+    The clamp keeps -inf out of the product (its e is 0 and 0·(-inf) is NaN); it is cheaper
+    than a select on CPUs."""
+    d = xp.clamp_min(d, _F32_LOWEST)
     e = xp.exp(d)
-    return m, xp.rowsum(e), xp.rowsum(e * d)
+    return xp.rowsum(e), xp.rowsum(e * d)
 
 
 def _first_max(xp, x, cols):
@@ -244,21 +271,27 @@ def _first_max(xp, x, cols):
     return v, i + cols[0]
 
 
-def chunk_state(xp, s, sd, cols, keys, cfg):
-    """The state of one chunk s [N, C] (draw scores sd) with global column ids cols [C]."""
+def chunk_state(xp, z, s, sd, cols, keys, cfg):
+    """The state of one chunk (``scaled_logits``' z, s, sd [N, C]) with global column ids
+    cols [C]."""
     v1, i1 = _first_max(xp, s, cols)
-    m_safe, a, b = _sums(xp, s, v1)
-    v2 = xp.second_max(s) if s.shape[1] > 1 else v1 * 0.0 + float("-inf")
+    m = _safe(xp, v1, v1)
+    z1 = _safe(xp, v1, xp.gather_cols(z, i1 - cols[0]))  # [N] the logit at the largest s
+    d = exponents(xp, z, z1[:, None], cfg)  # [N, C]
+    a, b = _sums(xp, d)
+    # the runner-up: m plus the exponent of the second largest z (the same order as s's)
+    v2 = (m + exponents(xp, xp.second_max(z), z1, cfg) if s.shape[1] > 1
+          else v1 * 0.0 + float("-inf"))
     gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
     if cfg.temperature > 0.0 and cfg.top_k is None:
         key = sd + gumbel(xp, keys, cols)
         gv, gi = _first_max(xp, key, cols)
-        gs = xp.gather_cols(s, gi - cols[0])
+        gs = m + xp.gather_cols(d, gi - cols[0])
     topv = topi = None
     if cfg.top_k is not None:
         topv, idx = xp.top_k(sd, min(cfg.top_k, s.shape[1]))  # the draw's scores
         topi = xp.take_cols(cols, idx)
-    return StreamState(m_safe, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
+    return StreamState(m, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
 
 
 def noisy_scores(xp, keys):
@@ -266,38 +299,41 @@ def noisy_scores(xp, keys):
     return lambda s, cols: s + gumbel(xp, keys, cols)
 
 
-def chunk_values(xp, s, sd, cols, index, noisy, cfg):
-    """The state of one chunk s [N, C] (draw scores sd, global ids cols [C]) without
-    positions, for the
-    two-pass stream (no top_k): the chunk's number ``index`` [N] int32 stands in for i1 and
-    gi (None where the caller numbers the chunks itself, as ``merge_splits`` does), and v2
-    is -inf. Merged like any chunk state, the result says which chunk holds each
-    row's largest s and which its largest s + g (the first on ties: the lowest ids), and its
-    v2 is the largest s of the other chunks; ``settle`` then finds the positions inside those
-    two chunks. Only maxima here, because finding a maximum's position costs a CPU many times
-    the maximum itself (torch's argmax about 10x its amax; XLA's about 18x, and fused with
-    the noise about 100x)."""
+def chunk_values(xp, z, s, sd, cols, index, noisy, cfg):
+    """The state of one chunk (``scaled_logits``' z, s, sd [N, C], global ids cols [C])
+    without positions, for the two-pass stream (no top_k): the chunk's number ``index`` [N]
+    int32 stands in for i1 and gi (None where the caller numbers the chunks itself, as
+    ``merge_splits`` does), and v2 is -inf. Merged like any chunk state, the result says
+    which chunk holds each row's largest s and which its largest s + g (the first on ties:
+    the lowest ids), and its v2 is the largest s of the other chunks; ``settle`` then finds
+    the positions inside those two chunks. Only maxima here, because finding a maximum's
+    position costs a CPU many times the maximum itself (torch's argmax about 10x its amax;
+    XLA's about 18x, and fused with the noise about 100x)."""
     v1 = xp.rowmax(s)
-    m, a, b = _sums(xp, s, v1)
+    a, b = _sums(xp, exponents(xp, z, _safe(xp, v1, xp.rowmax(z))[:, None], cfg))
     none = xp.full(v1.shape, float("-inf"), v1)
     gv = none if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
-    return StreamState(m, a, b, v1, index, none, gv, index, xp.zeros_like(v1), None, None)
+    return StreamState(_safe(xp, v1, v1), a, b, v1, index, none, gv, index, xp.zeros_like(v1),
+                       None, None)
 
 
 def settle(xp, st, reread, noisy, cfg):
     """The merged ``chunk_values`` state with its positions: ``reread(chunk [N])`` gives
-    (s, sd, cols) [N, C] of one chunk per row (columns outside it at -inf), read once for
+    (z, s, sd, cols) [N, C] of one chunk per row (columns outside it at -inf), read once for
     the chunk holding the largest s (its first position, and the runner-up inside it) and,
-    when drawing, once for the chunk holding the largest s + g."""
-    s, _, cols = reread(st.i1)
+    when drawing, once for the chunk holding the largest s + g. The runner-up and the drawn
+    token's s are m plus their logits' difference from the largest s's (``exponents``)."""
+    z, s, _, cols = reread(st.i1)
     _, pos = xp.first_max(s)
-    inside = xp.where(xp.arange(s.shape[1], s)[None, :] == pos[:, None], float("-inf"), s)
-    st = st._replace(i1=xp.gather_cols(cols, pos),
-                     v2=xp.maximum(st.v2, xp.rowmax(inside)))
+    z1 = _safe(xp, st.v1, xp.gather_cols(z, pos))  # [N] the logit at the largest s
+    inside = xp.where(xp.arange(s.shape[1], s)[None, :] == pos[:, None], float("-inf"), z)
+    st = st._replace(i1=xp.gather_cols(cols, pos), v2=xp.maximum(
+        st.v2, st.m + exponents(xp, xp.rowmax(inside), z1, cfg)))
     if cfg.temperature > 0.0:
-        s, sd, cols = reread(st.gi)
+        z, _, sd, cols = reread(st.gi)
         _, pos = xp.first_max(noisy(sd, cols))
-        st = st._replace(gi=xp.gather_cols(cols, pos), gs=xp.gather_cols(s, pos))
+        st = st._replace(gi=xp.gather_cols(cols, pos),
+                         gs=st.m + exponents(xp, xp.gather_cols(z, pos), z1, cfg))
     return st
 
 
@@ -373,10 +409,11 @@ def finalize(xp, st, keys, cfg):
     if cfg.top_k is None:
         log_a = xp.log(st.a)
         entropy = log_a - st.b / st.a
+        # the largest s is m on every row with a valid draw (v1 - m = 0: top1 is -log a);
+        # gs and v2 are m plus logit differences (StreamState), so a tie is 0 exactly
         token = st.i1 if cfg.temperature == 0.0 else st.gi
-        s_token = st.v1 if cfg.temperature == 0.0 else st.gs
-        logp = (s_token - st.m) - log_a
-        top1, top2 = (st.v1 - st.m) - log_a, (st.v2 - st.m) - log_a
+        top1, top2 = -log_a, (st.v2 - st.m) - log_a
+        logp = top1 if cfg.temperature == 0.0 else (st.gs - st.m) - log_a
     else:
         v, ids = st.topv, st.topi  # [N, k'] largest first, the draw's scores z / T
         v = xp.where(valid[:, None], v, 0.0)  # a row without a valid draw: no NaN or inf below
@@ -419,8 +456,8 @@ def no_draw_where(xp, sample, bad):
 def reference_sample(xp, z, zu, keys, suppress, cfg):
     """The whole row as one chunk (the reference backend: [N, K] float32 materialised)."""
     cols = xp.arange(z.shape[1], z)
-    s, sd = scaled_logits(xp, z, zu, cols, suppress, cfg)
-    return finalize(xp, chunk_state(xp, s, sd, cols, keys, cfg), keys, cfg)
+    return finalize(xp, chunk_state(xp, *scaled_logits(xp, z, zu, cols, suppress, cfg), cols,
+                                    keys, cfg), keys, cfg)
 
 
 # -- checks -----------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def make_step_api(xp, sample_tokens):
         like = logits.device_array
         z = _flat_rows(xp, logits, n).dense(xp)  # [N, K]
         cols = xp.arange(k, like)
-        s, _ = scaled_logits(xp, z, None, cols, None, cfg)  # [N, K] z / T, float32
+        _, s, _ = scaled_logits(xp, z, None, cols, None, cfg)  # [N, K] z / T, float32
         keys = row_keys(xp, seed, step, n, like)
         return (s + gumbel(xp, keys, cols)).reshape(lead + (k,))
 

@@ -164,27 +164,27 @@ class ChunkedJax(BackendBase):
         n_chunks = -(-k // c)
         noisy = sampling.noisy_scores(xp, keys)
 
-        def read(i):  # chunk i -> s, sd [N, C] (columns an earlier chunk saw at -inf), cols [C]
+        def read(i):  # chunk i -> z, s, sd [N, C] (columns an earlier chunk saw at -inf), cols [C]
             start = jnp.minimum(i * c, k - c)
             cols = start + jnp.arange(c, dtype=jnp.int32)
-            s, sd = sampling.scaled_logits(xp, _slice(z, start, c), _slice(zu, start, c), cols,
-                                           suppress, cfg)
+            scores = sampling.scaled_logits(xp, _slice(z, start, c), _slice(zu, start, c), cols,
+                                            suppress, cfg)
             fresh = (cols >= i * c)[None, :]
-            return jnp.where(fresh, s, -jnp.inf), jnp.where(fresh, sd, -jnp.inf), cols
+            return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
 
-        def reread(chunk):  # chunk [N], one per row -> s, sd, cols [N, C]
+        def reread(chunk):  # chunk [N], one per row -> z, s, sd, cols [N, C]
             cols = jnp.minimum(chunk * c, k - c)[:, None] + jnp.arange(c, dtype=jnp.int32)
             rows = lambda x: None if x is None else jnp.take_along_axis(x, cols, axis=1)  # noqa: E731
-            s, sd = sampling.scaled_logits(xp, rows(z), rows(zu), cols, suppress, cfg)
+            scores = sampling.scaled_logits(xp, rows(z), rows(zu), cols, suppress, cfg)
             fresh = cols >= chunk[:, None] * c
-            return jnp.where(fresh, s, -jnp.inf), jnp.where(fresh, sd, -jnp.inf), cols
+            return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
 
         def part(i):
-            s, sd, cols = read(i)
+            z_i, s, sd, cols = read(i)
             if cfg.top_k is None:
-                return sampling.chunk_values(xp, s, sd, cols, jnp.full((n,), i, jnp.int32),
+                return sampling.chunk_values(xp, z_i, s, sd, cols, jnp.full((n,), i, jnp.int32),
                                              noisy, cfg)
-            return sampling.chunk_state(xp, s, sd, cols, keys, cfg)
+            return sampling.chunk_state(xp, z_i, s, sd, cols, keys, cfg)
 
         state = part(0)
         if n_chunks > 1:

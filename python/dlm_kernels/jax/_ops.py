@@ -117,8 +117,9 @@ class JaxOps:
 
     @staticmethod
     def first_max(x):  # [N, C] -> (max, its first position)
-        i = jnp.argmax(x, axis=-1)
-        return jnp.take_along_axis(x, i[:, None], axis=-1)[:, 0], i.astype(jnp.int32)
+        # the max a reduction's, not a gather at the position: XLA may recompute a gathered
+        # z·(1/T) inside a consumer and contract it with a subtraction (_sampling.exponents)
+        return jnp.max(x, axis=-1), jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     @staticmethod
     def shr(x, s):  # uint32: a logical shift

@@ -92,9 +92,9 @@ class ChunkedTorch(BackendBase):
         state = None
         for c0, c1 in chunks:
             cols = torch.arange(c0, c1, device=z.device)
-            s, sd = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
-                                           cols, suppress, cfg)
-            part = sampling.chunk_state(xp, s, sd, cols, keys, cfg)
+            scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else
+                                            zu[:, c0:c1], cols, suppress, cfg)
+            part = sampling.chunk_state(xp, *scores, cols, keys, cfg)
             state = part if state is None else sampling.merge_state(xp, state, part, cfg)
         return sampling.finalize(xp, state, keys, cfg)
 

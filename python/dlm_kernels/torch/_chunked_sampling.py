@@ -51,12 +51,17 @@ def noisy_scores_(s, keys, cols, scratch):
 _FIELD = {name: i for i, name in enumerate(SAMPLE_STATE)}
 
 
-def _chunk_values_(s, sd, cols, noisy, cfg, out, work):
-    """``_sampling.chunk_values`` of s [N, C] (draw scores sd) into out [len(SAMPLE_STATE),
-    N], its [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands
-    large freed buffers back to the system and faults their pages in again, so fresh
-    temporaries per chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's
-    time)."""
+def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
+    """``_sampling.chunk_values`` of z, s, sd [N, C] into out [len(SAMPLE_STATE), N], its
+    [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
+    buffers back to the system and faults their pages in again, so fresh temporaries per
+    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time).
+
+    The exponents are s - max s here, not ``_sampling.exponents``' (z - max z) / T_s: eager
+    torch rounds each s = z / T_s once, so a tie is exactly 0 all the same (the logit
+    differences guard against a compiler contracting z·(1/T) - m into a fused multiply-add),
+    and the division of the differences would be one more pass over the chunk."""
+    del z  # the same state from s alone (above)
     v1 = xp.rowmax(s)
     m = torch.where(v1 == _NEG_INF, 0.0, v1)
     d, e = (buf[:, :s.shape[1]] for buf in work)
@@ -80,23 +85,27 @@ def sample(z, zu, keys, suppress, cfg, chunks):
     state = torch.empty((len(SAMPLE_STATE), len(chunks), n), device=z.device)
     for j, (c0, c1) in enumerate(chunks):  # pass 1: every logit once
         cols = torch.arange(c0, c1, device=z.device)
-        s, sd = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
-                                       cols, suppress, cfg)
-        _chunk_values_(s, sd, cols, noisy, cfg, state[:, j], scratch[3:])
+        scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
+                                        cols, suppress, cfg)
+        _chunk_values_(*scores, cols, noisy, cfg, state[:, j], scratch[3:])
     chunk_ids = torch.arange(len(chunks), dtype=torch.int32, device=z.device)
     ids = chunk_ids[None, :, None].expand(len(SAMPLE_IDS), len(chunks), n)
     st = sampling.merge_splits(xp, state, ids, None, None, cfg, k)
 
-    def reread(chunk):  # [N] -> s, sd, cols [N, c] of that chunk of each row, past K at -inf
+    ragged = k % c != 0  # the last chunk reaches past K
+
+    def reread(chunk):  # [N] -> z, s, sd, cols [N, c] of that chunk of each row, past K at -inf
         cols = chunk[:, None].long() * c + torch.arange(c, device=z.device)[None, :]
-        inside = cols < k
-        cols = torch.where(inside, cols, k - 1)
+        if ragged:
+            inside = cols < k
+            cols = torch.where(inside, cols, k - 1)
         zu_rows = None if zu is None else zu.gather(1, cols)
-        s, sd = sampling.scaled_logits(xp, z.gather(1, cols), zu_rows, cols, suppress, cfg)
-        outside = ~inside
-        for scores in (s,) if sd is s else (s, sd):
-            scores.masked_fill_(outside, _NEG_INF)
-        return s, sd, cols
+        scores = sampling.scaled_logits(xp, z.gather(1, cols), zu_rows, cols, suppress, cfg)
+        if ragged:
+            outside = ~inside
+            for x in {id(x): x for x in scores}.values():  # z, s and sd may be one tensor
+                x.masked_fill_(outside, _NEG_INF)
+        return scores + (cols,)
 
     st = sampling.settle(xp, st, reread, noisy, cfg)
     return sampling.finalize(xp, st, keys, cfg)
