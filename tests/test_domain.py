@@ -395,32 +395,37 @@ def objective_fn(fw, backend, case, data):
 SFT_COTANGENT = np.array([1.0, -0.5, 2.0])
 
 
-def objective_oracle(case, data, z64, weights, alpha):
-    """The float64 loss of ``objective_fn`` in parts: [B] (each sequence's share of the
-    SFT loss) or [1], at alpha(t) given as float64 [B] (the caller takes the float32 number
-    1 - t that the API computes from a float32 t: 1 - alpha then cancels exactly as it does
-    in float32; the LOO shift's accuracy near t = 0 is that of its alpha, docs/design.md §9)."""
+def objective_terms(case, data, z64, active, alpha):
+    """The float64 per-position terms [B, L] of ``objective_fn``'s loss at alpha(t) given as
+    float64 [B] (the caller takes the float32 number 1 - t that the API computes from a
+    float32 t: 1 - alpha then cancels exactly as it does in float32; the LOO shift's accuracy
+    near t = 0 is that of its alpha, docs/design.md §9), for the positions ``active`` [B, L]
+    (non-zero weight): CE, the OPD mix of KL and CE, or the SFT variant's CE. They do not
+    depend on the weights' values, so ``objective_loss`` can be differenced in them."""
     name, k = case["objective"], case["k"]
-    x0, xt = data["x0"], data["xt"]
-    w = weights.astype(np.float64)
-    if name in ("weighted_ce", "opd"):
-        active = (w != 0).reshape(-1)
-        zz, y = z64.reshape(-1, k), x0.reshape(-1)
-        _, lp, _, _ = oracle.token_stats(zz, y, active)
-        terms = -lp
-        if name == "opd":
-            T = case["opd_temperature"]
-            _, _, _, kl = oracle.token_stats(zz, y, active, u=data["u64"].reshape(-1, k), T=T)
-            terms = 0.7 * T * T * kl + 0.3 * terms
-        return np.array([(w.reshape(-1) * terms).sum() / w.sum()])
-    time_weight = 1.0 / np.maximum(alpha, oracle.EPS) if name.startswith("re") else np.ones(B)
+    zz, y, on = z64.reshape(-1, k), data["x0"].reshape(-1), active.reshape(-1)
     shift = {}
     if "loo" in name:
         delta = np.log1p(k * alpha / np.maximum(1.0 - alpha, oracle.EPS))
-        shift = dict(x=xt.reshape(-1), d=np.repeat(delta, L))
-    _, logp, _, _ = oracle.token_stats(z64.reshape(-1, k), x0.reshape(-1),
-                                       (w != 0).reshape(-1), **shift)
-    ce = np.sum(w * -logp.reshape(B, L), axis=1) / np.maximum(w.sum(axis=1), 1.0)
+        shift = dict(x=data["xt"].reshape(-1), d=np.repeat(delta, L))
+    _, lp, _, _ = oracle.token_stats(zz, y, on, **shift)
+    terms = -lp
+    if name == "opd":
+        T = case["opd_temperature"]
+        _, _, _, kl = oracle.token_stats(zz, y, on, u=data["u64"].reshape(-1, k), T=T)
+        terms = 0.7 * T * T * kl + 0.3 * terms
+    return terms.reshape(B, L)
+
+
+def objective_loss(case, terms, weights, alpha):
+    """The float64 loss of ``objective_fn`` in parts from its ``objective_terms``: [B] (each
+    sequence's share of the SFT loss) or [1]."""
+    w = weights.astype(np.float64)
+    if case["objective"] in ("weighted_ce", "opd"):
+        return np.array([(w * terms).sum() / w.sum()])
+    time_weight = (1.0 / np.maximum(alpha, oracle.EPS) if case["objective"].startswith("re")
+                   else np.ones(B))
+    ce = np.sum(w * terms, axis=1) / np.maximum(w.sum(axis=1), 1.0)
     return time_weight * ce * SFT_COTANGENT
 
 
@@ -442,7 +447,8 @@ def check_objective_case(fw, backend, case, rng):
     z64, w64 = data["z64"], data["weights"].astype(np.float64)
     alpha64 = (np.float32(1.0) - data["t"]).astype(np.float64)  # as float32 computes it
     z64 = fw.numpy(fw.array(z64, dtype))  # as the dtype holds them: a masked bias may overflow
-    f = lambda z_=z64, w_=w64, a_=alpha64: objective_oracle(case, data, z_, w_, a_)
+    terms = objective_terms(case, data, z64, w64 != 0, alpha64)
+    f = lambda w_=w64: objective_loss(case, terms, w_, alpha64)  # noqa: E731
     expected = f().sum()
     # the float32 sums meet numbers of the size of the logits (and a KL's T²·|t - s|)
     unmasked = z64[..., data["bias"] == 0]
@@ -462,8 +468,6 @@ def check_objective_case(fw, backend, case, rng):
     assert_close(loss, expected, "float32", "loss", scale=size * (factor * w64).sum())
     if not np.isfinite(expected):
         return  # a student column at -inf where the teacher has mass: KL = +inf (§9)
-    # d weights and d t: central differences of the float64 oracle (weights: only where
-    # non-zero; a zero weight's position is never read, docs/design.md §3)
     # d weights: central differences of the float64 oracle, where the weight is non-zero (a
     # zero weight's position is never read, docs/design.md §3)
     exp = np.zeros(w64.shape)

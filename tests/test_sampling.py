@@ -120,7 +120,7 @@ class SamplingSuite:
         fw = self.fw
         call = lambda z: fw.api.sample_tokens(z, backend=self.BACKEND, **kw)  # noqa: E731
         if fw.name == "jax" and jit:
-            call = fw.jax.jit(call)
+            call = fw.jit(call)
         return [np.asarray(fw.numpy(x)) for x in call(fw.array(z, dtype))]
 
     def check(self, got, want, dtype="float32", scale=None):
