@@ -184,7 +184,7 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
                                backend=backend, **KEYWORDS)
         return sum(jnp.sum(v) for v in s)
 
-    jax.grad(loss, argnums=(0, 1))(z, u)
+    jax.jit(jax.grad(loss, argnums=(0, 1)))(z, u)  # one trace, one program
     (low,) = made
     assert low.HAS_SHIFT and low.TEACHER_GRAD and low.SEPARATE_CE and low.CE_TERMS
     assert all(got is low for got in seen), seen

@@ -775,16 +775,18 @@ def test_numpy_scalars_are_numbers(rng, name):
     py = dict(temperature=0.5, top_k=3, seed=5, step=2, cfg_scale=1.5, chunk_size=16)
     npy = dict(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(5),
                step=np.int32(2), cfg_scale=np.float64(1.5), chunk_size=np.int64(16))
-    want = api.sample_tokens(z, uncond_logits=zu, **py)
-    got = api.sample_tokens(z, uncond_logits=zu, **npy)
+    # JAX: each call traced into one program (the numbers are read as it is traced)
+    run = (lambda f, *args: fw.jit(f)(*args)) if name == "jax" else (lambda f, *args: f(*args))
+    want = run(lambda z, zu: api.sample_tokens(z, uncond_logits=zu, **py), z, zu)
+    got = run(lambda z, zu: api.sample_tokens(z, uncond_logits=zu, **npy), z, zu)
     for f, g, w in zip(got._fields, got, want):
         assert np.array_equal(np.asarray(fw.numpy(g)), np.asarray(fw.numpy(w))), f
     canvas, masked = fw.array(np.zeros((2, 5), np.int32)), fw.array(np.ones((2, 5), bool))
     for rule, a, b in (("topk", dict(k=2), dict(k=np.int64(2))),
                        ("threshold", dict(threshold=0.3), dict(threshold=np.float32(0.3))),
                        ("entropy_budget", dict(budget=1.0), dict(budget=np.float64(1.0)))):
-        want = api.commit_tokens(canvas, got, masked, rule=rule, **a)[1]
-        have = api.commit_tokens(canvas, got, masked, rule=rule, **b)[1]
+        want = run(lambda s: api.commit_tokens(canvas, s, masked, rule=rule, **a)[1], got)
+        have = run(lambda s: api.commit_tokens(canvas, s, masked, rule=rule, **b)[1], got)
         assert np.array_equal(np.asarray(fw.numpy(have)), np.asarray(fw.numpy(want))), rule
 
 
