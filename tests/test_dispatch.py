@@ -183,8 +183,8 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     import os
 
     (tmp_path / "throwaway_backend.py").write_text(
-        "from dlm_kernels._token_stats import ReferenceBackend\n"
-        "from dlm_kernels.torch._ops import TorchOps\n\n\n"
+        "from dlm_kernels.token_stats.primitive import ReferenceBackend\n"
+        "from dlm_kernels._torch.ops import TorchOps\n\n\n"
         "class Throwaway(ReferenceBackend):\n"
         "    name = 'throwaway'\n"
         "    calls = 0\n\n"
@@ -198,7 +198,7 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     from dlm_kernels import _dispatch
 
     import dlm_kernels.torch as T
-    from dlm_kernels.torch import _primitive
+    from dlm_kernels.token_stats import torch_vjp as _primitive
     from bench.runner import variants
 
     row = _dispatch.BackendSpec("throwaway", {"torch": "throwaway_backend"}, ("cpu",),

@@ -35,7 +35,7 @@ class Capabilities:
     dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")  # logits it accepts
     vocab_shards: bool = False  # forward_partial + backward(offset=): vocabulary parallelism
     inplace_grad: bool = False  # backward(inplace=True) writes d(logits) into the logits
-    sampling: bool = False  # sample(...): the denoising step's draw (dlm_kernels._sampling)
+    sampling: bool = False  # sample(...): the denoising step's draw (dlm_kernels.sampling.core)
 
 
 #: the framework-native backends also take float64 logits (their math is float32 all the same)
@@ -46,14 +46,14 @@ class Backend(Protocol):
     """One framework's implementation of the token-statistics primitive, in full (``rows``:
     the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the front
     end, ``_lowering.Lowered``, the only place its flags and constants come from; ``Stats``,
-    ``State``: ``_stats_math``). What an implementation offers is declared, never probed:
+    ``State``: ``token_stats.math``). What an implementation offers is declared, never probed:
 
     custom_vjp False: ``compute`` only, differentiated by the framework's autodiff.
     custom_vjp True: ``forward`` and ``backward``; with ``capabilities.vocab_shards`` also
     ``forward_partial`` and ``backward(..., offset=)``; with ``inplace_grad``,
     ``backward(..., inplace=True)``. With ``capabilities.sampling``: ``sample``. Every
     custom-VJP backend runs linear heads too (the front end feeds it token chunks of
-    ``hidden @ weight``, ``dlm_kernels._linear_head``); ``fused_head`` is None, or kernels
+    ``hidden @ weight``, ``dlm_kernels.linear_head.head``); ``fused_head`` is None, or kernels
     that run a whole head in one pass each way (JAX's pallas backend).
     Implementations derive from :class:`BackendBase`, whose methods raise for what the
     capabilities leave out.
@@ -86,7 +86,7 @@ class Backend(Protocol):
         ...
 
     def sample(self, z: Any, zu: Any, keys: Any, suppress: Any, cfg: Any) -> Any:
-        """The Sample of [N, K] logits (``dlm_kernels._sampling``)."""
+        """The Sample of [N, K] logits (``dlm_kernels.sampling.core``)."""
         ...
 
 
@@ -130,16 +130,16 @@ class BackendSpec:
 
 #: The backend table: a new backend is a module per framework and a row here.
 BACKENDS: Tuple[BackendSpec, ...] = (
-    BackendSpec("reference", {"torch": "dlm_kernels.torch._reference",
-                              "jax": "dlm_kernels.jax._reference"}, (),
+    BackendSpec("reference", {"torch": "dlm_kernels.token_stats.torch_reference",
+                              "jax": "dlm_kernels.token_stats.jax_reference"}, (),
                 "plain framework ops, float32, full materialisation, framework autodiff"),
-    BackendSpec("chunked", {"torch": "dlm_kernels.torch._chunked",
-                            "jax": "dlm_kernels.jax._chunked"}, (),
+    BackendSpec("chunked", {"torch": "dlm_kernels.token_stats.torch_chunked",
+                            "jax": "dlm_kernels.token_stats.jax_chunked"}, (),
                 "framework ops over vocabulary chunks with a custom VJP, on every device"),
-    BackendSpec("triton", {"torch": "dlm_kernels.torch._triton",
-                           "jax": "dlm_kernels.jax._triton"}, ("cuda", "gpu"),
+    BackendSpec("triton", {"torch": "dlm_kernels.token_stats.torch_triton",
+                           "jax": "dlm_kernels.token_stats.jax_triton"}, ("cuda", "gpu"),
                 "Triton kernels on NVIDIA GPUs, JAX through jax-triton"),
-    BackendSpec("pallas", {"jax": "dlm_kernels.jax._pallas"}, ("tpu",),
+    BackendSpec("pallas", {"jax": "dlm_kernels.token_stats.jax_pallas"}, ("tpu",),
                 "Pallas Mosaic kernels on TPUs"),
 )
 
