@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -50,14 +51,19 @@ def test_explicit_backend_errors(fw_name):
 
 
 def test_auto_fallback_is_logged(caplog):
-    from dlm_kernels._dispatch import Registry
+    from dlm_kernels._dispatch import BackendBase, Capabilities, Registry
 
-    class Fake:
+    class Fake(BackendBase):  # a backend of the protocol that only says where it runs
+        custom_vjp, capabilities = False, Capabilities()
+
         def __init__(self, name, why=None):
             self.name, self.why = name, why
 
         def unsupported_reason(self, platform):
             return self.why
+
+        def compute(self, rows, cfg):
+            raise AssertionError("resolving a backend runs nothing")
 
     reg = Registry("fake")
     reg.register(Fake("chunked"))
@@ -353,3 +359,70 @@ def test_jax_grad_of_grad_through_a_custom_vjp_raises(backend, head, monkeypatch
                        lambda h: jax.hessian(loss)(h, backend)):
             with pytest.raises(NotImplementedError, match=HIGHER_ORDER.format(backend)):
                 second(hidden)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_every_backend_follows_the_protocol_in_full(fw_name):
+    """What a backend declares (custom_vjp, capabilities, fused_head) it implements, with the
+    protocol's parameters: no method is left to BackendBase's raising stub."""
+    from dlm_kernels._dispatch import Backend, missing_methods
+
+    registry = framework(fw_name).registry
+    for name, impl in registry.IMPLEMENTATIONS.items():
+        assert isinstance(impl, Backend), name
+        assert missing_methods(impl) == (), name
+
+
+def _declared(capabilities, custom_vjp=True):
+    from dlm_kernels._dispatch import BackendBase
+
+    class Declared(BackendBase):
+        name = "declared"
+
+        @staticmethod
+        def unsupported_reason(platform):
+            return None
+
+        @staticmethod
+        def forward(rows, cfg):
+            return None
+
+        @staticmethod
+        def backward(rows, stats, grads, cfg, offset=0):
+            return None, None
+
+    Declared.capabilities, Declared.custom_vjp = capabilities, custom_vjp
+    return Declared
+
+
+@pytest.mark.parametrize("case", ["sample", "forward_partial", "inplace", "compute",
+                                  "sample_params", "fused_head"])
+def test_a_backend_missing_a_method_is_refused_at_registration(case):
+    """A backend whose capabilities promise more than it implements never reaches a user
+    as a NotImplementedError from deep inside a call: the registry names what is missing."""
+    from dlm_kernels._dispatch import Capabilities, Registry
+
+    caps = {"sample": Capabilities(sampling=True),
+            "forward_partial": Capabilities(vocab_shards=True),
+            "inplace": Capabilities(inplace_grad=True),
+            "compute": Capabilities(),
+            "sample_params": Capabilities(sampling=True),
+            "fused_head": Capabilities()}[case]
+    cls = _declared(caps, custom_vjp=case != "compute")
+    if case == "sample_params":
+        cls.sample = staticmethod(lambda z, keys, cfg: None)  # no zu, no suppress
+    if case == "fused_head":
+        cls.fused_head = object()  # neither takes nor forward nor backward
+    want = {"sample": "sample (not implemented)",
+            "forward_partial": "forward_partial (not implemented)",
+            "inplace": "backward (takes no 'inplace')",
+            "compute": "compute (not implemented)",
+            "sample_params": "sample (takes no 'zu')",
+            "fused_head": "fused_head (not a FusedHead"}[case]
+    registry = Registry("torch")
+    with pytest.raises(TypeError, match=r"backend 'declared' .*declares but does not "
+                                        r"implement: .*" + re.escape(want)):
+        registry.register(cls())
+    assert "declared" not in registry.IMPLEMENTATIONS
+    registry.register(_declared(Capabilities())())  # what it declares, it has
+    assert registry.available() == ("declared",)
