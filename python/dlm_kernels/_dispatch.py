@@ -57,7 +57,7 @@ Grads = Tuple[Array, Array, Array, Array]  # the row cotangents of (lse, logp, e
 @runtime_checkable
 class FusedHead(Protocol):
     """Kernels that run a whole linear head in one pass each way (JAX's pallas backend:
-    ``token_stats.jax_pallas.FusedHead``); ``rows.logits`` is the ``LinearHead``."""
+    ``linear_head.jax_pallas.FusedHead``); ``rows.logits`` is the ``LinearHead``."""
 
     def takes(self, rows: Rows, axis: Any, plan: HeadPlan) -> bool:
         """Whether the kernels take these rows (else the token-chunked sweep runs)."""
