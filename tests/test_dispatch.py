@@ -91,6 +91,47 @@ def test_front_end_does_not_import_the_other_framework(mod, other):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_op_packages_import_no_framework():
+    """token_stats/, linear_head/, sampling/ (and the package root) are framework-neutral: a
+    framework comes in only with a module of it (torch_*.py, jax_*.py) or a front end."""
+    code = ("import sys, dlm_kernels.token_stats, dlm_kernels.linear_head, dlm_kernels.sampling, "
+            "dlm_kernels.linear_head.head, dlm_kernels.sampling.core, dlm_kernels.token_stats.math; "
+            "seen = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')); "
+            "assert not seen, seen")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_host_module_imports_a_front_end():
+    """Imports go one way: the front ends (dlm_kernels.torch, dlm_kernels.jax) import the ops,
+    never the reverse, so any op or backend module can be imported first (the registry does,
+    and tests do) without running a front end's __init__ halfway through its own import. Only
+    torch/nn.py (a front end itself) and the root's lazy ``backend_for`` may."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "python" / "dlm_kernels"
+    allowed = {"__init__.py", "torch/__init__.py", "torch/nn.py", "jax/__init__.py"}
+    hits = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in ("kernels", "bench") or rel in allowed:
+            continue
+        package = ["dlm_kernels", *rel.split("/")[:-1]]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                name = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{name}.{a.name}" for a in node.names] + [name]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.split(".")[:2] in (["dlm_kernels", "torch"], ["dlm_kernels", "jax"])
+                   for n in names):
+                hits.append(f"{rel}:{node.lineno}")
+    assert not hits, hits
+
+
 def test_jax_transforms_jit_grad_vmap():
     import jax
     import jax.numpy as jnp
