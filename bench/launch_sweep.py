@@ -32,7 +32,8 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     from dlm_kernels._config import make_config
     from dlm_kernels._lowering import lower
     from dlm_kernels.kernels.triton import token_stats as kernels
-    from dlm_kernels.torch import _triton as triton_launch
+    from dlm_kernels._torch import triton as triton_plan
+    from dlm_kernels.token_stats import torch_triton as triton_launch
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -50,14 +51,14 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     elem, streams = z.element_size(), 2 if teacher else 1
     read = streams * n * k * elem  # bytes of logits each kernel reads
     copy_gbps, _ = copy_bandwidth(device, min(read, 1 << 30))
-    chosen = triton_launch.plan(z, u)
+    chosen = triton_plan.plan(z, u)
     rows = []
     device_name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
     report = dict(device=device_name, date=_dt.date.today().isoformat(), n=n, k=k, dtype=dtype,
                   teacher=teacher, copy_gbps=copy_gbps, heuristic=chosen, rows=rows)
     for block_k in blocks:
         for num_warps in warps:
-            cfg = dict(kernels.launch_config(n, k, elem, teacher, triton_launch.num_sms(z.device),
+            cfg = dict(kernels.launch_config(n, k, elem, teacher, triton_plan.num_sms(z.device),
                                              block_k),
                        num_warps=num_warps)
             row = dict(block_k=cfg["block_k"], num_warps=num_warps, splits=cfg["splits"],

@@ -124,7 +124,7 @@ def variants(env, framework, objective, smoke=False):
     a user would run instead (bench/upstream.py; torch.compile of it outside --smoke, where
     its compile would take most of the run; Liger on a GPU)."""
     if framework == "torch":
-        from dlm_kernels.torch._primitive import REGISTRY
+        from dlm_kernels.token_stats.torch_vjp import REGISTRY
 
         # the backends auto would use here, from the backend table (on a CPU the chunked
         # one alone: interpreters are not timed)
@@ -135,7 +135,7 @@ def variants(env, framework, objective, smoke=False):
             if objective == "ce" and _try_import("liger_kernel") is not None:
                 baselines.append("liger")
         return native, baselines
-    from dlm_kernels.jax._primitive import REGISTRY as JAX_REGISTRY
+    from dlm_kernels.token_stats.jax_vjp import REGISTRY as JAX_REGISTRY
 
     return list(JAX_REGISTRY.native(env["jax_backend"])), ["reference", "upstream"]
 

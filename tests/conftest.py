@@ -87,13 +87,13 @@ def jax_triton_on_cpu(monkeypatch):
     module and registry entry come back afterwards."""
     import importlib
 
-    import dlm_kernels.jax as package
+    import dlm_kernels.token_stats as package
     import jax_triton_emulator
-    from dlm_kernels.jax import _primitive
+    from dlm_kernels.token_stats import jax_vjp as _primitive
 
-    name = "dlm_kernels.jax._triton"
+    name = "dlm_kernels.token_stats.jax_triton"
     monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
-    saved = sys.modules.pop(name, None), getattr(package, "_triton", None)
+    saved = sys.modules.pop(name, None), getattr(package, "jax_triton", None)
     try:
         module = importlib.import_module(name)
     finally:  # the emulated module is used through the registry only
@@ -101,9 +101,9 @@ def jax_triton_on_cpu(monkeypatch):
         if saved[0] is not None:
             sys.modules[name] = saved[0]
         if saved[1] is not None:
-            package._triton = saved[1]
-        elif hasattr(package, "_triton"):
-            del package._triton
+            package.jax_triton = saved[1]
+        elif hasattr(package, "jax_triton"):
+            del package.jax_triton
 
     class OnCpu(module.TritonJax):
         @staticmethod

@@ -23,7 +23,7 @@ class TorchFW:
         import torch
 
         import dlm_kernels.torch as api
-        from dlm_kernels.torch._primitive import REGISTRY
+        from dlm_kernels.token_stats.torch_vjp import REGISTRY
 
         self.torch, self.api, self.registry = torch, api, REGISTRY
         # DLM_TEST_DEVICE=cuda runs the same suites on a GPU (bench/gpu_check.sh does).
@@ -62,7 +62,7 @@ class JaxFW:
         import jax.numpy as jnp
 
         import dlm_kernels.jax as api
-        from dlm_kernels.jax._primitive import REGISTRY
+        from dlm_kernels.token_stats.jax_vjp import REGISTRY
 
         self.jax, self.jnp, self.api, self.registry = jax, jnp, api, REGISTRY
         self.dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

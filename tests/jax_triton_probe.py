@@ -42,7 +42,7 @@ except Exception as err:  # noqa: BLE001 - ImportError, or no GPU plugin in this
 
 import dlm_kernels.jax as dk  # noqa: E402
 from aot_probe import F64_OP, VECTOR_LOAD  # noqa: E402 - this folder
-from dlm_kernels.jax import _triton as backend  # noqa: E402
+from dlm_kernels.token_stats import jax_triton as backend
 
 PTX = []  # (kernel name, PTX) of every kernel compiled by the current case
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -50,14 +51,19 @@ def test_explicit_backend_errors(fw_name):
 
 
 def test_auto_fallback_is_logged(caplog):
-    from dlm_kernels._dispatch import Registry
+    from dlm_kernels._dispatch import BackendBase, Capabilities, Registry
 
-    class Fake:
+    class Fake(BackendBase):  # a backend of the protocol that only says where it runs
+        custom_vjp, capabilities = False, Capabilities()
+
         def __init__(self, name, why=None):
             self.name, self.why = name, why
 
         def unsupported_reason(self, platform):
             return self.why
+
+        def compute(self, rows, cfg):
+            raise AssertionError("resolving a backend runs nothing")
 
     reg = Registry("fake")
     reg.register(Fake("chunked"))
@@ -83,6 +89,47 @@ def test_auto_fallback_is_logged(caplog):
 def test_front_end_does_not_import_the_other_framework(mod, other):
     code = f"import sys, {mod}; assert {other!r} not in sys.modules, sorted(m for m in sys.modules if m.startswith({other!r}))"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_op_packages_import_no_framework():
+    """token_stats/, linear_head/, sampling/ (and the package root) are framework-neutral: a
+    framework comes in only with a module of it (torch_*.py, jax_*.py) or a front end."""
+    code = ("import sys, dlm_kernels.token_stats, dlm_kernels.linear_head, dlm_kernels.sampling, "
+            "dlm_kernels.linear_head.head, dlm_kernels.sampling.core, dlm_kernels.token_stats.math; "
+            "seen = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')); "
+            "assert not seen, seen")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_host_module_imports_a_front_end():
+    """Imports go one way: the front ends (dlm_kernels.torch, dlm_kernels.jax) import the ops,
+    never the reverse, so any op or backend module can be imported first (the registry does,
+    and tests do) without running a front end's __init__ halfway through its own import. Only
+    torch/nn.py (a front end itself) and the root's lazy ``backend_for`` may."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "python" / "dlm_kernels"
+    allowed = {"__init__.py", "torch/__init__.py", "torch/nn.py", "jax/__init__.py"}
+    hits = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in ("kernels", "bench") or rel in allowed:
+            continue
+        package = ["dlm_kernels", *rel.split("/")[:-1]]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                name = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{name}.{a.name}" for a in node.names] + [name]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.split(".")[:2] in (["dlm_kernels", "torch"], ["dlm_kernels", "jax"])
+                   for n in names):
+                hits.append(f"{rel}:{node.lineno}")
+    assert not hits, hits
 
 
 def test_jax_transforms_jit_grad_vmap():
@@ -183,8 +230,8 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     import os
 
     (tmp_path / "throwaway_backend.py").write_text(
-        "from dlm_kernels._token_stats import ReferenceBackend\n"
-        "from dlm_kernels.torch._ops import TorchOps\n\n\n"
+        "from dlm_kernels.token_stats.primitive import ReferenceBackend\n"
+        "from dlm_kernels._torch.ops import TorchOps\n\n\n"
         "class Throwaway(ReferenceBackend):\n"
         "    name = 'throwaway'\n"
         "    calls = 0\n\n"
@@ -198,7 +245,7 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     from dlm_kernels import _dispatch
 
     import dlm_kernels.torch as T
-    from dlm_kernels.torch import _primitive
+    from dlm_kernels.token_stats import torch_vjp as _primitive
     from bench.runner import variants
 
     row = _dispatch.BackendSpec("throwaway", {"torch": "throwaway_backend"}, ("cpu",),
@@ -355,3 +402,70 @@ def test_jax_grad_of_grad_through_a_custom_vjp_raises(backend, head, monkeypatch
                        lambda h: jax.hessian(loss)(h, backend)):
             with pytest.raises(NotImplementedError, match=HIGHER_ORDER.format(backend)):
                 second(hidden)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_every_backend_follows_the_protocol_in_full(fw_name):
+    """What a backend declares (custom_vjp, capabilities, fused_head) it implements, with the
+    protocol's parameters: no method is left to BackendBase's raising stub."""
+    from dlm_kernels._dispatch import Backend, missing_methods
+
+    registry = framework(fw_name).registry
+    for name, impl in registry.IMPLEMENTATIONS.items():
+        assert isinstance(impl, Backend), name
+        assert missing_methods(impl) == (), name
+
+
+def _declared(capabilities, custom_vjp=True):
+    from dlm_kernels._dispatch import BackendBase
+
+    class Declared(BackendBase):
+        name = "declared"
+
+        @staticmethod
+        def unsupported_reason(platform):
+            return None
+
+        @staticmethod
+        def forward(rows, cfg):
+            return None
+
+        @staticmethod
+        def backward(rows, stats, grads, cfg, offset=0):
+            return None, None
+
+    Declared.capabilities, Declared.custom_vjp = capabilities, custom_vjp
+    return Declared
+
+
+@pytest.mark.parametrize("case", ["sample", "forward_partial", "inplace", "compute",
+                                  "sample_params", "fused_head"])
+def test_a_backend_missing_a_method_is_refused_at_registration(case):
+    """A backend whose capabilities promise more than it implements never reaches a user
+    as a NotImplementedError from deep inside a call: the registry names what is missing."""
+    from dlm_kernels._dispatch import Capabilities, Registry
+
+    caps = {"sample": Capabilities(sampling=True),
+            "forward_partial": Capabilities(vocab_shards=True),
+            "inplace": Capabilities(inplace_grad=True),
+            "compute": Capabilities(),
+            "sample_params": Capabilities(sampling=True),
+            "fused_head": Capabilities()}[case]
+    cls = _declared(caps, custom_vjp=case != "compute")
+    if case == "sample_params":
+        cls.sample = staticmethod(lambda z, keys, cfg: None)  # no zu, no suppress
+    if case == "fused_head":
+        cls.fused_head = object()  # neither takes nor forward nor backward
+    want = {"sample": "sample (not implemented)",
+            "forward_partial": "forward_partial (not implemented)",
+            "inplace": "backward (takes no 'inplace')",
+            "compute": "compute (not implemented)",
+            "sample_params": "sample (takes no 'zu')",
+            "fused_head": "fused_head (not a FusedHead"}[case]
+    registry = Registry("torch")
+    with pytest.raises(TypeError, match=r"backend 'declared' .*declares but does not "
+                                        r"implement: .*" + re.escape(want)):
+        registry.register(cls())
+    assert "declared" not in registry.IMPLEMENTATIONS
+    registry.register(_declared(Capabilities())())  # what it declares, it has
+    assert registry.available() == ("declared",)

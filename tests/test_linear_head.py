@@ -343,7 +343,7 @@ def _force_vocab_blocks(monkeypatch, sweep_class):
     """A budget of 128 float32 weight rows of width 19 (``HEAD_DW_ACC_BYTES``), so K = 301
     runs in blocks of 128, 128 and 45 columns; returns the list each blocked pass appends
     its blocks to."""
-    from dlm_kernels import _linear_head
+    from dlm_kernels.linear_head import head as _linear_head
 
     monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
     passes = []
@@ -369,7 +369,7 @@ class TestTorchChunkedVocabBlocks(LinearHeadSuite):
 
     @pytest.fixture(autouse=True)
     def _small_budget(self, monkeypatch):
-        from dlm_kernels.torch import _linear_head as torch_head
+        from dlm_kernels.linear_head import torch_head
 
         self.blocked_passes = _force_vocab_blocks(monkeypatch, torch_head._Sweep)
 
@@ -401,7 +401,7 @@ class TestJaxChunkedVocabBlocks(LinearHeadSuite):
 
     @pytest.fixture(autouse=True)
     def _small_budget(self, monkeypatch):
-        from dlm_kernels.jax import _linear_head as jax_head
+        from dlm_kernels.linear_head import jax_head
 
         self.blocked_passes = _force_vocab_blocks(monkeypatch, jax_head._Sweep)
 
@@ -557,7 +557,7 @@ def test_triton_vocab_blocks_match_whole_vocabulary(rng, monkeypatch):
     block's column offset) gives the gradients of the pass over the whole vocabulary."""
     import torch
 
-    from dlm_kernels import _linear_head
+    from dlm_kernels.linear_head import head as _linear_head
 
     fw, p = framework("torch"), HeadProblem(rng, rows=(3, 7), teacher=False)
     api = fw.api
@@ -582,8 +582,8 @@ def test_triton_vocab_blocks_match_whole_vocabulary(rng, monkeypatch):
 @pytest.mark.parametrize("fw_name", ["torch", "jax"])
 def test_planned_gradient_of_a_float16_head_keeps_its_digits_at_any_weight_scale(rng, fw_name):
     """opd_loss's gradient is formed in the forward in the head's dtype, its scale taken out
-    when far from 1 (``_frontend.unit_coefficients``). At T = 1e3 over K = 2^15 columns each
-    d logit is about |p - q| ~ 1e-6 of that scale: brought to 1, a float16 dZ was subnormal
+    when far from 1 (``token_stats.frontend.unit_coefficients``). At T = 1e3 over K = 2^15
+    columns each d logit is about |p - q| ~ 1e-6 of that scale: brought to 1, a float16 dZ was subnormal
     and lost its digits (loss weights of 1e30 or 1e-30: d weight off by 1e-5 where weights
     of 1 were exact). The loss is invariant to the weights' scale, so are its gradients."""
     fw = framework(fw_name)
@@ -627,7 +627,7 @@ def test_head_plan_decides_the_schedule_from_the_two_kinds():
     """``head_plan``: the student's chunks are overwritten only when it is a head; the
     vocabulary-block pass and the fused Pallas kernels only when the student is the one
     head needing a gradient (not beside a teacher head with teacher_grad)."""
-    from dlm_kernels._linear_head import DenseLogits, LinearHead, head_plan
+    from dlm_kernels.linear_head.head import DenseLogits, LinearHead, head_plan
 
     array = DenseLogits(np.zeros((4, 7), np.float32))
     head = LinearHead(np.zeros((4, 3), np.float32), np.zeros((7, 3), np.float32))

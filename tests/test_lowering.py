@@ -109,7 +109,7 @@ def _spy(monkeypatch, owner, name, seen, pick):
 
 def _lowered_once(monkeypatch):
     """The objects ``lower`` returns to the front end, as a list that fills per call."""
-    import dlm_kernels._frontend as frontend
+    import dlm_kernels.token_stats.frontend as frontend
 
     made = []
 
@@ -122,7 +122,7 @@ def _lowered_once(monkeypatch):
 
 
 def _stats_math_spies(monkeypatch, seen):
-    import dlm_kernels._stats_math as stats_math
+    import dlm_kernels.token_stats.math as stats_math
 
     for name, at in (("reference_stats", 2), ("chunk_partial", 4), ("chunk_grads", 5),
                      ("finalize", 5)):
@@ -137,7 +137,7 @@ KEYWORDS = dict(temperature=0.7, ce_temperature=1.3, softcap=3.0, label_smoothin
 def test_torch_backends_receive_the_lowered_call(backend, monkeypatch, rng):
     import torch
 
-    from dlm_kernels.torch import _triton
+    from dlm_kernels.token_stats import torch_triton as _triton
 
     fw = framework("torch")
     made, seen = _lowered_once(monkeypatch), []
@@ -200,9 +200,9 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
 
 
 def _host_gathers(monkeypatch):
-    """The calls of the host's target-logit gathers (``_stats_math.target_logit``, and
+    """The calls of the host's target-logit gathers (``token_stats.math.target_logit``, and
     ``target_column``, which a gather of a head's weight rows starts from), as a list."""
-    import dlm_kernels._stats_math as stats_math
+    import dlm_kernels.token_stats.math as stats_math
 
     seen = []
     for name in ("target_logit", "target_column"):

@@ -40,8 +40,8 @@ def _jax_compiled(backend, dtype, features, grad, n, k):
 def test_jax_chunked_temp_bytes_are_a_fraction_of_reference(dtype, features):
     """Forward and forward+gradient at N = 2048, K = 32768: the chunked backend holds a few
     [N, C] chunks, never a [N, K] float32 buffer. (On CPU a 16-bit gradient is carried as
-    its bits, one buffer of the gradient's own size: see jax/_chunked.py. Before that, and
-    before the loop-index barrier, XLA converted whole bfloat16 logits to float32.)"""
+    its bits, one buffer of the gradient's own size: see token_stats/jax_chunked.py. Before
+    that, and before the loop-index barrier, XLA converted whole bfloat16 logits to float32.)"""
     from dlm_kernels._config import CHUNK_BYTES_CPU
 
     n, k = 2048, 32768
@@ -93,7 +93,7 @@ def test_torch_chunk_follows_the_device():
     import torch
 
     from dlm_kernels._config import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU, make_config
-    from dlm_kernels.torch._chunked import _chunks
+    from dlm_kernels.token_stats.torch_chunked import _chunks
 
     n, k = 4096, 262144
     for device, budget in (("cpu", CHUNK_BYTES_CPU), ("cuda", CHUNK_BYTES_ACCELERATOR),

@@ -120,7 +120,7 @@ KIND_TEST = re.compile(r"is_head|isinstance\(.*(LinearHead|LogitsSource|DenseLog
 
 def test_the_kind_of_logits_is_decided_in_few_places():
     """Objectives and checks read the ``LogitsSource`` protocol; an array or a LinearHead is
-    told apart where an op is entered (``_linear_head.as_logits``), never in their bodies:
+    told apart where an op is entered (``linear_head.head.as_logits``), never in their bodies:
     at most 5 such tests under python/, in at most 2 files (symbolic links not followed, as
     ``grep -r`` does not)."""
     root = pathlib.Path(__file__).resolve().parents[1] / "python"

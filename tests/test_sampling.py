@@ -16,7 +16,7 @@ from harness import assert_close, framework
 
 
 def interpret_mode():
-    from dlm_kernels.jax._pallas import interpret_mode as pallas_interpret
+    from dlm_kernels._jax.pallas import interpret_mode as pallas_interpret
 
     return pallas_interpret()
 
@@ -381,7 +381,7 @@ class SamplingSuite:
         statistic to float32 accuracy against the float64 oracle (tied rows: log-probability
         -log 2 or -log 3, which a normaliser m + log a rounded at m = z / T would lose).
         Below it, temperature raises; 0 is greedy."""
-        from dlm_kernels._sampling import MIN_TEMPERATURE
+        from dlm_kernels.sampling.core import MIN_TEMPERATURE
 
         z = rng.uniform(-3.0, 3.0, size=(16, 301)).astype(np.float32)
         z[:4, [3, 250]] = 4.5  # two tied maxima: s = 4.5 / T
@@ -578,7 +578,7 @@ def test_uniform_stays_inside_zero_one(fw_name):
     whatever its probability (a 24-bit uniform rounded its largest value to 1.0)."""
     import importlib
 
-    from dlm_kernels import _sampling
+    from dlm_kernels.sampling import core as _sampling
 
     fw = framework(fw_name)
     ops = importlib.import_module(f"dlm_kernels.{fw_name}._ops")

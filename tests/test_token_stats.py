@@ -866,8 +866,8 @@ class TestTorchChunked(TorchInplaceChecks, TorchCompileChecks, ChunkedSuite):
 
 
 class TestTorchChunkedRowBlocks:
-    """The CPU schedule of the torch chunked backend (``torch/_row_blocks.py``) with blocks of
-    5 rows over two workers and tiles of 128 columns: 12 rows make blocks of 5, 5 and 2,
+    """The CPU schedule of the torch chunked backend (``token_stats/torch_row_blocks.py``)
+    with blocks of 5 rows over two workers and tiles of 128 columns: 12 rows make blocks of 5, 5 and 2,
     K = 1271 ten tiles, the last ragged. Every feature the in-place tile gradient covers
     (entropy off), and the general path (softcap, teacher gradient) in blocks, float32 and
     bfloat16, inactive rows poisoned with NaN/inf."""
@@ -878,7 +878,8 @@ class TestTorchChunkedRowBlocks:
     def small_blocks(self, monkeypatch):
         import torch
 
-        from dlm_kernels.torch import _chunked, _row_blocks
+        from dlm_kernels.token_stats import (torch_chunked as _chunked,
+                                             torch_row_blocks as _row_blocks)
 
         monkeypatch.setattr(_row_blocks, "ROW_BLOCK", 5)
         monkeypatch.setattr(_chunked, "TILE_BYTES", 5 * 4 * 128)

@@ -84,7 +84,7 @@ def test_jax_triton_jit_grad_vmap(jax_triton_on_cpu):
 
 
 def test_jax_triton_is_honest_without_a_gpu():
-    from dlm_kernels.jax import _primitive
+    from dlm_kernels.token_stats import jax_vjp as _primitive
 
     if "triton" in _primitive.REGISTRY.IMPLEMENTATIONS:
         pytest.skip("jax-triton imports here (a GPU-enabled jaxlib)")
@@ -145,9 +145,9 @@ def test_jax_triton_release_mismatch_is_an_honest_import_error(fake_metadata, mo
     fake_metadata["jax-triton"] = ("0.4.1", ["triton>=3.7"])
     fake_metadata["triton"] = ("3.6.0", [])
     monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
-    monkeypatch.delitem(sys.modules, "dlm_kernels.jax._triton", raising=False)
+    monkeypatch.delitem(sys.modules, "dlm_kernels.token_stats.jax_triton", raising=False)
     with pytest.raises(ImportError, match=r"jax-triton 0.4.1 needs triton>=3.7; triton 3.6.0"):
-        importlib.import_module("dlm_kernels.jax._triton")
+        importlib.import_module("dlm_kernels.token_stats.jax_triton")
 
 
 @pytest.mark.parametrize("user_dir", [None, "", "/tmp/my-triton-cache"])
@@ -159,7 +159,7 @@ def test_jax_triton_import_keeps_the_triton_cache_dir(monkeypatch, tmp_path, use
     import importlib
     import sys
 
-    import dlm_kernels.jax as package
+    import dlm_kernels.token_stats as package
 
     (tmp_path / "jax_triton.py").write_text(
         "import os\n"
@@ -167,13 +167,13 @@ def test_jax_triton_import_keeps_the_triton_cache_dir(monkeypatch, tmp_path, use
         "from jax_triton_emulator import triton_call  # noqa: F401\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
-    monkeypatch.delitem(sys.modules, "dlm_kernels.jax._triton", raising=False)
-    monkeypatch.setattr(package, "_triton", getattr(package, "_triton", None), raising=False)
+    monkeypatch.delitem(sys.modules, "dlm_kernels.token_stats.jax_triton", raising=False)
+    monkeypatch.setattr(package, "jax_triton", getattr(package, "jax_triton", None), raising=False)
     if user_dir is None:
         monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     else:
         monkeypatch.setenv("TRITON_CACHE_DIR", user_dir)
-    module = importlib.import_module("dlm_kernels.jax._triton")
+    module = importlib.import_module("dlm_kernels.token_stats.jax_triton")
     assert module.jt.__file__ == str(tmp_path / "jax_triton.py")  # the blanking one ran
     assert os.environ.get("TRITON_CACHE_DIR") == (user_dir or None)
 
@@ -311,7 +311,7 @@ def test_zero_offset_made_during_graph_capture_is_not_kept(monkeypatch):
     capture is filled only when the graph replays, so it must not be cached for later calls."""
     import torch
 
-    from dlm_kernels.torch import _triton as TT
+    from dlm_kernels.token_stats import torch_triton as TT
 
     device = torch.device("cuda", 0)
     made = []

@@ -170,8 +170,8 @@ def test_get_transfer_index_matches_upstream(rng, fw_name, backend):
         assert np.all(x0[~mask] == x[~mask]), where
         rand = None
         if remasking == "random":  # our keyed uniforms, read back from the row keys
-            from dlm_kernels import _sampling
-            from dlm_kernels.torch._ops import TorchOps
+            from dlm_kernels.sampling import core as _sampling
+            from dlm_kernels._torch.ops import TorchOps
 
             keys = _sampling.row_keys(TorchOps, seed, 3, x.size, torch.zeros(1))
             rand = _sampling.position_uniform(TorchOps, keys).double().reshape(x.shape)

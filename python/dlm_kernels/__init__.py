@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def backend_for(logits: object, backend: str | None = None) -> str:
     """The backend name ``backend`` (None = auto) resolves to for this array or tensor: a
     torch tensor's in ``dlm_kernels.torch``, a JAX or NumPy array's in ``dlm_kernels.jax``."""
-    from ._linear_head import as_logits
+    from .linear_head.head import as_logits
 
     array = as_logits(logits).device_array  # a head runs where its hidden states are
     kind = type(array).__module__.split(".")[0]

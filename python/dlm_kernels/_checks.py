@@ -197,7 +197,7 @@ def require_instance(name, value, cls):
 
 def require_logits(xp, name, x):
     """A logits array, or a ``LinearHead`` standing for one (its parts checked)."""
-    from ._linear_head import as_logits
+    from .linear_head.head import as_logits
 
     as_logits(x).check(xp, name)
 
@@ -418,7 +418,7 @@ def check_logits_for_batch(xp, name, logits, batch_shape):
 def check_teacher_values(xp, teacher_logits, loss_weights):
     """Teacher logits (an array or a LinearHead) must be finite at active positions
     (``LogitsSource.check_finite``: a head's are never built, nothing to read)."""
-    from ._linear_head import as_logits
+    from .linear_head.head import as_logits
 
     as_logits(teacher_logits).check_finite(xp, "teacher_logits", loss_weights)
 

@@ -18,9 +18,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from typing import Any, Dict, Optional, Protocol, Tuple
+import inspect
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 from ._env import BACKEND_ENV, env_backend
+
+if TYPE_CHECKING:  # the protocol's types; the modules that define them import this one
+    from ._lowering import Lowered
+    from ._rows import Rows
+    from .linear_head.head import HeadPlan
+    from .sampling.core import Sample, SampleConfig
+    from .token_stats.math import State, Stats
 
 logger = logging.getLogger("dlm_kernels")
 
@@ -35,26 +43,52 @@ class Capabilities:
     dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")  # logits it accepts
     vocab_shards: bool = False  # forward_partial + backward(offset=): vocabulary parallelism
     inplace_grad: bool = False  # backward(inplace=True) writes d(logits) into the logits
-    sampling: bool = False  # sample(...): the denoising step's draw (dlm_kernels._sampling)
+    sampling: bool = False  # sample(...): the denoising step's draw (dlm_kernels.sampling.core)
 
 
 #: the framework-native backends also take float64 logits (their math is float32 all the same)
 NATIVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
+Array = Any  # a framework's array (torch.Tensor, jax.Array): this module imports neither
+Grads = Tuple[Array, Array, Array, Array]  # the row cotangents of (lse, logp, entropy, kl), [N] f32
+
+
+@runtime_checkable
+class FusedHead(Protocol):
+    """Kernels that run a whole linear head in one pass each way (JAX's pallas backend:
+    ``linear_head.jax_pallas.FusedHead``); ``rows.logits`` is the ``LinearHead``."""
+
+    def takes(self, rows: Rows, axis: Any, plan: HeadPlan) -> bool:
+        """Whether the kernels take these rows (else the token-chunked sweep runs)."""
+        ...
+
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
+        """Stats of [N] float32 fields."""
+        ...
+
+    def backward(self, rows: Rows, stats: Stats, grads: Grads,
+                 cfg: Lowered) -> Tuple[Tuple[Array, Array, Optional[Array]], Optional[Array]]:
+        """((dH, dW, db or None), the teacher's gradient or None)."""
+        ...
+
+
+@runtime_checkable
 class Backend(Protocol):
-    """One framework's implementation of the token-statistics primitive, in full (``rows``:
-    the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the front
-    end, ``_lowering.Lowered``, the only place its flags and constants come from; ``Stats``,
-    ``State``: ``_stats_math``). What an implementation offers is declared, never probed:
+    """One framework's implementation of the token-statistics primitive and the sampler, in
+    full (``rows``: the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the
+    front end, ``_lowering.Lowered``, the only place its flags and constants come from;
+    ``Stats``, ``State``: ``token_stats.math``; ``SampleConfig``, ``Sample``:
+    ``sampling.core``). What an implementation offers is declared, never probed, and
+    the registry checks the declaration when it takes one (``missing_methods``):
 
     custom_vjp False: ``compute`` only, differentiated by the framework's autodiff.
     custom_vjp True: ``forward`` and ``backward``; with ``capabilities.vocab_shards`` also
     ``forward_partial`` and ``backward(..., offset=)``; with ``inplace_grad``,
     ``backward(..., inplace=True)``. With ``capabilities.sampling``: ``sample``. Every
     custom-VJP backend runs linear heads too (the front end feeds it token chunks of
-    ``hidden @ weight``, ``dlm_kernels._linear_head``); ``fused_head`` is None, or kernels
-    that run a whole head in one pass each way (JAX's pallas backend).
+    ``hidden @ weight``, ``dlm_kernels.linear_head.head``); ``fused_head`` is None, or
+    kernels that run a whole head in one pass each way (:class:`FusedHead`).
     Implementations derive from :class:`BackendBase`, whose methods raise for what the
     capabilities leave out.
     """
@@ -62,31 +96,35 @@ class Backend(Protocol):
     name: str
     capabilities: Capabilities
     custom_vjp: bool
-    fused_head: Any
+    fused_head: Optional[FusedHead]
 
     def unsupported_reason(self, platform: str) -> Optional[str]:
         """None when it runs on arrays of ``platform``, else why not."""
         ...
 
-    def compute(self, rows: Any, cfg: Any) -> Tuple[Any, Any, Any, Any]:
+    def compute(self, rows: Rows, cfg: Lowered) -> Tuple[Array, Array, Array, Array]:
         """(lse, logp, entropy, kl), each [N] float32 (custom_vjp False)."""
         ...
 
-    def forward(self, rows: Any, cfg: Any) -> Any:
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
         """Stats of [N] float32 fields: the outputs and what the backward reads."""
         ...
 
-    def forward_partial(self, rows: Any, cfg: Any, offset: int = 0) -> Tuple[Any, Any, Any]:
+    def forward_partial(self, rows: Rows, cfg: Lowered,
+                        offset: int = 0) -> Tuple[State, Array, Array]:
         """(State, r_y, found) of a vocabulary shard starting at column ``offset``."""
         ...
 
-    def backward(self, rows: Any, stats: Any, grads: Any, cfg: Any,
-                 **options: Any) -> Tuple[Any, Any]:
-        """(d_logits, d_teacher or None) from the row cotangents ``grads``."""
+    def backward(self, rows: Rows, stats: Stats, grads: Grads, cfg: Lowered,
+                 **options: Any) -> Tuple[Array, Optional[Array]]:
+        """(d_logits, d_teacher or None) from the row cotangents ``grads``; ``options``:
+        ``offset: int = 0`` (vocab_shards), ``inplace: bool = False`` (inplace_grad)."""
         ...
 
-    def sample(self, z: Any, zu: Any, keys: Any, suppress: Any, cfg: Any) -> Any:
-        """The Sample of [N, K] logits (``dlm_kernels._sampling``)."""
+    def sample(self, z: Array, zu: Optional[Array], keys: Array, suppress: Optional[Array],
+               cfg: SampleConfig) -> Sample:
+        """The Sample of [N, K] logits z (zu: the unconditional logits of guidance; keys:
+        [N] uint32 row keys; suppress: ids never drawn), ``dlm_kernels.sampling.core``."""
         ...
 
 
@@ -97,25 +135,75 @@ class BackendBase:
     through a bug)."""
 
     name: str = "?"
-    fused_head: Any = None
+    fused_head: Optional[FusedHead] = None
 
     def _missing(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"backend {self.name!r} does not implement {what}")
 
-    def compute(self, rows, cfg):
+    def unsupported_reason(self, platform: str) -> Optional[str]:
+        raise self._missing("unsupported_reason")
+
+    def compute(self, rows: Rows, cfg: Lowered) -> Tuple[Array, Array, Array, Array]:
         raise self._missing("compute (it has a custom VJP: forward / backward)")
 
-    def forward(self, rows, cfg):
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
         raise self._missing("forward (no custom VJP: compute)")
 
-    def forward_partial(self, rows, cfg, offset=0):
+    def forward_partial(self, rows: Rows, cfg: Lowered,
+                        offset: int = 0) -> Tuple[State, Array, Array]:
         raise self._missing("forward_partial (capabilities.vocab_shards is False)")
 
-    def backward(self, rows, stats, grads, cfg, **options):
+    def backward(self, rows: Rows, stats: Stats, grads: Grads, cfg: Lowered,
+                 **options: Any) -> Tuple[Array, Optional[Array]]:
         raise self._missing("backward (no custom VJP: compute)")
 
-    def sample(self, z, zu, keys, suppress, cfg):
+    def sample(self, z: Array, zu: Optional[Array], keys: Array, suppress: Optional[Array],
+               cfg: SampleConfig) -> Sample:
         raise self._missing("sample (capabilities.sampling is False)")
+
+
+#: what each declaration promises: (method, the parameters it must take besides self)
+_PROMISES = {
+    "compute": ("rows", "cfg"),
+    "forward": ("rows", "cfg"),
+    "backward": ("rows", "stats", "grads", "cfg"),
+    "forward_partial": ("rows", "cfg", "offset"),
+    "sample": ("z", "zu", "keys", "suppress", "cfg"),
+}
+
+
+def missing_methods(impl: Backend) -> Tuple[str, ...]:
+    """What ``impl`` declares (``custom_vjp``, ``capabilities``, ``fused_head``) but does not
+    implement: a method left to :class:`BackendBase`'s raising stub, or taking other
+    parameters than the protocol's. Empty when it follows :class:`Backend` in full."""
+    cls, caps = type(impl), impl.capabilities
+    methods = {  # method -> (the class's, the base's stub)
+        "unsupported_reason": (cls.unsupported_reason, BackendBase.unsupported_reason),
+        "compute": (cls.compute, BackendBase.compute),
+        "forward": (cls.forward, BackendBase.forward),
+        "backward": (cls.backward, BackendBase.backward),
+        "forward_partial": (cls.forward_partial, BackendBase.forward_partial),
+        "sample": (cls.sample, BackendBase.sample),
+    }
+    wanted = ["unsupported_reason"] + (["forward", "backward"] if impl.custom_vjp else ["compute"])
+    wanted += ["forward_partial"] * caps.vocab_shards + ["sample"] * caps.sampling
+    problems = []
+    for method in wanted:
+        own, stub = methods[method]
+        if own is stub:
+            problems.append(f"{method} (not implemented)")
+            continue
+        params = inspect.signature(own).parameters
+        problems += [f"{method} (takes no {p!r})" for p in _PROMISES.get(method, ())
+                     if p not in params]
+    backward = inspect.signature(cls.backward).parameters
+    for declared, option in ((caps.vocab_shards and impl.custom_vjp, "offset"),
+                             (caps.inplace_grad, "inplace")):
+        if declared and option not in backward:
+            problems.append(f"backward (takes no {option!r})")
+    if impl.fused_head is not None and not isinstance(impl.fused_head, FusedHead):
+        problems.append("fused_head (not a FusedHead: takes, forward, backward)")
+    return tuple(problems)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,16 +218,16 @@ class BackendSpec:
 
 #: The backend table: a new backend is a module per framework and a row here.
 BACKENDS: Tuple[BackendSpec, ...] = (
-    BackendSpec("reference", {"torch": "dlm_kernels.torch._reference",
-                              "jax": "dlm_kernels.jax._reference"}, (),
+    BackendSpec("reference", {"torch": "dlm_kernels.token_stats.torch_reference",
+                              "jax": "dlm_kernels.token_stats.jax_reference"}, (),
                 "plain framework ops, float32, full materialisation, framework autodiff"),
-    BackendSpec("chunked", {"torch": "dlm_kernels.torch._chunked",
-                            "jax": "dlm_kernels.jax._chunked"}, (),
+    BackendSpec("chunked", {"torch": "dlm_kernels.token_stats.torch_chunked",
+                            "jax": "dlm_kernels.token_stats.jax_chunked"}, (),
                 "framework ops over vocabulary chunks with a custom VJP, on every device"),
-    BackendSpec("triton", {"torch": "dlm_kernels.torch._triton",
-                           "jax": "dlm_kernels.jax._triton"}, ("cuda", "gpu"),
+    BackendSpec("triton", {"torch": "dlm_kernels.token_stats.torch_triton",
+                           "jax": "dlm_kernels.token_stats.jax_triton"}, ("cuda", "gpu"),
                 "Triton kernels on NVIDIA GPUs, JAX through jax-triton"),
-    BackendSpec("pallas", {"jax": "dlm_kernels.jax._pallas"}, ("tpu",),
+    BackendSpec("pallas", {"jax": "dlm_kernels.token_stats.jax_pallas"}, ("tpu",),
                 "Pallas Mosaic kernels on TPUs"),
 )
 
@@ -185,7 +273,11 @@ class Registry:
         self._unavailable: Dict[str, str] = {}
         self._warned = set()  # (platform, backend) fallbacks already logged as a WARNING
 
-    def register(self, impl) -> None:
+    def register(self, impl: Backend) -> None:
+        missing = missing_methods(impl)
+        if missing:
+            raise TypeError(f"backend {impl.name!r} ({type(impl).__qualname__}) declares but "
+                            f"does not implement: {', '.join(missing)}")
         self.IMPLEMENTATIONS[impl.name] = impl
         self._unavailable.pop(impl.name, None)
 

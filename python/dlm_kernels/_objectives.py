@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from . import _checks as checks
 from ._checks import flag, number, shape_str
-from ._linear_head import as_logits
+from .linear_head.head import as_logits
 from ._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
                       check_positive_float, check_vocab_size)
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant

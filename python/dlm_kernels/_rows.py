@@ -1,7 +1,7 @@
 """The row bundle: every per-row input of one token-statistics call, as one value.
 
-``_token_stats.prepare`` builds it once at the API boundary (leading dimensions flattened into
-N rows) and it travels whole through dispatch, the custom VJPs and the backends; it is taken
+``token_stats.primitive.prepare`` builds it once at the API boundary (leading dimensions
+flattened into N rows) and it travels whole through dispatch, the custom VJPs and the backends; it is taken
 apart only where a framework wants flat arguments (the ``torch.library`` custom ops and
 ``autograd.Function``, ``jax_triton.triton_call``, ``pallas_call``), in one place per backend.
 A new per-row input is a new field here, filled in ``prepare`` and read where it is used.
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 class Rows(NamedTuple):
     # [N, K] student logits (float32, bfloat16 or float16); from ``prepare`` to the dispatch
-    # and in a framework's head path a ``_linear_head.LogitsSource`` (an array or a head)
+    # and in a framework's head path a ``linear_head.head.LogitsSource`` (an array or a head)
     logits: object
     teacher: object = None  # [N, K] teacher logits (likewise), or None
     targets: object = None  # [N] int target ids

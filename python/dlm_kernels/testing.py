@@ -109,7 +109,7 @@ def poisoned_outputs():
     linear head's) starts as NaN: an element left unwritten then fails a parity check instead
     of passing with whatever the allocator held. (The Pallas kernels' outputs start as NaN in
     interpret mode, and the tests' jax-triton emulator allocates them NaN-filled.)"""
-    from dlm_kernels.torch._buffers import Poison
+    from dlm_kernels._torch.buffers import Poison
 
     previous, Poison.enabled = Poison.enabled, True
     try:
@@ -122,7 +122,7 @@ def poisoned_outputs():
 def pallas_race_detection():
     """Within this block the Pallas kernels run in TPU interpret mode with race detection
     between grid steps (slow; for a test)."""
-    from dlm_kernels.jax._pallas import RaceDetection
+    from dlm_kernels._jax.pallas import RaceDetection
 
     previous, RaceDetection.enabled = RaceDetection.enabled, True
     try:

@@ -6,7 +6,8 @@ The contract objects are registered pytrees (jit- and sharding-friendly). Import
 module never imports torch.
 
 Each public name is declared here with its types; the logic underneath is written once for
-both front ends (``dlm_kernels._objectives``, ``_frontend``, ``_contract``, ``_sampling``).
+both front ends (``dlm_kernels._objectives``, ``token_stats.frontend``, ``_contract``,
+``sampling.core``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from .._checks import sync_checks
 from .._dispatch import BackendUnavailableError
 from .._objectives import Objectives as _Objectives
 from .._objectives import rf_alpha, rf_alpha_dot
-from .._sampling import Sample
-from .._sampling import make_sampling_api as _make_sampling_api
-from .._upstream_step import make_step_api as _make_step_api
+from ..sampling.core import Sample
+from ..sampling.core import make_sampling_api as _make_sampling_api
+from ..sampling.upstream import make_step_api as _make_step_api
 from .._schedule import EPS, VARIANTS, normalize_variant
-from .._token_stats import TokenStats
-from ._linear_head import LinearHead
-from ._ops import JaxOps as _JaxOps
-from ._primitive import FRONT as _FRONT
-from ._primitive import REGISTRY as _REGISTRY
+from ..token_stats.primitive import TokenStats
+from ..linear_head.jax_head import LinearHead
+from .._jax.ops import JaxOps as _JaxOps
+from ..token_stats.jax_vjp import FRONT as _FRONT
+from ..token_stats.jax_vjp import REGISTRY as _REGISTRY
 
 __all__ = [
     "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",

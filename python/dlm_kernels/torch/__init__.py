@@ -5,7 +5,8 @@ kernels import, else chunked), or one of "reference", "chunked", "triton". Tenso
 tensors out; the batch contract holds tensors. Importing this module never imports JAX.
 
 Each public name is declared here with its types; the logic underneath is written once for
-both front ends (``dlm_kernels._objectives``, ``_frontend``, ``_contract``, ``_sampling``).
+both front ends (``dlm_kernels._objectives``, ``token_stats.frontend``, ``_contract``,
+``sampling.core``).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ from .._checks import sync_checks
 from .._dispatch import BackendUnavailableError
 from .._objectives import Objectives as _Objectives
 from .._objectives import rf_alpha, rf_alpha_dot
-from .._sampling import Sample
-from .._sampling import make_sampling_api as _make_sampling_api
-from .._upstream_step import make_step_api as _make_step_api
+from ..sampling.core import Sample
+from ..sampling.core import make_sampling_api as _make_sampling_api
+from ..sampling.upstream import make_step_api as _make_step_api
 from .._schedule import EPS, VARIANTS, normalize_variant
-from .._token_stats import TokenStats
-from ._linear_head import LinearHead
-from ._ops import TorchOps as _TorchOps
-from ._primitive import FRONT as _FRONT
-from ._primitive import REGISTRY as _REGISTRY
+from ..token_stats.primitive import TokenStats
+from ..linear_head.torch_head import LinearHead
+from .._torch.ops import TorchOps as _TorchOps
+from ..token_stats.torch_vjp import FRONT as _FRONT
+from ..token_stats.torch_vjp import REGISTRY as _REGISTRY
 
 __all__ = [
     "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",

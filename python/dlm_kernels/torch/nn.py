@@ -24,7 +24,7 @@ import torch
 
 from .._config import (check_distillation_scalars, check_positive_float, check_positive_int,
                        check_vocab_size)
-from .._linear_head import LAYOUTS, VOCAB_MAJOR
+from ..linear_head.head import LAYOUTS, VOCAB_MAJOR
 from .._schedule import normalize_variant
 from . import (DiffusionDistillationBatch, LinearHead, Logits, diffusion_sft_loss, opd_loss,
                rf_alpha, rf_alpha_dot)

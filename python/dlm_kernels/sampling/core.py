@@ -35,10 +35,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import (dtype_str, flag, host_values, plain, require_array, require_float,
-                      require_int, require_logits, require_real, require_shape, shape_str)
-from ._linear_head import as_logits, row_chunks
-from .kernels.layout import SAMPLE_IDS, SAMPLE_STATE
+from .._checks import (dtype_str, flag, host_values, plain, require_array, require_float,
+                       require_int, require_logits, require_real, require_shape, shape_str)
+from ..linear_head.head import as_logits, row_chunks
+from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
 MASK32 = 0xFFFFFFFF
 # lowbias32, step by step: x ^= x >>> shift, then x *= multiplier (mod 2^32) where one is given
@@ -711,7 +711,7 @@ def _rows(xp, x, r0, r1):
 def make_sampling_api(xp, registry):
     """(sample_tokens, commit_tokens) of one front end: the bodies of its typed public
     functions (their documentation is there)."""
-    from ._dispatch import BackendUnavailableError
+    from .._dispatch import BackendUnavailableError
 
     def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,

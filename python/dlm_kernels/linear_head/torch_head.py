@@ -1,7 +1,7 @@
 """The linear head for torch: ``LinearHead`` (weight [K, D] by default, as ``nn.Linear`` and
 a tied ``nn.Embedding`` hold it) and the autograd.Function that runs a backend's kernels
 over token chunks of ``hidden @ weight`` (the math and the two gradient schedules:
-``dlm_kernels._linear_head``)."""
+``dlm_kernels.linear_head.head``)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import _linear_head as base
-from .._linear_head import VOCAB_MAJOR, row_chunk_for, row_chunks
+from . import head as base
+from .head import VOCAB_MAJOR, row_chunk_for, row_chunks
 from .._rows import Rows
-from .. import _stats_math as stats_math
-from .._stats_math import Stats
-from ._buffers import empty
-from ._first_order import first_order_only
-from ._ops import TorchOps
+from ..token_stats import math as stats_math
+from ..token_stats.math import Stats
+from .._torch.buffers import empty
+from .._torch.first_order import first_order_only
+from .._torch.ops import TorchOps
 
 
 class LinearHead(base.LinearHead[torch.Tensor]):
     """``logits = hidden @ weight (+ bias)`` of torch tensors, given in place of a logits
     tensor; weight [K, D] by default (``nn.Linear.weight``, a tied ``nn.Embedding``), or
     [D, K] with ``weight_layout="DK"``. Gradients flow to hidden, weight and bias; no
-    backend but "reference" forms the [N, K] logits (``dlm_kernels._linear_head.LinearHead``
+    backend but "reference" forms the [N, K] logits (``dlm_kernels.linear_head.head.LinearHead``
     has the whole story)."""
     DEFAULT_LAYOUT: str = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
 
@@ -258,7 +258,7 @@ class _Sweep:
     def _stats(self, rc):
         if self.group is None:
             return self.impl.forward(rc, self.cfg), 0
-        from ._primitive import _vocab_parallel_stats
+        from ..token_stats.torch_vjp import _vocab_parallel_stats
 
         return _vocab_parallel_stats(rc, self.impl, self.cfg, self.group)
 

@@ -1,7 +1,7 @@
 """The linear head for JAX: ``LinearHead`` (a pytree; weight [D, K] by default, as a Flax
 ``Dense`` kernel holds it; "KD" for a tied ``nnx.Embed`` table) and the custom VJPs that run
 a backend's kernels over token chunks of ``hidden @ weight`` inside ``lax.fori_loop`` (the
-math and the two gradient schedules: ``dlm_kernels._linear_head``).
+math and the two gradient schedules: ``dlm_kernels.linear_head.head``).
 
 Token chunks are taken with ``lax.dynamic_slice`` (no padded copy of the hidden states):
 N need not divide by the chunk R, the last chunk starts at N - R and its rows that an
@@ -20,14 +20,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from .. import _linear_head as base
-from .. import _stats_math as stats_math
-from .._linear_head import (HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, DenseLogits,
-                            row_chunk_for)
+from . import head as base
+from ..token_stats import math as stats_math
+from .head import HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, DenseLogits, row_chunk_for
 from .._rows import Rows
-from .._stats_math import Stats
-from ._first_order import first_order
-from ._ops import JaxOps
+from ..token_stats.math import Stats
+from .._jax.first_order import first_order
+from .._jax.ops import JaxOps
 
 
 @jax.tree_util.register_pytree_node_class
@@ -36,7 +35,7 @@ class LinearHead(base.LinearHead[jax.Array]):
     array; weight [D, K] by default (a Flax ``Dense`` kernel), or [K, D] with
     ``weight_layout="KD"`` (a tied embedding table). A pytree; gradients flow to hidden,
     weight and bias; no backend but "reference" forms the [N, K] logits
-    (``dlm_kernels._linear_head.LinearHead`` has the whole story)."""
+    (``dlm_kernels.linear_head.head.LinearHead`` has the whole story)."""
 
     DEFAULT_LAYOUT: str = HIDDEN_MAJOR  # a Flax Dense kernel: [D, K]
 
@@ -149,7 +148,7 @@ _PARTS = _Parts()
 
 class _Sweep:
     """One pass over the token chunks of a head's rows (see the torch twin in
-    ``dlm_kernels.torch._linear_head``): statistics when not given, and given per-row
+    ``dlm_kernels.linear_head.torch_head``): statistics when not given, and given per-row
     cotangents the float32 gradients of the heads (and of a teacher array)."""
 
     def __init__(self, impl, cfg, rows, axis):
@@ -176,7 +175,7 @@ class _Sweep:
     def _stats(self, rc):
         if self.axis is None:
             return self.impl.forward(rc, self.cfg)
-        from ._primitive import vocab_parallel_stats
+        from ..token_stats.jax_vjp import vocab_parallel_stats
 
         return vocab_parallel_stats(rc, self.impl, self.cfg, self.axis)[0]
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import _sampling as sampling
-from .. import _stats_math as stats_math
-from . import _chunked_sampling as chunked_sampling
+from ..sampling import core as sampling
+from . import math as stats_math
+from ..sampling import torch_chunked as chunked_sampling
 from ..kernels.series import PSI_COEFFS, PSI_SMALL
 from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
-from ._buffers import empty
-from ._ops import TorchOps as xp
-from ._row_blocks import TILE_BYTES, row_blocks, run_blocks, use_row_blocks
+from .._torch.buffers import empty
+from .._torch.ops import TorchOps as xp
+from .torch_row_blocks import TILE_BYTES, row_blocks, run_blocks, use_row_blocks
 
 
 def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):

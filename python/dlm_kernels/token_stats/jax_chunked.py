@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _sampling as sampling
-from .. import _stats_math as stats_math
+from ..sampling import core as sampling
+from . import math as stats_math
 from .._config import chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
-from ._ops import JaxOps as xp
+from .._jax.ops import JaxOps as xp
 
 
 def _plan(z, cfg, on_cpu):

@@ -1,13 +1,13 @@
 """The chunked backend's sampler without top-k: one read of the logits, then a second look
-at one chunk per row (``_sampling.chunk_values`` and ``settle``).
+at one chunk per row (``sampling.core.chunk_values`` and ``settle``).
 
   pass 1, every chunk (the one read of the logits): its maxima and sums only
-  merge: ``_sampling.merge_splits`` over the chunks as over the Triton kernel's vocabulary
+  merge: ``sampling.core.merge_splits`` over the chunks as over the Triton kernel's vocabulary
       splits, each chunk's number standing in for its ids: it says which chunk of each row
       holds the largest s and which the largest s + g
   pass 2: those chunks re-read (1/S of the logits each) for the positions
 
-The noise is the same integers as ``_sampling.gumbel``, computed in place in scratch buffers
+The noise is the same integers as ``sampling.core.gumbel``, computed in place in scratch buffers
 (each lowbias32 step a shift, a mask and an xor), so every backend draws the same tokens.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _sampling as sampling
+from . import core as sampling
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
-from ._ops import TorchOps as xp
+from .._torch.ops import TorchOps as xp
 
 _NEG_INF = float("-inf")
 _F32_LOWEST = torch.finfo(torch.float32).min
@@ -29,7 +29,7 @@ def _as_int32(c):
 
 
 def noisy_scores_(s, keys, cols, scratch):
-    """s + g [N, C] float32 in scratch[2], bit for bit ``s + _sampling.gumbel(xp, keys,
+    """s + g [N, C] float32 in scratch[2], bit for bit ``s + sampling.core.gumbel(xp, keys,
     cols)``: s [N, C], keys [N] int32 row keys, cols [C] or [N, C] global column ids,
     scratch (int32, int32, float32) buffers of at least [N, C]."""
     h, t, out = (buf[:, :s.shape[1]] for buf in scratch)
@@ -52,12 +52,12 @@ _FIELD = {name: i for i, name in enumerate(SAMPLE_STATE)}
 
 
 def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
-    """``_sampling.chunk_values`` of z, s, sd [N, C] into out [len(SAMPLE_STATE), N], its
+    """``sampling.core.chunk_values`` of z, s, sd [N, C] into out [len(SAMPLE_STATE), N], its
     [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
     buffers back to the system and faults their pages in again, so fresh temporaries per
     chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time).
 
-    The exponents are s - max s here, not ``_sampling.exponents``' (z - max z) / T_s: eager
+    The exponents are s - max s here, not ``sampling.core.exponents``' (z - max z) / T_s: eager
     torch rounds each s = z / T_s once, so a tie is exactly 0 all the same (the logit
     differences guard against a compiler contracting z·(1/T) - m into a fused multiply-add),
     and the division of the differences would be one more pass over the chunk."""

@@ -5,7 +5,7 @@ written once for both front ends over ``sample_tokens`` (one read of the logits,
 [B, L, K] noise or softmax).
 
 What differs from upstream, on purpose: the noise is ours (the keyed noise of
-``_sampling``, float32), so the drawn tokens are equal to upstream's in distribution, not in
+``sampling.core``, float32), so the drawn tokens are equal to upstream's in distribution, not in
 bits; the confidences are float32 (upstream: float64); ties at the k-th place go to the lower
 position (torch.topk leaves them unspecified); see each function for the rest.
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import OutOfRangeError, flag, plain, require_array, require_int, require_real, require_shape, \
-    shape_str
-from ._linear_head import as_logits
-from ._sampling import (_flat_rows, _number, commit_arguments, gumbel, make_sample_config,
-                        position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
-                        _commit_topk, _per_sequence, _unless_nan)
+from .._checks import (OutOfRangeError, flag, plain, require_array, require_int, require_real,
+                       require_shape, shape_str)
+from ..linear_head.head import as_logits
+from .core import (_flat_rows, _number, commit_arguments, gumbel, make_sample_config,
+                   position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
+                   _commit_topk, _per_sequence, _unless_nan)
 
 REMASKING = ("low_confidence", "random")
 

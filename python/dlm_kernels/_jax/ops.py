@@ -1,4 +1,4 @@
-"""The array-namespace adapter of the JAX front end (see ``dlm_kernels._stats_math``)."""
+"""The array-namespace adapter of the JAX front end (see ``dlm_kernels.token_stats.math``)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class JaxOps:
 
     @staticmethod
     def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
-        from ._linear_head import head_logits
+        from ..linear_head.jax_head import head_logits
 
         return head_logits(head)
 
@@ -118,7 +118,7 @@ class JaxOps:
     @staticmethod
     def first_max(x):  # [N, C] -> (max, its first position)
         # the max a reduction's, not a gather at the position: XLA may recompute a gathered
-        # z·(1/T) inside a consumer and contract it with a subtraction (_sampling.exponents)
+        # z·(1/T) inside a consumer and contract it with a subtraction (sampling.core.exponents)
         return jnp.max(x, axis=-1), jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     @staticmethod

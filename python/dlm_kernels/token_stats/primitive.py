@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import _checks
-from ._config import check_vocab_size, make_config
-from ._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError, Capabilities,
-                        logger)
-from ._rows import Rows
+from .. import _checks
+from .._config import check_vocab_size, make_config
+from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
+                         Capabilities, logger)
+from .._rows import Rows
 
 
 class TokenStats(NamedTuple):
@@ -81,14 +81,14 @@ class ReferenceBackend(BackendBase):
         # materialised in float32 (``LogitsSource.reference_array``: the reference is the
         # oracle's twin, not a lean path: its gradients are the float32 autodiff of
         # hidden @ weight, rounded once)
-        from ._stats_math import reference_stats
+        from .math import reference_stats
 
         return reference_stats(self.xp, rows, cfg)
 
 
     def sample(self, z, zu, keys, suppress, cfg):
         # z, zu: [N, K] -> Sample of [N] fields (the row materialised in float32)
-        from ._sampling import reference_sample
+        from ..sampling.core import reference_sample
 
         return reference_sample(self.xp, z, zu, keys, suppress, cfg)
 
@@ -139,7 +139,7 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
             smoothing_vocab=None):
     """Validate, build the static config and flatten leading dims into rows.
 
-    ``logits`` / ``teacher_logits``: ``LogitsSource``s (``_linear_head.as_logits``).
+    ``logits`` / ``teacher_logits``: ``LogitsSource``s (``linear_head.head.as_logits``).
     Returns (cfg, lead_shape, Rows) with the bundle's sources flattened to [N, K] rows and
     its arrays to [N].
     """

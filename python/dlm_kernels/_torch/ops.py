@@ -1,4 +1,4 @@
-"""The array-namespace adapter of the torch front end (see ``dlm_kernels._stats_math``)."""
+"""The array-namespace adapter of the torch front end (see ``dlm_kernels.token_stats.math``)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class TorchOps:
 
     @staticmethod
     def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
-        from ._linear_head import head_logits
+        from ..linear_head.torch_head import head_logits
 
         return head_logits(head)
 

@@ -14,7 +14,7 @@ Each framework supplies only what differs: its ops adapter (``xp``), its registr
       the same for rows of ``LogitsSource``s whose logits and/or teacher are a
       ``LinearHead`` (the choice made once, in ``token_stats_total``): token chunks of
       matmuls feeding ``impl``; ``total`` is None without ``coefficients``, else the planned
-      scalar with its gradient formed in the forward (``_linear_head``)
+      scalar with its gradient formed in the forward (``linear_head.head``)
   inplace_grad: bool
       whether the framework can write a gradient into its logits (torch: yes; JAX: no)
   check_shard(shard, bound) -> None
@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import contextlib
 
-from ._checks import flag
-from ._config import check_vocab_size
-from ._linear_head import as_logits, planned_total, weighting_term
-from ._lowering import lower
-from ._token_stats import (apply_vocab_parallel, prepare, public_stats, require_dtype,
-                         shard_capable)
+from .._checks import flag
+from .._config import check_vocab_size
+from ..linear_head.head import as_logits, planned_total, weighting_term
+from .._lowering import lower
+from .primitive import apply_vocab_parallel, prepare, public_stats, require_dtype, shard_capable
 
 class VocabParallel:
     """The active ``vocab_parallel`` setting of one front end: (shard, vocab_size) or None.
@@ -127,8 +126,8 @@ class TokenStatsFrontEnd:
                           label_smoothing=0.0, z_loss_weight=0.0, shard=None, backend=None):
         """(TokenStats, total): the statistics, and with ``coefficients`` (a TokenStats of
         [...] float32 arrays or None per field) also total = Σ_rows Σ_fields c·stat, the one
-        scalar an objective reduces to (``_linear_head.planned_total``). A linear head then
-        forms its gradient in the forward (the module docstring of ``_linear_head``)."""
+        scalar an objective reduces to (``linear_head.head.planned_total``). A linear head then
+        forms its gradient in the forward (the module docstring of ``linear_head.head``)."""
         xp = self.xp
         inplace_grad = flag("inplace_grad", inplace_grad)
         if inplace_grad and not self.vjp.inplace_grad:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import _stats_math as stats_math
+from . import math as stats_math
 from .._dispatch import Registry
-from .._frontend import TokenStatsFrontEnd
+from .frontend import TokenStatsFrontEnd
 from .._rows import Rows
-from .._stats_math import Stats
-from ._first_order import first_order_only
-from ._linear_head import apply_head
-from ._ops import TorchOps
+from .math import Stats
+from .._torch.first_order import first_order_only
+from ..linear_head.torch_head import apply_head
+from .._torch.ops import TorchOps
 
 REGISTRY = Registry("torch")
 
@@ -85,7 +85,7 @@ class _TokenStatsFunction(torch.autograd.Function):
 
 
 class TorchVJP:
-    """The torch side of the front-end shell (``dlm_kernels._frontend``)."""
+    """The torch side of the front-end shell (``dlm_kernels.token_stats.frontend``)."""
 
     inplace_grad = True
 

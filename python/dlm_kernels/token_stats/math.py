@@ -1,7 +1,7 @@
 """The token-statistics math of docs/design.md §2, written once over an array namespace.
 
-Every function takes ``xp``, a small adapter (``dlm_kernels.torch._ops.TorchOps`` or
-``dlm_kernels.jax._ops.JaxOps``) that maps the handful of operations whose spelling
+Every function takes ``xp``, a small adapter (``dlm_kernels._torch.ops.TorchOps`` or
+``dlm_kernels._jax.ops.JaxOps``) that maps the handful of operations whose spelling
 differs between torch and jax.numpy. The chunked backends of both frameworks loop over
 vocabulary chunks with :func:`chunk_partial` / :func:`merge` / :func:`finalize` in the
 forward pass and :func:`chunk_grads` in the backward pass; the reference backend uses
@@ -40,12 +40,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._linear_head import as_logits
-from ._lowering import Lowered
-from ._rows import Rows
-from .kernels.layout import PARTIAL_STATE, ROW_STATS
-from .kernels.series import PSI_COEFFS, PSI_SMALL
-from .kernels.softcap import TANH_SERIES, TANH_SERIES_BOUND
+from ..linear_head.head import as_logits
+from .._lowering import Lowered
+from .._rows import Rows
+from ..kernels.layout import PARTIAL_STATE, ROW_STATS
+from ..kernels.series import PSI_COEFFS, PSI_SMALL
+from ..kernels.softcap import TANH_SERIES, TANH_SERIES_BOUND
 
 NEG_INF = float("-inf")
 

@@ -8,7 +8,7 @@ dispatch sends arrays to the backend as they are and rows with any head to the f
 head path, whose sweeps read the schedule choices ``head_plan`` makes from the two kinds
 once (``HeadPlan``), never the kinds themselves.
 
-How it runs (each framework's ``_linear_head`` module):
+How it runs (``linear_head.torch_head`` and ``linear_head.jax_head``):
 the N rows are cut into token chunks of R rows. For each chunk the logits ``Z_c = H_c W``
 ([R, K], a matmul in the inputs' dtype with float32 accumulation) feed the chosen backend's
 streaming kernels exactly as a logits array would (softcap, temperatures, LOO shift and
@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-from ._checks import require_array, require_finite_at_active, require_float, shape_str
-from ._config import check_positive_int
+from .._checks import require_array, require_finite_at_active, require_float, shape_str
+from .._config import check_positive_int
 
 #: weight layouts: [K, D] (torch nn.Linear.weight, a tied nn.Embedding / nnx.Embed table)
 #: and [D, K] (a Flax linen/nnx Dense kernel)

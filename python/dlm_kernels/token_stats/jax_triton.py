@@ -59,15 +59,15 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from .. import _sampling as sampling
-from .. import _stats_math as stats_math
+from ..sampling import core as sampling
+from . import math as stats_math
 from .._dispatch import BackendBase, Capabilities
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS, SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._rows import Rows
-from ._batching import fold_vmap_into_rows
-from ._ops import JaxOps
+from .._jax.batching import fold_vmap_into_rows
+from .._jax.ops import JaxOps
 
 # jax-triton renamed out_shape= to out_type= (the old name still works, with a warning)
 _OUT_KW = ("out_type" if "out_type" in inspect.signature(jt.triton_call).parameters

@@ -1,0 +1,42 @@
+"""What every op's Triton launch from torch shares: the SM count, the launch plan of
+``kernels.triton.token_stats.launch_config``, unit-stride columns."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..kernels.triton import token_stats as kernels
+
+Tensor = torch.Tensor
+
+
+# Triton picks its interpreter when it is first imported, from this variable: read it once.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_NUM_SMS = {}
+
+
+def num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: plan as for an H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Rows may be strided; columns must be unit-stride (an explicit copy otherwise)."""
+    if t is None or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def plan(z, u, block_k=0):
+    """The launch plan (block size, warps, stages, splits) the heuristic picks for z: [N, K]."""
+    return kernels.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
+                           num_sms(z.device), block_k or None)
