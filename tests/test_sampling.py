@@ -581,7 +581,7 @@ def test_uniform_stays_inside_zero_one(fw_name):
     from dlm_kernels.sampling import core as _sampling
 
     fw = framework(fw_name)
-    ops = importlib.import_module(f"dlm_kernels.{fw_name}._ops")
+    ops = importlib.import_module(f"dlm_kernels._{fw_name}.ops")
     xp = ops.TorchOps if fw_name == "torch" else ops.JaxOps
     # the 32-bit patterns 0, 2^31 - 1, 2^31 and 2^32 - 1
     h = xp.u32(fw.array(np.array([0, 2**31 - 1, -2**31, -1], np.int32)))
