@@ -882,6 +882,8 @@ class TestTorchChunkedRowBlocks:
                                              torch_row_blocks as _row_blocks)
 
         monkeypatch.setattr(_row_blocks, "ROW_BLOCK", 5)
+        monkeypatch.setattr(_row_blocks, "BLOCK_ELEMENTS", 0)  # blocks of 5 rows at any K
+        monkeypatch.setattr(_row_blocks, "WORKER_ELEMENTS", 1)  # and two workers on them
         monkeypatch.setattr(_chunked, "TILE_BYTES", 5 * 4 * 128)
         threads = torch.get_num_threads()
         torch.set_num_threads(2)  # two workers even on a one-core runner
@@ -896,6 +898,31 @@ class TestTorchChunkedRowBlocks:
         case = make_case(suite.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
         suite.check(case, rng, dtype, entropy=False)
         suite.check(case, rng, dtype, chunk_size=300, entropy=feature == "all")
+
+
+def test_row_blocks_are_sized_by_the_work():
+    """A small call runs on the calling thread in one block (two workers' Python calls
+    contend for the interpreter lock: 3.4 ms for 1.3 ms at N 256, K 2048); a large one is
+    shared out in blocks of at least BLOCK_ELEMENTS logits over the workers."""
+    import threading
+
+    import torch
+
+    from dlm_kernels.token_stats import torch_row_blocks as rb
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n, k, blocks, on_workers in ((256, 2048, 1, False), (4096, 2048, 8, True),
+                                         (4096, 32768, 64, True), (256, 16384, 4, False)):
+            seen = []
+            rb.run_blocks(lambda r0, r1: seen.append((r1 - r0, threading.current_thread())), n, k)
+            assert len(seen) == blocks and sum(r for r, _ in seen) == n, (n, k, seen)
+            assert all(r * k >= rb.BLOCK_ELEMENTS for r, _ in seen[:-1]), (n, k, seen)
+            main = [t is threading.main_thread() for _, t in seen]
+            assert not any(main) if on_workers else all(main), (n, k, seen)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class TestJaxReference(TokenStatsSuite):

@@ -19,7 +19,7 @@ from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps as xp
-from .torch_row_blocks import TILE_BYTES, row_blocks, run_blocks, use_row_blocks
+from .torch_row_blocks import TILE_BYTES, run_blocks, use_row_blocks
 
 
 def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
@@ -45,7 +45,7 @@ class ChunkedTorch(BackendBase):
         n, k = z.shape
         if use_row_blocks(z) and n > 0:  # row blocks on single-threaded workers (_row_blocks)
             parts = run_blocks(lambda r0, r1: _block_partial(_row_slice(rows, r0, r1), cfg,
-                                                             offset), n)
+                                                             offset), n, k)
             state = stats_math.State(*(torch.cat(f) for f in zip(*parts)))
         else:
             state = _partial(rows, cfg, offset)
@@ -78,7 +78,7 @@ class ChunkedTorch(BackendBase):
                 _grads_into(dz[sl], None if du is None else du[sl], *part, cfg, offset,
                             TILE_BYTES)
 
-        run_blocks(block, n)
+        run_blocks(block, n, k)
         return dz, du
 
     @staticmethod

@@ -4,10 +4,15 @@ An eager chunk loop runs a few ATen ops per [N, C] chunk, each one OpenMP parall
 over the intra-op threads. On a shared CPU every region waits for its slowest thread, and a
 thread the scheduler has parked stalls them all: bench/NOTES.md ("The torch chunked path on
 a CPU") measured the same backward 5x slower at 2 intra-op threads than at 1 under load.
-Here the rows are cut into blocks of ``ROW_BLOCK`` rows; ``torch.get_num_threads()``
+Here the rows are cut into blocks (``row_blocks``); up to ``torch.get_num_threads()``
 persistent workers, each with one intra-op thread (no parallel region, no barrier), take
 blocks from one queue, so a worker that loses its core takes fewer blocks instead of
 stalling the others. A block's [R, C] tiles stay in the core's cache (``TILE_BYTES``).
+
+Each block runs a few ATen calls per tile from Python, and two workers' calls contend for
+the interpreter lock, so a block must hold enough logits to outweigh that
+(``BLOCK_ELEMENTS``), and a second worker only pays from ``WORKER_ELEMENTS`` logits per
+worker on: below that one thread is faster (bench/NOTES.md, "Row blocks sized by the work").
 
 Only for CPU tensors outside tracing (``use_row_blocks``): accelerators and torch.compile
 keep the plain chunk loop. Blocks are independent rows, so results do not depend on which
@@ -22,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-ROW_BLOCK = 64
+ROW_BLOCK = 64  # rows of a block: at least this, and a multiple of it
+BLOCK_ELEMENTS = 1 << 20  # logits a block holds at least (rows x K), where N allows
+WORKER_ELEMENTS = 1 << 22  # logits of the call per worker: fewer, fewer workers
 TILE_BYTES = 1024 * 1024  # one [R, C] float32 tile of a block
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -57,8 +64,11 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def row_blocks(n: int) -> list[tuple[int, int]]:
-    return [(r0, min(r0 + ROW_BLOCK, n)) for r0 in range(0, n, ROW_BLOCK)]
+def row_blocks(n: int, k: int) -> list[tuple[int, int]]:
+    """[(r0, r1)] blocks of the [N, K] logits' rows: ROW_BLOCK rows, or the multiple of it
+    that holds BLOCK_ELEMENTS logits."""
+    rows = ROW_BLOCK * max(1, BLOCK_ELEMENTS // (ROW_BLOCK * max(k, 1)))
+    return [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
 
 
 def _no_grad(fn, r0: int, r1: int):
@@ -66,11 +76,11 @@ def _no_grad(fn, r0: int, r1: int):
         return fn(r0, r1)
 
 
-def run_blocks(fn, n: int) -> list:
-    """[fn(r0, r1) for each row block] under no_grad, the blocks shared out over the
-    workers."""
-    blocks = row_blocks(n)
-    workers = min(torch.get_num_threads(), len(blocks))
+def run_blocks(fn, n: int, k: int) -> list:
+    """[fn(r0, r1) for each row block of the [N, K] logits] under no_grad, the blocks shared
+    out over the workers (one per WORKER_ELEMENTS logits, up to the intra-op threads)."""
+    blocks = row_blocks(n, k)
+    workers = min(torch.get_num_threads(), len(blocks), max(1, n * k // WORKER_ELEMENTS))
     if workers <= 1:
         return [_no_grad(fn, r0, r1) for r0, r1 in blocks]
     pool = _pool(workers)
