@@ -913,6 +913,9 @@ def test_row_blocks_are_sized_by_the_work():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        # each worker computes on one thread, and the caller keeps its own count
+        team = rb.run_blocks(lambda r0, r1: torch.get_num_threads(), 1 << 16, 1 << 10)
+        assert team == [1] * len(team) and len(team) > 1 and torch.get_num_threads() == 2, team
         for n, k, blocks, on_workers in ((256, 2048, 1, False), (4096, 2048, 8, True),
                                          (4096, 32768, 64, True), (256, 16384, 4, False)):
             seen = []

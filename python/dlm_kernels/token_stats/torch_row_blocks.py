@@ -43,7 +43,14 @@ def use_row_blocks(x: torch.Tensor) -> bool:
 
 
 def _one_thread(barrier: threading.Barrier) -> None:
-    torch.set_num_threads(1)  # this worker's OpenMP team size (a per-thread setting)
+    """Set this worker to one intra-op thread, for good. ATen initialises a thread's OpenMP
+    team size lazily, at its first parallel op, from the process-wide setting, which the
+    caller puts back to its own count once the workers start; so the first op runs here,
+    at one thread. (Left to later, each worker ran two-thread teams: four threads on two
+    cores, and libgomp, managing more threads than CPUs, then spun less before sleeping,
+    which made every later parallel op of the process about 2x slower.)"""
+    torch.set_num_threads(1)
+    torch.ones(1 << 16).exp_()  # past ATen's grain size: the lazy initialisation, now
     barrier.wait()
 
 
