@@ -75,12 +75,6 @@ class JaxFW:
         a = np.asarray(a)
         return a if np.issubdtype(a.dtype, np.integer) or a.dtype == bool else a.astype(np.float64)
 
-    def jit(self, fn):
-        """``jax.jit(fn)``: every JAX program of the suites is compiled at XLA's default
-        optimisation level (level 0 changed an interpreted Pallas kernel's gradient at
-        T = 1e-6, DLM_TEST_SEED=971123841 in test_small_temperatures: docs/testing.md)."""
-        return self.jax.jit(fn)
-
     def vjp(self, fn, primals, cotangents, jit=True):
         """As TorchFW.vjp, the forward and its VJP traced into one ``jax.jit`` program (as
         training code runs them; ``jit=False``: op by op). One compilation per call costs a
@@ -92,7 +86,7 @@ class JaxFW:
             cots = tuple(c.astype(o.dtype) for o, c in zip(outs, cotangents))
             return outs, vjp_fn(cots)
 
-        run = self.jit(outputs_and_grads) if jit else outputs_and_grads
+        run = jax.jit(outputs_and_grads) if jit else outputs_and_grads
         outs, grads = run(tuple(primals), tuple(jnp.asarray(c) for c in cotangents))
         return [self.numpy(o) for o in outs], [self.numpy(g) for g in grads]
 

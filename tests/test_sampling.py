@@ -120,7 +120,7 @@ class SamplingSuite:
         fw = self.fw
         call = lambda z: fw.api.sample_tokens(z, backend=self.BACKEND, **kw)  # noqa: E731
         if fw.name == "jax" and jit:
-            call = fw.jit(call)
+            call = fw.jax.jit(call)
         return [np.asarray(fw.numpy(x)) for x in call(fw.array(z, dtype))]
 
     def check(self, got, want, dtype="float32", scale=None):
@@ -776,7 +776,7 @@ def test_numpy_scalars_are_numbers(rng, name):
     npy = dict(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(5),
                step=np.int32(2), cfg_scale=np.float64(1.5), chunk_size=np.int64(16))
     # JAX: each call traced into one program (the numbers are read as it is traced)
-    run = (lambda f, *args: fw.jit(f)(*args)) if name == "jax" else (lambda f, *args: f(*args))
+    run = (lambda f, *args: fw.jax.jit(f)(*args)) if name == "jax" else (lambda f, *args: f(*args))
     want = run(lambda z, zu: api.sample_tokens(z, uncond_logits=zu, **py), z, zu)
     got = run(lambda z, zu: api.sample_tokens(z, uncond_logits=zu, **npy), z, zu)
     for f, g, w in zip(got._fields, got, want):
