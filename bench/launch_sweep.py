@@ -30,7 +30,7 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     import torch
 
     from dlm_kernels._config import make_config
-    from dlm_kernels._lowering import lower
+    from dlm_kernels.token_stats.lowering import lower
     from dlm_kernels.kernels.triton import token_stats as kernels
     from dlm_kernels._torch import triton as triton_plan
     from dlm_kernels.token_stats import torch_triton as triton_launch

@@ -186,7 +186,7 @@ def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
     forward = type(impl).forward
 
     def spy(*args):
-        seen.append(args[-1])  # the lowered call (_lowering.Lowered)
+        seen.append(args[-1])  # the lowered call (token_stats.lowering.Lowered)
         return forward(*args)
 
     monkeypatch.setattr(type(impl), "forward", staticmethod(spy))
@@ -230,7 +230,7 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     import os
 
     (tmp_path / "throwaway_backend.py").write_text(
-        "from dlm_kernels.token_stats.primitive import ReferenceBackend\n"
+        "from dlm_kernels.token_stats.op import ReferenceBackend\n"
         "from dlm_kernels._torch.ops import TorchOps\n\n\n"
         "class Throwaway(ReferenceBackend):\n"
         "    name = 'throwaway'\n"

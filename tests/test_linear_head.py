@@ -582,7 +582,7 @@ def test_triton_vocab_blocks_match_whole_vocabulary(rng, monkeypatch):
 @pytest.mark.parametrize("fw_name", ["torch", "jax"])
 def test_planned_gradient_of_a_float16_head_keeps_its_digits_at_any_weight_scale(rng, fw_name):
     """opd_loss's gradient is formed in the forward in the head's dtype, its scale taken out
-    when far from 1 (``token_stats.frontend.unit_coefficients``). At T = 1e3 over K = 2^15
+    when far from 1 (``token_stats.op.unit_coefficients``). At T = 1e3 over K = 2^15
     columns each d logit is about |p - q| ~ 1e-6 of that scale: brought to 1, a float16 dZ was subnormal
     and lost its digits (loss weights of 1e30 or 1e-30: d weight off by 1e-5 where weights
     of 1 were exact). The loss is invariant to the weights' scale, so are its gradients."""

@@ -1,4 +1,4 @@
-"""The one lowering (``_lowering.lower``): a call's keywords become one ``Lowered`` object,
+"""The one lowering (``token_stats.lowering.lower``): a call's keywords become one ``Lowered`` object,
 the only place a kernel flag, a scaled constant or a stand-in is derived, and every backend's
 launch receives that object."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dlm_kernels._config import make_config
-from dlm_kernels._lowering import Lowered, lower
+from dlm_kernels.token_stats.lowering import Lowered, lower
 from dlm_kernels.kernels.layout import NO_VOCAB_LIMIT
 from harness import assert_close, framework
 
@@ -74,11 +74,11 @@ STAND_INS = r"NO_VOCAB_LIMIT|2 \*\* 31 - 1|softcap or 0"
 
 def test_no_derivation_outside_the_lowering():
     """1/T, the stand-ins (softcap 0, vocabulary limit 2^31 - 1) and SEPARATE_CE are formed
-    in ``_lowering`` only: no other host module spells them, and no kernel names a
+    in ``token_stats.lowering`` only: no other host module spells them, and no kernel names a
     stand-in (each takes its flags, PADDED included, as statics or constexprs)."""
     here = os.path.dirname(__file__)
     host = re.compile(r"separate_ce|1\.0 / cfg\.|" + STAND_INS)
-    hits = _scan(os.path.join(here, "..", "python", "dlm_kernels"), host, {"_lowering.py"})
+    hits = _scan(os.path.join(here, "..", "python", "dlm_kernels"), host, {"lowering.py"})
     hits += _scan(os.path.join(here, "..", "kernels"), re.compile(STAND_INS), {"layout.py"})
     assert not hits, "\n".join(hits)
 
@@ -109,7 +109,7 @@ def _spy(monkeypatch, owner, name, seen, pick):
 
 def _lowered_once(monkeypatch):
     """The objects ``lower`` returns to the front end, as a list that fills per call."""
-    import dlm_kernels.token_stats.frontend as frontend
+    import dlm_kernels.token_stats.op as op
 
     made = []
 
@@ -117,7 +117,7 @@ def _lowered_once(monkeypatch):
         made.append(lower(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(frontend, "lower", record)
+    monkeypatch.setattr(op, "lower", record)
     return made
 
 

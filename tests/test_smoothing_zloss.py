@@ -413,7 +413,7 @@ def test_default_configuration_is_unchanged():
     """ε = λ = 0 is the configuration without the options (equal, same hash): no new
     specialisation, no Σ r, no CE coefficients."""
     from dlm_kernels._config import make_config
-    from dlm_kernels._lowering import lower
+    from dlm_kernels.token_stats.lowering import lower
 
     plain, zero = make_config(), make_config(label_smoothing=0, z_loss_weight=0.0,
                                              smoothing_vocab=37)

@@ -98,7 +98,7 @@ def check_vocab_size(vocab_size) -> int:
 class StatsConfig:
     """Static (hashable) configuration of one token-statistics call: the call as described
     by its keywords. What the kernels take (1/T, stand-ins, flags) is derived from it in one
-    place, ``_lowering.lower``; the backends read that, never this.
+    place, ``token_stats.lowering.lower``; the backends read that, never this.
 
     temperature:       T of the student distribution p = softmax(s), s = r / T (entropy, KL);
                        every temperature is at least MIN_TEMPERATURE.
@@ -207,7 +207,7 @@ def chunk_size_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
     ``CHUNK_BYTES_ACCELERATOR`` (128 MiB)
     elsewhere, a multiple of 128 columns, at least 128 and at most K. Peak extra memory is
     then a handful of these buffers, independent of K. ``cfg.chunk_size`` overrides (``cfg``:
-    the lowered call, ``_lowering.Lowered``, or a sampler's ``SampleConfig``)."""
+    the lowered call, ``token_stats.lowering.Lowered``, or a sampler's ``SampleConfig``)."""
     if cfg.chunk_size is not None:
         return max(1, min(cfg.chunk_size, vocab))
     budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR

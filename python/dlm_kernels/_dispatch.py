@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple, runtime_
 from ._env import BACKEND_ENV, env_backend
 
 if TYPE_CHECKING:  # the protocol's types; the modules that define them import this one
-    from ._lowering import Lowered
+    from .token_stats.lowering import Lowered
     from ._rows import Rows
     from .linear_head.head import HeadPlan
     from .sampling.core import Sample, SampleConfig
@@ -77,7 +77,7 @@ class FusedHead(Protocol):
 class Backend(Protocol):
     """One framework's implementation of the token-statistics primitive and the sampler, in
     full (``rows``: the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the
-    front end, ``_lowering.Lowered``, the only place its flags and constants come from;
+    front end, ``token_stats.lowering.Lowered``, the only place its flags and constants come from;
     ``Stats``, ``State``: ``token_stats.math``; ``SampleConfig``, ``Sample``:
     ``sampling.core``). What an implementation offers is declared, never probed, and
     the registry checks the declaration when it takes one (``missing_methods``):

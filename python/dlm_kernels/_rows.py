@@ -1,6 +1,6 @@
 """The row bundle: every per-row input of one token-statistics call, as one value.
 
-``token_stats.primitive.prepare`` builds it once at the API boundary (leading dimensions
+``token_stats.op.prepare`` builds it once at the API boundary (leading dimensions
 flattened into N rows) and it travels whole through dispatch, the custom VJPs and the backends; it is taken
 apart only where a framework wants flat arguments (the ``torch.library`` custom ops and
 ``autograd.Function``, ``jax_triton.triton_call``, ``pallas_call``), in one place per backend.

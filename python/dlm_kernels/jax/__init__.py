@@ -6,7 +6,7 @@ The contract objects are registered pytrees (jit- and sharding-friendly). Import
 module never imports torch.
 
 Each public name is declared here with its types; the logic underneath is written once for
-both front ends (``dlm_kernels._objectives``, ``token_stats.frontend``, ``_contract``,
+both front ends (``dlm_kernels._objectives``, ``token_stats.op``, ``_contract``,
 ``sampling.core``).
 """
 
@@ -28,7 +28,7 @@ from ..sampling.core import Sample
 from ..sampling.core import make_sampling_api as _make_sampling_api
 from ..sampling.upstream import make_step_api as _make_step_api
 from .._schedule import EPS, VARIANTS, normalize_variant
-from ..token_stats.primitive import TokenStats
+from ..token_stats.op import TokenStats
 from ..linear_head.jax_head import LinearHead
 from .._jax.ops import JaxOps as _JaxOps
 from ..token_stats.jax_vjp import FRONT as _FRONT

@@ -1,6 +1,6 @@
-"""The reference backend for JAX (see ``dlm_kernels.token_stats.primitive.ReferenceBackend``)."""
+"""The reference backend for JAX (see ``dlm_kernels.token_stats.op.ReferenceBackend``)."""
 
-from .primitive import ReferenceBackend
+from .op import ReferenceBackend
 from .._jax.ops import JaxOps
 
 IMPLEMENTATION = ReferenceBackend(JaxOps)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._dispatch import Registry
 from . import math as stats_math
-from .frontend import TokenStatsFrontEnd
+from .op import TokenStatsFrontEnd
 from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
 from .._jax.ops import JaxOps
@@ -95,7 +95,7 @@ def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):
 _vocab_parallel_vjp.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
 
 class JaxVJP:
-    """The JAX side of the front-end shell (``dlm_kernels.token_stats.frontend``)."""
+    """The JAX side of the front-end shell (``dlm_kernels.token_stats.op``)."""
 
     inplace_grad = False  # arrays are immutable
     apply_head = staticmethod(apply_head)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..linear_head.head import as_logits
-from .._lowering import Lowered
+from .lowering import Lowered
 from .._rows import Rows
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.series import PSI_COEFFS, PSI_SMALL

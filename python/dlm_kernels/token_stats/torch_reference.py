@@ -1,6 +1,6 @@
-"""The reference backend for torch (see ``dlm_kernels.token_stats.primitive.ReferenceBackend``)."""
+"""The reference backend for torch (see ``dlm_kernels.token_stats.op.ReferenceBackend``)."""
 
-from .primitive import ReferenceBackend
+from .op import ReferenceBackend
 from .._torch.ops import TorchOps
 
 IMPLEMENTATION = ReferenceBackend(TorchOps)

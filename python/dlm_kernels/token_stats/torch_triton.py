@@ -17,7 +17,7 @@ import triton
 
 from . import math as stats_math
 from .._dispatch import BackendBase, Capabilities
-from .._lowering import Lowered
+from .lowering import Lowered
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels
 from .math import Stats

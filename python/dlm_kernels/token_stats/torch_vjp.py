@@ -7,7 +7,7 @@ import torch
 
 from . import math as stats_math
 from .._dispatch import Registry
-from .frontend import TokenStatsFrontEnd
+from .op import TokenStatsFrontEnd
 from .._rows import Rows
 from .math import Stats
 from .._torch.first_order import first_order_only
@@ -85,7 +85,7 @@ class _TokenStatsFunction(torch.autograd.Function):
 
 
 class TorchVJP:
-    """The torch side of the front-end shell (``dlm_kernels.token_stats.frontend``)."""
+    """The torch side of the front-end shell (``dlm_kernels.token_stats.op``)."""
 
     inplace_grad = True
 

@@ -5,7 +5,7 @@ kernels import, else chunked), or one of "reference", "chunked", "triton". Tenso
 tensors out; the batch contract holds tensors. Importing this module never imports JAX.
 
 Each public name is declared here with its types; the logic underneath is written once for
-both front ends (``dlm_kernels._objectives``, ``token_stats.frontend``, ``_contract``,
+both front ends (``dlm_kernels._objectives``, ``token_stats.op``, ``_contract``,
 ``sampling.core``).
 """
 
@@ -27,7 +27,7 @@ from ..sampling.core import Sample
 from ..sampling.core import make_sampling_api as _make_sampling_api
 from ..sampling.upstream import make_step_api as _make_step_api
 from .._schedule import EPS, VARIANTS, normalize_variant
-from ..token_stats.primitive import TokenStats
+from ..token_stats.op import TokenStats
 from ..linear_head.torch_head import LinearHead
 from .._torch.ops import TorchOps as _TorchOps
 from ..token_stats.torch_vjp import FRONT as _FRONT

@@ -11,8 +11,8 @@ from __future__ import annotations
 import typing
 from typing import NamedTuple, Optional
 
-from ._config import StatsConfig
-from .kernels.layout import NO_VOCAB_LIMIT
+from .._config import StatsConfig
+from ..kernels.layout import NO_VOCAB_LIMIT
 
 
 class Lowered(NamedTuple):
