@@ -1,4 +1,6 @@
-"""Every public objective x framework x backend against the float64 oracle, gradients too."""
+"""Every public objective x framework x backend against the float64 oracle, gradients too:
+the shared suites and ``sft_inputs``; the classes that run them are in this folder's
+test_<backend>.py files."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Parity of the token-statistics primitive (values and VJPs) against the float64 oracle.
 
-One suite class, one subclass per framework x backend (kernel backends add theirs in
-their own files). Inputs are fresh random draws; inactive rows carry NaN/inf logits and
+The shared suite and its builders; the classes that run it, one per framework x backend,
+are in this folder's test_<backend>.py files. Inputs are fresh random draws; inactive rows carry NaN/inf logits and
 sentinel targets (-1, K + 5) that must not leak into anything.
 """
 
