@@ -933,7 +933,7 @@ def test_examples_generate(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")  # the repository, above tests/sampling/
     for script in ("generate_torch.py", "generate_jax.py"):
         out = subprocess.run([sys.executable, os.path.join(root, "examples", script)],
                              capture_output=True, text=True, check=True, cwd=tmp_path)

@@ -170,7 +170,7 @@ def test_real_jax_triton_lowers_for_cuda():
     if importlib.util.find_spec("jax_triton") is None:
         pytest.skip("jax-triton is not installed")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
-    probe = os.path.join(os.path.dirname(__file__), "jax_triton_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "..", "jax_triton_probe.py")  # in tests/
     out = subprocess.run([sys.executable, probe], env=dict(env, JAX_PLATFORMS="cpu"),
                          capture_output=True, text=True)
     if out.returncode == 3:
@@ -333,7 +333,7 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = os.path.join(os.path.dirname(__file__), "aot_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "..", "aot_probe.py")  # in tests/
     out = subprocess.run([sys.executable, probe, dtype, str(int(teacher))], env=env,
                          capture_output=True, text=True)
     if out.returncode == 3:
