@@ -58,7 +58,7 @@ gpu_pytest() {  # gpu_pytest SECONDS XML TESTS...
 if want parity; then
   log "GPU parity at real sizes (compiled Triton on CUDA tensors, K = 262144, N·K > 2^31)"
   t=$(left "$(later bench:150 jax:150 sweep:60 sampling:90 suites:100)"); [ "$t" -gt 100 ] && t=100
-  gpu_pytest "$t" gpu_tests.xml -k "not jax" tests/test_gpu.py "tests/test_triton.py::test_row_offsets_past_int32"
+  gpu_pytest "$t" gpu_tests.xml -k "not jax" tests/token_stats/test_gpu.py "tests/token_stats/test_triton.py::test_row_offsets_past_int32"
 fi
 
 if want bench; then
@@ -74,7 +74,7 @@ if want jax; then
   python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
 jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUTDIR/gpu_check.log"
   t=$(left "$(later sweep:60 sampling:90)"); [ "$t" -gt 150 ] && t=150
-  gpu_pytest "$t" gpu_jax_tests.xml "tests/test_gpu.py::test_jax_triton_parity" "tests/test_gpu.py::TestJaxTritonGpu"
+  gpu_pytest "$t" gpu_jax_tests.xml "tests/token_stats/test_gpu.py::test_jax_triton_parity" "tests/token_stats/test_gpu.py::TestJaxTritonGpu"
 fi
 
 if want sweep; then
@@ -99,8 +99,8 @@ if want sampling; then
   # sampling.json and sampling.md beside the other results and its table goes into the log
   t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
   tests_s=$(( t / 3 )); bench_s=$(( t - t / 3 ))
-  gpu_pytest "$tests_s" gpu_sampling_tests.xml "tests/test_sampling.py::TestTorchTriton" \
-    "tests/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
+  gpu_pytest "$tests_s" gpu_sampling_tests.xml "tests/sampling/test_sampling.py::TestTorchTriton" \
+    "tests/sampling/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
   TRITON_INTERPRET=0 timeout "$bench_s" python3 -m bench.sampling \
     --json "$OUTDIR/sampling.json" --md "$OUTDIR/sampling.md" 2>&1 | tail -20 | tee -a "$OUTDIR/gpu_check.log"
 fi
@@ -110,8 +110,8 @@ if ! want suites; then
   :
 elif [ "$t" -gt 30 ]; then  # left() never answers below 10
   log "GPU parity suites at small awkward shapes and the domain sweep (torch)"
-  gpu_pytest "$t" gpu_suite_tests.xml "tests/test_triton.py::TestTorchTriton" \
-    "tests/test_triton.py::TestTorchTritonObjectives" \
+  gpu_pytest "$t" gpu_suite_tests.xml "tests/token_stats/test_triton.py::TestTorchTriton" \
+    "tests/objectives/test_triton.py::TestTorchTritonObjectives" \
     "tests/test_domain.py::test_token_stats_over_the_domain[torch-triton]" \
     "tests/test_domain.py::test_objectives_over_the_domain[torch-triton]"
 else

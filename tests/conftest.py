@@ -45,24 +45,6 @@ def pytest_configure(config):
     interpreter_numerics.install()  # bfloat16 rounded to nearest, as compiled kernels do
 
 
-def _case_id(case):
-    return "-".join(str(v) for v in case) if isinstance(case, tuple) else str(case)
-
-
-def pytest_generate_tests(metafunc):
-    """A suite class names the cases of its own parameters: a test argument ``foo_case``
-    (``shape_dtype``, ...) runs over the class attribute ``FOO_CASES`` (``SHAPE_DTYPES``).
-    The framework-native classes run every case; a kernel backend's class in an interpreter
-    (seconds a case) may run a subset that still covers each shape and each dtype."""
-    cls = metafunc.cls
-    if cls is None:
-        return
-    for name in metafunc.fixturenames:
-        cases = getattr(cls, name.upper() + "S", None)
-        if isinstance(cases, (tuple, list)):
-            metafunc.parametrize(name, cases, ids=[_case_id(c) for c in cases])
-
-
 @pytest.fixture(autouse=True)
 def _poisoned_outputs():
     """Every test runs with the backends' output buffers NaN-filled before a kernel writes

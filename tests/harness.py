@@ -9,8 +9,11 @@ from __future__ import annotations
 
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import pytest
 
 from dlm_kernels.testing import (  # noqa: F401
     DTYPES, TOLERANCES, assert_close, assert_exact_zero, new_seed)
@@ -98,3 +101,22 @@ def framework(name):
     if name not in _CACHE:
         _CACHE[name] = {"torch": TorchFW, "jax": JaxFW}[name]()
     return _CACHE[name]
+
+
+def case_id(case: Any) -> str:
+    """A case's test id: a tuple's values joined with '-' (``(3, 5), 1271, 'bfloat16'``:
+    ``(3, 5)-1271-bfloat16``), anything else as str()."""
+    return "-".join(str(v) for v in case) if isinstance(case, tuple) else str(case)
+
+
+def cases(*values: Any) -> Callable[..., Any]:
+    """A suite class's parametrised argument: ``ce_dtype = cases("float32", "bfloat16")`` in
+    the class body makes every test of the class that takes ``ce_dtype`` run once per value.
+    A subclass runs other cases by assigning the name again (``ce_dtype = cases("bfloat16")``):
+    it is a pytest fixture defined in the class body, overridden as a method is."""
+
+    @pytest.fixture(params=list(values), ids=case_id)
+    def case(self: object, request: pytest.FixtureRequest) -> Any:
+        return request.param
+
+    return case

@@ -15,7 +15,7 @@ Prints one JSON line {"plain_triton_compile_error": None or why a plain triton.c
 in this process, case: {"kernels": launches lowered, "f64_ops": float64 instructions in
 their PTX besides the narrowing of an argument, "vector_loads": {kernel: 16-byte loads in
 its PTX}, "error": ...}}; exit 3 when jax-triton or the plugin does not import.
-``test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
+``token_stats/test_triton.py::test_real_jax_triton_lowers_for_cuda`` runs it.
 """
 
 import json

@@ -12,7 +12,7 @@ from dlm_kernels._checks import shape_str
 
 import oracle
 from harness import assert_close, framework, new_seed
-from test_objectives import sft_inputs
+from objectives.suite import sft_inputs
 
 FWS = ("torch", "jax")
 

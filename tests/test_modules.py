@@ -14,7 +14,7 @@ from dlm_kernels.torch import nn as dn
 
 import oracle
 from harness import assert_close, new_seed
-from test_objectives import sft_inputs
+from objectives.suite import sft_inputs
 
 B, L, D, K = 3, 5, 16, 37
 

@@ -10,11 +10,10 @@ import pytest
 pytest.importorskip("jax.experimental.pallas.tpu")
 
 from dlm_kernels.testing import pallas_race_detection  # noqa: E402
-from harness import framework  # noqa: E402
-from test_objectives import KernelObjectivesSuite  # noqa: E402
-from test_token_stats import (FEATURES, KERNEL_MASKED_SPANS,  # noqa: E402
-                              KERNEL_STUDENT_MASKS, ROTATED_SHAPE_DTYPES, TokenStatsSuite,
-                              check_jit_grad_vmap, make_case)
+from harness import cases, framework  # noqa: E402
+
+from .suite import (FEATURES, KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS,  # noqa: E402
+                    ROTATED_SHAPE_DTYPES, TokenStatsSuite, check_jit_grad_vmap, make_case)
 
 
 @pytest.fixture(autouse=True)
@@ -24,14 +23,10 @@ def _interpret(monkeypatch):
 
 class TestJaxPallas(TokenStatsSuite):
     FW, BACKEND = "jax", "pallas"
-    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
-    MASKED_SPANS, STUDENT_MASKS = KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS
+    shape_dtype = cases(*ROTATED_SHAPE_DTYPES)
+    masked_span, student_mask = cases(*KERNEL_MASKED_SPANS), cases(*KERNEL_STUDENT_MASKS)
     CHUNK_SIZES = (None, 128)  # the budgeted blocks, and many ragged vocabulary steps
     SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many steps (the budget: the features)
-
-
-class TestJaxPallasObjectives(KernelObjectivesSuite):
-    FW, BACKEND = "jax", "pallas"
 
 
 def test_race_detection_finds_no_races(rng):
@@ -76,42 +71,6 @@ def test_tpu_lowering(monkeypatch, n, k, dtype, teacher, entropy):
     assert text.count("tpu_custom_call") >= 2, "forward and backward Mosaic kernels expected"
 
 
-@pytest.mark.parametrize("objective", ["ce", "policy"])
-def test_tpu_lowering_linear_head(monkeypatch, objective):
-    """A linear head at N = 8192, D = 2560, K = 262144, bf16 lowers for TPU as the three fused
-    Mosaic kernels (statistics, dH, dW: every logits tile made on the MXU in VMEM), for
-    weighted CE and for per-token log-probs with entropy; no [N, K] array in the program and
-    no float32 copy of the weight's or the hidden states' gradient."""
-    import jax
-    import jax.numpy as jnp
-
-    import dlm_kernels.jax as D
-
-    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "0")
-    n, d, k = 8192, 2560, 262144
-
-    def loss(h, w, y, m):
-        batch = D.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=m)
-        head = D.LinearHead(h, w, row_chunk=1024)  # a TPU host's default at this shape
-        if objective == "ce":
-            return D.weighted_cross_entropy(head, batch, backend="pallas").unreduced_sum
-        lp, ent = D.per_token_logps(head, batch, stop_gradient=False, return_entropy=True,
-                                    backend="pallas")
-        return jnp.sum(lp) + jnp.sum(ent)
-
-    args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
-            jax.ShapeDtypeStruct((d, k), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, n), jnp.int32), jax.ShapeDtypeStruct((1, n), jnp.float32))
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower(
-        lowering_platforms=("tpu",)).as_text()
-    for kernel in ("dlm_linear_head_fwd", "dlm_linear_head_dh", "dlm_linear_head_dw"):
-        assert text.count(kernel) >= 1, f"{kernel} not in the program"
-    assert text.count("tpu_custom_call") == 3, "exactly the three fused kernels expected"
-    assert f"{n}x{k}x" not in text and f"{k}x{n}x" not in text, "an [N, K] array was built"
-    # dW and dH leave the kernels in bf16, summed in float32 VMEM: no float32 copy of either
-    assert f"{d}x{k}xf32" not in text and f"1x{n}x{d}xf32" not in text, "a float32 gradient"
-
-
 def test_vmem_budget_and_blocks():
     from dlm_kernels.kernels.pallas import token_stats as K
 
@@ -120,25 +79,6 @@ def test_vmem_budget_and_blocks():
         bn, bk = K.block_sizes(n, k, itemsize, teacher, backward)
         assert bn % 8 == 0 and bk % 128 == 0 and bn >= 8
         assert K.vmem_bytes(bn, bk, itemsize, teacher, backward) <= K.VMEM_BUDGET
-
-
-def test_linear_head_blocks_fit_vmem():
-    """Each fused head kernel's blocks at DiffusionGemma's width and vocabulary (and at a
-    small ragged shape) keep to the tile rules and the VMEM budget; row_chunk caps BN."""
-    from dlm_kernels.kernels.pallas import linear_head as H
-
-    for kind in ("forward", "dh", "dw"):
-        logits, head = H.Part(None, itemsize=2), H.Part("KD", 2560, True, 2)
-        for n, k, d, itemsize, teacher, cap in [(8192, 262144, 2560, 2, None, None),
-                                                (8192, 262144, 2560, 2, logits, None),
-                                                (8192, 262144, 2560, 2, head, None),
-                                                (8192, 262144, 2560, 4, logits, 1024),
-                                                (45, 301, 19, 4, logits, 16)]:
-            bn, bk = H.head_blocks(kind, n, k, d, itemsize, teacher, block_n=cap)
-            assert bn % 16 == 0 and bk % 128 == 0 and (cap is None or bn <= cap), (kind, bn, bk)
-            assert H.vmem_bytes(kind, bn, bk, d, itemsize, teacher) <= H.VMEM_BUDGET
-            if n >= 256:
-                assert bn >= 64 and bk >= 128, (kind, bn, bk)
 
 
 def test_pallas_not_auto_on_cpu(monkeypatch):

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from harness import assert_close, framework
+from harness import assert_close, cases, framework
 
 
 def interpret_mode():
@@ -100,9 +100,9 @@ def oracle(z, *, temperature, seed=0, step=0, top_k=None, suppress=None, zu=None
 class SamplingSuite:
     FW = None
     BACKEND = None
-    #: the dtypes of the oracle comparison (conftest's pytest_generate_tests; the reference
+    #: the dtypes of the oracle comparison (``harness.cases``; the reference
     #: backends, which share the chunked ones' math, float32 only)
-    DTYPES = ("float32", "bfloat16")
+    dtype = cases("float32", "bfloat16")
     #: rows of the chi-square test (the interpreted kernels run one program per row)
     FREQUENCY_ROWS = 40000
     #: rows of the top-k / suppression test
@@ -497,7 +497,7 @@ needs_interpreter = pytest.mark.skipif(
 
 class TestTorchReference(HeadSampling, SamplingSuite):
     FW, BACKEND = "torch", "reference"
-    DTYPES = ("float32",)
+    dtype = cases("float32")
 
 
 class TestTorchChunked(HeadSampling, SamplingSuite):
@@ -528,7 +528,7 @@ class TestJaxTritonEmulated:
     the kernel's edge cases are TestTorchTriton's."""
 
     FW, BACKEND = "jax", "triton"
-    DTYPES = ("bfloat16",)  # float32: TestTorchTriton
+    dtype = cases("bfloat16")  # float32: TestTorchTriton
     STREAM_ROWS = 16
     fw, sample, check = SamplingSuite.fw, SamplingSuite.sample, SamplingSuite.check
 
@@ -564,7 +564,7 @@ class TestJaxPallas(SamplingSuite):
 
 class TestJaxReference(HeadSampling, SamplingSuite):
     FW, BACKEND = "jax", "reference"
-    DTYPES = ("float32",)
+    dtype = cases("float32")
 
 
 class TestJaxChunked(HeadSampling, SamplingSuite):
@@ -933,7 +933,7 @@ def test_examples_generate(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")  # the repository, above tests/sampling/
     for script in ("generate_torch.py", "generate_jax.py"):
         out = subprocess.run([sys.executable, os.path.join(root, "examples", script)],
                              capture_output=True, text=True, check=True, cwd=tmp_path)

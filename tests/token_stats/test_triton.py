@@ -12,24 +12,12 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from harness import assert_close, framework, new_seed  # noqa: E402
-from test_objectives import KernelObjectivesSuite  # noqa: E402
-from test_token_stats import (FEATURES, KERNEL_MASKED_SPANS,  # noqa: E402
-                              KERNEL_STUDENT_MASKS, ROTATED_SHAPE_DTYPES, TokenStatsSuite,
-                              TorchCompileChecks, TorchInplaceChecks, check_jit_grad_vmap,
-                              make_case)
+from harness import assert_close, cases, framework, new_seed  # noqa: E402
+from triton_marks import ON_GPU, needs_interpreter  # noqa: E402
 
-ON_GPU = False
-try:
-    import torch
-
-    ON_GPU = torch.cuda.is_available()
-except ImportError:  # pragma: no cover
-    pass
-
-needs_interpreter = pytest.mark.skipif(
-    not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+from .suite import (FEATURES, KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS,  # noqa: E402
+                    ROTATED_SHAPE_DTYPES, TokenStatsSuite, TorchCompileChecks,
+                    TorchInplaceChecks, check_jit_grad_vmap, make_case)
 
 
 @needs_interpreter
@@ -37,8 +25,8 @@ class TestTorchTriton(TorchInplaceChecks, TorchCompileChecks, TokenStatsSuite):
     FW, BACKEND = "torch", "triton"
     CHUNK_SIZES = (None, 128)  # the launch heuristic, and many blocks with split-K
     SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many blocks (the heuristic: the features)
-    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
-    MASKED_SPANS, STUDENT_MASKS = KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS
+    shape_dtype = cases(*ROTATED_SHAPE_DTYPES)
+    masked_span, student_mask = cases(*KERNEL_MASKED_SPANS), cases(*KERNEL_STUDENT_MASKS)
 
     def test_peaked_rows_within_the_saved_lse_model(self):
         """A draw that once failed (DLM_TEST_SEED=217440587, temperature 0.7): in a row with
@@ -53,11 +41,6 @@ class TestTorchTriton(TorchInplaceChecks, TorchCompileChecks, TokenStatsSuite):
             self.check(case, rng, "float32", chunk_size)
 
 
-@needs_interpreter
-class TestTorchTritonObjectives(KernelObjectivesSuite):
-    FW, BACKEND = "torch", "triton"
-
-
 # -- JAX through jax_triton.triton_call (emulated on CPU) -----------------------------------
 
 @needs_interpreter
@@ -67,15 +50,9 @@ class TestJaxTritonEmulated(TokenStatsSuite):
     several partial states too): the kernels' other block sizes are TestTorchTriton's."""
 
     FW, BACKEND = "jax", "triton"
-    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES
-    MASKED_SPANS, STUDENT_MASKS = KERNEL_MASKED_SPANS, KERNEL_STUDENT_MASKS
+    shape_dtype = cases(*ROTATED_SHAPE_DTYPES)
+    masked_span, student_mask = cases(*KERNEL_MASKED_SPANS), cases(*KERNEL_STUDENT_MASKS)
     LARGE_T_SHAPES = ((1271, None),)  # (K = 2^17 of the same kernels: TestTorchTriton's)
-
-
-@needs_interpreter
-@pytest.mark.usefixtures("jax_triton_on_cpu")
-class TestJaxTritonEmulatedObjectives(KernelObjectivesSuite):
-    FW, BACKEND = "jax", "triton"
 
 
 @needs_interpreter
@@ -193,7 +170,7 @@ def test_real_jax_triton_lowers_for_cuda():
     if importlib.util.find_spec("jax_triton") is None:
         pytest.skip("jax-triton is not installed")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS")}
-    probe = os.path.join(os.path.dirname(__file__), "jax_triton_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "..", "jax_triton_probe.py")  # in tests/
     out = subprocess.run([sys.executable, probe], env=dict(env, JAX_PLATFORMS="cpu"),
                          capture_output=True, text=True)
     if out.returncode == 3:
@@ -244,7 +221,7 @@ def test_interpreter_incompatibility():
 def test_gpu_check_at_a_small_shape(teacher):
     """test_gpu's real-size check, at a shape the interpreter runs in seconds: its own code is
     exercised here, not first on a GPU (the first H200 run lost it to two test bugs)."""
-    from test_gpu import check_rows_at_both_ends
+    from .gpu_check import check_rows_at_both_ends
 
     check_rows_at_both_ends("cuda" if ON_GPU else "cpu", 9, 1271, teacher, ends=2)
 
@@ -276,7 +253,7 @@ def test_row_offsets_past_int32(inplace):
                                            inplace_grad=inplace)
     g_lp, g_h = (torch.tensor(rng.normal(size=n), dtype=torch.float32) for _ in range(2))
     (dz,) = torch.autograd.grad([s.logp, s.entropy], leaf, [g_lp.to(device), g_h.to(device)])
-    from test_gpu import check_with_oracle
+    from .gpu_check import check_with_oracle
 
     host = lambda t: t.detach().double().cpu().numpy()
     g = (np.zeros(n), host(g_lp), host(g_h), np.zeros(n))
@@ -356,7 +333,7 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = os.path.join(os.path.dirname(__file__), "aot_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "..", "aot_probe.py")  # in tests/
     out = subprocess.run([sys.executable, probe, dtype, str(int(teacher))], env=env,
                          capture_output=True, text=True)
     if out.returncode == 3:

@@ -1,4 +1,6 @@
-"""Every public objective x framework x backend against the float64 oracle, gradients too."""
+"""Every public objective x framework x backend against the float64 oracle, gradients too:
+the shared suites and ``sft_inputs``; the classes that run them are in this folder's
+test_<backend>.py files."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pytest
 
 import oracle
 from dlm_kernels.testing import CANCELLATION_ULP
-from harness import DTYPES, assert_close, assert_exact_zero, framework
+from harness import DTYPES, assert_close, assert_exact_zero, cases, framework
 
 ALL_VARIANTS = ("base-sft", "reweighted-ce", "loo-ce", "reweighted-loo-ce", "loo-reweighted-ce")
 
@@ -28,10 +30,10 @@ class ObjectivesSuite:
     FW = None
     BACKEND = None
     #: (variant, dtype) of test_sft_loss_and_grad; (soft, hard weights, dtype) of
-    #: test_opd_loss (conftest's pytest_generate_tests)
-    SFT_CASES = tuple((v, d) for v in ALL_VARIANTS for d in DTYPES)
-    OPD_CASES = tuple((soft, hard, d) for soft, hard in ((1.0, 0.0), (0.0, 1.0), (0.7, 0.4))
-                      for d in DTYPES)
+    #: test_opd_loss
+    sft_case = cases(*((v, d) for v in ALL_VARIANTS for d in DTYPES))
+    opd_case = cases(*((soft, hard, d) for soft, hard in ((1.0, 0.0), (0.0, 1.0), (0.7, 0.4))
+                       for d in DTYPES))
 
     @property
     def fw(self):
@@ -655,10 +657,10 @@ class KernelObjectivesSuite(ObjectivesSuite):
     t at 0 and 1, logits_fn, stop_gradient, host checks) is the same code on every backend:
     the framework-native classes test it."""
 
-    SFT_CASES = (("base-sft", "float32"), ("loo-ce", "bfloat16"), ("reweighted-ce", "float16"),
-                 ("reweighted-loo-ce", "bfloat16"), ("loo-reweighted-ce", "float32"))
-    OPD_CASES = ((0.7, 0.4, "float32"), (0.7, 0.4, "bfloat16"), (0.7, 0.4, "float16"),
-                 (1.0, 0.0, "bfloat16"), (0.0, 1.0, "float32"))
+    sft_case = cases(("base-sft", "float32"), ("loo-ce", "bfloat16"), ("reweighted-ce", "float16"),
+                     ("reweighted-loo-ce", "bfloat16"), ("loo-reweighted-ce", "float32"))
+    opd_case = cases((0.7, 0.4, "float32"), (0.7, 0.4, "bfloat16"), (0.7, 0.4, "float16"),
+                     (1.0, 0.0, "bfloat16"), (0.0, 1.0, "float32"))
     test_weight_clip_bounds_every_variant = None
     test_sft_logps_is_minus_loss_times_count = None
     test_sft_t_at_0_and_1_is_finite = None
@@ -669,21 +671,3 @@ class KernelObjectivesSuite(ObjectivesSuite):
     # N rows of K: the kernels split K into blocks and vocabulary splits of their own (the
     # tail is whole Pallas blocks of 2048 and a whole Triton split of 4096 here)
     MASKED_TAIL_SHAPE = (12, 16384)
-
-
-class TestTorchReference(ObjectivesSuite):
-    FW, BACKEND = "torch", "reference"
-    MASKED_TAIL_SHAPE = (16, 8192)  # materialised whole: no chunk for the rows to size
-
-
-class TestTorchChunked(ObjectivesSuite):
-    FW, BACKEND = "torch", "chunked"
-
-
-class TestJaxReference(ObjectivesSuite):
-    FW, BACKEND = "jax", "reference"
-    MASKED_TAIL_SHAPE = (16, 8192)  # materialised whole: no chunk for the rows to size
-
-
-class TestJaxChunked(ObjectivesSuite):
-    FW, BACKEND = "jax", "chunked"

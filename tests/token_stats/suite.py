@@ -1,7 +1,7 @@
 """Parity of the token-statistics primitive (values and VJPs) against the float64 oracle.
 
-One suite class, one subclass per framework x backend (kernel backends add theirs in
-their own files). Inputs are fresh random draws; inactive rows carry NaN/inf logits and
+The shared suite and its builders; the classes that run it, one per framework x backend,
+are in this folder's test_<backend>.py files. Inputs are fresh random draws; inactive rows carry NaN/inf logits and
 sentinel targets (-1, K + 5) that must not leak into anything.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 import oracle
 from dlm_kernels.testing import cancellation_scale
-from harness import DTYPES, assert_close, assert_exact_zero, framework, new_seed
+from harness import DTYPES, assert_close, assert_exact_zero, cases, framework, new_seed
 
 SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130),
           ((2, 3), 256)]  # the last: whole blocks only (no ragged tail)
@@ -170,8 +170,8 @@ def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True, s
 class TokenStatsSuite:
     FW = None
     BACKEND = None
-    #: (rows, K, dtype) of the shape sweep (conftest's pytest_generate_tests)
-    SHAPE_DTYPES = SHAPE_DTYPES
+    #: (rows, K, dtype) of the shape sweep
+    shape_dtype = cases(*SHAPE_DTYPES)
     CHUNK_SIZES = (None,)
     #: the block sizes of the shape sweep (default CHUNK_SIZES); an interpreted kernel suite
     #: runs the sweep at its many-block size only, its features at every size
@@ -267,10 +267,10 @@ class TokenStatsSuite:
         assert_exact_zero(grads[1].reshape(n, k)[~act], "d teacher of inactive rows")
 
     #: the block sizes of the masked-span tests (default CHUNK_SIZES); their cases, (mask,
-    #: where, T) and (mask, T) (conftest's pytest_generate_tests)
+    #: where, T) and (mask, T)
     MASK_CHUNK_SIZES = None
-    MASKED_SPANS = MASKED_SPANS
-    STUDENT_MASKS = STUDENT_MASKS
+    masked_span = cases(*MASKED_SPANS)
+    student_mask = cases(*STUDENT_MASKS)
 
     def test_masked_spans_match_the_oracle(self, rng, masked_span):
         """Spans of the vocabulary masked with finfo.min or -inf (``masked_columns``: whole
@@ -820,121 +820,3 @@ class TorchCompileChecks:
             return sft.sum() + logps.sum()
 
         self.check_compiled(loss, fw.array(z64, "float32"))
-
-
-class TestTorchReference(TorchBufferChecks, TorchCompileChecks, TokenStatsSuite):
-    FW, BACKEND = "torch", "reference"
-
-
-class TestTorchChunked(TorchInplaceChecks, TorchCompileChecks, ChunkedSuite):
-    FW = "torch"
-    COMPILE_CHUNK = 32
-
-    def test_torch_compile_inductor(self, rng):
-        """What users run: torch.compile's default backend, Inductor (C++ on CPU), with
-        fullgraph=True: forward and backward over two vocabulary chunks, every feature on,
-        equal to eager."""
-        fw = self.fw
-        case = make_case(fw, rng, (2, 3), 97, "float32", FEATURES["all"], poison=False)
-
-        def loss(z):
-            s = fw.api.token_stats(z, case["y"], case["w"], teacher_logits=case["u"],
-                                   chunk_size=64, backend=self.BACKEND, **case["api_kw"])
-            return s.logp.sum() + 0.5 * s.entropy.sum() + s.kl.sum() + 0.1 * s.lse.sum()
-
-        self.check_compiled(loss, case["z"], backend="inductor")
-
-    def test_noncontiguous_inputs(self, rng):
-        """Transposed and sliced logits give the same answer as contiguous copies."""
-        import torch
-
-        fw = self.fw
-        base = fw.array(rng.normal(size=(40, 6, 2)) * 3, "float32")
-        z = base.permute(1, 2, 0)[:, :, 3:]  # [6, 2, 37], no unit stride on the last dim
-        assert not z.is_contiguous()
-        y = fw.array(rng.integers(0, 37, (6, 2)))
-        u = fw.array(rng.normal(size=(6, 2, 37)), "float32")
-        kw = dict(teacher_logits=u, temperature=0.8, backend=self.BACKEND, chunk_size=16)
-        z1 = z.detach().clone().requires_grad_(True)
-        z2 = z.detach().contiguous().requires_grad_(True)
-        s1, s2 = fw.api.token_stats(z1, y, **kw), fw.api.token_stats(z2, y, **kw)
-        g1, = torch.autograd.grad(sum(v.sum() for v in s1), z1)
-        g2, = torch.autograd.grad(sum(v.sum() for v in s2), z2)
-        for a, b in zip(s1, s2):
-            assert_close(fw.numpy(a), fw.numpy(b))
-        assert_close(fw.numpy(g1), fw.numpy(g2))
-
-
-class TestTorchChunkedRowBlocks:
-    """The CPU schedule of the torch chunked backend (``token_stats/torch_row_blocks.py``)
-    with blocks of 5 rows over two workers and tiles of 128 columns: 12 rows make blocks of 5, 5 and 2,
-    K = 1271 ten tiles, the last ragged. Every feature the in-place tile gradient covers
-    (entropy off), and the general path (softcap, teacher gradient) in blocks, float32 and
-    bfloat16, inactive rows poisoned with NaN/inf."""
-
-    FW, BACKEND = "torch", "chunked"
-
-    @pytest.fixture(autouse=True)
-    def small_blocks(self, monkeypatch):
-        import torch
-
-        from dlm_kernels.token_stats import (torch_chunked as _chunked,
-                                             torch_row_blocks as _row_blocks)
-
-        monkeypatch.setattr(_row_blocks, "ROW_BLOCK", 5)
-        monkeypatch.setattr(_row_blocks, "BLOCK_ELEMENTS", 0)  # blocks of 5 rows at any K
-        monkeypatch.setattr(_row_blocks, "WORKER_ELEMENTS", 1)  # and two workers on them
-        monkeypatch.setattr(_chunked, "TILE_BYTES", 5 * 4 * 128)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)  # two workers even on a one-core runner
-        yield
-        torch.set_num_threads(threads)
-
-    @pytest.mark.parametrize("feature,dtype", [
-        ("plain", "float32"), ("temperature", "bfloat16"), ("ce_temperature", "float32"),
-        ("shift", "bfloat16"), ("teacher", "float32"), ("all", "float32")])
-    def test_row_blocks_match_the_oracle(self, rng, feature, dtype):
-        suite = TestTorchChunked()
-        case = make_case(suite.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
-        suite.check(case, rng, dtype, entropy=False)
-        suite.check(case, rng, dtype, chunk_size=300, entropy=feature == "all")
-
-
-def test_row_blocks_are_sized_by_the_work():
-    """A small call runs on the calling thread in one block (two workers' Python calls
-    contend for the interpreter lock: 3.4 ms for 1.3 ms at N 256, K 2048); a large one is
-    shared out in blocks of at least BLOCK_ELEMENTS logits over the workers."""
-    import threading
-
-    import torch
-
-    from dlm_kernels.token_stats import torch_row_blocks as rb
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        # each worker computes on one thread, and the caller keeps its own count
-        team = rb.run_blocks(lambda r0, r1: torch.get_num_threads(), 1 << 16, 1 << 10)
-        assert team == [1] * len(team) and len(team) > 1 and torch.get_num_threads() == 2, team
-        for n, k, blocks, on_workers in ((256, 2048, 1, False), (4096, 2048, 8, True),
-                                         (4096, 32768, 64, True), (256, 16384, 4, False)):
-            seen = []
-            rb.run_blocks(lambda r0, r1: seen.append((r1 - r0, threading.current_thread())), n, k)
-            assert len(seen) == blocks and sum(r for r, _ in seen) == n, (n, k, seen)
-            assert all(r * k >= rb.BLOCK_ELEMENTS for r, _ in seen[:-1]), (n, k, seen)
-            main = [t is threading.main_thread() for _, t in seen]
-            assert not any(main) if on_workers else all(main), (n, k, seen)
-    finally:
-        torch.set_num_threads(threads)
-
-
-class TestJaxReference(TokenStatsSuite):
-    FW, BACKEND = "jax", "reference"
-    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES  # the oracle's twin: jnp casts, the same at any shape
-
-
-class TestJaxChunked(ChunkedSuite):
-    FW = "jax"
-    # one cast as each chunk is read, the same at every shape (the chunk loop is what the
-    # shapes test): each shape once, the dtypes in turn, as the JAX reference
-    SHAPE_DTYPES = ROTATED_SHAPE_DTYPES

@@ -1,0 +1,120 @@
+"""The token-statistics primitive on the chunked backends, torch and JAX: the suite of
+``suite.py`` over ragged vocabulary chunks, torch.compile, and torch's CPU row blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import assert_close, cases
+
+from .suite import (FEATURES, ROTATED_SHAPE_DTYPES, ChunkedSuite, TorchCompileChecks,
+                    TorchInplaceChecks, make_case)
+
+
+class TestTorchChunked(TorchInplaceChecks, TorchCompileChecks, ChunkedSuite):
+    FW = "torch"
+    COMPILE_CHUNK = 32
+
+    def test_torch_compile_inductor(self, rng):
+        """What users run: torch.compile's default backend, Inductor (C++ on CPU), with
+        fullgraph=True: forward and backward over two vocabulary chunks, every feature on,
+        equal to eager."""
+        fw = self.fw
+        case = make_case(fw, rng, (2, 3), 97, "float32", FEATURES["all"], poison=False)
+
+        def loss(z):
+            s = fw.api.token_stats(z, case["y"], case["w"], teacher_logits=case["u"],
+                                   chunk_size=64, backend=self.BACKEND, **case["api_kw"])
+            return s.logp.sum() + 0.5 * s.entropy.sum() + s.kl.sum() + 0.1 * s.lse.sum()
+
+        self.check_compiled(loss, case["z"], backend="inductor")
+
+    def test_noncontiguous_inputs(self, rng):
+        """Transposed and sliced logits give the same answer as contiguous copies."""
+        import torch
+
+        fw = self.fw
+        base = fw.array(rng.normal(size=(40, 6, 2)) * 3, "float32")
+        z = base.permute(1, 2, 0)[:, :, 3:]  # [6, 2, 37], no unit stride on the last dim
+        assert not z.is_contiguous()
+        y = fw.array(rng.integers(0, 37, (6, 2)))
+        u = fw.array(rng.normal(size=(6, 2, 37)), "float32")
+        kw = dict(teacher_logits=u, temperature=0.8, backend=self.BACKEND, chunk_size=16)
+        z1 = z.detach().clone().requires_grad_(True)
+        z2 = z.detach().contiguous().requires_grad_(True)
+        s1, s2 = fw.api.token_stats(z1, y, **kw), fw.api.token_stats(z2, y, **kw)
+        g1, = torch.autograd.grad(sum(v.sum() for v in s1), z1)
+        g2, = torch.autograd.grad(sum(v.sum() for v in s2), z2)
+        for a, b in zip(s1, s2):
+            assert_close(fw.numpy(a), fw.numpy(b))
+        assert_close(fw.numpy(g1), fw.numpy(g2))
+
+
+class TestTorchChunkedRowBlocks:
+    """The CPU schedule of the torch chunked backend (``token_stats/torch_row_blocks.py``)
+    with blocks of 5 rows over two workers and tiles of 128 columns: 12 rows make blocks of 5, 5 and 2,
+    K = 1271 ten tiles, the last ragged. Every feature the in-place tile gradient covers
+    (entropy off), and the general path (softcap, teacher gradient) in blocks, float32 and
+    bfloat16, inactive rows poisoned with NaN/inf."""
+
+    FW, BACKEND = "torch", "chunked"
+
+    @pytest.fixture(autouse=True)
+    def small_blocks(self, monkeypatch):
+        import torch
+
+        from dlm_kernels.token_stats import (torch_chunked as _chunked,
+                                             torch_row_blocks as _row_blocks)
+
+        monkeypatch.setattr(_row_blocks, "ROW_BLOCK", 5)
+        monkeypatch.setattr(_row_blocks, "BLOCK_ELEMENTS", 0)  # blocks of 5 rows at any K
+        monkeypatch.setattr(_row_blocks, "WORKER_ELEMENTS", 1)  # and two workers on them
+        monkeypatch.setattr(_chunked, "TILE_BYTES", 5 * 4 * 128)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # two workers even on a one-core runner
+        yield
+        torch.set_num_threads(threads)
+
+    @pytest.mark.parametrize("feature,dtype", [
+        ("plain", "float32"), ("temperature", "bfloat16"), ("ce_temperature", "float32"),
+        ("shift", "bfloat16"), ("teacher", "float32"), ("all", "float32")])
+    def test_row_blocks_match_the_oracle(self, rng, feature, dtype):
+        suite = TestTorchChunked()
+        case = make_case(suite.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
+        suite.check(case, rng, dtype, entropy=False)
+        suite.check(case, rng, dtype, chunk_size=300, entropy=feature == "all")
+
+
+def test_row_blocks_are_sized_by_the_work():
+    """A small call runs on the calling thread in one block (two workers' Python calls
+    contend for the interpreter lock: 3.4 ms for 1.3 ms at N 256, K 2048); a large one is
+    shared out in blocks of at least BLOCK_ELEMENTS logits over the workers."""
+    import threading
+
+    import torch
+
+    from dlm_kernels.token_stats import torch_row_blocks as rb
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # each worker computes on one thread, and the caller keeps its own count
+        team = rb.run_blocks(lambda r0, r1: torch.get_num_threads(), 1 << 16, 1 << 10)
+        assert team == [1] * len(team) and len(team) > 1 and torch.get_num_threads() == 2, team
+        for n, k, blocks, on_workers in ((256, 2048, 1, False), (4096, 2048, 8, True),
+                                         (4096, 32768, 64, True), (256, 16384, 4, False)):
+            seen = []
+            rb.run_blocks(lambda r0, r1: seen.append((r1 - r0, threading.current_thread())), n, k)
+            assert len(seen) == blocks and sum(r for r, _ in seen) == n, (n, k, seen)
+            assert all(r * k >= rb.BLOCK_ELEMENTS for r, _ in seen[:-1]), (n, k, seen)
+            main = [t is threading.main_thread() for _, t in seen]
+            assert not any(main) if on_workers else all(main), (n, k, seen)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class TestJaxChunked(ChunkedSuite):
+    FW = "jax"
+    # one cast as each chunk is read, the same at every shape (the chunk loop is what the
+    # shapes test): each shape once, the dtypes in turn, as the JAX reference
+    shape_dtype = cases(*ROTATED_SHAPE_DTYPES)
