@@ -143,14 +143,15 @@ def _tile_partial(rows, cfg, offset):
         found, _ = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
         if not bool((~found | ~torch.isnan(rows.shift)).all()):  # CPU tensors: no sync
             return None
-    m, a = torch.empty(n), torch.empty(n)
-    a2 = torch.empty(n) if cfg.SEPARATE_CE else a
-    zero = torch.zeros(n)
+    row = lambda: torch.empty(n, dtype=torch.float32)  # noqa: E731  [N]
+    m, a = row(), row()
+    a2 = row() if cfg.SEPARATE_CE else a
+    zero = torch.zeros(n, dtype=torch.float32)
     mu, au, cu, fu = m, zero, zero, zero
     height = min(n, max(1, TILE_BYTES // (4 * k)))  # rows per tile: whole rows, <= 1 MiB
-    t_b = torch.empty((height, k), dtype=torch.float32)  # [R, K]
+    t_b, t2_b = torch.empty((2, height, k), dtype=torch.float32)  # [R, K]: x, x'
     if cfg.HAS_TEACHER:
-        mu, au, cu, fu = torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n)
+        mu, au, cu, fu = row(), row(), row(), row()
         e_b, y_b, eu_b, ct_b, s_b, f_b = torch.empty((6, height, k), dtype=torch.float32)
         zero_t = torch.zeros(())
     for r0 in range(0, n, height):
@@ -158,7 +159,7 @@ def _tile_partial(rows, cfg, offset):
         rs = slice(r0, r1)
         t = _minus_row_max(z[rs], t_b[:r1 - r0], m[rs], rows, rs, cfg, offset)  # r - m
         if cfg.SEPARATE_CE:
-            torch.sum(torch.mul(t, cfg.inv_t_ce).exp_(), dim=1, out=a2[rs])
+            torch.sum(torch.mul(t, cfg.inv_t_ce, out=t2_b[:r1 - r0]).exp_(), dim=1, out=a2[rs])
         if cfg.inv_t != 1.0:
             t.mul_(cfg.inv_t)
         if not cfg.HAS_TEACHER:
@@ -258,7 +259,13 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
     m = stats.m[:, None]
     direct = dz.dtype == torch.float32
     limit = max(0, min(k, cfg.vocab_limit - offset)) if cfg.PADDED else k
-    for c0, c1 in _chunks(n, k, cfg, z.device, TILE_BYTES):
+    chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
+    # the float32 tiles, allocated once (a fresh 1 MiB tile per chunk is a fresh mapping
+    # whose pages fault in): r - m unless written straight into float32 dz, e^{x'}, e^{x_u}
+    width = chunks[0][1]
+    tile = lambda wanted: torch.empty((n, width) if wanted else 0, dtype=torch.float32)  # noqa: E731
+    t_b, e2_b, eu_b = tile(not direct), tile(cfg.SEPARATE_CE), tile(cfg.HAS_TEACHER)
+    for c0, c1 in chunks:
         out = dz[:, c0:c1]
         if c0 >= limit:  # padding columns only
             out.zero_()
@@ -266,18 +273,18 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
         if direct:
             t = torch.sub(z[:, c0:c1], m, out=out)  # r - m (the shift lands below)
         else:  # a vectorised copy converts, then r - m in float32 (3x a converting subtract)
-            t = torch.empty(out.shape, dtype=torch.float32).copy_(z[:, c0:c1]).sub_(m)
+            t = t_b[:, :c1 - c0].copy_(z[:, c0:c1]).sub_(m)
         if cfg.HAS_SHIFT:
             stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
         e2 = None
         if cfg.SEPARATE_CE:
-            e2 = torch.mul(t, cfg.inv_t_ce).exp_()  # e^{x'}
+            e2 = torch.mul(t, cfg.inv_t_ce, out=e2_b[:, :c1 - c0]).exp_()  # e^{x'}
         if cfg.inv_t != 1.0:
             t.mul_(inv_t)
         t.exp_()  # e^x
         t.mul_(a)
         if cfg.HAS_TEACHER:
-            eu = torch.empty(out.shape, dtype=torch.float32).copy_(u[:, c0:c1]).sub_(mu)
+            eu = eu_b[:, :c1 - c0].copy_(u[:, c0:c1]).sub_(mu)
             if cfg.inv_t_kl != 1.0:
                 eu.mul_(cfg.inv_t_kl)
             t.addcmul_(eu.exp_(), b)
