@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from harness import assert_close, cases
@@ -83,6 +84,27 @@ class TestTorchChunkedRowBlocks:
         case = make_case(suite.fw, rng, (4, 3), 1271, dtype, FEATURES[feature])
         suite.check(case, rng, dtype, entropy=False)
         suite.check(case, rng, dtype, chunk_size=300, entropy=feature == "all")
+
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_negative_shift_at_the_row_max(self, rng, dtype):
+        """A LOO shift is often negative. Each active row's shifted column is its max by 120,
+        and the shift takes it 150-250 below: the max of the shifted row is another column's,
+        and a max taken before the shift would leave every e^x of the row to underflow (the
+        tiles take the shifted tile's max, whatever the shift's sign)."""
+        fw = TestTorchChunked().fw
+        case = make_case(fw, rng, (4, 3), 1271, dtype, FEATURES["shift"])
+        n, z = case["n"], case["z_np"].copy()  # [N, K] float64 of what the backend sees
+        x = rng.integers(0, case["k"], size=n)
+        act = case["active"]
+        z[act, x[act]] = z[act].max(axis=1) + 120.0
+        d = -rng.uniform(150.0, 250.0, size=n).astype(np.float32)
+        case["z"] = fw.array(z.reshape(case["rows"] + (case["k"],)), dtype)
+        case["z_np"] = fw.numpy(case["z"]).reshape(n, case["k"])
+        case["api_kw"].update(shift_ids=fw.array(x.reshape(case["rows"])),
+                              shift=fw.array(d.reshape(case["rows"])))
+        case["ora_kw"].update(x=x, d=d.astype(np.float64))
+        TestTorchChunked().check(case, rng, dtype, entropy=False)
 
 
 def test_row_blocks_are_sized_by_the_work():

@@ -131,67 +131,75 @@ def _fast_partial(cfg) -> bool:
 
 
 def _tile_partial(rows, cfg, offset):
-    """The State of ``_partial`` in two passes over the rows: their max m first (one read),
-    then Σ e^x (and Σ e^{x'}) relative to it, tile by tile in one float32 buffer (a
-    subtract, an exponential and a sum per logit): no per-chunk maxima to merge. The shift
-    enters the max at its column (r_x = z_x + d); a row with a negative (or NaN) shift could
-    have its max there hidden by the unshifted z_x, so such a block returns None (the chunk
-    loop instead). With a teacher, its sums (``stats_math.teacher_sums``, the same formulas)
-    are taken relative to the block's teacher max mu in preallocated tiles."""
+    """The State of ``_partial`` in tiles of whole rows (``_minus_row_max``: the row max m of
+    r, the shift included whatever its sign, and r - m in a float32 tile), then, while the
+    tile is in cache, Σ e^x (and Σ e^{x'}): no per-chunk maxima to merge. A row with a NaN
+    shift takes the chunk loop (this returns None). With a teacher, its tile is made the
+    same way and its sums (``stats_math.teacher_sums``, the same formulas) are taken relative to its row max
+    mu in preallocated tiles."""
     z, u = rows.logits, rows.teacher
     n, k = z.shape
-    m = z.amax(dim=1).float()  # [N]
     if cfg.HAS_SHIFT:
-        found, col = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
-        if not bool((~found | (rows.shift >= 0.0)).all()):  # CPU tensors: no device sync
+        found, _ = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
+        if not bool((~found | ~torch.isnan(rows.shift)).all()):  # CPU tensors: no sync
             return None
-        r_x = xp.gather_cols(z, col).float() + rows.shift
-        m = torch.where(found, torch.maximum(m, r_x), m)
-    ms = stats_math._safe(xp, m)[:, None]  # [N, 1]
-    a = torch.zeros(n)
-    a2 = torch.zeros(n) if cfg.SEPARATE_CE else a
-    chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
-    width = chunks[0][1]
-    buf = torch.empty((n, width), dtype=torch.float32)  # [N, C]
-    zero = torch.zeros(n)
+    row = lambda: torch.empty(n, dtype=torch.float32)  # noqa: E731  [N]
+    m, a = row(), row()
+    a2 = row() if cfg.SEPARATE_CE else a
+    zero = torch.zeros(n, dtype=torch.float32)
     mu, au, cu, fu = m, zero, zero, zero
+    height = min(n, max(1, TILE_BYTES // (4 * k)))  # rows per tile: whole rows, <= 1 MiB
+    t_b, t2_b = torch.empty((2, height, k), dtype=torch.float32)  # [R, K]: x, x'
     if cfg.HAS_TEACHER:
-        mu = u.amax(dim=1).float()
-        mus = stats_math._safe(xp, mu)[:, None]
-        au, cu, fu = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-        e_b, y_b, eu_b, ct_b, s_b, f_b = torch.empty((6, n, width), dtype=torch.float32)
+        mu, au, cu, fu = row(), row(), row(), row()
+        e_b, y_b, eu_b, ct_b, s_b, f_b = torch.empty((6, height, k), dtype=torch.float32)
         zero_t = torch.zeros(())
-    for c0, c1 in chunks:
-        t = buf[:, :c1 - c0]
-        torch.sub(z[:, c0:c1], ms, out=t)  # r - m
-        if cfg.HAS_SHIFT:
-            stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
+    for r0 in range(0, n, height):
+        r1 = min(r0 + height, n)
+        rs = slice(r0, r1)
+        t = _minus_row_max(z[rs], t_b[:r1 - r0], m[rs], rows, rs, cfg, offset)  # r - m
         if cfg.SEPARATE_CE:
-            a2 += torch.mul(t, cfg.inv_t_ce).exp_().sum(dim=1)
+            torch.sum(torch.mul(t, cfg.inv_t_ce, out=t2_b[:r1 - r0]).exp_(), dim=1, out=a2[rs])
         if cfg.inv_t != 1.0:
             t.mul_(cfg.inv_t)
         if not cfg.HAS_TEACHER:
-            a += t.exp_().sum(dim=1)
+            torch.sum(t.exp_(), dim=1, out=a[rs])
             continue
-        w = c1 - c0
-        e, y, eu, ct, sr, f = (v[:, :w] for v in (e_b, y_b, eu_b, ct_b, s_b, f_b))
-        a += torch.exp(t, out=e).sum(dim=1)  # e = e^x, t keeps x
-        torch.sub(u[:, c0:c1], mus, out=y)
+        h = r1 - r0
+        e, y, eu, ct, sr, f = (v[:h] for v in (e_b, y_b, eu_b, ct_b, s_b, f_b))
+        torch.sum(torch.exp(t, out=e), dim=1, out=a[rs])  # e = e^x, t keeps x
+        _minus_row_max(u[rs], y, mu[rs])
         if cfg.inv_t_kl != 1.0:
             y.mul_(cfg.inv_t_kl)  # x_u
-        au += torch.exp(y, out=eu).sum(dim=1)
+        torch.sum(torch.exp(y, out=eu), dim=1, out=au[rs])
         y.sub_(t)  # y = x_u - x
         torch.mul(eu, y, out=ct)
         torch.where(eu > 0, ct, zero_t, out=ct)  # (y may be ±inf or NaN where q = 0)
-        cu += ct.sum(dim=1)
+        torch.sum(ct, dim=1, out=cu[rs])
         torch.mul(y, PSI_COEFFS[-1], out=sr).add_(PSI_COEFFS[-2])  # S(y) by Horner's rule
         for coef in reversed(PSI_COEFFS[:-2]):
             sr.mul_(y).add_(coef)
         sr.mul_(y).mul_(ct)  # ct·y·S(y)
         torch.sub(e, eu, out=f).add_(ct)  # ct + (w - eu)
         torch.where(y.abs() < PSI_SMALL, sr, f, out=f)
-        fu += f.sum(dim=1)
+        torch.sum(f, dim=1, out=fu[rs])
     return stats_math.State(m, a, zero, a2, mu, au, cu, fu, zero)
+
+
+def _minus_row_max(x, out, m, rows=None, rs=None, cfg=None, offset=0):
+    """out [R, K] float32 = r - m for the rows x [R, K] (r = x, plus the shift at its column
+    when ``cfg`` has one), writing each row's max of r into m [R] (-inf rows shifted by 0).
+    Float32 rows without a shift: the max read from x, then one subtraction into out; else
+    x is first copied into out (a vectorised conversion; a subtraction that converts as it
+    reads costs about three times as much) and the rest is done there, in cache."""
+    if x.dtype == torch.float32 and (cfg is None or not cfg.HAS_SHIFT):
+        torch.amax(x, dim=1, out=m)
+        return torch.sub(x, stats_math._safe(xp, m)[:, None], out=out)
+    out.copy_(x)
+    if cfg is not None and cfg.HAS_SHIFT:
+        stats_math._add_at(xp, out, rows.shift_ids[rs], offset, rows.shift[rs])
+    torch.amax(out, dim=1, out=m)
+    return out.sub_(stats_math._safe(xp, m)[:, None])
 
 
 def _grads_into(dz, du, rows, stats, grads, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
@@ -251,24 +259,32 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
     m = stats.m[:, None]
     direct = dz.dtype == torch.float32
     limit = max(0, min(k, cfg.vocab_limit - offset)) if cfg.PADDED else k
-    for c0, c1 in _chunks(n, k, cfg, z.device, TILE_BYTES):
+    chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
+    # the float32 tiles, allocated once (a fresh 1 MiB tile per chunk is a fresh mapping
+    # whose pages fault in): r - m unless written straight into float32 dz, e^{x'}, e^{x_u}
+    width = chunks[0][1]
+    tile = lambda wanted: torch.empty((n, width) if wanted else 0, dtype=torch.float32)  # noqa: E731
+    t_b, e2_b, eu_b = tile(not direct), tile(cfg.SEPARATE_CE), tile(cfg.HAS_TEACHER)
+    for c0, c1 in chunks:
         out = dz[:, c0:c1]
         if c0 >= limit:  # padding columns only
             out.zero_()
             continue
-        t = out if direct else torch.empty(out.shape, dtype=torch.float32)  # [R, C]
-        torch.sub(z[:, c0:c1], m, out=t)  # r - m (the shift lands below, at one column)
+        if direct:
+            t = torch.sub(z[:, c0:c1], m, out=out)  # r - m (the shift lands below)
+        else:  # a vectorised copy converts, then r - m in float32 (3x a converting subtract)
+            t = t_b[:, :c1 - c0].copy_(z[:, c0:c1]).sub_(m)
         if cfg.HAS_SHIFT:
             stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
         e2 = None
         if cfg.SEPARATE_CE:
-            e2 = torch.mul(t, cfg.inv_t_ce).exp_()  # e^{x'}
+            e2 = torch.mul(t, cfg.inv_t_ce, out=e2_b[:, :c1 - c0]).exp_()  # e^{x'}
         if cfg.inv_t != 1.0:
             t.mul_(inv_t)
         t.exp_()  # e^x
         t.mul_(a)
         if cfg.HAS_TEACHER:
-            eu = torch.sub(u[:, c0:c1], mu)
+            eu = eu_b[:, :c1 - c0].copy_(u[:, c0:c1]).sub_(mu)
             if cfg.inv_t_kl != 1.0:
                 eu.mul_(cfg.inv_t_kl)
             t.addcmul_(eu.exp_(), b)
