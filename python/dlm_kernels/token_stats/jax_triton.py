@@ -12,6 +12,7 @@ What jax-triton leaves to the caller, done here: ``vmap`` (triton_call has no ba
 the mapped axis is folded into the rows), ``shard_map`` typing (its outputs are typed as the
 same on every device: they are cast to vary like their operands), and traced scalars (only
 static Python scalars are passed by value: a shard's column offset travels as an array).
+The JAX Triton sampler (``sampling.jax_triton``) launches through this module's wrapper.
 """
 
 from __future__ import annotations
