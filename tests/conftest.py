@@ -64,33 +64,45 @@ def rng():
 
 @pytest.fixture
 def jax_triton_on_cpu(monkeypatch):
-    """Load the JAX triton backend against ``jax_triton_emulator`` (jax-triton's calling
-    convention, kernels in the Triton interpreter) and let it take CPU arrays; the real
-    module and registry entry come back afterwards."""
+    """Load the JAX triton backend (token statistics and the sampler) against
+    ``jax_triton_emulator`` (jax-triton's calling convention, kernels in the Triton
+    interpreter) and let it take CPU arrays; the real modules and registry entries come back
+    afterwards. Yields the token-statistics module."""
     import importlib
 
-    import dlm_kernels.token_stats as package
+    import dlm_kernels.sampling
+    import dlm_kernels.token_stats
     import jax_triton_emulator
+    from dlm_kernels._dispatch import SAMPLING, registry
     from dlm_kernels.token_stats import jax_vjp as _primitive
 
-    name = "dlm_kernels.token_stats.jax_triton"
     monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
-    saved = sys.modules.pop(name, None), getattr(package, "jax_triton", None)
+    packages = (dlm_kernels.token_stats, dlm_kernels.sampling)  # the stats module first
+    names = [f"{package.__name__}.jax_triton" for package in packages]
+    saved = [(sys.modules.pop(name, None), getattr(package, "jax_triton", None))
+             for name, package in zip(names, packages)]
     try:
-        module = importlib.import_module(name)
-    finally:  # the emulated module is used through the registry only
-        sys.modules.pop(name, None)
-        if saved[0] is not None:
-            sys.modules[name] = saved[0]
-        if saved[1] is not None:
-            package.jax_triton = saved[1]
-        elif hasattr(package, "jax_triton"):
-            del package.jax_triton
+        stats, sampler = (importlib.import_module(name) for name in names)
+    finally:  # the emulated modules are used through the registries only
+        for name, package, (module, attribute) in zip(names, packages, saved):
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+            if attribute is not None:
+                package.jax_triton = attribute
+            elif hasattr(package, "jax_triton"):
+                del package.jax_triton
 
-    class OnCpu(module.TritonJax):
+    class OnCpu(stats.TritonJax):
+        @staticmethod
+        def unsupported_reason(platform):
+            return None
+
+    class SamplerOnCpu(sampler.TritonSampler):
         @staticmethod
         def unsupported_reason(platform):
             return None
 
     monkeypatch.setitem(_primitive.REGISTRY.IMPLEMENTATIONS, "triton", OnCpu())
-    yield module
+    monkeypatch.setitem(registry(SAMPLING, "jax").IMPLEMENTATIONS, "triton", SamplerOnCpu())
+    yield stats

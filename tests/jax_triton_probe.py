@@ -43,6 +43,7 @@ except Exception as err:  # noqa: BLE001 - ImportError, or no GPU plugin in this
 import dlm_kernels.jax as dk  # noqa: E402
 from aot_probe import F64_OP, VECTOR_LOAD  # noqa: E402 - this folder
 from dlm_kernels.token_stats import jax_triton as backend
+from dlm_kernels.sampling import jax_triton as sampler  # noqa: E402
 
 PTX = []  # (kernel name, PTX) of every kernel compiled by the current case
 
@@ -169,6 +170,7 @@ def main():
     triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
     triton_lib.compile_ttir_inplace = _capture(triton_lib.compile_ttir_inplace)
     backend.TritonJax.unsupported_reason = staticmethod(lambda platform: None)  # CPU arrays
+    sampler.TritonSampler.unsupported_reason = staticmethod(lambda platform: None)
     report = {"versions": dict(jax=jax.__version__, jax_triton=jt.__version__,
                                triton=__import__("triton").__version__),
               "plain_triton_compile_error": plain_triton_compile()}

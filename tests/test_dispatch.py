@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import subprocess
@@ -48,10 +49,14 @@ def test_explicit_backend_errors(fw_name):
     if fw_name == "torch":
         with pytest.raises(fw.api.BackendUnavailableError, match="backend='pallas' is not available for torch"):
             fw.api.token_stats(z, y, backend="pallas")
+        with pytest.raises(fw.api.BackendUnavailableError,
+                           match="backend='pallas' is not available for torch: it is not "
+                                 "implemented for this framework"):
+            fw.api.sample_tokens(z, backend="pallas")  # the sampler's registry: no pallas
 
 
 def test_auto_fallback_is_logged(caplog):
-    from dlm_kernels._dispatch import BackendBase, Capabilities, Registry
+    from dlm_kernels._dispatch import TOKEN_STATS, BackendBase, Capabilities, Registry
 
     class Fake(BackendBase):  # a backend of the protocol that only says where it runs
         custom_vjp, capabilities = False, Capabilities()
@@ -65,7 +70,7 @@ def test_auto_fallback_is_logged(caplog):
         def compute(self, rows, cfg):
             raise AssertionError("resolving a backend runs nothing")
 
-    reg = Registry("fake")
+    reg = Registry("fake", TOKEN_STATS)
     reg.register(Fake("chunked"))
     reg.mark_unavailable("triton", "no GPU triton here")
     with caplog.at_level(logging.DEBUG, logger="dlm_kernels"):
@@ -406,14 +411,76 @@ def test_jax_grad_of_grad_through_a_custom_vjp_raises(backend, head, monkeypatch
 
 @pytest.mark.parametrize("fw_name", FWS)
 def test_every_backend_follows_the_protocol_in_full(fw_name):
-    """What a backend declares (custom_vjp, capabilities, fused_head) it implements, with the
-    protocol's parameters: no method is left to BackendBase's raising stub."""
+    """What a backend declares (custom_vjp, capabilities) it implements, with the protocol's
+    parameters: no method is left to BackendBase's raising stub; every sampler and fused
+    head follows its op's protocol in full."""
+    from dlm_kernels import _dispatch
     from dlm_kernels._dispatch import Backend, missing_methods
 
     registry = framework(fw_name).registry
     for name, impl in registry.IMPLEMENTATIONS.items():
         assert isinstance(impl, Backend), name
         assert missing_methods(impl) == (), name
+    for op, protocol in ((_dispatch.SAMPLING, _dispatch.SampleBackend),
+                         (_dispatch.FUSED_HEAD, _dispatch.FusedHead)):
+        for name, impl in _dispatch.registry(op, fw_name).IMPLEMENTATIONS.items():
+            assert isinstance(impl, protocol) and impl.name == name, (op.name, name)
+            assert op.check(impl) == (), (op.name, name)
+
+
+#: per op and framework, the backends its registry holds (registered, or recorded as
+#: unavailable here: jax-triton needs a GPU-enabled jaxlib)
+OP_BACKENDS = {
+    ("token-statistics", "torch"): {"reference", "chunked", "triton"},
+    ("token-statistics", "jax"): {"reference", "chunked", "triton", "pallas"},
+    ("sampler", "torch"): {"reference", "chunked", "triton"},
+    ("sampler", "jax"): {"reference", "chunked", "triton", "pallas"},
+    ("fused-head", "torch"): set(),
+    ("fused-head", "jax"): {"pallas"},
+}
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_each_op_has_its_own_registry(fw_name, monkeypatch):
+    """One registry per op and framework, each holding exactly that op's backends (torch: no
+    pallas; a fused head: JAX's pallas only), filled from the op's own modules: no sampler
+    or fused head hangs off a token-statistics backend, and sample_tokens resolves from the
+    sampler's registry."""
+    from dlm_kernels import _dispatch
+
+    fw = framework(fw_name)
+    assert _dispatch.registry(_dispatch.TOKEN_STATS, fw_name) is fw.registry
+    packages = {"token-statistics": "token_stats", "sampler": "sampling",
+                "fused-head": "linear_head"}
+    for op in (_dispatch.TOKEN_STATS, _dispatch.SAMPLING, _dispatch.FUSED_HEAD):
+        reg = _dispatch.registry(op, fw_name)
+        assert reg.op is op and reg.framework == fw_name
+        held = set(reg.IMPLEMENTATIONS) | set(reg._unavailable)
+        assert held == OP_BACKENDS[op.name, fw_name], (op.name, held)
+        for spec in _dispatch.BACKENDS:
+            module = op.module(spec, fw_name)
+            assert module in (None, f"dlm_kernels.{packages[op.name]}.{fw_name}_{spec.name}")
+    for impl in fw.registry.IMPLEMENTATIONS.values():
+        assert not hasattr(impl, "sample") and not hasattr(impl, "fused_head"), impl.name
+    assert "sampling" not in {f.name for f in dataclasses.fields(_dispatch.Capabilities)}
+    chunked = _dispatch.registry(_dispatch.SAMPLING, fw_name).IMPLEMENTATIONS["chunked"]
+    seen, sample = [], type(chunked).sample
+    monkeypatch.setattr(type(chunked), "sample",
+                        staticmethod(lambda *a: seen.append(a) or sample(*a)))
+    fw.api.sample_tokens(fw.array(np.zeros((2, 5), np.float32)), backend="chunked")
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("mod,other", [("dlm_kernels.torch", "jax"), ("dlm_kernels.jax", "torch")])
+def test_a_front_end_loads_only_its_own_op_modules(mod, other):
+    """Loading one front end's registries (token statistics, sampler, fused head) imports no
+    module of the other framework's (sampling/jax_*.py in a torch-only process)."""
+    code = (f"import sys, {mod}; from dlm_kernels import _dispatch as d; "
+            f"[d.registry(op, {mod.split('.')[1]!r}) for op in (d.TOKEN_STATS, d.SAMPLING, "
+            f"d.FUSED_HEAD)]; "
+            f"seen = sorted(m for m in sys.modules if m.startswith('dlm_kernels.') and "
+            f"m.rsplit('.', 1)[1].startswith({other + '_'!r})); assert not seen, seen")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _declared(capabilities, custom_vjp=True):
@@ -438,34 +505,82 @@ def _declared(capabilities, custom_vjp=True):
     return Declared
 
 
-@pytest.mark.parametrize("case", ["sample", "forward_partial", "inplace", "compute",
-                                  "sample_params", "fused_head"])
+@pytest.mark.parametrize("case", ["forward_partial", "inplace", "compute"])
 def test_a_backend_missing_a_method_is_refused_at_registration(case):
     """A backend whose capabilities promise more than it implements never reaches a user
     as a NotImplementedError from deep inside a call: the registry names what is missing."""
-    from dlm_kernels._dispatch import Capabilities, Registry
+    from dlm_kernels._dispatch import TOKEN_STATS, Capabilities, Registry
 
-    caps = {"sample": Capabilities(sampling=True),
-            "forward_partial": Capabilities(vocab_shards=True),
+    caps = {"forward_partial": Capabilities(vocab_shards=True),
             "inplace": Capabilities(inplace_grad=True),
-            "compute": Capabilities(),
-            "sample_params": Capabilities(sampling=True),
-            "fused_head": Capabilities()}[case]
+            "compute": Capabilities()}[case]
     cls = _declared(caps, custom_vjp=case != "compute")
-    if case == "sample_params":
-        cls.sample = staticmethod(lambda z, keys, cfg: None)  # no zu, no suppress
-    if case == "fused_head":
-        cls.fused_head = object()  # neither takes nor forward nor backward
-    want = {"sample": "sample (not implemented)",
-            "forward_partial": "forward_partial (not implemented)",
+    want = {"forward_partial": "forward_partial (not implemented)",
             "inplace": "backward (takes no 'inplace')",
-            "compute": "compute (not implemented)",
-            "sample_params": "sample (takes no 'zu')",
-            "fused_head": "fused_head (not a FusedHead"}[case]
-    registry = Registry("torch")
-    with pytest.raises(TypeError, match=r"backend 'declared' .*declares but does not "
-                                        r"implement: .*" + re.escape(want)):
+            "compute": "compute (not implemented)"}[case]
+    registry = Registry("torch", TOKEN_STATS)
+    with pytest.raises(TypeError, match=r"token-statistics backend 'declared' .*declares but "
+                                        r"does not implement: .*" + re.escape(want)):
         registry.register(cls())
     assert "declared" not in registry.IMPLEMENTATIONS
     registry.register(_declared(Capabilities())())  # what it declares, it has
+    assert registry.available() == ("declared",)
+
+
+class _Sampler:
+    name = "declared"
+
+    @staticmethod
+    def unsupported_reason(platform):
+        return None
+
+    @staticmethod
+    def sample(z, zu, keys, suppress, cfg):
+        return None
+
+
+class _Head:
+    name = "declared"
+
+    @staticmethod
+    def takes(rows, axis, plan):
+        return False
+
+    @staticmethod
+    def forward(rows, cfg):
+        return None
+
+    @staticmethod
+    def backward(rows, stats, grads, cfg):
+        return None, None
+
+
+@pytest.mark.parametrize("case", ["sample", "sample_params", "unsupported_reason",
+                                  "head_backward", "head_params"])
+def test_a_sampler_or_head_missing_a_method_is_refused_at_registration(case):
+    """The sampler's and the fused head's registries check their protocols (SampleBackend,
+    FusedHead) when they take an implementation, naming what is missing."""
+    from dlm_kernels._dispatch import FUSED_HEAD, SAMPLING, Registry
+
+    op, base = (FUSED_HEAD, _Head) if case.startswith("head") else (SAMPLING, _Sampler)
+    cls = type("Declared", (base,), {})
+    if case in ("sample", "unsupported_reason", "head_backward"):
+        method = {"sample": "sample", "unsupported_reason": "unsupported_reason",
+                  "head_backward": "backward"}[case]
+        cls = type("Declared", (), {k: v for k, v in vars(base).items() if k != method})
+    if case == "sample_params":
+        cls.sample = staticmethod(lambda z, keys, cfg: None)  # no zu, no suppress
+    if case == "head_params":
+        cls.takes = staticmethod(lambda rows, plan: True)  # no axis
+    want = {"sample": "sample (not implemented)",
+            "sample_params": "sample (takes no 'zu')",
+            "unsupported_reason": "unsupported_reason (not implemented)",
+            "head_backward": "backward (not implemented)",
+            "head_params": "takes (takes no 'axis')"}[case]
+    registry = Registry("torch", op)
+    with pytest.raises(TypeError, match=rf"{op.name} backend 'declared' \(Declared\) declares "
+                                        r"but does not implement: .*" + re.escape(want)):
+        registry.register(cls())
+    assert "declared" not in registry.IMPLEMENTATIONS
+    registry.register(base())  # what the protocol asks, it has
     assert registry.available() == ("declared",)

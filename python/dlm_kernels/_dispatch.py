@@ -1,16 +1,20 @@
-"""Backends: the protocol, the one table of them, and the registry each front end fills.
+"""Backends: the protocols, the one table of them, and the registries the ops fill.
 
-A backend is one module per framework that defines ``IMPLEMENTATION`` (an object following
-:class:`Backend`, its :class:`Capabilities` declared on it) plus one row of :data:`BACKENDS`:
-its name, its module per framework and the platforms where auto prefers it. Everything else
-(the names ``backend=`` accepts, auto preference, the documentation's list, the benchmark's
-backend lists) is read from the table. A module that cannot import records why
-(``mark_unavailable``), so an explicit request can say so. ``backend=None`` means auto: the
-first registered backend in the platform's preference that supports the array, or the
-``DLM_KERNELS_BACKEND`` environment variable when set. Auto never changes path silently:
-every fallback is logged on the ``dlm_kernels`` logger (at DEBUG, except the first time an
-accelerator's own kernels are missing: a WARNING, since the fallback there is much slower),
-and ``backend_for(...)`` tells the choice.
+A backend name is one row of :data:`BACKENDS`: its name, its token-statistics module per
+framework and the platforms where auto prefers it. Each op (token statistics, the sampler,
+the fused linear head) has its own :class:`Op`: the protocol its implementations follow
+(checked when one registers) and its module per backend and framework, each defining
+``IMPLEMENTATION``. A :class:`Registry` holds one op's implementations for one framework
+(``registry(op, framework)``). Everything else (the names ``backend=`` accepts, auto
+preference, the documentation's list, the benchmark's backend lists) is read from the
+table, and resolving is written once here for every op. A module that cannot import is
+recorded with why (``mark_unavailable``), so an explicit request can say so.
+``backend=None`` means auto: the first registered backend in the platform's preference that
+supports the array, or the ``DLM_KERNELS_BACKEND`` environment variable when set. Auto
+never changes path silently: every fallback is logged on the ``dlm_kernels`` logger (at
+DEBUG, except the first time an accelerator's own kernels are missing for a framework: a
+WARNING, since the fallback there is much slower), and ``backend_for(...)`` tells the
+choice.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import dataclasses
 import importlib
 import logging
 import inspect
-from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Protocol, Tuple,
+                    runtime_checkable)
 
 from ._env import BACKEND_ENV, env_backend
 
@@ -43,7 +48,6 @@ class Capabilities:
     dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")  # logits it accepts
     vocab_shards: bool = False  # forward_partial + backward(offset=): vocabulary parallelism
     inplace_grad: bool = False  # backward(inplace=True) writes d(logits) into the logits
-    sampling: bool = False  # sample(...): the denoising step's draw (dlm_kernels.sampling.core)
 
 
 #: the framework-native backends also take float64 logits (their math is float32 all the same)
@@ -55,48 +59,26 @@ Grads = Tuple[Array, Array, Array, Array]  # the row cotangents of (lse, logp, e
 
 
 @runtime_checkable
-class FusedHead(Protocol):
-    """Kernels that run a whole linear head in one pass each way (JAX's pallas backend:
-    ``linear_head.jax_pallas.FusedHead``); ``rows.logits`` is the ``LinearHead``."""
-
-    def takes(self, rows: Rows, axis: Any, plan: HeadPlan) -> bool:
-        """Whether the kernels take these rows (else the token-chunked sweep runs)."""
-        ...
-
-    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
-        """Stats of [N] float32 fields."""
-        ...
-
-    def backward(self, rows: Rows, stats: Stats, grads: Grads,
-                 cfg: Lowered) -> Tuple[Tuple[Array, Array, Optional[Array]], Optional[Array]]:
-        """((dH, dW, db or None), the teacher's gradient or None)."""
-        ...
-
-
-@runtime_checkable
 class Backend(Protocol):
-    """One framework's implementation of the token-statistics primitive and the sampler, in
-    full (``rows``: the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the
-    front end, ``token_stats.lowering.Lowered``, the only place its flags and constants come from;
-    ``Stats``, ``State``: ``token_stats.math``; ``SampleConfig``, ``Sample``:
-    ``sampling.core``). What an implementation offers is declared, never probed, and
-    the registry checks the declaration when it takes one (``missing_methods``):
+    """One framework's implementation of the token-statistics primitive, in full (``rows``:
+    the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the front end,
+    ``token_stats.lowering.Lowered``, the only place its flags and constants come from; ``Stats``,
+    ``State``: ``token_stats.math``). What an implementation offers is declared, never
+    probed, and the registry checks the declaration when it takes one (``missing_methods``):
 
     custom_vjp False: ``compute`` only, differentiated by the framework's autodiff.
     custom_vjp True: ``forward`` and ``backward``; with ``capabilities.vocab_shards`` also
     ``forward_partial`` and ``backward(..., offset=)``; with ``inplace_grad``,
-    ``backward(..., inplace=True)``. With ``capabilities.sampling``: ``sample``. Every
-    custom-VJP backend runs linear heads too (the front end feeds it token chunks of
-    ``hidden @ weight``, ``dlm_kernels.linear_head.head``); ``fused_head`` is None, or
-    kernels that run a whole head in one pass each way (:class:`FusedHead`).
+    ``backward(..., inplace=True)``. Every custom-VJP backend runs linear heads too (the
+    front end feeds it token chunks of ``hidden @ weight``, ``dlm_kernels.linear_head.head``;
+    kernels that run a whole head in one pass are the head op's, :class:`FusedHead`).
     Implementations derive from :class:`BackendBase`, whose methods raise for what the
-    capabilities leave out.
+    capabilities leave out. The sampler is its own op (:class:`SampleBackend`).
     """
 
     name: str
     capabilities: Capabilities
     custom_vjp: bool
-    fused_head: Optional[FusedHead]
 
     def unsupported_reason(self, platform: str) -> Optional[str]:
         """None when it runs on arrays of ``platform``, else why not."""
@@ -121,21 +103,14 @@ class Backend(Protocol):
         ``offset: int = 0`` (vocab_shards), ``inplace: bool = False`` (inplace_grad)."""
         ...
 
-    def sample(self, z: Array, zu: Optional[Array], keys: Array, suppress: Optional[Array],
-               cfg: SampleConfig) -> Sample:
-        """The Sample of [N, K] logits z (zu: the unconditional logits of guidance; keys:
-        [N] uint32 row keys; suppress: ids never drawn), ``dlm_kernels.sampling.core``."""
-        ...
-
 
 class BackendBase:
-    """What every implementation derives from: ``fused_head = None``, and the methods its
-    capabilities leave out, each raising NotImplementedError with the backend's name (the
-    front ends consult ``capabilities`` and ``custom_vjp`` first, so a user sees these only
-    through a bug)."""
+    """What every token-statistics implementation derives from: the methods its capabilities
+    leave out, each raising NotImplementedError with the backend's name (the front ends
+    consult ``capabilities`` and ``custom_vjp`` first, so a user sees these only through a
+    bug)."""
 
     name: str = "?"
-    fused_head: Optional[FusedHead] = None
 
     def _missing(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"backend {self.name!r} does not implement {what}")
@@ -157,9 +132,46 @@ class BackendBase:
                  **options: Any) -> Tuple[Array, Optional[Array]]:
         raise self._missing("backward (no custom VJP: compute)")
 
+
+@runtime_checkable
+class SampleBackend(Protocol):
+    """One framework's implementation of the denoising step's draw (``sample_tokens``), in
+    full; the registry checks it when it takes one (``missing_sample_methods``)."""
+
+    name: str
+
+    def unsupported_reason(self, platform: str) -> Optional[str]:
+        """None when it runs on arrays of ``platform``, else why not."""
+        ...
+
     def sample(self, z: Array, zu: Optional[Array], keys: Array, suppress: Optional[Array],
                cfg: SampleConfig) -> Sample:
-        raise self._missing("sample (capabilities.sampling is False)")
+        """The Sample of [N, K] logits z (zu: the unconditional logits of guidance; keys:
+        [N] uint32 row keys; suppress: ids never drawn), ``dlm_kernels.sampling.core``."""
+        ...
+
+
+@runtime_checkable
+class FusedHead(Protocol):
+    """Kernels that run a whole linear head in one pass each way (JAX's pallas backend:
+    ``linear_head.jax_pallas``), found by the token-statistics backend's name; ``rows.logits``
+    is the ``LinearHead``. The registry checks one when it takes it
+    (``missing_head_methods``)."""
+
+    name: str
+
+    def takes(self, rows: Rows, axis: Any, plan: HeadPlan) -> bool:
+        """Whether the kernels take these rows (else the token-chunked sweep runs)."""
+        ...
+
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
+        """Stats of [N] float32 fields."""
+        ...
+
+    def backward(self, rows: Rows, stats: Stats, grads: Grads,
+                 cfg: Lowered) -> Tuple[Tuple[Array, Array, Optional[Array]], Optional[Array]]:
+        """((dH, dW, db or None), the teacher's gradient or None)."""
+        ...
 
 
 #: what each declaration promises: (method, the parameters it must take besides self)
@@ -168,14 +180,22 @@ _PROMISES = {
     "forward": ("rows", "cfg"),
     "backward": ("rows", "stats", "grads", "cfg"),
     "forward_partial": ("rows", "cfg", "offset"),
-    "sample": ("z", "zu", "keys", "suppress", "cfg"),
 }
+_SAMPLE_PROMISES = {"unsupported_reason": ("platform",),
+                    "sample": ("z", "zu", "keys", "suppress", "cfg")}
+_HEAD_PROMISES = {"takes": ("rows", "axis", "plan"), "forward": ("rows", "cfg"),
+                  "backward": ("rows", "stats", "grads", "cfg")}
+
+
+def _takes_no(method: str, function: Callable[..., Any], params: Tuple[str, ...]) -> list:
+    have = inspect.signature(function).parameters
+    return [f"{method} (takes no {p!r})" for p in params if p not in have]
 
 
 def missing_methods(impl: Backend) -> Tuple[str, ...]:
-    """What ``impl`` declares (``custom_vjp``, ``capabilities``, ``fused_head``) but does not
-    implement: a method left to :class:`BackendBase`'s raising stub, or taking other
-    parameters than the protocol's. Empty when it follows :class:`Backend` in full."""
+    """What ``impl`` declares (``custom_vjp``, ``capabilities``) but does not implement: a
+    method left to :class:`BackendBase`'s raising stub, or taking other parameters than the
+    protocol's. Empty when it follows :class:`Backend` in full."""
     cls, caps = type(impl), impl.capabilities
     methods = {  # method -> (the class's, the base's stub)
         "unsupported_reason": (cls.unsupported_reason, BackendBase.unsupported_reason),
@@ -183,27 +203,48 @@ def missing_methods(impl: Backend) -> Tuple[str, ...]:
         "forward": (cls.forward, BackendBase.forward),
         "backward": (cls.backward, BackendBase.backward),
         "forward_partial": (cls.forward_partial, BackendBase.forward_partial),
-        "sample": (cls.sample, BackendBase.sample),
     }
     wanted = ["unsupported_reason"] + (["forward", "backward"] if impl.custom_vjp else ["compute"])
-    wanted += ["forward_partial"] * caps.vocab_shards + ["sample"] * caps.sampling
+    wanted += ["forward_partial"] * caps.vocab_shards
     problems = []
     for method in wanted:
         own, stub = methods[method]
         if own is stub:
             problems.append(f"{method} (not implemented)")
             continue
-        params = inspect.signature(own).parameters
-        problems += [f"{method} (takes no {p!r})" for p in _PROMISES.get(method, ())
-                     if p not in params]
+        problems += _takes_no(method, own, _PROMISES.get(method, ()))
     backward = inspect.signature(cls.backward).parameters
     for declared, option in ((caps.vocab_shards and impl.custom_vjp, "offset"),
                              (caps.inplace_grad, "inplace")):
         if declared and option not in backward:
             problems.append(f"backward (takes no {option!r})")
-    if impl.fused_head is not None and not isinstance(impl.fused_head, FusedHead):
-        problems.append("fused_head (not a FusedHead: takes, forward, backward)")
     return tuple(problems)
+
+
+def _lacks(impl: Any, promises: Dict[str, Tuple[str, ...]]) -> Tuple[str, ...]:
+    """What of ``promises`` (method -> its parameters) the class of ``impl`` does not
+    implement, or implements with other parameters."""
+    members = dict(inspect.getmembers(type(impl)))
+    problems = []
+    for method, params in promises.items():
+        own = members.get(method)
+        if not callable(own):
+            problems.append(f"{method} (not implemented)")
+            continue
+        problems += _takes_no(method, own, params)
+    return tuple(problems)
+
+
+def missing_sample_methods(impl: SampleBackend) -> Tuple[str, ...]:
+    """What of :class:`SampleBackend` ``impl`` does not implement. Empty when it follows it
+    in full."""
+    return _lacks(impl, _SAMPLE_PROMISES)
+
+
+def missing_head_methods(impl: FusedHead) -> Tuple[str, ...]:
+    """What of :class:`FusedHead` ``impl`` does not implement. Empty when it follows it in
+    full."""
+    return _lacks(impl, _HEAD_PROMISES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,12 +252,12 @@ class BackendSpec:
     """One row of the backend table."""
 
     name: str
-    modules: Dict[str, str]  # framework ("torch", "jax") -> module defining IMPLEMENTATION
+    modules: Dict[str, str]  # framework ("torch", "jax") -> its token-statistics module
     preferred_on: Tuple[str, ...]  # platforms of the logits where auto tries it first
     summary: str  # one line for the documentation
 
 
-#: The backend table: a new backend is a module per framework and a row here.
+#: The backend table: a new backend is a row here and a module per framework and op.
 BACKENDS: Tuple[BackendSpec, ...] = (
     BackendSpec("reference", {"torch": "dlm_kernels.token_stats.torch_reference",
                               "jax": "dlm_kernels.token_stats.jax_reference"}, (),
@@ -248,6 +289,43 @@ def backends_doc() -> str:
     return f"None (auto), or one of {names}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op's registries: the check of its protocol and where its implementations live."""
+
+    name: str  # in messages: "token-statistics", "sampler", "fused-head"
+    check: Callable[[Any], Tuple[str, ...]]  # what an implementation lacks of the protocol
+    # backend name (a row of BACKENDS) -> framework -> module defining IMPLEMENTATION;
+    # None: the backend table's own modules (token statistics)
+    modules: Optional[Mapping[str, Mapping[str, str]]] = None
+
+    def module(self, spec: BackendSpec, framework: str) -> Optional[str]:
+        """The module of backend ``spec`` for ``framework``, or None where it has none."""
+        table = spec.modules if self.modules is None else self.modules.get(spec.name, {})
+        return table.get(framework)
+
+
+#: token statistics (token_stats/): its modules are the backend table's
+TOKEN_STATS = Op("token-statistics", missing_methods)
+
+#: the denoising step's draw (sampling/): a module per backend and framework
+SAMPLING = Op("sampler", missing_sample_methods, {
+    "reference": {"torch": "dlm_kernels.sampling.torch_reference",
+                  "jax": "dlm_kernels.sampling.jax_reference"},
+    "chunked": {"torch": "dlm_kernels.sampling.torch_chunked",
+                "jax": "dlm_kernels.sampling.jax_chunked"},
+    "triton": {"torch": "dlm_kernels.sampling.torch_triton",
+               "jax": "dlm_kernels.sampling.jax_triton"},
+    "pallas": {"jax": "dlm_kernels.sampling.jax_pallas"},
+})
+
+#: kernels that run a whole linear head (linear_head/), found by the token-statistics
+#: backend's name: JAX's pallas only
+FUSED_HEAD = Op("fused-head", missing_head_methods, {
+    "pallas": {"jax": "dlm_kernels.linear_head.jax_pallas"},
+})
+
+
 class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run here; the message says why."""
 
@@ -264,20 +342,24 @@ def higher_order_error(framework: str, backend: str) -> NotImplementedError:
         f"(the framework's own autodiff over the full [N, K] logits in float32)")
 
 
+#: (framework, platform, backend) fallbacks already logged as a WARNING: once per
+#: framework, whichever op's registry met it first
+_WARNED = set()
+
+
 class Registry:
-    """Implementations of the token-statistics primitive for one framework."""
+    """Implementations of one op for one framework."""
 
-    def __init__(self, framework: str):
-        self.framework = framework
-        self.IMPLEMENTATIONS: Dict[str, Backend] = {}
+    def __init__(self, framework: str, op: Op):
+        self.framework, self.op = framework, op
+        self.IMPLEMENTATIONS: Dict[str, Any] = {}
         self._unavailable: Dict[str, str] = {}
-        self._warned = set()  # (platform, backend) fallbacks already logged as a WARNING
 
-    def register(self, impl: Backend) -> None:
-        missing = missing_methods(impl)
+    def register(self, impl: Any) -> None:
+        missing = self.op.check(impl)
         if missing:
-            raise TypeError(f"backend {impl.name!r} ({type(impl).__qualname__}) declares but "
-                            f"does not implement: {', '.join(missing)}")
+            raise TypeError(f"{self.op.name} backend {impl.name!r} ({type(impl).__qualname__}) "
+                            f"declares but does not implement: {', '.join(missing)}")
         self.IMPLEMENTATIONS[impl.name] = impl
         self._unavailable.pop(impl.name, None)
 
@@ -289,10 +371,11 @@ class Registry:
         return tuple(self.IMPLEMENTATIONS)
 
     def load(self) -> None:
-        """Import this framework's module of every row of the backend table; each defines
-        IMPLEMENTATION. A module that cannot import is recorded with its reason instead."""
+        """Import this op's module for this framework of every row of the backend table; each
+        defines IMPLEMENTATION. A module that cannot import is recorded with its reason
+        instead."""
         for spec in BACKENDS:
-            module = spec.modules.get(self.framework)
+            module = self.op.module(spec, self.framework)
             if module is None or spec.name in self.IMPLEMENTATIONS:
                 continue
             try:
@@ -339,8 +422,8 @@ class Registry:
             impl = self.IMPLEMENTATIONS.get(name)
             if impl is None:
                 reason = self._unavailable.get(name, "not registered")
-                if name == preference[0] and (platform, name) not in self._warned:
-                    self._warned.add((platform, name))  # the platform's own kernels: once
+                if name == preference[0] and (self.framework, platform, name) not in _WARNED:
+                    _WARNED.add((self.framework, platform, name))  # the platform's own kernels
                     logger.warning(
                         "%s arrays on %r: backend %r is unavailable (%s); using the slower "
                         "chunked fallback. Set %s=chunked to choose it explicitly.",
@@ -354,3 +437,16 @@ class Registry:
                 return impl
             logger.debug("auto backend: %s skipped on %s: %s", name, platform, why)
         return self.IMPLEMENTATIONS[FALLBACK]
+
+
+_REGISTRIES: Dict[Tuple[str, str], Registry] = {}
+
+
+def registry(op: Op, framework: str) -> Registry:
+    """The registry of ``op`` for ``framework``, loaded when first asked for (importing only
+    that framework's modules)."""
+    key = (op.name, framework)
+    if key not in _REGISTRIES:
+        _REGISTRIES[key] = Registry(framework, op)
+        _REGISTRIES[key].load()
+    return _REGISTRIES[key]

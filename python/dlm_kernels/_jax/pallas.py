@@ -4,6 +4,7 @@ statics, and the int / float columns the kernels of ``kernels.pallas`` read."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,15 @@ def interpret_mode() -> bool:
     if value:
         raise ValueError(f"{PALLAS_INTERPRET_ENV} must be 0 or 1; got {value!r}")
     return jax.default_backend() == "cpu"
+
+
+def unsupported_reason(platform: str) -> Optional[str]:
+    """None where the Pallas kernels take JAX arrays of ``platform``, else why not."""
+    forced = os.environ.get(PALLAS_INTERPRET_ENV, "").strip()
+    if platform == "tpu" or forced == "0" or interpret_mode():
+        return None  # "0" forces compiled Mosaic: lowering for TPU works anywhere
+    return (f"the Pallas kernels target TPUs (arrays are on {platform!r}; set "
+            f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
 
 
 class RaceDetection:

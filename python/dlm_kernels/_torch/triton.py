@@ -17,6 +17,16 @@ Tensor = torch.Tensor
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def unsupported_reason(platform: str) -> Optional[str]:
+    """None where the Triton kernels take torch tensors of ``platform``, else why not."""
+    if platform == "cuda":
+        return None
+    if platform == "cpu" and _INTERPRETED:
+        return None  # the Triton interpreter runs the kernels on CPU tensors
+    return ("the Triton kernels need CUDA tensors (CPU tensors only under "
+            "TRITON_INTERPRET=1, set before triton is imported)")
+
+
 _NUM_SMS = {}
 
 

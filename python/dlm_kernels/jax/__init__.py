@@ -21,7 +21,9 @@ import jax
 
 from .. import _contract
 from .._checks import sync_checks
+from .._dispatch import SAMPLING as _SAMPLING
 from .._dispatch import BackendUnavailableError
+from .._dispatch import registry as _registry
 from .._objectives import Objectives as _Objectives
 from .._objectives import rf_alpha, rf_alpha_dot
 from ..sampling.core import Sample
@@ -32,7 +34,6 @@ from ..token_stats.op import TokenStats
 from ..linear_head.jax_head import LinearHead
 from .._jax.ops import JaxOps as _JaxOps
 from ..token_stats.jax_vjp import FRONT as _FRONT
-from ..token_stats.jax_vjp import REGISTRY as _REGISTRY
 
 __all__ = [
     "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
@@ -453,7 +454,7 @@ def opd_loss(
 
 # -- the denoising step ------------------------------------------------------------------------
 
-_sample_tokens, _commit_tokens = _make_sampling_api(_JaxOps, _REGISTRY)
+_sample_tokens, _commit_tokens = _make_sampling_api(_JaxOps, _registry(_SAMPLING, "jax"))
 
 
 def sample_tokens(

@@ -27,6 +27,10 @@ from .._rows import Rows
 from ..token_stats.math import Stats
 from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
+from .._dispatch import FUSED_HEAD, registry
+
+#: kernels that run a whole head, by backend name (``linear_head.jax_pallas``)
+_FUSED_HEADS = registry(FUSED_HEAD, "jax")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -195,9 +199,9 @@ class _Sweep:
 
     @property
     def fused(self):
-        """The backend's fused head kernels when they take these rows (else None): they
-        return gradients already in the inputs' dtypes."""
-        fused = self.impl.fused_head
+        """The fused head kernels of the backend's name (the head op's registry) when they
+        take these rows (else None): they return gradients already in the inputs' dtypes."""
+        fused = _FUSED_HEADS.IMPLEMENTATIONS.get(self.impl.name)
         takes = fused is not None and fused.takes(self.rows, self.axis, self.plan)
         return fused if takes else None
 

@@ -1,5 +1,5 @@
-"""The linear head in Mosaic kernels (``kernels.pallas.linear_head``), the pallas
-backend's ``fused_head``."""
+"""The linear head in Mosaic kernels (``kernels.pallas.linear_head``): the pallas backend's
+fused head (the head op's registry, ``_dispatch.FUSED_HEAD``)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class FusedHead:
     without teacher_grad), outside a vocabulary-parallel map; other rows go through the
     token-chunked path (XLA matmuls feeding the logits kernels). Gradient schedule: always
     recompute (1 matmul forward, 4 backward)."""
+
+    name = "pallas"
 
     @staticmethod
     def _kernel_dtype(head):
@@ -83,3 +85,6 @@ class FusedHead:
             head, teacher, _ints(rows.targets, rows.shift_ids),
             _backward_floats(rows, stats, grads, cfg), teacher_grad=cfg.TEACHER_GRAD, **statics)
         return (dh, dw, db), du
+
+
+IMPLEMENTATION = FusedHead()

@@ -460,6 +460,24 @@ def reference_sample(xp, z, zu, keys, suppress, cfg):
                                     keys, cfg), keys, cfg)
 
 
+class ReferenceSampler:
+    """The reference backend's sampler of one framework (``reference_sample``): the whole
+    row materialised in float32."""
+
+    name = "reference"
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    @staticmethod
+    def unsupported_reason(platform):
+        return None
+
+    def sample(self, z, zu, keys, suppress, cfg):
+        # z, zu: [N, K] -> Sample of [N] fields
+        return reference_sample(self.xp, z, zu, keys, suppress, cfg)
+
+
 # -- checks -----------------------------------------------------------------------------------
 
 def _number(value, integral=False):
@@ -710,8 +728,8 @@ def _rows(xp, x, r0, r1):
 
 def make_sampling_api(xp, registry):
     """(sample_tokens, commit_tokens) of one front end: the bodies of its typed public
-    functions (their documentation is there)."""
-    from .._dispatch import BackendUnavailableError
+    functions (their documentation is there); ``registry``: the sampler's registry of the
+    front end's framework (``_dispatch.registry(SAMPLING, framework)``)."""
 
     def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
@@ -727,8 +745,6 @@ def make_sampling_api(xp, registry):
         like = logits.device_array  # an array on the device
         suppress_ids, unseen_bad = suppressed_ids(xp, suppress_ids, logits.shape[-1], like)
         impl = registry.resolve(backend, xp.platform(like))
-        if not impl.capabilities.sampling:
-            raise BackendUnavailableError(f"backend {impl.name!r} has no sampler")
         lead, k = tuple(logits.shape[:-1]), logits.shape[-1]
         n = 1
         for dim in lead:

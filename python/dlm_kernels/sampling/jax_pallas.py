@@ -10,7 +10,7 @@ from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.pallas import sampling as sampler
 from .._jax.batching import fold_vmap_into_rows
 from .._jax.ops import JaxOps
-from .._jax.pallas import interpret_mode, RaceDetection
+from .._jax.pallas import RaceDetection, interpret_mode, unsupported_reason
 
 
 def sample(z, zu, keys, suppress, cfg):
@@ -37,3 +37,14 @@ def sample(z, zu, keys, suppress, cfg):
     st = sampling.merge_splits(JaxOps, floats.T[:, None, :], ids.T[:, None, :], top_v,
                                top_i, cfg, k)
     return sampling.finalize(JaxOps, st, keys, cfg)
+
+
+class PallasSampler:
+    """The Pallas sampler (``dlm_kernels.sampling.core``'s draw)."""
+
+    name = "pallas"
+    unsupported_reason = staticmethod(unsupported_reason)
+    sample = staticmethod(sample)
+
+
+IMPLEMENTATION = PallasSampler()

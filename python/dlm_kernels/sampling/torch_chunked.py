@@ -1,5 +1,7 @@
-"""The chunked backend's sampler without top-k: one read of the logits, then a second look
-at one chunk per row (``sampling.core.chunk_values`` and ``settle``).
+"""The chunked backend's sampler from torch: torch ops over vocabulary chunks, live
+temporaries a few [N, C] chunks. With top-k, one pass merging each chunk's state
+(``sampling.core.chunk_state``); without, one read of the logits, then a second look at one
+chunk per row (``sampling.core.chunk_values`` and ``settle``):
 
   pass 1, every chunk (the one read of the logits): its maxima and sums only
   merge: ``sampling.core.merge_splits`` over the chunks as over the Triton kernel's vocabulary
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import core as sampling
+from .._config import SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 from .._torch.ops import TorchOps as xp
 
@@ -74,7 +77,7 @@ def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
     out[_FIELD["gv"]] = _NEG_INF if cfg.greedy else xp.rowmax(noisy(sd, cols))
 
 
-def sample(z, zu, keys, suppress, cfg, chunks):
+def _two_pass(z, zu, keys, suppress, cfg, chunks):
     """Sample of [N] fields of z [N, K] (and zu) over the vocabulary chunks [(c0, c1)] of one
     width (the last may be narrower); cfg.top_k is None."""
     n, k = z.shape
@@ -109,3 +112,37 @@ def sample(z, zu, keys, suppress, cfg, chunks):
 
     st = sampling.settle(xp, st, reread, noisy, cfg)
     return sampling.finalize(xp, st, keys, cfg)
+
+
+@torch.no_grad()
+def sample(z, zu, keys, suppress, cfg):
+    # z, zu: [N, K] -> Sample of [N] fields; live temporaries: a few [N, C] chunks
+    n, k = z.shape
+    c = chunk_size_for(n, k, cfg, on_cpu=z.device.type == "cpu",
+                       cpu_bytes=SAMPLE_CHUNK_BYTES_CPU)
+    chunks = [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
+    if cfg.top_k is None:  # values in the stream, positions from one chunk per row
+        return _two_pass(z, zu, keys, suppress, cfg, chunks)
+    state = None
+    for c0, c1 in chunks:
+        cols = torch.arange(c0, c1, device=z.device)
+        scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else
+                                        zu[:, c0:c1], cols, suppress, cfg)
+        part = sampling.chunk_state(xp, *scores, cols, keys, cfg)
+        state = part if state is None else sampling.merge_state(xp, state, part, cfg)
+    return sampling.finalize(xp, state, keys, cfg)
+
+
+class ChunkedSampler:
+    """The chunked sampler from torch (``dlm_kernels.sampling.core``'s draw)."""
+
+    name = "chunked"
+
+    @staticmethod
+    def unsupported_reason(platform):
+        return None
+
+    sample = staticmethod(sample)
+
+
+IMPLEMENTATION = ChunkedSampler()

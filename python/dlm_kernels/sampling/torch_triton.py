@@ -13,7 +13,7 @@ from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._torch.buffers import empty as _empty
 from .._torch.ops import TorchOps
-from .._torch.triton import _unit_col, plan
+from .._torch.triton import _unit_col, plan, unsupported_reason
 
 Tensor = torch.Tensor
 
@@ -75,3 +75,14 @@ def sample(z, zu, keys, suppress, cfg):
                         for t in (top_v, top_i))
     st = sampling.merge_splits(TorchOps, state, ids, top_v, top_i, cfg, k)
     return sampling.finalize(TorchOps, st, keys, cfg)
+
+
+class TritonSampler:
+    """The Triton sampler from torch (``dlm_kernels.sampling.core``'s draw)."""
+
+    name = "triton"
+    unsupported_reason = staticmethod(unsupported_reason)
+    sample = staticmethod(sample)
+
+
+IMPLEMENTATION = TritonSampler()

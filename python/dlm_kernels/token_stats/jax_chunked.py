@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..sampling import core as sampling
 from . import math as stats_math
 from .._config import chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
@@ -81,7 +80,7 @@ def _from_carry(buf, dtype):
 class ChunkedJax(BackendBase):
     name = "chunked"
     custom_vjp = True
-    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, sampling=True)
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True)
 
     @staticmethod
     def unsupported_reason(platform):
@@ -152,47 +151,6 @@ class ChunkedJax(BackendBase):
 
         half = _is_half(z.dtype) or (cfg.TEACHER_GRAD and _is_half(u.dtype))
         return _per_platform(gradient, z, cfg, cpu_differs=half)
-
-    @staticmethod
-    def sample(z, zu, keys, suppress, cfg):
-        # z, zu: [N, K] -> Sample of [N] fields, a lax.fori_loop over vocabulary chunks (the
-        # clamped last chunk masks the columns an earlier one saw to -inf). Without top_k the
-        # loop keeps maxima only and ``settle`` re-reads one chunk per row for the positions
-        # (XLA's argmax on a CPU costs about 18x its max, 100x fused with the noise).
-        n, k = z.shape
-        c = chunk_size_for(n, k, cfg, jax.default_backend() == "cpu")
-        n_chunks = -(-k // c)
-        noisy = sampling.noisy_scores(xp, keys)
-
-        def read(i):  # chunk i -> z, s, sd [N, C] (columns an earlier chunk saw at -inf), cols [C]
-            start = jnp.minimum(i * c, k - c)
-            cols = start + jnp.arange(c, dtype=jnp.int32)
-            scores = sampling.scaled_logits(xp, _slice(z, start, c), _slice(zu, start, c), cols,
-                                            suppress, cfg)
-            fresh = (cols >= i * c)[None, :]
-            return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
-
-        def reread(chunk):  # chunk [N], one per row -> z, s, sd, cols [N, C]
-            cols = jnp.minimum(chunk * c, k - c)[:, None] + jnp.arange(c, dtype=jnp.int32)
-            rows = lambda x: None if x is None else jnp.take_along_axis(x, cols, axis=1)  # noqa: E731
-            scores = sampling.scaled_logits(xp, rows(z), rows(zu), cols, suppress, cfg)
-            fresh = cols >= chunk[:, None] * c
-            return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
-
-        def part(i):
-            z_i, s, sd, cols = read(i)
-            if cfg.top_k is None:
-                return sampling.chunk_values(xp, z_i, s, sd, cols, jnp.full((n,), i, jnp.int32),
-                                             noisy, cfg)
-            return sampling.chunk_state(xp, z_i, s, sd, cols, keys, cfg)
-
-        state = part(0)
-        if n_chunks > 1:
-            state = lax.fori_loop(1, n_chunks,
-                                  lambda i, st: sampling.merge_state(xp, st, part(i), cfg), state)
-        if cfg.top_k is None:
-            state = sampling.settle(xp, state, reread, noisy, cfg)
-        return sampling.finalize(xp, state, keys, cfg)
 
 
 IMPLEMENTATION = ChunkedJax()

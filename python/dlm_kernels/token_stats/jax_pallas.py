@@ -9,33 +9,23 @@ is how the block rules are checked without a TPU.
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 
 from . import math as stats_math
 from .._dispatch import BackendBase, Capabilities
-from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.pallas import token_stats as kernels
 from .._jax.batching import fold_vmap_into_rows
 from .._jax.ops import JaxOps
-from .._jax.pallas import interpret_mode, _statics, _ints, _forward_floats, _backward_floats, _stats
-from ..linear_head.jax_pallas import FusedHead
-from ..sampling import jax_pallas as pallas_sampling
+from .._jax.pallas import (_backward_floats, _forward_floats, _ints, _stats, _statics,
+                           unsupported_reason)
 
 
 class PallasJax(BackendBase):
     name = "pallas"
     custom_vjp = True
-    capabilities = Capabilities(vocab_shards=True, sampling=True)
+    capabilities = Capabilities(vocab_shards=True)
 
-    @staticmethod
-    def unsupported_reason(platform):
-        forced = os.environ.get(PALLAS_INTERPRET_ENV, "").strip()
-        if platform == "tpu" or forced == "0" or interpret_mode():
-            return None  # "0" forces compiled Mosaic: lowering for TPU works anywhere
-        return (f"the Pallas kernels target TPUs (arrays are on {platform!r}; set "
-                f"{PALLAS_INTERPRET_ENV}=1 for interpret mode)")
+    unsupported_reason = staticmethod(unsupported_reason)
 
     @staticmethod
     def _run_forward(rows, active, cfg, offset, partial):
@@ -74,11 +64,6 @@ class PallasJax(BackendBase):
             lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
                                               teacher_grad=cfg.TEACHER_GRAD, **statics))
         return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
-
-
-    fused_head = FusedHead  # the fused linear head's entry points
-
-    sample = staticmethod(pallas_sampling.sample)
 
 
 def _partial_state(out, cfg):

@@ -8,16 +8,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._dispatch import Registry
+from .._dispatch import TOKEN_STATS, registry
 from . import math as stats_math
 from .op import TokenStatsFrontEnd
 from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
 from .._jax.ops import JaxOps
 
-REGISTRY = Registry("jax")
-
-REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a JAX module
+#: every row of the backend table (_dispatch.BACKENDS) with a JAX module
+REGISTRY = registry(TOKEN_STATS, "jax")
 
 
 def _cotangent(rows, stats, grads, cfg, impl, offset=None, axis=None):

@@ -94,7 +94,7 @@ class ReferenceBackend(BackendBase):
 
     name = "reference"
     custom_vjp = False
-    capabilities = Capabilities(dtypes=NATIVE_DTYPES, sampling=True)
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES)
 
     def __init__(self, xp):
         self.xp = xp
@@ -111,13 +111,6 @@ class ReferenceBackend(BackendBase):
         from .math import reference_stats
 
         return reference_stats(self.xp, rows, cfg)
-
-
-    def sample(self, z, zu, keys, suppress, cfg):
-        # z, zu: [N, K] -> Sample of [N] fields (the row materialised in float32)
-        from ..sampling.core import reference_sample
-
-        return reference_sample(self.xp, z, zu, keys, suppress, cfg)
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import core as sampling
 from . import math as stats_math
-from ..sampling import torch_chunked as chunked_sampling
 from ..kernels.series import PSI_COEFFS, PSI_SMALL
-from .._config import CHUNK_BYTES_CPU, SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
+from .._config import CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps as xp
@@ -30,8 +28,7 @@ def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
 class ChunkedTorch(BackendBase):
     name = "chunked"
     custom_vjp = True
-    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, inplace_grad=True,
-                                sampling=True)
+    capabilities = Capabilities(dtypes=NATIVE_DTYPES, vocab_shards=True, inplace_grad=True)
 
     @staticmethod
     def unsupported_reason(platform):
@@ -80,23 +77,6 @@ class ChunkedTorch(BackendBase):
 
         run_blocks(block, n, k)
         return dz, du
-
-    @staticmethod
-    @torch.no_grad()
-    def sample(z, zu, keys, suppress, cfg):
-        # z, zu: [N, K] -> Sample of [N] fields; live temporaries: a few [N, C] chunks
-        n, k = z.shape
-        chunks = _chunks(n, k, cfg, z.device, SAMPLE_CHUNK_BYTES_CPU)
-        if cfg.top_k is None:  # values in the stream, positions from one chunk per row
-            return chunked_sampling.sample(z, zu, keys, suppress, cfg, chunks)
-        state = None
-        for c0, c1 in chunks:
-            cols = torch.arange(c0, c1, device=z.device)
-            scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else
-                                            zu[:, c0:c1], cols, suppress, cfg)
-            part = sampling.chunk_state(xp, *scores, cols, keys, cfg)
-            state = part if state is None else sampling.merge_state(xp, state, part, cfg)
-        return sampling.finalize(xp, state, keys, cfg)
 
 
 def _row_slice(rows, r0, r1):

@@ -23,8 +23,7 @@ from ..kernels.triton import token_stats as kernels
 from .math import Stats
 from .._torch.buffers import empty as _empty
 from .._torch.ops import TorchOps
-from .._torch.triton import _INTERPRETED, _unit_col, plan
-from ..sampling import torch_triton as triton_sampling
+from .._torch.triton import _unit_col, plan, unsupported_reason
 
 Tensor = torch.Tensor
 
@@ -251,16 +250,9 @@ def _op_rows(rows):
 class TritonTorch(BackendBase):
     name = "triton"
     custom_vjp = True
-    capabilities = Capabilities(vocab_shards=True, inplace_grad=True, sampling=True)
+    capabilities = Capabilities(vocab_shards=True, inplace_grad=True)
 
-    @staticmethod
-    def unsupported_reason(platform):
-        if platform == "cuda":
-            return None
-        if platform == "cpu" and _INTERPRETED:
-            return None  # the Triton interpreter runs the kernels on CPU tensors
-        return ("the Triton kernels need CUDA tensors (CPU tensors only under "
-                "TRITON_INTERPRET=1, set before triton is imported)")
+    unsupported_reason = staticmethod(unsupported_reason)
 
     @staticmethod
     def forward(rows, cfg):
@@ -298,9 +290,6 @@ class TritonTorch(BackendBase):
         else:
             dz, du = torch.ops.dlm_kernels.token_stats_bwd(*args)
         return dz, (du if cfg.TEACHER_GRAD else None)
-
-
-    sample = staticmethod(triton_sampling.sample)
 
 
 IMPLEMENTATION = TritonTorch()

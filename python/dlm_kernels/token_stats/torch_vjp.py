@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import math as stats_math
-from .._dispatch import Registry
+from .._dispatch import TOKEN_STATS, registry
 from .op import TokenStatsFrontEnd
 from .._rows import Rows
 from .math import Stats
@@ -14,9 +14,8 @@ from .._torch.first_order import first_order_only
 from ..linear_head.torch_head import apply_head
 from .._torch.ops import TorchOps
 
-REGISTRY = Registry("torch")
-
-REGISTRY.load()  # every row of the backend table (_dispatch.BACKENDS) with a torch module
+#: every row of the backend table (_dispatch.BACKENDS) with a torch module
+REGISTRY = registry(TOKEN_STATS, "torch")
 
 
 def _vocab_parallel_stats(rows, impl, cfg, group):

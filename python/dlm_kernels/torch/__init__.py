@@ -20,7 +20,9 @@ import torch
 
 from .. import _contract
 from .._checks import sync_checks
+from .._dispatch import SAMPLING as _SAMPLING
 from .._dispatch import BackendUnavailableError
+from .._dispatch import registry as _registry
 from .._objectives import Objectives as _Objectives
 from .._objectives import rf_alpha, rf_alpha_dot
 from ..sampling.core import Sample
@@ -31,7 +33,6 @@ from ..token_stats.op import TokenStats
 from ..linear_head.torch_head import LinearHead
 from .._torch.ops import TorchOps as _TorchOps
 from ..token_stats.torch_vjp import FRONT as _FRONT
-from ..token_stats.torch_vjp import REGISTRY as _REGISTRY
 
 __all__ = [
     "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
@@ -437,7 +438,7 @@ def opd_loss(
 
 # -- the denoising step ------------------------------------------------------------------------
 
-_sample_tokens, _commit_tokens = _make_sampling_api(_TorchOps, _REGISTRY)
+_sample_tokens, _commit_tokens = _make_sampling_api(_TorchOps, _registry(_SAMPLING, "torch"))
 
 
 def sample_tokens(
