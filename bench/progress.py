@@ -73,7 +73,7 @@ _PEER_WORDS = {("torch", "upstream"): "eager PyTorch (upstream)",
                                                "(reference+compile)",
                ("torch", "liger"): "Liger (liger)",
                ("jax", "upstream"): "jax.jit (upstream)"}
-_OBJECTIVE_WORDS = {"ce": "CE", "policy": "Policy", "opd": "OPD"}
+_OBJECTIVE_WORDS = {"ce": "CE", "policy": "Policy", "opd": "OPD", "sft": "SFT"}
 
 
 def summary(results, peers=("reference", "reference+compile", "upstream", "upstream+compile",

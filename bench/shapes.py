@@ -29,13 +29,14 @@ QUICK_CPU_SHAPES = [(f"cpu-N256-K{k // 1024}k" + ("-bf16" if dtype == "bfloat16"
                     for dtype in ("float32", "bfloat16") for k in (2048, 4096, 16384)]
 SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
 
-OBJECTIVES = ("ce", "policy", "opd")
+OBJECTIVES = ("ce", "policy", "opd", "sft")
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 def bytes_moved(objective, mode, n, k, elem_bytes):
     """Bytes the pass structure must move (docs/design.md §7): forward reads the logits once,
-    backward reads them and writes the gradient; OPD streams the teacher beside them."""
+    backward reads them and writes the gradient; OPD streams the teacher beside them (sft
+    moves what ce moves: its shift and weights are [N] values)."""
     row = n * k * elem_bytes
     teacher = row if objective == "opd" else 0
     fwd = row + teacher

@@ -150,6 +150,41 @@ def test_upstream_baselines_time_our_loss(monkeypatch):
         assert_close(grads[1][1], grads[0][1], "float32", f"jax upstream {objective} d logits")
 
 
+def test_sft_baselines_are_the_sft_loss(monkeypatch):
+    """Objective "sft" (the reweighted LOO SFT loss): ours (chunked) and the upstream loss as
+    Megatron-Bridge writes it (``one_hot`` shift, CE, mask, time weight; torch eager, JAX
+    jitted) each give the float64 oracle's loss and d logits on the case's own inputs, at an
+    awkward K."""
+    import numpy as np
+    import oracle
+    import torch
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.cases import SFT_VARIANT, JaxCase, TorchCase
+
+    n, k = 13, 300
+    for name in ("chunked", "upstream"):
+        for fw in ("torch", "jax"):
+            case = (TorchCase("sft", name, n, k, "float32", "cpu") if fw == "torch"
+                    else JaxCase("sft", name, n, k, "float32"))
+            z, b = case.sets[0]
+            if fw == "torch":
+                value = case._loss(z, b)
+                (grad,) = torch.autograd.grad(value, z)
+                value, grad = value.detach(), grad
+                z = z.detach()
+            else:
+                value, grad = case.fwdbwd(0)
+            arrays = [np.asarray(a, np.float64) for a in (value, grad, z, b.t, b.loss_mask)]
+            value, grad, z64, t, mask = arrays
+            x0, xt = np.asarray(b.x0), np.asarray(b.xt)
+            assert 0.05 <= t.item() <= 0.95 and (x0 != xt).any()  # a real shift, elsewhere
+            want = oracle.sft_loss(z64, x0, xt, t, mask, SFT_VARIANT, k).sum()
+            want_grad = oracle.sft_loss_grad(z64, x0, xt, t, mask, SFT_VARIANT, k, np.ones(1))
+            assert_close(value, want, "float32", f"{fw} {name} sft loss")
+            assert_close(grad, want_grad, "float32", f"{fw} {name} sft d logits")
+
+
 def test_torch_compile_baseline_case(monkeypatch):
     """The torch.compile baseline (timed on GPUs) computes our loss and runs end to end; its
     backward is derived."""
