@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 ROTATE = 2
+#: float32 [N, K] tensors beside its inputs that the eager upstream loss (the hungriest
+#: variant timed) holds at its peak, per objective: autograd's saved tensors and the
+#: temporaries alive with them (sft's int64 ``one_hot`` counts twice)
+UPSTREAM_PEAK_TENSORS = {"ce": 3, "policy": 4, "sft": 5, "opd": 6}
 SFT_VARIANT = "reweighted-loo-ce"  # the Megatron-Bridge DiffusionGemma SFT loss timed as "sft"
 
 
@@ -20,6 +24,22 @@ class SftInputs(NamedTuple):
     xt: Any  # [B, L] noisy token ids (the LOO shift's column)
     t: Any  # [B] float32 diffusion times in (0.05, 0.95)
     loss_mask: Any  # [B, L] float32 ones
+
+
+def case_bytes(objective, n, k, dtype, rotate):
+    """Estimated peak bytes of one case with ``rotate`` input sets: each set's logits (and
+    teacher), the gradient, and per set the graph the separate backward timing holds, at the
+    upstream loss's peak (``UPSTREAM_PEAK_TENSORS``)."""
+    logits = n * k * (2 if dtype in ("bfloat16", "float16") else 4)
+    inputs = logits * (2 if objective == "opd" else 1)
+    return rotate * (inputs + UPSTREAM_PEAK_TENSORS[objective] * n * k * 4) + logits
+
+
+def rotate_sets(objective, n, k, dtype, budget_bytes):
+    """``ROTATE`` input sets, or 1 where that many would not fit in ``budget_bytes``
+    (``case_bytes``). One set loses nothing at such sizes: its logits are far past any
+    cache, so each call reads them from memory again."""
+    return ROTATE if case_bytes(objective, n, k, dtype, ROTATE) <= budget_bytes else 1
 
 
 def objective_loss(dk, objective, z, batch, backend):

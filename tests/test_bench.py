@@ -417,7 +417,7 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
 
     order = []
 
-    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
+    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate):
         order.append((fw, label))
         return R.untimed_rows(fw, objective, variant, label, n, k, dtype, "stub")
 
@@ -667,3 +667,95 @@ def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
         by_dtype.setdefault((n, dtype), []).append(k)
     assert {dtype for _, dtype in by_dtype} == {"float32", "bfloat16"}
     assert all(len(set(ks)) == len(ks) >= 3 for ks in by_dtype.values()), by_dtype
+
+
+def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
+    """--cpu-target (issue 30's CPU target): ce, sft and opd at N 4096, K 32768 and 131072,
+    float32 and bf16; torch chunked, upstream and upstream+compile, then JAX chunked and
+    upstream; with --busy-core the torch CE K 32768 float32 cases once more, the busy loop
+    started for them only; files of their own; an estimate first; the summary per objective,
+    shape and dtype. Cases are stubs (no timing)."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+
+    timed, popen = [], []
+
+    class FakeLoop:  # the busy loop's process
+        def __init__(self):
+            popen.append(("started", len(timed)))
+
+        def poll(self):
+            return 0
+
+        def kill(self):
+            popen.append(("killed", len(timed)))
+
+    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate):
+        timed.append((fw, objective, variant, label, n, k, dtype, rotate))
+        ms = {"chunked": 10.0, "upstream": 40.0, "upstream+compile": 20.0}[variant]
+        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
+                     dtype=dtype, mode=m, ms=ms, p20=ms, p80=ms, gbps=1.0, pct_copy=5.0,
+                     peak_bytes=2**20 * ms, rotate=rotate)
+                for m in ("fwd", "bwd", "fwd+bwd")]
+
+    monkeypatch.setattr(R, "run_case", stub_case)
+    monkeypatch.setattr(R, "parity", lambda env: [])
+    monkeypatch.setattr(R, "start_busy_loop", FakeLoop)
+    monkeypatch.setattr(R, "plot", lambda *a: None)
+    R.main(["--cpu-target", "--busy-core", "--reps", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    quiet = [c for c in timed if not c[3].endswith("-busy")]
+    grid = {(n, k, dtype) for *_, n, k, dtype, _ in quiet}
+    assert grid == {(4096, k, d) for k in (32768, 131072) for d in ("float32", "bfloat16")}
+    assert {(fw, v) for fw, _, v, *_ in quiet} == {
+        ("torch", "chunked"), ("torch", "upstream"), ("torch", "upstream+compile"),
+        ("jax", "chunked"), ("jax", "upstream")}
+    assert {o for _, o, *_ in quiet} == {"ce", "sft", "opd"}
+    assert len(quiet) == 4 * 3 * 5 and len(set(quiet)) == len(quiet)
+    busy = timed[len(quiet):]  # last, beside the loop started after the quiet grid
+    assert [(fw, o, v, label, k, d) for fw, o, v, label, _, k, d, _ in busy] == [
+        ("torch", "ce", v, "cpu-N4096-K32k-busy", 32768, "float32")
+        for v in ("chunked", "upstream", "upstream+compile")]
+    assert popen == [("started", len(quiet)), ("killed", len(timed))]
+    assert {r for *_, r in timed} <= {1, 2}
+    assert out.index("estimated run time: ") < out.index("[")  # before the first case
+    assert re.search(r"memory: [0-9.]+ GiB available; 2 input sets per case", out), out
+    (stem,) = {f.rsplit(".", 1)[0] for f in os.listdir(tmp_path)}
+    assert stem.endswith("-cpu-target"), stem
+    lines = out[out.index("CPU target ("):].splitlines()
+    assert lines[1] == "  CE N 4096, K 32768, float32:"
+    assert lines[2] == ("    torch chunked vs torch.compile (upstream+compile): fwd 2.0x faster, "
+                        "bwd 2.0x faster, fwd+bwd 2.0x faster (10.0 vs 20.0 ms); memory beyond "
+                        "inputs 10 MiB vs 20 MiB, 50% of its memory; fwd+bwd 4.0x faster than "
+                        "eager PyTorch (upstream)")
+    assert lines[3].startswith("    jax chunked vs jax.jit (upstream): fwd 4.0x faster")
+    assert "  CE N 4096, K 32768, float32, beside a busy loop:" in lines
+    assert [line for line in lines if line.startswith("  ") and not line.startswith("    ")][
+        :3] == ["  CE N 4096, K 32768, float32:", "  CE N 4096, K 32768, bfloat16:",
+                "  CE N 4096, K 131072, float32:"]
+    assert any(line.startswith("  SFT N 4096, K 131072, bfloat16:") for line in lines)
+    table = open(tmp_path / f"{stem}.md").read()
+    assert "### sft" in table and "cpu-N4096-K32k-busy" in table and "-busy:" in table
+    report = json.load(open(tmp_path / f"{stem}.json"))
+    assert all(r["busy"] == r["shape"].endswith("-busy") for r in report["results"])
+
+
+def test_cpu_target_memory_keeps_one_set_where_two_would_not_fit(monkeypatch, capsys):
+    """Two input sets per case where they fit in 85 % of the memory available; one where they
+    would not (a case of K 131072 float32 logits, 2 GiB a tensor, on a 23 GB machine), with a
+    warning where even one may not fit."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+    from bench.cases import case_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(R, "meminfo_bytes", lambda field: 21 * gib)
+    cases = [("torch", 0, (f"s{k}", 4096, k, "float32"), obj, "chunked", False)
+             for k in (32768, 131072) for obj in ("ce", "opd")]
+    rotate = R.cpu_target_memory(cases)
+    assert rotate == {("ce", 4096, 32768, "float32"): 2, ("opd", 4096, 32768, "float32"): 2,
+                      ("ce", 4096, 131072, "float32"): 1, ("opd", 4096, 131072, "float32"): 1}
+    assert case_bytes("ce", 4096, 131072, "float32", 2) > 0.85 * 21 * gib
+    out = capsys.readouterr().out
+    assert "1 where 2 would not fit" in out and "ce K 131072 float32" in out
+    assert "warning: opd N 4096 K 131072 float32" in out and "warning: ce" not in out
