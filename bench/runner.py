@@ -6,7 +6,7 @@
     python -m bench --cpu-target # issue 30's CPU grid (N 4096, K 32k and 128k): an hour or more
     dlm-kernels-bench ...        # the same, installed as a command (any directory)
 
-Per objective (ce, policy, opd, sft) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
+Per objective (ce, sft, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
 reports milliseconds (median, p20-p80), GB/s of the bytes the pass must move, the percent of
 the copy bandwidth measured in the same run, peak memory beyond the inputs, and the speedup
 over each baseline; then the linear-head cases (bench/linear_head.py) and the denoising
@@ -465,10 +465,10 @@ def main(argv=None):
         cases = [(fw, index, shape, obj, variant, False)
                  for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
                  for variant in shapes.CPU_TARGET_VARIANTS[fw]]
-        busy = shapes.CPU_TARGET_BUSY
-        if args.busy_core and busy["framework"] in frameworks and busy["objective"] in objectives:
-            cases += [(busy["framework"], 0, busy["shape"], busy["objective"], variant, True)
-                      for variant in shapes.CPU_TARGET_VARIANTS[busy["framework"]]]
+        repeat = shapes.CPU_TARGET_BUSY
+        if args.busy_core and repeat["framework"] in frameworks and repeat["objective"] in objectives:
+            cases += [(repeat["framework"], 0, repeat["shape"], repeat["objective"], variant, True)
+                      for variant in shapes.CPU_TARGET_VARIANTS[repeat["framework"]]]
         rotate = cpu_target_memory(cases)
         print(f"estimated run time: {clock(cpu_target_seconds(cases, rotate, args.reps))} "
               "(rough: per-logit times of a 2-core Xeon, bench/NOTES.md, and a minute per "
@@ -478,8 +478,9 @@ def main(argv=None):
                  for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
                  for variant in sum(variants(env, fw, obj, args.smoke), [])]
         rotate = {}
-    run_extras = args.linear_head and not args.cpu_target  # the target grid is the whole run
-    head_plan = linear_head_plan(env, args.smoke, args.full) if run_extras else None
+    # no linear head or denoising step in --cpu-target: its grid is the whole run
+    head_plan = (linear_head_plan(env, args.smoke, args.full)
+                 if args.linear_head and not args.cpu_target else None)
     sample_plan = (sampling_plan(env, args.smoke, args.full)
                    if args.sampling and not args.cpu_target else None)
     progress = Progress(len(cases) + (linear_head_cases(head_plan, frameworks)

@@ -93,11 +93,11 @@ def test_bench_keeps_partial_report(tmp_path, monkeypatch):
 
     real, calls = R.run_case, []
 
-    def run_case_then_die(*args):
+    def run_case_then_die(*args, **kwargs):
         if calls:
             raise KeyboardInterrupt  # the second case never finishes
         calls.append(args)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(R, "run_case", run_case_then_die)
     with pytest.raises(KeyboardInterrupt):
