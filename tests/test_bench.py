@@ -15,17 +15,16 @@ def test_bench_smoke(tmp_path):
     """python -m bench end to end at smoke size: a progress line per case (i of n, time
     left), the summary, and the files with every measured field."""
     out = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--reps", "3", "--objectives",
-                          "ce,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
+                          "ce,sft,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
                          check=True, capture_output=True, text=True).stdout
     steps = [line for line in out.splitlines() if line.startswith("[")]
-    n = len(steps)  # 6 cases x 2 frameworks (ours, reference, upstream), then the sampler's 2
-    assert n == 14 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
+    n = len(steps)  # 9 cases x 2 frameworks (ours, reference, upstream), then the sampler's 2
+    assert n == 20 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
     assert all(" left | " in line for line in steps), steps
     summary = out[out.index("Summary (forward+backward"):].splitlines()
-    lead = [re.fullmatch(r"  (\w+) fwd\+bwd, (\w+) (\w+): (.*)", line) for line in summary[1:5]]
+    lead = [re.fullmatch(r"  (\w+) fwd\+bwd, (\w+) (\w+): (.*)", line) for line in summary[1:7]]
     assert all(lead) and [m.groups()[:3] for m in lead] == [
-        ("CE", "torch", "chunked"), ("CE", "jax", "chunked"), ("OPD", "torch", "chunked"),
-        ("OPD", "jax", "chunked")], summary
+        (obj, fw, "chunked") for obj in ("CE", "SFT", "OPD") for fw in ("torch", "jax")], summary
     # against the upstream loss (never our own reference), ratios in words: no "0.32x faster"
     assert all(re.match(r"\d+\.\dx (faster|slower) than (eager PyTorch|jax\.jit) \(upstream\)",
                         m.group(4)) for m in lead), summary
