@@ -67,12 +67,13 @@ def objective_loss(dk, objective, z, batch, backend):
 # -- torch -----------------------------------------------------------------------------------
 
 class TorchCase:
-    """``rotate``: how many input sets the calls cycle through (``ROTATE``; 1 where two would
-    not fit in memory, ``rotate_sets``). ``variant``: a backend name, or "reference+compile" (torch.compile of the reference),
+    """``variant``: a backend name, or "reference+compile" (torch.compile of the reference),
     "upstream" / "upstream+compile" (the materialised loss users write, bench/upstream.py,
-    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only). Liger writes its gradient into the
-    logits during the forward pass, so after the first call its inputs hold gradients: the
-    pass structure (and so the timing) is the same, the values are not meaningful."""
+    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only). Liger
+    writes its gradient into the logits during the forward pass, so after the first call its
+    inputs hold gradients: the pass structure (and so the timing) is the same, the values are
+    not meaningful. ``rotate``: how many input sets the calls cycle through (``ROTATE``; 1
+    where two would not fit in memory, ``rotate_sets``)."""
 
     framework = "torch"
 

@@ -466,7 +466,8 @@ def main(argv=None):
                  for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
                  for variant in shapes.CPU_TARGET_VARIANTS[fw]]
         repeat = shapes.CPU_TARGET_BUSY
-        if args.busy_core and repeat["framework"] in frameworks and repeat["objective"] in objectives:
+        if (args.busy_core and repeat["framework"] in frameworks
+                and repeat["objective"] in objectives):
             cases += [(repeat["framework"], 0, repeat["shape"], repeat["objective"], variant, True)
                       for variant in shapes.CPU_TARGET_VARIANTS[repeat["framework"]]]
         rotate = cpu_target_memory(cases)
