@@ -7,13 +7,50 @@ plus a way to measure peak memory beyond its inputs.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 ROTATE = 2
+#: float32 [N, K] tensors beside its inputs that the eager upstream loss (the hungriest
+#: variant timed) holds at its peak, per objective: autograd's saved tensors and the
+#: temporaries alive with them (sft's int64 ``one_hot`` counts twice)
+UPSTREAM_PEAK_TENSORS = {"ce": 3, "policy": 4, "sft": 5, "opd": 6}
+SFT_VARIANT = "reweighted-loo-ce"  # the Megatron-Bridge DiffusionGemma SFT loss timed as "sft"
+
+
+class SftInputs(NamedTuple):
+    """One SFT batch beside the logits [B, L, K] (a pytree under ``jax.jit``)."""
+
+    x0: Any  # [B, L] clean token ids
+    xt: Any  # [B, L] noisy token ids (the LOO shift's column)
+    t: Any  # [B] float32 diffusion times in (0.05, 0.95)
+    loss_mask: Any  # [B, L] float32 ones
+
+
+def case_bytes(objective, n, k, dtype, rotate):
+    """Estimated peak bytes of one case with ``rotate`` input sets: each set's logits (and
+    teacher), the gradient, and per set the graph the separate backward timing holds, at the
+    upstream loss's peak (``UPSTREAM_PEAK_TENSORS``)."""
+    logits = n * k * (2 if dtype in ("bfloat16", "float16") else 4)
+    inputs = logits * (2 if objective == "opd" else 1)
+    return rotate * (inputs + UPSTREAM_PEAK_TENSORS[objective] * n * k * 4) + logits
+
+
+def rotate_sets(objective, n, k, dtype, budget_bytes):
+    """``ROTATE`` input sets, or 1 where that many would not fit in ``budget_bytes``
+    (``case_bytes``). One set loses nothing at such sizes: its logits are far past any
+    cache, so each call reads them from memory again."""
+    return ROTATE if case_bytes(objective, n, k, dtype, ROTATE) <= budget_bytes else 1
 
 
 def objective_loss(dk, objective, z, batch, backend):
     """The scalar loss of one benchmarked objective through front end dk (torch or JAX):
     ce = weighted CE; policy = log-probs + entropy (RL scoring with gradients);
-    opd = on-policy distillation, T = 2 soft KL plus a 0.5-weighted hard CE."""
+    opd = on-policy distillation, T = 2 soft KL plus a 0.5-weighted hard CE;
+    sft = the Megatron-Bridge SFT loss, variant reweighted-loo-ce, summed over the batch."""
+    if objective == "sft":
+        return dk.diffusion_sft_loss(z, batch.x0, batch.xt, batch.t, batch.loss_mask,
+                                     variant=SFT_VARIANT, vocab_size=z.shape[-1],
+                                     backend=backend).sum()
     if objective == "ce":
         return dk.weighted_cross_entropy(z, batch, backend=backend).compute()
     if objective == "policy":
@@ -32,13 +69,15 @@ def objective_loss(dk, objective, z, batch, backend):
 class TorchCase:
     """``variant``: a backend name, or "reference+compile" (torch.compile of the reference),
     "upstream" / "upstream+compile" (the materialised loss users write, bench/upstream.py,
-    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only). Liger writes its gradient into the
-    logits during the forward pass, so after the first call its inputs hold gradients: the
-    pass structure (and so the timing) is the same, the values are not meaningful."""
+    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only). Liger
+    writes its gradient into the logits during the forward pass, so after the first call its
+    inputs hold gradients: the pass structure (and so the timing) is the same, the values are
+    not meaningful. ``rotate``: how many input sets the calls cycle through (``ROTATE``; 1
+    where two would not fit in memory, ``rotate_sets``)."""
 
     framework = "torch"
 
-    def __init__(self, objective, variant, n, k, dtype, device, seed=0):
+    def __init__(self, objective, variant, n, k, dtype, device, seed=0, rotate=ROTATE):
         import torch
 
         import dlm_kernels.torch as dk
@@ -52,13 +91,19 @@ class TorchCase:
         def normal():  # [1, N, K] logits of scale 3, never zero
             return (torch.randn((1, n, k), generator=gen, device=self.device) * 3).to(tdtype)
 
-        self.sets = []
-        for _ in range(ROTATE):
+        def ids():  # [1, N]
+            return torch.randint(0, k, (1, n), generator=gen, device=self.device)
+
+        self.rotate, self.sets = rotate, []
+        for _ in range(rotate):
             z = normal().requires_grad_(True)
             u = normal() if objective == "opd" else None
-            y = torch.randint(0, k, (1, n), generator=gen, device=self.device)
+            y = ids()
             w = torch.ones(y.shape, dtype=torch.float32, device=self.device)
             batch = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
+            if objective == "sft":
+                t = 0.05 + 0.9 * torch.rand((1,), generator=gen, device=self.device)  # [B]
+                batch = SftInputs(x0=y, xt=ids(), t=t, loss_mask=w)
             if u is not None:
                 batch = dk.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=u)
             self.sets.append((z, batch))
@@ -98,19 +143,19 @@ class TorchCase:
         return loss
 
     def fwd(self, i):
-        z, b = self.sets[i % ROTATE]
+        z, b = self.sets[i % self.rotate]
         return self._loss(z, b)
 
     def fwdbwd(self, i):
-        z, b = self.sets[i % ROTATE]
+        z, b = self.sets[i % self.rotate]
         return self.torch.autograd.grad(self._loss(z, b), z)
 
     def prepare_bwd(self):
-        self._graphs = {i: self.fwd(i) for i in range(ROTATE)}
+        self._graphs = {i: self.fwd(i) for i in range(self.rotate)}
 
     def bwd(self, i):
-        z, _ = self.sets[i % ROTATE]
-        return self.torch.autograd.grad(self._graphs[i % ROTATE], z, retain_graph=True)
+        z, _ = self.sets[i % self.rotate]
+        return self.torch.autograd.grad(self._graphs[i % self.rotate], z, retain_graph=True)
 
     def release(self):
         self._graphs = {}
@@ -130,7 +175,7 @@ class JaxCase:
 
     framework = "jax"
 
-    def __init__(self, objective, variant, n, k, dtype, device=None, seed=0):
+    def __init__(self, objective, variant, n, k, dtype, device=None, seed=0, rotate=ROTATE):
         import jax
         import jax.numpy as jnp
 
@@ -138,14 +183,18 @@ class JaxCase:
 
         self.jax, self.objective, self.variant = jax, objective, variant
         jdtype = getattr(jnp, dtype)
-        keys = iter(jax.random.split(jax.random.key(seed), 3 * ROTATE))  # drawn on the device
+        keys = iter(jax.random.split(jax.random.key(seed), 4 * rotate))  # drawn on the device
         normal = lambda: (jax.random.normal(next(keys), (1, n, k), jnp.float32) * 3).astype(jdtype)
-        self.sets = []
-        for _ in range(ROTATE):
+        ids = lambda: jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)  # [1, N]
+        self.rotate, self.sets = rotate, []
+        for _ in range(rotate):
             z = normal()
-            y = jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)
+            y = ids()
             b = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
                                              loss_weights=jnp.ones(y.shape, jnp.float32))
+            if objective == "sft":
+                t = jax.random.uniform(next(keys), (1,), jnp.float32, 0.05, 0.95)  # [B]
+                b = SftInputs(x0=y, xt=ids(), t=t, loss_mask=b.loss_weights)
             if objective == "opd":
                 b = dk.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=normal())
             self.sets.append((z, b))
@@ -161,11 +210,11 @@ class JaxCase:
         self._fb = jax.jit(jax.value_and_grad(loss))
 
     def fwd(self, i):
-        z, b = self.sets[i % ROTATE]
+        z, b = self.sets[i % self.rotate]
         return self._fwd(z, b).block_until_ready()
 
     def fwdbwd(self, i):
-        z, b = self.sets[i % ROTATE]
+        z, b = self.sets[i % self.rotate]
         return self.jax.block_until_ready(self._fb(z, b))
 
     def temp_bytes(self):

@@ -38,6 +38,18 @@ def proc_status_bytes(field):
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
+def meminfo_bytes(field):
+    """A field of /proc/meminfo (MemAvailable, MemTotal, ...) in bytes; None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def reset_peak_rss():
     """Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs)."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -132,7 +144,9 @@ def cpu_peak_bytes(objective, variant, n, k, dtype):
 def _probe(objective, variant, n, k, dtype):
     from .cases import TorchCase
 
-    case = TorchCase(objective, variant, int(n), int(k), dtype, "cpu")
+    # one input set: the peak beyond the inputs is that of one call whatever the timed case
+    # rotates through, and a second set could push a large case out of memory
+    case = TorchCase(objective, variant, int(n), int(k), dtype, "cpu", rotate=1)
     return rss_peak_delta(lambda: case.fwdbwd(0),
                           lambda: TorchCase(objective, variant, 4, int(k), dtype, "cpu").fwdbwd(0))
 

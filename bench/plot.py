@@ -113,7 +113,8 @@ def figure(results: list[dict], head: dict | None = None, env: dict | None = Non
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
-    rows = [r for r in results if r["mode"] == "fwd+bwd" and "ms" in r]
+    # the lines: quiet runs only (a --cpu-target repeat beside the busy loop is in the tables)
+    rows = [r for r in results if r["mode"] == "fwd+bwd" and "ms" in r and not r.get("busy")]
     line_rows = [(o, n) for o in shapes.OBJECTIVES
                  for n in sorted({r["n"] for r in rows if r["objective"] == o}, reverse=True)]
     frameworks = [f for f in ("torch", "jax") if any(r["framework"] == f for r in rows)]

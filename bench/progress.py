@@ -73,7 +73,7 @@ _PEER_WORDS = {("torch", "upstream"): "eager PyTorch (upstream)",
                                                "(reference+compile)",
                ("torch", "liger"): "Liger (liger)",
                ("jax", "upstream"): "jax.jit (upstream)"}
-_OBJECTIVE_WORDS = {"ce": "CE", "policy": "Policy", "opd": "OPD"}
+_OBJECTIVE_WORDS = {"ce": "CE", "sft": "SFT", "policy": "Policy", "opd": "OPD"}
 
 
 def summary(results, peers=("reference", "reference+compile", "upstream", "upstream+compile",
@@ -113,6 +113,65 @@ def summary(results, peers=("reference", "reference+compile", "upstream", "upstr
         detail.append(f"  {fw:9s} {obj:9s} {backend:10s} "
                       + ("; ".join(w for _, w in found) if found else "no peer timed"))
     return lead + detail
+
+
+def _ms(ms):
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def target_summary(results, peers=("reference", "reference+compile", "upstream",
+                                   "upstream+compile", "liger"), oracle="reference"):
+    """Lines of text for the --cpu-target grid: per objective, shape and dtype (a shape
+    ending in -busy: beside the busy loop), each framework's backend of ours against its
+    strongest peer per fwd+bwd ("torch chunked vs torch.compile: fwd 1.2x faster, bwd 1.1x
+    slower, fwd+bwd 1.0x faster (640 vs 650 ms); memory beyond inputs 60 MiB vs 1.0 GiB,
+    1/17 of its memory"), then the other peers' fwd+bwd ratios."""
+    timed = {(r["framework"], r["objective"], r["shape"], r["backend"], r["mode"]): r
+             for r in results if "ms" in r and r["ms"] > 0}
+    shapes = []  # (objective, shape, n, k, dtype) in the order first timed
+    for r in results:
+        key = (r["objective"], r["shape"], r["n"], r["k"], r["dtype"])
+        if key not in shapes:
+            shapes.append(key)
+    shapes.sort(key=lambda s: (list(_OBJECTIVE_WORDS) + [s[0]]).index(s[0]))
+    lines = ["CPU target (ours against the strongest peer users run instead, median ms; "
+             "memory beyond the inputs):"]
+    for obj, shape, n, k, dtype in shapes:
+        lines.append(f"  {_OBJECTIVE_WORDS.get(obj, obj)} N {n}, K {k}, {dtype}"
+                     + (", beside a busy loop" if shape.endswith("-busy") else "") + ":")
+        for fw in ("torch", "jax"):
+            backends = sorted({b for (f, o, sh, b, m) in timed
+                               if (f, o, sh) == (fw, obj, shape) and b not in peers})
+            found = sorted({b for (f, o, sh, b, m) in timed if (f, o, sh) == (fw, obj, shape)
+                            and b in peers and b != oracle and m == "fwd+bwd"},
+                           key=lambda b: timed[(fw, obj, shape, b, "fwd+bwd")]["ms"])
+            for backend in backends:
+                ours = timed.get((fw, obj, shape, backend, "fwd+bwd"))
+                if not found or ours is None:
+                    lines.append(f"    {fw} {backend}: no peer timed")
+                    continue
+                best = found[0]
+                ratios = [f"{mode} {ratio_words(base['ms'] / mine['ms'])}"
+                          for mode in ("fwd", "bwd", "fwd+bwd")
+                          for mine, base in [(timed.get((fw, obj, shape, backend, mode)),
+                                              timed.get((fw, obj, shape, best, mode)))]
+                          if mine and base]
+                peak = timed[(fw, obj, shape, best, "fwd+bwd")].get("peak_bytes")
+                memory = (f"; memory beyond inputs {_mib(ours['peak_bytes'])} vs {_mib(peak)}"
+                          + (f", {_memory_words(ours['peak_bytes'] / peak)}"
+                             if ours["peak_bytes"] else "")
+                          if ours.get("peak_bytes") is not None and peak else "")
+                base_ms = timed[(fw, obj, shape, best, "fwd+bwd")]["ms"]
+                others = [f"{ratio_words(timed[(fw, obj, shape, b, 'fwd+bwd')]['ms'] / ours['ms'])}"
+                          f" than {_PEER_WORDS.get((fw, b), b)}" for b in found[1:]]
+                lines.append(f"    {fw} {backend} vs {_PEER_WORDS.get((fw, best), best)}: "
+                             f"{', '.join(ratios)} ({_ms(ours['ms'])} vs {_ms(base_ms)} ms)"
+                             + memory + (f"; fwd+bwd {'; '.join(others)}" if others else ""))
+    return lines
 
 
 def _against(index, fw, obj, backend, peer):

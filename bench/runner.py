@@ -3,15 +3,22 @@
     python -m bench              # quick: a few minutes (2 CPU cores: under 3; one GPU: a few)
     python -m bench --full       # the whole grid: on a GPU the real model vocabularies
     python -m bench --smoke      # seconds; what the test suite runs
+    python -m bench --cpu-target # issue 30's CPU grid (N 4096, K 32k and 128k): an hour or more
     dlm-kernels-bench ...        # the same, installed as a command (any directory)
 
-Per objective (ce, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
+Per objective (ce, sft, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
 reports milliseconds (median, p20-p80), GB/s of the bytes the pass must move, the percent of
 the copy bandwidth measured in the same run, peak memory beyond the inputs, and the speedup
 over each baseline; then the linear-head cases (bench/linear_head.py) and the denoising
 step's (bench/sampling.py: our draw beside LLaDA's float64 step and a plain float32 one).
 It prints a line per case with the time left, and at the end a summary; the full tables go to
 ``<out>/<device>-<date>.{json,md,png}`` (``--out``, by default ``./bench-results``).
+
+``--cpu-target`` times issue 30's CPU target grid instead: ce, sft and opd at N 4096,
+K 32768 and 131072, float32 and bf16; torch chunked beside eager and torch.compile of the
+upstream loss, JAX chunked beside jitted upstream; with ``--busy-core`` the torch CE
+K 32768 float32 cases once more beside a busy loop. No linear head or denoising step; files
+``<device>-<date>-cpu-target.*``, a summary per objective, shape and dtype.
 """
 
 from __future__ import annotations
@@ -33,10 +40,10 @@ from typing import NamedTuple
 import numpy as np
 
 from . import shapes
-from .cases import JaxCase, TorchCase
-from .memory import cpu_peak_bytes, package_cwd
+from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets
+from .memory import cpu_peak_bytes, meminfo_bytes, package_cwd
 from .plot import plot
-from .progress import Progress, ratio_words, summary
+from .progress import Progress, clock, ratio_words, summary, target_summary
 from .timing import copy_bandwidth, copy_bandwidth_jax, measure
 
 
@@ -230,13 +237,14 @@ def untimed_rows(fw, objective, variant, label, n, k, dtype, error):
                  dtype=dtype, mode=m, error=error) for m in shapes.MODES]
 
 
-def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
+def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate=ROTATE):
+    """The rows of one case, a row per mode (``rotate``: its input sets, bench/cases.py)."""
     elem = 2 if dtype in ("bfloat16", "float16") else 4
     out = []
     cuda = env["cuda"] and fw == "torch"
     try:
-        case = (TorchCase(objective, variant, n, k, dtype, "cuda" if cuda else "cpu") if fw == "torch"
-                else JaxCase(objective, variant, n, k, dtype))
+        case = (TorchCase(objective, variant, n, k, dtype, "cuda" if cuda else "cpu", rotate=rotate)
+                if fw == "torch" else JaxCase(objective, variant, n, k, dtype, rotate=rotate))
         timings = {"fwd": measure(case.fwd, cuda=cuda, reps=args.reps),
                    "fwd+bwd": measure(case.fwdbwd, cuda=cuda, reps=args.reps)}
         if fw == "torch" and case.separate_bwd:
@@ -276,7 +284,7 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
                         dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
                         reps=t["reps"], times_ms=t.get("times"), derived=t.get("derived"),
                         back_to_back_ms=t.get("back_to_back_ms"),
-                        bytes=nbytes, gbps=gbps,
+                        bytes=nbytes, gbps=gbps, rotate=rotate,
                         pct_copy=100 * gbps / copy_gbps if gbps else None,
                         peak_bytes=peak, peak_kind=mem_kind))
     return out
@@ -311,6 +319,9 @@ def markdown(env, copy_gbps, results, parity_rows):
     lines = [f"Device: {env['device']} — {env['date'][:10]} — {env.get('threads', '?')} threads"
              + (" — beside a busy-loop process on one core" if env.get("busy_core") else "") + " — "
              f"copy bandwidth {copy_gbps:.1f} GB/s (measured in the same run)", ""]
+    if env.get("busy_repeat"):
+        lines += ["Shapes ending in -busy: the same cases once more beside a busy-loop "
+                  "process on one core.", ""]
     lines += [f"Not timed: {line}" for line in env.get("missing_peers", [])]
     lines += ["Speed-ups compare ours with what users run instead (upstream: the loss written "
               "materialised, bench/upstream.py); `reference` is our parity oracle.", ""]
@@ -357,8 +368,17 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case (default: 5 on a CPU, 10 on a GPU)")
-    p.add_argument("--objectives", default=",".join(shapes.OBJECTIVES),
-                   help="comma-separated objectives to time (default: %(default)s)")
+    p.add_argument("--cpu-target", action="store_true",
+                   help="issue 30's CPU target grid in place of the quick one: "
+                        f"{', '.join(shapes.CPU_TARGET_OBJECTIVES)} at N 4096, K 32768 and "
+                        "131072, float32 and bf16; torch chunked, upstream and "
+                        "upstream+compile, JAX chunked and upstream (jit); with --busy-core "
+                        "the torch CE K 32768 float32 cases once more beside a busy loop. "
+                        "An hour or more on 2 cores (it prints its estimate at start)")
+    p.add_argument("--objectives", default=None,
+                   help="comma-separated objectives to time (default: "
+                        f"{','.join(shapes.OBJECTIVES)}; with --cpu-target "
+                        f"{','.join(shapes.CPU_TARGET_OBJECTIVES)})")
     p.add_argument("--frameworks", default="torch,jax",
                    help="comma-separated frameworks (default: %(default)s)")
     p.add_argument("--out", default="bench-results",
@@ -374,13 +394,18 @@ def main(argv=None):
     p.add_argument("--busy-core", action="store_true",
                    help="time beside a competing process (a busy loop on one core), as on a "
                         "shared machine; the report's name ends in -busy, to sit beside a "
-                        "quiet run's")
+                        "quiet run's (with --cpu-target: the quiet grid, then its torch CE "
+                        "K 32768 float32 cases again beside the busy loop, in one report)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new cases after this many seconds (recorded as skipped)")
     args = p.parse_args(argv)
 
+    if args.cpu_target and (args.smoke or args.full):
+        p.error("--cpu-target is a grid of its own: not with --smoke or --full")
     share_gpu_with_torch(os.environ)
     env = detect()
+    if args.cpu_target and env["cuda"]:
+        p.error("--cpu-target times the CPU; this machine's torch runs on its CUDA GPU")
     if env["torch"]:
         import torch
 
@@ -390,7 +415,10 @@ def main(argv=None):
     else:
         env["threads"] = os.cpu_count()
     env["missing_peers"] = missing_peers(env, args.smoke)
-    env["busy_core"] = args.busy_core
+    if args.cpu_target:
+        env["missing_peers"].append("reference (our parity oracle): not timed in --cpu-target")
+    env["busy_core"] = args.busy_core and not args.cpu_target  # the whole run beside the loop
+    env["busy_repeat"] = args.busy_core and args.cpu_target  # some cases again beside it
     print(f"device: {env['device']}; threads: {env['threads']}; versions: {env['versions']}",
           flush=True)
     if args.reps is None:
@@ -400,8 +428,9 @@ def main(argv=None):
                 else shapes.MODEL_SHAPES[:1] + shapes.MODEL_SHAPES[-1:])
         copy_gbps, copy_t = copy_bandwidth("cuda", 2**30)
     else:
-        grid = (shapes.SMOKE_SHAPES if args.smoke
-                else shapes.CPU_SHAPES if args.full else shapes.QUICK_CPU_SHAPES)
+        grid = (shapes.SMOKE_SHAPES if args.smoke else shapes.CPU_TARGET_SHAPES
+                if args.cpu_target else shapes.CPU_SHAPES if args.full
+                else shapes.QUICK_CPU_SHAPES)
         size = 2**26 if args.smoke else 2**28  # past the caches, except at smoke size
         if env["torch"]:
             copy_gbps, copy_t = copy_bandwidth("cpu", size)
@@ -417,7 +446,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
     stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else "")
-                        + ("-busy" if args.busy_core else ""))
+                        + ("-cpu-target" if args.cpu_target else "")
+                        + ("-busy" if env["busy_core"] else ""))
 
     def save(**extra):  # after every case too: a run cut short by a timeout keeps what it measured
         report = dict(env, copy_gbps=copy_gbps, copy_timing=copy_t, parity=parity_rows,
@@ -428,38 +458,67 @@ def main(argv=None):
 
     results = []
     frameworks = frameworks_to_time(env, args.frameworks.split(","))
-    objectives = args.objectives.split(",")
-    cases = [(fw, index, shape, obj, variant)
-             for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
-             for variant in sum(variants(env, fw, obj, args.smoke), [])]
-    head_plan = linear_head_plan(env, args.smoke, args.full) if args.linear_head else None
-    sample_plan = sampling_plan(env, args.smoke, args.full) if args.sampling else None
+    objectives = (args.objectives.split(",") if args.objectives else
+                  list(shapes.CPU_TARGET_OBJECTIVES if args.cpu_target else shapes.OBJECTIVES))
+    # (framework, shape index, shape, objective, variant, beside the busy loop)
+    if args.cpu_target:
+        cases = [(fw, index, shape, obj, variant, False)
+                 for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
+                 for variant in shapes.CPU_TARGET_VARIANTS[fw]]
+        repeat = shapes.CPU_TARGET_BUSY
+        if (args.busy_core and repeat["framework"] in frameworks
+                and repeat["objective"] in objectives):
+            cases += [(repeat["framework"], 0, repeat["shape"], repeat["objective"], variant, True)
+                      for variant in shapes.CPU_TARGET_VARIANTS[repeat["framework"]]]
+        rotate = cpu_target_memory(cases)
+        print(f"estimated run time: {clock(cpu_target_seconds(cases, rotate, args.reps))} "
+              "(rough: per-logit times of a 2-core Xeon, bench/NOTES.md, and a minute per "
+              "torch.compile)", flush=True)
+    else:
+        cases = [(fw, index, shape, obj, variant, False)
+                 for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
+                 for variant in sum(variants(env, fw, obj, args.smoke), [])]
+        rotate = {}
+    # no linear head or denoising step in --cpu-target: its grid is the whole run
+    head_plan = (linear_head_plan(env, args.smoke, args.full)
+                 if args.linear_head and not args.cpu_target else None)
+    sample_plan = (sampling_plan(env, args.smoke, args.full)
+                   if args.sampling and not args.cpu_target else None)
     progress = Progress(len(cases) + (linear_head_cases(head_plan, frameworks)
                                       if head_plan else 0)
                         + (len(sample_plan.shapes) * len(sample_plan.variants)
                            if sample_plan else 0))
     started = time.monotonic()
-    # the competitor: a busy loop for the rest of the run (killed when the process exits)
-    busy = (subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            if args.busy_core else None)
+    # the competitor: a busy loop for the rest of the run, or (--cpu-target) from its first
+    # case beside it on (killed when the process exits)
+    busy = start_busy_loop() if env["busy_core"] else None
     atexit.register(lambda: busy is not None and busy.poll() is None and busy.kill())
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
     # baselines the Triton issue asks for) before any JAX case.
-    for fw, index, (label, n, k, dtype), obj, variant in cases:
+    for fw, index, (label, n, k, dtype), obj, variant, beside_busy in cases:
+        if beside_busy:
+            label += "-busy"
+            if busy is None:
+                busy = start_busy_loop()
         what = f"{fw} {obj} {variant} {label}"
         why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s)
         if why:
             results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
             progress.step(what, f"skipped: {why}")
             continue
-        rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args)
+        rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args,
+                        rotate=rotate.get((obj, n, k, dtype), ROTATE))
+        for row in rows:
+            row["busy"] = beside_busy  # (--cpu-target's repeat beside the busy loop)
         results += rows
         add_speedups(results)
         save(partial=True)
         fb = next(r for r in rows if r["mode"] == "fwd+bwd")
         progress.step(what, f"fwd+bwd {fb['ms']:.2f} ms, {fb['gbps']:.1f} GB/s" if "ms" in fb
                       else fb["error"])
-    comm = vocab_parallel_comm(env)
+    if env["busy_repeat"] and busy is not None:
+        busy.kill()
+    comm = None if args.cpu_target else vocab_parallel_comm(env)
     head = None
     if head_plan:
         from . import linear_head
@@ -498,7 +557,9 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(table)
     png = plot(results, stem + ".png", head, env, draw)
-    print("\n".join(summary(results, PEERS)), flush=True)
+    if args.cpu_target:
+        print("\n".join(target_summary(results, PEERS)), flush=True)
+    print("\n".join(summary([r for r in results if not r.get("busy")], PEERS)), flush=True)
     if head is not None:
         print("\n".join(linear_head_summary(head)), flush=True)
     if draw is not None:
@@ -508,6 +569,75 @@ def main(argv=None):
             head is not None and not all(c["ok"] for c in head["parity"])):
         sys.exit(1)
     return report
+
+
+def start_busy_loop():
+    """The competing process of --busy-core: a Python busy loop, on one core."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+#: rough forward+backward nanoseconds per logit by (framework, variant) and objective, at
+#: N 4096, K 32768 on a 2-core Xeon (bench/NOTES.md, issue 30; the JAX sft and opd ones
+#: guessed from its CE), for --cpu-target's estimate of its run time
+_NS_PER_LOGIT = {("torch", "chunked"): {"ce": 4.5, "sft": 5.0, "opd": 19.0},
+                 ("torch", "upstream"): {"ce": 6.5, "sft": 15.5, "opd": 29.0},
+                 ("torch", "upstream+compile"): {"ce": 4.5, "sft": 7.0, "opd": 12.0},
+                 ("jax", "chunked"): {"ce": 2.1, "sft": 2.5, "opd": 8.0},
+                 ("jax", "upstream"): {"ce": 3.9, "sft": 4.5, "opd": 12.0}}
+_COMPILE_S = 60.0  # one torch.compile of a case's loss (the timed process and the probe's)
+_SETUP_NS = 5.0  # drawing one input logit
+
+
+def _measure_seconds(call_s, reps, budget_s=20.0):
+    """bench/timing.measure's time: 2 warm-up calls, then ``reps`` timed ones, stopping past
+    ``budget_s`` once 3 ran."""
+    timed = min(reps, max(3, int(budget_s / call_s) + 1)) if call_s > 0 else reps
+    return (2 + timed) * call_s
+
+
+def cpu_target_seconds(cases, rotate, reps):
+    """The --cpu-target run's estimated seconds (``_NS_PER_LOGIT``; fwd taken as 35 % of
+    fwd+bwd, as in bench/NOTES.md): per case its input sets, fwd and fwd+bwd timed, torch's
+    separate bwd (not under compile), its memory probe's call and each compile."""
+    total = 0.0
+    for fw, _, (_, n, k, dtype), obj, variant, _ in cases:
+        ns = _NS_PER_LOGIT.get((fw, variant), {})
+        fb = ns.get(obj, max(ns.values(), default=20.0)) * n * k * 1e-9
+        sets = rotate.get((obj, n, k, dtype), ROTATE)
+        total += _SETUP_NS * n * k * 1e-9 * sets * (2 if obj == "opd" else 1)
+        total += _measure_seconds(0.35 * fb, reps) + _measure_seconds(fb, reps)
+        if fw == "torch":
+            total += fb  # the memory probe's call
+            if variant.endswith("+compile"):
+                total += 2 * _COMPILE_S
+            else:
+                total += sets * 0.35 * fb + _measure_seconds(0.65 * fb, reps)
+    return total
+
+
+def cpu_target_memory(cases, share=0.85):
+    """{(objective, n, k, dtype): input sets} for the --cpu-target cases: 2, or 1 where 2
+    would not fit in ``share`` of the memory available now (bench/cases.py ``case_bytes``);
+    printed, with a warning where even one set may not fit."""
+    available = meminfo_bytes("MemAvailable")
+    keys = sorted({(obj, n, k, dtype) for _, _, (_, n, k, dtype), obj, _, _ in cases},
+                  key=lambda key: (key[2], key[3], key[0]))
+    if available is None:
+        print("memory available unknown (no /proc/meminfo): one input set per case", flush=True)
+        return {key: 1 for key in keys}
+    budget = share * available
+    rotate = {key: rotate_sets(*key, budget) for key in keys}
+    single = [f"{obj} K {k} {dtype}" for (obj, n, k, dtype), r in rotate.items() if r == 1]
+    print(f"memory: {available / 2**30:.1f} GiB available; {ROTATE} input sets per case, "
+          f"1 where {ROTATE} would not fit in {share:.0%} of it (estimated peak, "
+          "bench/cases.py case_bytes)" + (f": {', '.join(single)}" if single else ""),
+          flush=True)
+    for (obj, n, k, dtype), r in rotate.items():
+        need = case_bytes(obj, n, k, dtype, 1)
+        if r == 1 and need > budget:
+            print(f"warning: {obj} N {n} K {k} {dtype} needs about {need / 2**30:.1f} GiB "
+                  "with one input set: it may not fit", flush=True)
+    return rotate
 
 
 class HeadPlan(NamedTuple):

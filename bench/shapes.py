@@ -28,14 +28,25 @@ QUICK_CPU_SHAPES = [(f"cpu-N256-K{k // 1024}k" + ("-bf16" if dtype == "bfloat16"
                      256, k, dtype)
                     for dtype in ("float32", "bfloat16") for k in (2048, 4096, 16384)]
 SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
+# --cpu-target: issue 30's CPU target grid, the smaller vocabulary first (a run cut short
+# keeps it): what torch chunked must be at least as fast as torch.compile on
+CPU_TARGET_SHAPES = [(f"cpu-N4096-K{k // 1024}k" + ("-bf16" if dtype == "bfloat16" else ""),
+                      4096, k, dtype)
+                     for k in (32768, 131072) for dtype in ("float32", "bfloat16")]
+CPU_TARGET_OBJECTIVES = ("ce", "sft", "opd")
+CPU_TARGET_VARIANTS = {"torch": ("chunked", "upstream", "upstream+compile"),
+                       "jax": ("chunked", "upstream")}
+# with --busy-core, these cases once more beside a busy loop (the label gains "-busy")
+CPU_TARGET_BUSY = dict(shape=CPU_TARGET_SHAPES[0], objective="ce", framework="torch")
 
-OBJECTIVES = ("ce", "policy", "opd")
+OBJECTIVES = ("ce", "sft", "policy", "opd")
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 def bytes_moved(objective, mode, n, k, elem_bytes):
     """Bytes the pass structure must move (docs/design.md §7): forward reads the logits once,
-    backward reads them and writes the gradient; OPD streams the teacher beside them."""
+    backward reads them and writes the gradient; OPD streams the teacher beside them (sft
+    moves what ce moves: its shift and weights are [N] values)."""
     row = n * k * elem_bytes
     teacher = row if objective == "opd" else 0
     fwd = row + teacher

@@ -3,13 +3,18 @@ upstream trainers write it (plain framework ops over [N, K] float32 logits).
 
 ce: ``F.cross_entropy`` / jitted ``jax.nn.log_softmax`` CE; policy: log-softmax, the
 target's log-probability and the entropy; opd: the Tunix-style distillation loss,
-T²·KL(softmax(u/T) ‖ softmax(z/T)) plus the weighted T = 1 CE. The benchmark's weights are
-all 1, so each is the same loss as ``bench.cases.objective_loss``.
+T²·KL(softmax(u/T) ‖ softmax(z/T)) plus the weighted T = 1 CE; sft: the Megatron-Bridge
+DiffusionGemma SFT loss, variant reweighted-loo-ce, as it writes it: the LOO shift
+delta = log1p(K·alpha / max(1 - alpha, EPS)) added through ``one_hot(xt, K) * delta`` to the
+float32 logits, a per-token CE, the mask, the time weight w = -alpha'(t) / alpha(t) with
+alpha = 1 - t. The benchmark's weights are all 1, so each is the same loss as
+``bench.cases.objective_loss``.
 """
 
 from __future__ import annotations
 
 T_OPD, HARD_OPD = 2.0, 0.5  # bench.cases.objective_loss's opd
+EPS = 1e-12  # the schedule's clamp (dlm_kernels._schedule.EPS)
 
 
 def _targets(objective, batch):
@@ -18,9 +23,43 @@ def _targets(objective, batch):
     return student.target_ids.reshape(-1)
 
 
+def torch_sft_loss(z, batch):
+    """The reweighted LOO SFT loss summed over the batch, materialised, in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    b, l, k = z.shape
+    alpha = 1.0 - batch.t  # [B]
+    w = 1.0 / alpha.clamp_min(EPS)  # -alpha'(t) / alpha(t), alpha' = -1
+    delta = torch.log1p(k * alpha / (1.0 - alpha).clamp_min(EPS))  # [B]
+    shifted = z.float() + F.one_hot(batch.xt, k) * delta[:, None, None]  # [B, L, K]
+    ce = F.cross_entropy(shifted.reshape(-1, k), batch.x0.reshape(-1),
+                         reduction="none").reshape(b, l)  # [B, L]
+    mask = batch.loss_mask.float()
+    return (w * (mask * ce).sum(-1) / mask.sum(-1).clamp_min(1.0)).sum()
+
+
+def jax_sft_loss(z, batch):
+    """The same loss in JAX, materialised (``jax.nn.one_hot``, ``jax.nn.log_softmax``)."""
+    import jax
+    import jax.numpy as jnp
+
+    b, l, k = z.shape
+    alpha = 1.0 - batch.t  # [B]
+    w = 1.0 / jnp.maximum(alpha, EPS)
+    delta = jnp.log1p(k * alpha / jnp.maximum(1.0 - alpha, EPS))  # [B]
+    shifted = z.astype(jnp.float32) + jax.nn.one_hot(batch.xt, k) * delta[:, None, None]
+    logp = jax.nn.log_softmax(shifted, -1)  # [B, L, K]
+    ce = -jnp.take_along_axis(logp, batch.x0[..., None], -1)[..., 0]  # [B, L]
+    mask = batch.loss_mask.astype(jnp.float32)
+    return (w * (mask * ce).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).sum()
+
+
 def torch_loss(objective, z, batch):
     import torch.nn.functional as F
 
+    if objective == "sft":
+        return torch_sft_loss(z, batch)
     k = z.shape[-1]
     y = _targets(objective, batch)
     zf = z.reshape(-1, k).float()  # [N, K]
@@ -40,6 +79,8 @@ def jax_loss(objective, z, batch):
     import jax
     import jax.numpy as jnp
 
+    if objective == "sft":
+        return jax_sft_loss(z, batch)
     k = z.shape[-1]
     y = _targets(objective, batch)
     zf = z.reshape(-1, k).astype(jnp.float32)  # [N, K]

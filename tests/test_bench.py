@@ -15,17 +15,16 @@ def test_bench_smoke(tmp_path):
     """python -m bench end to end at smoke size: a progress line per case (i of n, time
     left), the summary, and the files with every measured field."""
     out = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--reps", "3", "--objectives",
-                          "ce,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
+                          "ce,sft,opd", "--no-linear-head", "--out", str(tmp_path)], cwd=ROOT,
                          check=True, capture_output=True, text=True).stdout
     steps = [line for line in out.splitlines() if line.startswith("[")]
-    n = len(steps)  # 6 cases x 2 frameworks (ours, reference, upstream), then the sampler's 2
-    assert n == 14 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
+    n = len(steps)  # 9 cases x 2 frameworks (ours, reference, upstream), then the sampler's 2
+    assert n == 20 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
     assert all(" left | " in line for line in steps), steps
     summary = out[out.index("Summary (forward+backward"):].splitlines()
-    lead = [re.fullmatch(r"  (\w+) fwd\+bwd, (\w+) (\w+): (.*)", line) for line in summary[1:5]]
+    lead = [re.fullmatch(r"  (\w+) fwd\+bwd, (\w+) (\w+): (.*)", line) for line in summary[1:7]]
     assert all(lead) and [m.groups()[:3] for m in lead] == [
-        ("CE", "torch", "chunked"), ("CE", "jax", "chunked"), ("OPD", "torch", "chunked"),
-        ("OPD", "jax", "chunked")], summary
+        (obj, fw, "chunked") for obj in ("CE", "SFT", "OPD") for fw in ("torch", "jax")], summary
     # against the upstream loss (never our own reference), ratios in words: no "0.32x faster"
     assert all(re.match(r"\d+\.\dx (faster|slower) than (eager PyTorch|jax\.jit) \(upstream\)",
                         m.group(4)) for m in lead), summary
@@ -93,11 +92,11 @@ def test_bench_keeps_partial_report(tmp_path, monkeypatch):
 
     real, calls = R.run_case, []
 
-    def run_case_then_die(*args):
+    def run_case_then_die(*args, **kwargs):
         if calls:
             raise KeyboardInterrupt  # the second case never finishes
         calls.append(args)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(R, "run_case", run_case_then_die)
     with pytest.raises(KeyboardInterrupt):
@@ -148,6 +147,41 @@ def test_upstream_baselines_time_our_loss(monkeypatch):
             grads.append((np.float64(value), np.asarray(grad, np.float64)))
         assert_close(grads[1][0], grads[0][0], "float32", f"jax upstream {objective} loss")
         assert_close(grads[1][1], grads[0][1], "float32", f"jax upstream {objective} d logits")
+
+
+def test_sft_baselines_are_the_sft_loss(monkeypatch):
+    """Objective "sft" (the reweighted LOO SFT loss): ours (chunked) and the upstream loss as
+    Megatron-Bridge writes it (``one_hot`` shift, CE, mask, time weight; torch eager, JAX
+    jitted) each give the float64 oracle's loss and d logits on the case's own inputs, at an
+    awkward K."""
+    import numpy as np
+    import oracle
+    import torch
+
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.cases import SFT_VARIANT, JaxCase, TorchCase
+
+    n, k = 13, 300
+    for name in ("chunked", "upstream"):
+        for fw in ("torch", "jax"):
+            case = (TorchCase("sft", name, n, k, "float32", "cpu") if fw == "torch"
+                    else JaxCase("sft", name, n, k, "float32"))
+            z, b = case.sets[0]
+            if fw == "torch":
+                value = case._loss(z, b)
+                (grad,) = torch.autograd.grad(value, z)
+                value, grad = value.detach(), grad
+                z = z.detach()
+            else:
+                value, grad = case.fwdbwd(0)
+            arrays = [np.asarray(a, np.float64) for a in (value, grad, z, b.t, b.loss_mask)]
+            value, grad, z64, t, mask = arrays
+            x0, xt = np.asarray(b.x0), np.asarray(b.xt)
+            assert 0.05 <= t.item() <= 0.95 and (x0 != xt).any()  # a real shift, elsewhere
+            want = oracle.sft_loss(z64, x0, xt, t, mask, SFT_VARIANT, k).sum()
+            want_grad = oracle.sft_loss_grad(z64, x0, xt, t, mask, SFT_VARIANT, k, np.ones(1))
+            assert_close(value, want, "float32", f"{fw} {name} sft loss")
+            assert_close(grad, want_grad, "float32", f"{fw} {name} sft d logits")
 
 
 def test_torch_compile_baseline_case(monkeypatch):
@@ -382,7 +416,7 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
 
     order = []
 
-    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args):
+    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate):
         order.append((fw, label))
         return R.untimed_rows(fw, objective, variant, label, n, k, dtype, "stub")
 
@@ -632,3 +666,95 @@ def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
         by_dtype.setdefault((n, dtype), []).append(k)
     assert {dtype for _, dtype in by_dtype} == {"float32", "bfloat16"}
     assert all(len(set(ks)) == len(ks) >= 3 for ks in by_dtype.values()), by_dtype
+
+
+def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
+    """--cpu-target (issue 30's CPU target): ce, sft and opd at N 4096, K 32768 and 131072,
+    float32 and bf16; torch chunked, upstream and upstream+compile, then JAX chunked and
+    upstream; with --busy-core the torch CE K 32768 float32 cases once more, the busy loop
+    started for them only; files of their own; an estimate first; the summary per objective,
+    shape and dtype. Cases are stubs (no timing)."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+
+    timed, popen = [], []
+
+    class FakeLoop:  # the busy loop's process
+        def __init__(self):
+            popen.append(("started", len(timed)))
+
+        def poll(self):
+            return 0
+
+        def kill(self):
+            popen.append(("killed", len(timed)))
+
+    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate):
+        timed.append((fw, objective, variant, label, n, k, dtype, rotate))
+        ms = {"chunked": 10.0, "upstream": 40.0, "upstream+compile": 20.0}[variant]
+        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
+                     dtype=dtype, mode=m, ms=ms, p20=ms, p80=ms, gbps=1.0, pct_copy=5.0,
+                     peak_bytes=2**20 * ms, rotate=rotate)
+                for m in ("fwd", "bwd", "fwd+bwd")]
+
+    monkeypatch.setattr(R, "run_case", stub_case)
+    monkeypatch.setattr(R, "parity", lambda env: [])
+    monkeypatch.setattr(R, "start_busy_loop", FakeLoop)
+    monkeypatch.setattr(R, "plot", lambda *a: None)
+    R.main(["--cpu-target", "--busy-core", "--reps", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    quiet = [c for c in timed if not c[3].endswith("-busy")]
+    grid = {(n, k, dtype) for *_, n, k, dtype, _ in quiet}
+    assert grid == {(4096, k, d) for k in (32768, 131072) for d in ("float32", "bfloat16")}
+    assert {(fw, v) for fw, _, v, *_ in quiet} == {
+        ("torch", "chunked"), ("torch", "upstream"), ("torch", "upstream+compile"),
+        ("jax", "chunked"), ("jax", "upstream")}
+    assert {o for _, o, *_ in quiet} == {"ce", "sft", "opd"}
+    assert len(quiet) == 4 * 3 * 5 and len(set(quiet)) == len(quiet)
+    busy = timed[len(quiet):]  # last, beside the loop started after the quiet grid
+    assert [(fw, o, v, label, k, d) for fw, o, v, label, _, k, d, _ in busy] == [
+        ("torch", "ce", v, "cpu-N4096-K32k-busy", 32768, "float32")
+        for v in ("chunked", "upstream", "upstream+compile")]
+    assert popen == [("started", len(quiet)), ("killed", len(timed))]
+    assert {r for *_, r in timed} <= {1, 2}
+    assert out.index("estimated run time: ") < out.index("[")  # before the first case
+    assert re.search(r"memory: [0-9.]+ GiB available; 2 input sets per case", out), out
+    (stem,) = {f.rsplit(".", 1)[0] for f in os.listdir(tmp_path)}
+    assert stem.endswith("-cpu-target"), stem
+    lines = out[out.index("CPU target ("):].splitlines()
+    assert lines[1] == "  CE N 4096, K 32768, float32:"
+    assert lines[2] == ("    torch chunked vs torch.compile (upstream+compile): fwd 2.0x faster, "
+                        "bwd 2.0x faster, fwd+bwd 2.0x faster (10.0 vs 20.0 ms); memory beyond "
+                        "inputs 10 MiB vs 20 MiB, 50% of its memory; fwd+bwd 4.0x faster than "
+                        "eager PyTorch (upstream)")
+    assert lines[3].startswith("    jax chunked vs jax.jit (upstream): fwd 4.0x faster")
+    assert "  CE N 4096, K 32768, float32, beside a busy loop:" in lines
+    assert [line for line in lines if line.startswith("  ") and not line.startswith("    ")][
+        :3] == ["  CE N 4096, K 32768, float32:", "  CE N 4096, K 32768, bfloat16:",
+                "  CE N 4096, K 131072, float32:"]
+    assert any(line.startswith("  SFT N 4096, K 131072, bfloat16:") for line in lines)
+    table = open(tmp_path / f"{stem}.md").read()
+    assert "### sft" in table and "cpu-N4096-K32k-busy" in table and "-busy:" in table
+    report = json.load(open(tmp_path / f"{stem}.json"))
+    assert all(r["busy"] == r["shape"].endswith("-busy") for r in report["results"])
+
+
+def test_cpu_target_memory_keeps_one_set_where_two_would_not_fit(monkeypatch, capsys):
+    """Two input sets per case where they fit in 85 % of the memory available; one where they
+    would not (a case of K 131072 float32 logits, 2 GiB a tensor, on a 23 GB machine), with a
+    warning where even one may not fit."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+    from bench.cases import case_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(R, "meminfo_bytes", lambda field: 21 * gib)
+    cases = [("torch", 0, (f"s{k}", 4096, k, "float32"), obj, "chunked", False)
+             for k in (32768, 131072) for obj in ("ce", "opd")]
+    rotate = R.cpu_target_memory(cases)
+    assert rotate == {("ce", 4096, 32768, "float32"): 2, ("opd", 4096, 32768, "float32"): 2,
+                      ("ce", 4096, 131072, "float32"): 1, ("opd", 4096, 131072, "float32"): 1}
+    assert case_bytes("ce", 4096, 131072, "float32", 2) > 0.85 * 21 * gib
+    out = capsys.readouterr().out
+    assert "1 where 2 would not fit" in out and "ce K 131072 float32" in out
+    assert "warning: opd N 4096 K 131072 float32" in out and "warning: ce" not in out
