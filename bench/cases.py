@@ -35,6 +35,19 @@ def case_bytes(objective, n, k, dtype, rotate):
     return rotate * (inputs + UPSTREAM_PEAK_TENSORS[objective] * n * k * 4) + logits
 
 
+#: float32 [N, K] tensors alive at once in the eager / jitted upstream losses' forward and
+#: backward, one input set (jitted OPD at N 4096, K 131072 float32 passed 24 GB: 11 of them)
+UPSTREAM_EAGER_TENSORS = {"ce": 4, "policy": 5, "sft": 6, "opd": 11}
+
+
+def upstream_bytes(objective, n, k, dtype):
+    """Estimated peak bytes of the eager or jitted upstream loss on one input set: its
+    inputs and ``UPSTREAM_EAGER_TENSORS`` float32 [N, K] temporaries."""
+    logits = n * k * (2 if dtype in ("bfloat16", "float16") else 4)
+    inputs = logits * (2 if objective == "opd" else 1)
+    return inputs + UPSTREAM_EAGER_TENSORS[objective] * n * k * 4
+
+
 def rotate_sets(objective, n, k, dtype, budget_bytes):
     """``ROTATE`` input sets, or 1 where that many would not fit in ``budget_bytes``
     (``case_bytes``). One set loses nothing at such sizes: its logits are far past any

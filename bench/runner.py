@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import shapes
-from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets
+from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets, upstream_bytes
 from .memory import cpu_peak_bytes, meminfo_bytes, package_cwd
 from .plot import plot
 from .progress import Progress, clock, ratio_words, summary, target_summary
@@ -109,15 +109,20 @@ def frameworks_to_time(env, requested):
     return out
 
 
-def skip_reason(env, variant, shape_index, elapsed_s, budget_s):
+def skip_reason(env, variant, shape_index, elapsed_s, budget_s, memory=None):
     """Why a case is not run, or None: past the time budget; or, on a GPU, the chunked
     fallback beyond the first shape (the path without Triton, bound there by launches and
     float32 temporaries; at the target shape alone it spends about a minute of a run into
-    which a short GPU run must also fit the rest of the grid)."""
+    which a short GPU run must also fit the rest of the grid); or (``memory``: the case's
+    (estimated bytes, bytes it may use), --cpu-target's materialised losses) more memory than
+    the machine has: the process would be killed, with the cases after it."""
     if budget_s is not None and elapsed_s > budget_s:
         return "time budget"
     if env["cuda"] and variant == "chunked" and shape_index > 0:
         return "the fallback is timed at the first GPU shape only"
+    if memory is not None and memory[0] > memory[1]:
+        return (f"does not fit in memory here (needs about {memory[0] / 2**30:.0f} GiB, "
+                f"{memory[1] / 2**30:.0f} GiB usable)")
     return None
 
 
@@ -471,6 +476,7 @@ def main(argv=None):
             cases += [(repeat["framework"], 0, repeat["shape"], repeat["objective"], variant, True)
                       for variant in shapes.CPU_TARGET_VARIANTS[repeat["framework"]]]
         rotate = cpu_target_memory(cases)
+        usable_bytes = 0.85 * (meminfo_bytes("MemAvailable") or float("inf"))
         print(f"estimated run time: {clock(cpu_target_seconds(cases, rotate, args.reps))} "
               "(rough: per-logit times of a 2-core Xeon, bench/NOTES.md, and a minute per "
               "torch.compile)", flush=True)
@@ -501,7 +507,11 @@ def main(argv=None):
             if busy is None:
                 busy = start_busy_loop()
         what = f"{fw} {obj} {variant} {label}"
-        why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s)
+        memory = None
+        if args.cpu_target and variant == "upstream":  # eager / jit: every [N, K] temporary
+            memory = (upstream_bytes(obj, n, k, dtype), usable_bytes)
+        why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s,
+                          memory)
         if why:
             results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
             progress.step(what, f"skipped: {why}")

@@ -698,6 +698,7 @@ def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
                 for m in ("fwd", "bwd", "fwd+bwd")]
 
     monkeypatch.setattr(R, "run_case", stub_case)
+    monkeypatch.setattr(R, "meminfo_bytes", lambda field: 1 << 40)  # every case fits
     monkeypatch.setattr(R, "parity", lambda env: [])
     monkeypatch.setattr(R, "start_busy_loop", FakeLoop)
     monkeypatch.setattr(R, "plot", lambda *a: None)
@@ -758,3 +759,19 @@ def test_cpu_target_memory_keeps_one_set_where_two_would_not_fit(monkeypatch, ca
     out = capsys.readouterr().out
     assert "1 where 2 would not fit" in out and "ce K 131072 float32" in out
     assert "warning: opd N 4096 K 131072 float32" in out and "warning: ce" not in out
+
+
+def test_cpu_target_skips_a_materialised_loss_that_would_not_fit():
+    """A jitted upstream OPD at N 4096, K 131072 float32 passed 24 GB and the kernel killed
+    the run, with every case after it: such a case is skipped and says why, one that fits
+    runs."""
+    from bench import runner as R
+    from bench.cases import upstream_bytes
+
+    env = dict(cuda=False)
+    need = upstream_bytes("opd", 4096, 131072, "float32")
+    assert need > 24 * 2**30
+    why = R.skip_reason(env, "upstream", 0, 0.0, None, (need, 0.85 * 22 * 2**30))
+    assert why is not None and "does not fit in memory" in why and "GiB" in why, why
+    assert R.skip_reason(env, "upstream", 0, 0.0, None,
+                         (upstream_bytes("ce", 4096, 32768, "float32"), 0.85 * 22 * 2**30)) is None
