@@ -107,6 +107,22 @@ class TestTorchChunkedRowBlocks:
         TestTorchChunked().check(case, rng, dtype, entropy=False)
 
 
+@pytest.mark.parametrize("feature,dtype", [("plain", "bfloat16"), ("teacher", "float32")])
+def test_tiles_reuse_the_threads_scratch_and_never_read_it(rng, feature, dtype):
+    """The CPU tiles come from the calling thread's reused buffer (``scratch``), which holds
+    whatever the last call left: here NaN in all of it, and the call (one block, on this
+    thread) still matches the oracle."""
+    from dlm_kernels.token_stats.torch_row_blocks import scratch
+
+    old = scratch(1 << 21)  # 8 MiB: past what this call's tiles take, so not regrown
+    old.fill_(float("nan"))
+    assert scratch(3, 5, 7).data_ptr() == old.data_ptr()  # reused, not allocated again
+    suite = TestTorchChunked()
+    case = make_case(suite.fw, rng, (3, 4), 1271, dtype, FEATURES[feature])
+    suite.check(case, rng, dtype, entropy=False)
+    assert scratch(1).data_ptr() == old.data_ptr()
+
+
 def test_row_blocks_are_sized_by_the_work():
     """A small call runs on the calling thread in one block (two workers' Python calls
     contend for the interpreter lock: 3.4 ms for 1.3 ms at N 256, K 2048); a large one is

@@ -17,7 +17,7 @@ from .._config import CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps as xp
-from .torch_row_blocks import TILE_BYTES, run_blocks, use_row_blocks
+from .torch_row_blocks import TILE_BYTES, run_blocks, scratch, use_row_blocks
 
 
 def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
@@ -129,10 +129,11 @@ def _tile_partial(rows, cfg, offset):
     zero = torch.zeros(n, dtype=torch.float32)
     mu, au, cu, fu = m, zero, zero, zero
     height = min(n, max(1, TILE_BYTES // (4 * k)))  # rows per tile: whole rows, <= 1 MiB
-    t_b, t2_b = torch.empty((2, height, k), dtype=torch.float32)  # [R, K]: x, x'
+    tiles = scratch(8 if cfg.HAS_TEACHER else 2, height, k)  # [R, K] each, reused
+    t_b, t2_b = tiles[0], tiles[1]  # x, x'
     if cfg.HAS_TEACHER:
         mu, au, cu, fu = row(), row(), row(), row()
-        e_b, y_b, eu_b, ct_b, s_b, f_b = torch.empty((6, height, k), dtype=torch.float32)
+        e_b, y_b, eu_b, ct_b, s_b, f_b = tiles[2:]
         zero_t = torch.zeros(())
     for r0 in range(0, n, height):
         r1 = min(r0 + height, n)
@@ -240,11 +241,10 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
     direct = dz.dtype == torch.float32
     limit = max(0, min(k, cfg.vocab_limit - offset)) if cfg.PADDED else k
     chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
-    # the float32 tiles, allocated once (a fresh 1 MiB tile per chunk is a fresh mapping
-    # whose pages fault in): r - m unless written straight into float32 dz, e^{x'}, e^{x_u}
+    # the float32 tiles, in the thread's reused buffer (``scratch``): r - m unless written
+    # straight into float32 dz, e^{x'}, e^{x_u}
     width = chunks[0][1]
-    tile = lambda wanted: torch.empty((n, width) if wanted else 0, dtype=torch.float32)  # noqa: E731
-    t_b, e2_b, eu_b = tile(not direct), tile(cfg.SEPARATE_CE), tile(cfg.HAS_TEACHER)
+    t_b, e2_b, eu_b = scratch(3, n, width)  # [R, C] each
     for c0, c1 in chunks:
         out = dz[:, c0:c1]
         if c0 >= limit:  # padding columns only

@@ -21,6 +21,7 @@ worker ran a block.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ BLOCK_ELEMENTS = 1 << 20  # logits a block holds at least (rows x K), where N al
 WORKER_ELEMENTS = 1 << 22  # logits of the call per worker: fewer, fewer workers
 TILE_BYTES = 1024 * 1024  # one [R, C] float32 tile of a block
 
+_SCRATCH = threading.local()  # each thread's float32 tile buffer (``scratch``)
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 # a forked child (a DataLoader worker) has none of the parent's threads: it starts its own
@@ -40,6 +42,19 @@ os.register_at_fork(after_in_child=_POOLS.clear)
 
 def use_row_blocks(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def scratch(*shape: int) -> torch.Tensor:
+    """An uninitialised float32 tensor of ``shape`` in the calling thread's own buffer,
+    which its next call reuses (grown when a call needs more). A fresh tile per block is a
+    fresh mapping whose pages fault in, and two workers faulting at once wait on each other
+    for the process's page tables. The buffer stays with the thread: at most the few tiles
+    of one block (8 MiB with a teacher), per worker and per calling thread."""
+    numel = math.prod(shape)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel].view(shape)
 
 
 def _one_thread(barrier: threading.Barrier) -> None:
