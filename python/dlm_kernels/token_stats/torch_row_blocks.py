@@ -33,7 +33,14 @@ BLOCK_ELEMENTS = 1 << 20  # logits a block holds at least (rows x K), where N al
 WORKER_ELEMENTS = 1 << 22  # logits of the call per worker: fewer, fewer workers
 TILE_BYTES = 1024 * 1024  # one [R, C] float32 tile of a block
 
-_SCRATCH = threading.local()  # each thread's float32 tile buffer (``scratch``)
+class _Scratch(threading.local):
+    """Each thread's float32 tile buffer (``scratch``); empty until the thread's first call."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+
+_SCRATCH = _Scratch()
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 # a forked child (a DataLoader worker) has none of the parent's threads: it starts its own
@@ -51,8 +58,8 @@ def scratch(*shape: int) -> torch.Tensor:
     for the process's page tables. The buffer stays with the thread: at most the few tiles
     of one block (8 MiB with a teacher), per worker and per calling thread."""
     numel = math.prod(shape)
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < numel:
+    buf = _SCRATCH.buf
+    if buf.numel() < numel:
         buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
     return buf[:numel].view(shape)
 
