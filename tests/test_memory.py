@@ -117,3 +117,38 @@ def test_torch_chunked_peak_memory():
     ref, chunked = peak("reference"), peak("chunked")
     assert chunked < 1.5 * grad_bytes, f"chunked peak {chunked / 2**20:.0f} MiB beyond inputs"
     assert ref > 3 * chunked, f"reference {ref / 2**20:.0f} MiB vs chunked {chunked / 2**20:.0f} MiB"
+
+
+def _vma_flags(addr):
+    """The VmFlags of the mapping holding address ``addr`` in this process (/proc/self/smaps)."""
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                current = int(head[1], 16) <= addr < int(head[2], 16)
+            elif current and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_large_cpu_gradients_ask_for_huge_pages():
+    """The chunked backend's [N, K] gradient on a CPU is advised into huge pages (VmFlags
+    ``hg``) before it is written: faulting 512 MiB in 4 KiB pages cost more than writing it
+    (bench/NOTES.md). A small output is left alone."""
+    import torch
+
+    import dlm_kernels.torch as D
+    from dlm_kernels._torch.buffers import HUGE_PAGE, LARGE_BYTES, empty
+
+    if "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        pytest.skip("transparent huge pages are off on this machine")
+    n, k = 256, 32768  # a 32 MiB float32 gradient
+    z = torch.randn(n, k, requires_grad=True)
+    y = torch.randint(0, k, (n,))
+    (g,) = torch.autograd.grad(D.token_stats(z, y, backend="chunked").logp.sum(), z)
+    inside = -(-g.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole 2 MiB page of it
+    assert g.nbytes >= LARGE_BYTES and "hg" in _vma_flags(inside), _vma_flags(inside)
+    small = empty((LARGE_BYTES // 8,), torch.float32, torch.device("cpu"))
+    assert "hg" not in _vma_flags(small.data_ptr()), _vma_flags(small.data_ptr())

@@ -107,6 +107,74 @@ class TestTorchChunkedRowBlocks:
         TestTorchChunked().check(case, rng, dtype, entropy=False)
 
 
+class TestTorchChunkedCompiled:
+    """The compiled CPU forward (``token_stats/torch_compiled.py``) at small shapes: every
+    call compiles (no size threshold), in blocks of 5 rows (12 rows: 5, 5, 2; 13 rows: 5, 8,
+    no block of one row), against the oracle: temperatures, the shift, the teacher, and
+    everything at once (softcap, entropy, teacher gradient too), float32 and bfloat16,
+    inactive rows poisoned with NaN/inf."""
+
+    FW, BACKEND = "torch", "chunked"
+
+    @pytest.fixture(autouse=True)
+    def compiled_everywhere(self, monkeypatch):
+        from dlm_kernels.token_stats import torch_compiled as tc
+
+        monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+        monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)
+        calls = []
+        real = tc.compiled_partial
+        monkeypatch.setattr(tc, "compiled_partial", lambda *a: calls.append(real(*a)) or calls[-1])
+        from dlm_kernels.token_stats import torch_chunked
+
+        monkeypatch.setattr(torch_chunked, "compiled_partial", tc.compiled_partial)
+        yield
+        assert calls and all(c is not None for c in calls), "the compiled forward did not run"
+
+    @pytest.mark.parametrize("feature,dtype,rows", [
+        ("plain", "float32", (4, 3)), ("temperature", "bfloat16", (13,)),
+        ("shift", "bfloat16", (4, 3)), ("teacher", "float32", (13,)), ("all", "float32", (4, 3))])
+    def test_compiled_forward_matches_the_oracle(self, rng, feature, dtype, rows):
+        suite = TestTorchChunked()
+        case = make_case(suite.fw, rng, rows, 1271, dtype, FEATURES[feature])
+        suite.check(case, rng, dtype, entropy=feature == "all")
+
+
+def test_compiled_row_blocks_leave_no_block_of_one_row(monkeypatch):
+    """Dynamo specialises a size of 1: a remainder of one row joins the block before it."""
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)
+    assert tc.row_blocks(12, 1271) == [(0, 5), (5, 10), (10, 12)]
+    assert tc.row_blocks(11, 1271) == [(0, 5), (5, 11)]
+    assert tc.row_blocks(1, 1271) == [(0, 1)]
+
+
+def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
+    """No C++ compiler (a compile that raises): one warning, the eager tiles' answer, and no
+    compile tried again in the process; after a compile has worked, a failure (Dynamo's
+    recompile limit) sends only that call to the tiles."""
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+    monkeypatch.setattr(tc._Compiled, "fn", no_compiler)
+    monkeypatch.setattr(tc._Compiled, "worked", False)
+    monkeypatch.setattr(tc._Compiled, "failed", False)
+    monkeypatch.setattr(tc._Compiled, "warned", False)
+    suite = TestTorchChunked()
+    case = make_case(suite.fw, rng, (4, 3), 1271, "float32", FEATURES["teacher"])
+    with pytest.warns(RuntimeWarning, match="no C.. compiler found.*eager tiles run instead"):
+        suite.check(case, rng, "float32", entropy=False)
+    assert tc._Compiled.failed and not tc.use_compiled(1 << 20, 1 << 20)
+    monkeypatch.setattr(tc._Compiled, "failed", False)
+    monkeypatch.setattr(tc._Compiled, "worked", True)
+    suite.check(case, rng, "float32", entropy=False)  # said once: no second warning
+    assert not tc._Compiled.failed and tc.use_compiled(1 << 20, 1 << 20)
+
+
 @pytest.mark.parametrize("feature,dtype", [("plain", "bfloat16"), ("teacher", "float32")])
 def test_tiles_reuse_the_threads_scratch_and_never_read_it(rng, feature, dtype):
     """The CPU tiles come from the calling thread's reused buffer (``scratch``), which holds

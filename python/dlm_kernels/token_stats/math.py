@@ -183,15 +183,20 @@ def teacher_sums(xp, u, x, w, cfg: Lowered):
     return mu, xp.rowsum(eu), xp.rowsum(ct), xp.rowsum(f)
 
 
-def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered) -> State:
+def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered, pointwise_shift=False) -> State:
     """Partial state of one vocabulary chunk.
 
     rows: the bundle over the chunk's columns (logits, teacher: [N, C], the teacher may be
     None); cols: [C] global column ids; valid: [C] bool or None, columns that belong to this
-    chunk (others count as -inf).
+    chunk (others count as -inf). ``pointwise_shift``: the shift by a compare and a select
+    (``shifted_logits``) instead of an update at one column: for a compiler, which fuses the
+    select into its loops but would write r out for the update.
     """
     z, u = rows.logits, rows.teacher
-    r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
+    if pointwise_shift:
+        r = shifted_logits(xp, z, cols[None, :], rows.shift_ids, rows.shift, cfg)
+    else:
+        r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     sr = None
     if cfg.SMOOTH:  # Σ r over the valid columns (masked ones count as 0, not -inf)
         sr = xp.rowsum(r if valid is None else xp.where(valid[None, :], r, 0.0))

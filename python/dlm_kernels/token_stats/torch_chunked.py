@@ -17,6 +17,7 @@ from .._config import CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps as xp
+from .torch_compiled import compiled_partial, use_compiled
 from .torch_row_blocks import TILE_BYTES, run_blocks, scratch, use_row_blocks
 
 
@@ -40,11 +41,14 @@ class ChunkedTorch(BackendBase):
         # rows.logits, rows.teacher: [N, K] (one shard) -> (State, r_y, found) of [N] f32
         z = rows.logits
         n, k = z.shape
-        if use_row_blocks(z) and n > 0:  # row blocks on single-threaded workers (_row_blocks)
+        state = None
+        if use_row_blocks(z) and use_compiled(n, k):  # one compiled loop nest per row
+            state = compiled_partial(rows, cfg, offset)
+        if state is None and use_row_blocks(z) and n > 0:  # tiles on single-threaded workers
             parts = run_blocks(lambda r0, r1: _block_partial(_row_slice(rows, r0, r1), cfg,
                                                              offset), n, k)
             state = stats_math.State(*(torch.cat(f) for f in zip(*parts)))
-        else:
+        if state is None:
             state = _partial(rows, cfg, offset)
         return (state, *stats_math.target_logit(xp, rows, cfg, offset))
 
