@@ -2,13 +2,13 @@
 # One prepared GPU check, for a machine with an NVIDIA GPU:  bench/gpu_check.sh [OUTDIR [SECONDS]]
 # (default OUTDIR bench/results/gpu-<date>, SECONDS 560: the whole script's time budget). Installs nothing from
 # the network: the package installs from this checkout without build isolation, and optional
-# wheels (jax-triton, liger-kernel) are taken from ./.whl when that folder exists.
+# wheels (jax-triton, liger-kernel, cut-cross-entropy) are taken from ./.whl when that folder exists.
 # Writes everything under OUTDIR (or GPU_CHECK_OUT; default bench/results/gpu-<date>): device info, JUnit XML of
 # the GPU parity suites, the benchmark JSON/Markdown/PNG, the launch-plan sweep JSON.
 # Optional wheels (downloaded on a machine with network access, then copied into ./.whl). jax-triton 0.3.1
 # is the release for the H200 image's Triton 3.6 and jax 0.11 (0.4 needs Triton >= 3.7):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_27_x86_64 \
-#       -d .whl "jax-triton==0.3.1" absl-py liger-kernel
+#       -d .whl "jax-triton==0.3.1" absl-py liger-kernel cut-cross-entropy
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-${GPU_CHECK_OUT:-bench/results/gpu-$(date +%F)}}

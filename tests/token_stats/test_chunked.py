@@ -108,11 +108,12 @@ class TestTorchChunkedRowBlocks:
 
 
 class TestTorchChunkedCompiled:
-    """The compiled CPU forward (``token_stats/torch_compiled.py``) at small shapes: every
-    call compiles (no size threshold), in blocks of 5 rows (12 rows: 5, 5, 2; 13 rows: 5, 8,
-    no block of one row), against the oracle: temperatures, the shift, the teacher, and
-    everything at once (softcap, entropy, teacher gradient too), float32 and bfloat16,
-    inactive rows poisoned with NaN/inf."""
+    """The compiled CPU forward and backward (``token_stats/torch_compiled.py``) at small
+    shapes: every call compiles (no size threshold); the backward in blocks of 5 rows (12
+    rows: 5, 5, 2; 13 rows: 5, 8, no block of one row), the forward in tiles of 300 columns
+    (1271: four of 300, the last 371) merged, against the oracle: temperatures, the shift,
+    the teacher, and everything at once (softcap, entropy, teacher gradient too), float32
+    and bfloat16, inactive rows poisoned with NaN/inf."""
 
     FW, BACKEND = "torch", "chunked"
 
@@ -120,16 +121,20 @@ class TestTorchChunkedCompiled:
     def compiled_everywhere(self, monkeypatch):
         from dlm_kernels.token_stats import torch_compiled as tc
 
-        monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
-        monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)
-        calls = []
-        real = tc.compiled_partial
-        monkeypatch.setattr(tc, "compiled_partial", lambda *a: calls.append(real(*a)) or calls[-1])
         from dlm_kernels.token_stats import torch_chunked
 
-        monkeypatch.setattr(torch_chunked, "compiled_partial", tc.compiled_partial)
+        monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+        monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)
+        monkeypatch.setattr(tc, "SUM_COLUMNS", 300)  # 1271 columns: tiles of 300, the last 371
+        forward, backward = [], []
+        real_forward, real_backward = tc.compiled_partial, tc.compiled_grads
+        monkeypatch.setattr(torch_chunked, "compiled_partial",
+                            lambda *a: forward.append(real_forward(*a)) or forward[-1])
+        monkeypatch.setattr(torch_chunked, "compiled_grads",
+                            lambda *a: backward.append(real_backward(*a)) or backward[-1])
         yield
-        assert calls and all(c is not None for c in calls), "the compiled forward did not run"
+        assert forward and all(s is not None for s in forward), "the compiled forward did not run"
+        assert backward and all(backward), "the compiled backward did not run"
 
     @pytest.mark.parametrize("feature,dtype,rows", [
         ("plain", "float32", (4, 3)), ("temperature", "bfloat16", (13,)),
@@ -138,6 +143,37 @@ class TestTorchChunkedCompiled:
         suite = TestTorchChunked()
         case = make_case(suite.fw, rng, rows, 1271, dtype, FEATURES[feature])
         suite.check(case, rng, dtype, entropy=feature == "all")
+
+
+def test_compiled_sums_over_flat_rows(rng, monkeypatch):
+    """A student near uniform over K = 131072 (logits in [-0.01, 0] at T = 100: terms of
+    its sum within 1e-4 of each other), a teacher of scale 30: float32 sums lane by lane
+    over whole rows (8192 terms a lane) round each near-equal term the same way, and the
+    KL came out about 6e-4 relative off (tests/test_domain.py found it); the compiled
+    tiles' sums (SUM_COLUMNS) meet the float32 tolerance against the float64 oracle."""
+    import torch
+
+    import dlm_kernels.torch as D
+    import oracle
+    from dlm_kernels.token_stats import torch_chunked, torch_compiled as tc
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+    ran = []
+    monkeypatch.setattr(torch_chunked, "compiled_partial",
+                        lambda *a: ran.append(tc.compiled_partial(*a)) or ran[-1])
+
+    n, k = 4, 131072
+    z = rng.uniform(-0.01, 0.0, size=(n, k))
+    u = rng.normal(size=(n, k)) * 30.0
+    y = rng.integers(0, k, size=n)
+    s = D.token_stats(torch.tensor(z, dtype=torch.float32), torch.tensor(y),
+                      teacher_logits=torch.tensor(u, dtype=torch.float32), temperature=100.0,
+                      entropy=False, backend="chunked")
+    z32, u32 = z.astype(np.float32).astype(np.float64), u.astype(np.float32).astype(np.float64)
+    lse, logp, _, kl = oracle.token_stats(z32, y, np.ones(n, bool), u=u32, T=100.0)
+    for name, got, exp in (("lse", s.lse, lse), ("logp", s.logp, logp), ("kl", s.kl, kl)):
+        assert_close(got.numpy(), exp, "float32", name)
+    assert ran and ran[0] is not None, "the compiled forward did not run"
 
 
 def test_compiled_row_blocks_leave_no_block_of_one_row(monkeypatch):

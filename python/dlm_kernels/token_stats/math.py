@@ -451,7 +451,7 @@ def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
     return Stats(*(xp.where(active, stats[field], 0.0) for field in ROW_STATS))
 
 
-def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered):
+def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered, pointwise=False):
     """d(student logits) and d(teacher logits) of one chunk, both [N, C] float32 (``rows``:
     the bundle over the chunk's columns, as in ``chunk_partial``).
 
@@ -468,9 +468,14 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered):
     ``cols`` are contiguous global ids. Written as few [N, C] passes as the math allows (each
     is a pass over memory in an eager framework): the per-row factors of p are gathered into
     one [N, 1] coefficient, and the target's g_lp / T_ce is added at one column per row.
+    ``pointwise``: the shift and the target's term by a compare and a select instead (as in
+    ``chunk_partial``: for a compiler).
     """
     z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
-    r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
+    if pointwise:
+        r = shifted_logits(xp, z, cols[None, :], rows.shift_ids, rows.shift, cfg)
+    else:
+        r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     d = r - stats.m[:, None]  # [N, C] logit differences
     x = _scaled(d, cfg.inv_t)
     logp_k = x - stats.la[:, None]
@@ -499,7 +504,10 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered):
         dr = dr - g_p[:, None] * xp.exp(_scaled(d, cfg.inv_t_ce) - stats.la_ce[:, None])
     if g_u is not None:  # label smoothing's uniform term (padding columns are zeroed below)
         dr = dr + g_u[:, None]
-    dr = _add_at(xp, dr, targets, cols[0], g_y)  # the target's column, when in this chunk
+    if pointwise:
+        dr = dr + xp.where(cols[None, :] == targets[:, None], g_y[:, None], 0.0)
+    else:
+        dr = _add_at(xp, dr, targets, cols[0], g_y)  # the target's column, when in this chunk
     if cfg.HAS_SOFTCAP:
         dr = dr * softcap_slope(xp, xp.f32(z), cfg.softcap)
     dz = xp.where(active[:, None], dr, 0.0)

@@ -17,7 +17,7 @@ from .._config import CHUNK_BYTES_CPU, chunk_size_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps as xp
-from .torch_compiled import compiled_partial, use_compiled
+from .torch_compiled import compiled_grads, compiled_partial, use_compiled
 from .torch_row_blocks import TILE_BYTES, run_blocks, scratch, use_row_blocks
 
 
@@ -67,6 +67,9 @@ class ChunkedTorch(BackendBase):
         du = empty(u.shape, u.dtype, u.device) if cfg.TEACHER_GRAD else None
         if not use_row_blocks(z):
             _grads_into(dz, du, rows, stats, grads, cfg, offset)
+            return dz, du
+        if (not inplace and use_compiled(n, k)
+                and compiled_grads(dz, du, rows, stats, grads, cfg, offset)):  # one loop nest
             return dz, du
 
         def block(r0, r1):

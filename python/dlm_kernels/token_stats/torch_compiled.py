@@ -1,18 +1,20 @@
-"""The chunked backend's forward on a CPU as compiled loops: ``stats_math.chunk_partial`` over
-blocks of whole rows, compiled once per configuration by Inductor (``torch.compile``).
+"""The chunked backend on a CPU as compiled loops: the forward's ``stats_math.chunk_partial``
+and the backward's ``stats_math.chunk_grads``, compiled once per configuration by Inductor
+(``torch.compile``), for calls of at least ``COMPILE_MIN_LOGITS`` logits outside tracing.
 
-Eager, the forward runs a few ATen calls per cached tile (``torch_chunked._tile_partial``),
-each a pass over the tile; compiled, the same formulas become one C++ loop nest per row
-that reads the logits (and the teacher) twice, for the row max and for the sums, and writes
-nothing but the [R] state: no [R, K] temporary (bench/NOTES.md, "A compiled forward").
+Eager, each cached tile takes a few ATen calls, each a pass over the tile
+(``torch_chunked._tile_partial``, ``_tile_grads_into``); compiled, the same formulas become
+one C++ loop nest: the forward reads each [R, C] tile twice (its row max, then its sums) and
+writes only the [R] state, which tiles merge as the chunk loop merges chunks; the backward
+reads the logits (and the teacher) once and writes the gradient in its dtype, into the
+buffer the backend allocated. No [R, K] temporary (bench/NOTES.md, "Compiled loops").
 
-Used for CPU calls of at least ``COMPILE_MIN_LOGITS`` logits outside tracing, where the
-compile (a few seconds, once per configuration and dtype in a process; Inductor's cache on
-disk shortens it for later processes) pays for itself. Rows go in blocks of
-``BLOCK_BYTES`` float32 bytes, so that if the compiled function ever runs eagerly
-(``torch.compiler.set_stance("force_eager")``, Dynamo disabled, its recompile limit
-reached) its temporaries stay [R, K] blocks, never [N, K]. The first compile that fails
-(no C++ compiler on the machine) says so once and leaves the eager tiles in charge.
+The compile takes seconds, once per configuration and dtype in a process (Inductor's cache
+on disk shortens it for later processes), so only large calls use it. Work goes in blocks of
+``BLOCK_BYTES`` float32 bytes, so that if a compiled function ever runs eagerly
+(``torch.compiler.set_stance("force_eager")``, Dynamo disabled) its temporaries stay
+blocks, never [N, K]. A compile that fails (no C++ compiler on the machine, Dynamo's
+recompile limit) says so once and leaves the eager tiles in charge.
 """
 
 from __future__ import annotations
@@ -29,29 +31,26 @@ from .._rows import Rows
 from .._torch.ops import TorchOps as xp
 
 COMPILE_MIN_LOGITS = 1 << 24  # N·K of the smallest call that compiles its forward
-BLOCK_BYTES = 64 << 20  # float32 bytes of one block of rows ([R, K] values)
+BLOCK_BYTES = 64 << 20  # float32 bytes of one block ([R, K] rows, or an [R, C] tile) at most
+SUM_COLUMNS = 4096  # columns of one forward tile: 256 terms in each of a compiled sum's 16 lanes
 MIN_SIDE = 2  # rows per block and columns at least: Dynamo specialises sizes 0 and 1
 
 
-class Float64Sums(xp):
-    """The torch adapter with row sums accumulated in float64, for the teacher's sums. A
-    compiled row sum runs lane by lane, up to 4096 terms in a lane before its partials
-    combine (Inductor's cascade sums need a size it knows, and K is symbolic here), where
-    ATen sums in a tree. The CE's sums only enter logarithms, but the KL takes differences
-    of the teacher's (``stats_math.kl_divergence``): with float32 lane sums it came out
-    4e-5 off at K 131072, T = 1000 and 6e-4 at T = 100 (tests/test_domain.py)."""
-
-    @staticmethod
-    def rowsum(x):  # [..., C] -> [...] float32
-        return x.sum(dim=-1, dtype=torch.float64).float()
-
-
-def _block_state(z, u, shift_ids, shift, cols, cfg: Lowered) -> stats_math.State:
-    # z, u: [R, K] a block of whole rows (u may be None); cols: [K] their global ids
-    ops = Float64Sums if cfg.HAS_TEACHER else xp
+def _tile_state(z, u, shift_ids, shift, cols, cfg: Lowered) -> stats_math.State:
+    # z, u: [R, C] a tile of rows and columns (u may be None); cols: [C] their global ids
     block = Rows(z, u, shift_ids=shift_ids, shift=shift)
-    valid = stats_math.column_mask(ops, cols, cfg)
-    return stats_math.chunk_partial(ops, block, cols, valid, cfg, pointwise_shift=True)
+    valid = stats_math.column_mask(xp, cols, cfg)
+    return stats_math.chunk_partial(xp, block, cols, valid, cfg, pointwise_shift=True)
+
+
+def _block_grads(dz, du, z, u, targets, active, shift_ids, shift, cols, stats, grads,
+                 cfg: Lowered) -> None:
+    # dz, du, z, u: [R, K] a block of whole rows (u, du may be None); the rest per row
+    block = Rows(z, u, targets, active, shift_ids, shift)
+    gz, gu = stats_math.chunk_grads(xp, block, cols, stats, grads, cfg, pointwise=True)
+    dz.copy_(gz)  # written in dz's dtype by the same loop
+    if du is not None:
+        du.copy_(gu)
 
 
 class _Compiled:
@@ -59,6 +58,7 @@ class _Compiled:
 
     lock = threading.Lock()
     fn: Optional[Callable[..., stats_math.State]] = None
+    grads: Optional[Callable[..., None]] = None
     failed = False  # no compile has worked and one failed: no compiler on this machine
     worked = False
     warned = False
@@ -67,8 +67,9 @@ class _Compiled:
 def _compiled() -> Optional[Callable[..., stats_math.State]]:
     with _Compiled.lock:
         if _Compiled.fn is None and not _Compiled.failed:
-            _Compiled.fn = torch.compile(_block_state, dynamic=True, fullgraph=True)
-        return _Compiled.fn
+            _Compiled.fn = torch.compile(_tile_state, dynamic=True, fullgraph=True)
+            _Compiled.grads = torch.compile(_block_grads, dynamic=True, fullgraph=True)
+        return None if _Compiled.failed else _Compiled.fn
 
 
 def _fell_back(err: Exception) -> None:
@@ -87,37 +88,80 @@ def use_compiled(n: int, k: int) -> bool:
     return n * k >= COMPILE_MIN_LOGITS and n >= MIN_SIDE and k >= MIN_SIDE and not _Compiled.failed
 
 
-def row_blocks(n: int, k: int) -> list[tuple[int, int]]:
-    """[(r0, r1)]: blocks of BLOCK_BYTES of float32 rows; the last takes a remainder of
-    fewer than MIN_SIDE rows (no size that Dynamo specialises)."""
-    rows = max(MIN_SIDE, BLOCK_BYTES // (4 * k))
-    starts = list(range(0, n, rows))
+def _spans(n: int, size: int) -> list[tuple[int, int]]:
+    """[(i0, i1)] cutting range(n) into spans of ``size``; a remainder of fewer than
+    MIN_SIDE joins the span before it (no size that Dynamo specialises)."""
+    starts = list(range(0, n, max(MIN_SIDE, size)))
     if len(starts) > 1 and n - starts[-1] < MIN_SIDE:
         starts.pop()
-    return [(r0, starts[i + 1] if i + 1 < len(starts) else n) for i, r0 in enumerate(starts)]
+    return [(i0, starts[i + 1] if i + 1 < len(starts) else n) for i, i0 in enumerate(starts)]
+
+
+def row_blocks(n: int, k: int) -> list[tuple[int, int]]:
+    """[(r0, r1)]: blocks of BLOCK_BYTES of float32 rows of K columns."""
+    return _spans(n, BLOCK_BYTES // (4 * k))
 
 
 def compiled_partial(rows: Rows, cfg: Lowered, offset: int = 0) -> Optional[stats_math.State]:
     """The merged State of ``rows`` (CPU tensors, [N, K] logits, columns [offset, offset + K))
-    from the compiled block loop; None when the compile is unavailable."""
+    from compiled tiles of SUM_COLUMNS columns, merged as the chunk loop merges its chunks
+    (``stats_math.merge``); None when the compile is unavailable.
+
+    Why tiles, not whole rows: a compiled row sum adds its terms lane by lane (16 lanes,
+    Inductor's cascade sums need a static size), where ATen sums in a tree. Over a whole row
+    of 131072 near-equal terms (a flat distribution, T = 100) the float32 lane sums were
+    off by 6e-4 relative (tests/test_domain.py: the teacher's KL); a tile keeps each lane to
+    256 terms (near-equal terms simulated in NumPy: 2e-7 relative off, where whole rows were
+    4e-5; bench/NOTES.md)."""
     fn = _compiled()
     if fn is None:
         return None
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     cols = torch.arange(offset, offset + k)  # [K] global column ids
-    parts = []
-    for r0, r1 in row_blocks(n, k):
+    col_spans = _spans(k, SUM_COLUMNS)
+    width = max(c1 - c0 for c0, c1 in col_spans)
+    blocks = []
+    for r0, r1 in _spans(n, BLOCK_BYTES // (4 * width)):
         sl = slice(r0, r1)
-        args = (z[sl], None if u is None else u[sl],
-                None if rows.shift_ids is None else rows.shift_ids[sl],
-                None if rows.shift is None else rows.shift[sl], cols, cfg)
+        state = None
+        for c0, c1 in col_spans:
+            cs = slice(c0, c1)
+            args = (z[sl, cs], None if u is None else u[sl, cs],
+                    None if rows.shift_ids is None else rows.shift_ids[sl],
+                    None if rows.shift is None else rows.shift[sl], cols[cs], cfg)
+            try:
+                part = fn(*args)
+            except Exception as err:  # noqa: BLE001 - no compiler here, or Dynamo's recompile limit
+                if blocks or state is not None:
+                    raise
+                _fell_back(err)
+                return None
+            _Compiled.worked = True
+            state = part if state is None else stats_math.merge(xp, state, part, cfg)
+        blocks.append(state)
+    return stats_math.State(*(torch.cat(f) if len(blocks) > 1 else f[0] for f in zip(*blocks)))
+
+
+def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int = 0) -> bool:
+    """Writes d(logits) (and d(teacher)) of ``rows`` into dz, du [N, K] (CPU, neither the
+    logits themselves) with the compiled block loop: one pass that reads the logits (and
+    the teacher) and writes the gradient. False, nothing written, when the compile is
+    unavailable."""
+    if _compiled() is None or _Compiled.grads is None:
+        return False
+    z, u = rows.logits, rows.teacher
+    n, k = z.shape
+    cols = torch.arange(offset, offset + k)  # [K] global column ids
+    for i, (r0, r1) in enumerate(row_blocks(n, k)):
+        sl = slice(r0, r1)
+        part = lambda v: None if v is None else v[sl]  # noqa: E731
         try:
-            parts.append(fn(*args))
-        except Exception as err:  # noqa: BLE001 - no compiler here, or Dynamo's recompile limit
-            if parts:
+            _Compiled.grads(dz[sl], part(du), z[sl], part(u), *(part(f) for f in rows[2:]), cols,
+                            type(stats)(*(f[sl] for f in stats)), tuple(g[sl] for g in grads), cfg)
+        except Exception as err:  # noqa: BLE001 - as in compiled_partial
+            if i:
                 raise
             _fell_back(err)
-            return None
-        _Compiled.worked = True
-    return stats_math.State(*(torch.cat(f) if len(parts) > 1 else f[0] for f in zip(*parts)))
+            return False
+    return True
