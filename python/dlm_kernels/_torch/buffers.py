@@ -6,8 +6,8 @@
 - for a large CPU buffer on Linux, whose pages are asked to be huge (2 MiB) before anything
   touches them (``madvise(MADV_HUGEPAGE)``). A fresh [N, K] gradient is fresh memory from
   the kernel, and faulting it in 4 KiB pages cost more than writing it: 512 MiB took 115 ms
-  to fill fresh and 44 ms in huge pages on a 2-core Xeon (bench/NOTES.md, "Huge pages for
-  the gradient"). Where transparent huge pages are off the advice changes nothing.
+  to fill fresh and 44 ms in huge pages on a 2-core Xeon (bench/NOTES.md,
+  "Compiled loops and huge pages"). Where transparent huge pages are off the advice changes nothing.
 
 Off, both cost an attribute read and a comparison.
 """

@@ -7,7 +7,8 @@ Eager, each cached tile takes a few ATen calls, each a pass over the tile
 one C++ loop nest: the forward reads each [R, C] tile twice (its row max, then its sums) and
 writes only the [R] state, which tiles merge as the chunk loop merges chunks; the backward
 reads the logits (and the teacher) once and writes the gradient in its dtype, into the
-buffer the backend allocated. No [R, K] temporary (bench/NOTES.md, "Compiled loops").
+buffer the backend allocated. No [R, K] temporary (bench/NOTES.md, "Compiled loops and huge
+pages").
 
 The compile takes seconds, once per configuration and dtype in a process (Inductor's cache
 on disk shortens it for later processes), so only large calls use it. Work goes in blocks of
