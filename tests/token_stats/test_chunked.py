@@ -144,6 +144,22 @@ class TestTorchChunkedCompiled:
         case = make_case(suite.fw, rng, rows, 1271, dtype, FEATURES[feature])
         suite.check(case, rng, dtype, entropy=feature == "all")
 
+    def test_compiled_forward_recomputes_each_shifted_tile(self, rng):
+        """The tiles run unshifted and each row's tile that holds its shifted column runs
+        again on the gathered rows: rows 0-3 share a tile (two on one column), row 4 is
+        alone in its tile of the first block (repeated, no size of 1), tile edges 0, 299,
+        300 and 1270, a shifted column that is the target, tiles no row of a block shifts
+        into, and a shift of 40 that puts nearly all of a row's mass on its shifted column."""
+        suite = TestTorchChunked()
+        case = make_case(suite.fw, rng, (13,), 1271, "float32", FEATURES["shift"])
+        x = np.array([700, 700, 650, 899, 10, 0, 299, 300, 1270, 0, 1000, 1100, 1200])
+        x[9] = case["y_np"][9]
+        d = rng.uniform(0.0, 6.0, size=13).astype(np.float32)
+        d[[2, 6]] = 40.0
+        case["api_kw"].update(shift_ids=suite.fw.array(x), shift=suite.fw.array(d))
+        case["ora_kw"].update(x=x, d=d.astype(np.float64))
+        suite.check(case, rng, "float32", entropy=True)
+
 
 def test_compiled_sums_over_flat_rows(rng, monkeypatch):
     """A student near uniform over K = 131072 (logits in [-0.01, 0] at T = 100: terms of
