@@ -133,22 +133,18 @@ def _vma_flags(addr):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
-def test_large_cpu_gradients_ask_for_huge_pages():
-    """The chunked backend's [N, K] gradient on a CPU is advised into huge pages (VmFlags
-    ``hg``) before it is written: faulting 512 MiB in 4 KiB pages cost more than writing it
-    (bench/NOTES.md). A small output is left alone."""
+def test_large_cpu_gradients_are_not_advised_into_huge_pages():
+    """The chunked backend's [N, K] gradient on a CPU lives in the kernel's default pages
+    (no VmFlags ``hg``): advised into 2 MiB pages, a fresh 2 GiB gradient took 4-6 s
+    instead of 0.44 s to fill on a virtual machine whose free memory had gone back to its
+    host (bench/NOTES.md, "Huge pages, withdrawn")."""
     import torch
 
     import dlm_kernels.torch as D
-    from dlm_kernels._torch.buffers import HUGE_PAGE, LARGE_BYTES, empty
 
-    if "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
-        pytest.skip("transparent huge pages are off on this machine")
     n, k = 256, 32768  # a 32 MiB float32 gradient
     z = torch.randn(n, k, requires_grad=True)
     y = torch.randint(0, k, (n,))
     (g,) = torch.autograd.grad(D.token_stats(z, y, backend="chunked").logp.sum(), z)
-    inside = -(-g.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the first whole 2 MiB page of it
-    assert g.nbytes >= LARGE_BYTES and "hg" in _vma_flags(inside), _vma_flags(inside)
-    small = empty((LARGE_BYTES // 8,), torch.float32, torch.device("cpu"))
-    assert "hg" not in _vma_flags(small.data_ptr()), _vma_flags(small.data_ptr())
+    inside = -(-g.data_ptr() // (2 << 20)) * (2 << 20)  # the first whole 2 MiB page of it
+    assert "hg" not in _vma_flags(inside), _vma_flags(inside)
