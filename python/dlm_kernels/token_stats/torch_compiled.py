@@ -35,6 +35,12 @@ COMPILE_MIN_LOGITS = 1 << 24  # N·K of the smallest call that compiles its forw
 BLOCK_BYTES = 64 << 20  # float32 bytes of one block ([R, K] rows, or an [R, C] tile) at most
 SUM_COLUMNS = 4096  # columns of one forward tile: 256 terms in each of a compiled sum's 16 lanes
 MIN_SIDE = 2  # rows per block and columns at least: Dynamo specialises sizes 0 and 1
+#: Inductor's options: a parallel loop nest whatever sizes the first call had. Inductor
+#: decides a loop's threads once, from the sizes of the call that compiled it, and its cache
+#: on disk serves that code to every later process: a first call of [6, 97] (a test) left
+#: the float32 backward on one thread for calls of [128, 131072] (OPD: 55 against 19 ms a
+#: block). Dynamic threads take the thread count at run time, from ``torch.get_num_threads()``.
+_OPTIONS = {"cpp.dynamic_threads": True}
 
 
 def _tile_state(z, u, shift_ids, shift, cols, cfg: Lowered) -> stats_math.State:
@@ -68,8 +74,9 @@ class _Compiled:
 def _compiled() -> Optional[Callable[..., stats_math.State]]:
     with _Compiled.lock:
         if _Compiled.fn is None and not _Compiled.failed:
-            _Compiled.fn = torch.compile(_tile_state, dynamic=True, fullgraph=True)
-            _Compiled.grads = torch.compile(_block_grads, dynamic=True, fullgraph=True)
+            compile_ = lambda f: torch.compile(f, dynamic=True, fullgraph=True,  # noqa: E731
+                                               options=_OPTIONS)
+            _Compiled.fn, _Compiled.grads = compile_(_tile_state), compile_(_block_grads)
         return None if _Compiled.failed else _Compiled.fn
 
 
