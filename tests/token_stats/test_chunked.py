@@ -119,13 +119,16 @@ class TestTorchChunkedCompiled:
 
     @pytest.fixture(autouse=True)
     def compiled_everywhere(self, monkeypatch):
-        from dlm_kernels.token_stats import torch_compiled as tc
+        import torch._dynamo
 
-        from dlm_kernels.token_stats import torch_chunked
+        from dlm_kernels.token_stats import torch_chunked, torch_compiled as tc
 
         monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
         monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)
         monkeypatch.setattr(tc, "SUM_COLUMNS", 300)  # 1271 columns: tiles of 300, the last 371
+        # one graph per configuration, dtype and shift: a worker running all of these tests
+        # passes Dynamo's default of 8 (then the eager tiles would run, and this fails)
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
         forward, backward = [], []
         real_forward, real_backward = tc.compiled_partial, tc.compiled_grads
         monkeypatch.setattr(torch_chunked, "compiled_partial",
@@ -225,6 +228,35 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     monkeypatch.setattr(tc._Compiled, "worked", True)
     suite.check(case, rng, "float32", entropy=False)  # said once: no second warning
     assert not tc._Compiled.failed and tc.use_compiled(1 << 20, 1 << 20)
+
+
+def test_compiled_forward_falls_back_from_a_later_tile(rng, monkeypatch):
+    """A compile that fails after others have worked, at the last tile (the shifted rows'
+    graph, compiled where the first shifted column lies: Dynamo's recompile limit, say),
+    leaves the call to the eager tiles with one warning; it does not reach the caller."""
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    real = tc._compiled()
+    assert real is not None
+
+    def no_shifted_graph(z, u, shift_ids, *rest):
+        if shift_ids is not None:
+            raise RuntimeError("recompile limit reached")
+        return real(z, u, shift_ids, *rest)
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+    monkeypatch.setattr(tc, "SUM_COLUMNS", 300)
+    monkeypatch.setattr(tc._Compiled, "fn", no_shifted_graph)
+    monkeypatch.setattr(tc._Compiled, "worked", True)
+    monkeypatch.setattr(tc._Compiled, "warned", False)
+    suite = TestTorchChunked()
+    case = make_case(suite.fw, rng, (6,), 1271, "float32", FEATURES["shift"])
+    x = np.full(6, 1200)  # every shifted column in the last tile
+    case["api_kw"]["shift_ids"] = suite.fw.array(x)
+    case["ora_kw"]["x"] = x
+    with pytest.warns(RuntimeWarning, match="recompile limit reached.*eager tiles run instead"):
+        suite.check(case, rng, "float32", entropy=False)
+    assert not tc._Compiled.failed
 
 
 @pytest.mark.parametrize("feature,dtype", [("plain", "bfloat16"), ("teacher", "float32")])

@@ -10,12 +10,14 @@ reads the logits (and the teacher) once and writes the gradient in its dtype, in
 buffer the backend allocated. No [R, K] temporary (bench/NOTES.md, "Compiled loops and huge
 pages").
 
-The compile takes seconds, once per configuration and dtype in a process (Inductor's cache
-on disk shortens it for later processes), so only large calls use it. Work goes in blocks of
+The compile takes seconds, once per configuration and dtype in a process (with a LOO shift,
+a second forward graph for the shifted rows; Inductor's cache on disk shortens it for later
+processes), so only large calls use it. Work goes in blocks of
 ``BLOCK_BYTES`` float32 bytes, so that if a compiled function ever runs eagerly
 (``torch.compiler.set_stance("force_eager")``, Dynamo disabled) its temporaries stay
 blocks, never [N, K]. A compile that fails (no C++ compiler on the machine, Dynamo's
-recompile limit) says so once and leaves the eager tiles in charge.
+recompile limit of 8 graphs a function by default, ``torch._dynamo.config.recompile_limit``)
+says so once and leaves the eager tiles in charge of that call.
 """
 
 from __future__ import annotations
@@ -160,9 +162,7 @@ def compiled_partial(rows: Rows, cfg: Lowered, offset: int = 0) -> Optional[stat
                                rows.shift[sl].index_select(0, hit), cols[cs], cfg)
                     part = stats_math.State(*(f.index_put((hit,), g) for f, g in zip(part, again)))
             except Exception as err:  # noqa: BLE001 - no compiler here, or Dynamo's recompile limit
-                if blocks or state is not None:
-                    raise
-                _fell_back(err)
+                _fell_back(err)  # at any tile: the eager tiles start again from the first
                 return None
             _Compiled.worked = True
             state = part if state is None else stats_math.merge(xp, state, part, cfg)
@@ -198,15 +198,13 @@ def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int =
     cols = torch.arange(offset, offset + k, dtype=torch.int32)  # [K] global column ids
     ids = rows._replace(targets=_ids32(rows.targets, offset, k),
                         shift_ids=_ids32(rows.shift_ids, offset, k))
-    for i, (r0, r1) in enumerate(row_blocks(n, k)):
+    for r0, r1 in row_blocks(n, k):
         sl = slice(r0, r1)
         part = lambda v: None if v is None else v[sl]  # noqa: E731
         try:
             _Compiled.grads(dz[sl], part(du), z[sl], part(u), *(part(f) for f in ids[2:]), cols,
                             type(stats)(*(f[sl] for f in stats)), tuple(g[sl] for g in grads), cfg)
         except Exception as err:  # noqa: BLE001 - as in compiled_partial
-            if i:
-                raise
-            _fell_back(err)
+            _fell_back(err)  # at any block: the eager loop writes every block again
             return False
     return True
