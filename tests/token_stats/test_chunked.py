@@ -107,6 +107,21 @@ class TestTorchChunkedRowBlocks:
         TestTorchChunked().check(case, rng, dtype, entropy=False)
 
 
+@pytest.fixture
+def compiled_loops(monkeypatch):
+    """The compiled CPU loops at every size, with room for a graph per configuration, dtype
+    and shift: a worker that runs all the compiled-loop tests passes Dynamo's default limit
+    of 8 graphs a function (then the eager tiles would run, and the tests that check the
+    compiled path fail)."""
+    import torch._dynamo
+
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    return tc
+
+
 class TestTorchChunkedCompiled:
     """The compiled CPU forward and backward (``token_stats/torch_compiled.py``) at small
     shapes: every call compiles (no size threshold); the backward in blocks of 5 rows (12
@@ -118,17 +133,12 @@ class TestTorchChunkedCompiled:
     FW, BACKEND = "torch", "chunked"
 
     @pytest.fixture(autouse=True)
-    def compiled_everywhere(self, monkeypatch):
-        import torch._dynamo
+    def compiled_everywhere(self, monkeypatch, compiled_loops):
+        from dlm_kernels.token_stats import torch_chunked
 
-        from dlm_kernels.token_stats import torch_chunked, torch_compiled as tc
-
-        monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+        tc = compiled_loops
         monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)
         monkeypatch.setattr(tc, "SUM_COLUMNS", 300)  # 1271 columns: tiles of 300, the last 371
-        # one graph per configuration, dtype and shift: a worker running all of these tests
-        # passes Dynamo's default of 8 (then the eager tiles would run, and this fails)
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
         forward, backward = [], []
         real_forward, real_backward = tc.compiled_partial, tc.compiled_grads
         monkeypatch.setattr(torch_chunked, "compiled_partial",
@@ -164,7 +174,7 @@ class TestTorchChunkedCompiled:
         suite.check(case, rng, "float32", entropy=True)
 
 
-def test_compiled_sums_over_flat_rows(rng, monkeypatch):
+def test_compiled_sums_over_flat_rows(rng, monkeypatch, compiled_loops):
     """A student near uniform over K = 131072 (logits in [-0.01, 0] at T = 100: terms of
     its sum within 1e-4 of each other), a teacher of scale 30: float32 sums lane by lane
     over whole rows (8192 terms a lane) round each near-equal term the same way, and the
@@ -174,9 +184,9 @@ def test_compiled_sums_over_flat_rows(rng, monkeypatch):
 
     import dlm_kernels.torch as D
     import oracle
-    from dlm_kernels.token_stats import torch_chunked, torch_compiled as tc
+    from dlm_kernels.token_stats import torch_chunked
 
-    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+    tc = compiled_loops
     ran = []
     monkeypatch.setattr(torch_chunked, "compiled_partial",
                         lambda *a: ran.append(tc.compiled_partial(*a)) or ran[-1])
@@ -230,12 +240,11 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     assert not tc._Compiled.failed and tc.use_compiled(1 << 20, 1 << 20)
 
 
-def test_compiled_forward_falls_back_from_a_later_tile(rng, monkeypatch):
+def test_compiled_forward_falls_back_from_a_later_tile(rng, monkeypatch, compiled_loops):
     """A compile that fails after others have worked, at the last tile (the shifted rows'
     graph, compiled where the first shifted column lies: Dynamo's recompile limit, say),
     leaves the call to the eager tiles with one warning; it does not reach the caller."""
-    from dlm_kernels.token_stats import torch_compiled as tc
-
+    tc = compiled_loops
     real = tc._compiled()
     assert real is not None
 
@@ -244,7 +253,6 @@ def test_compiled_forward_falls_back_from_a_later_tile(rng, monkeypatch):
             raise RuntimeError("recompile limit reached")
         return real(z, u, shift_ids, *rest)
 
-    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
     monkeypatch.setattr(tc, "SUM_COLUMNS", 300)
     monkeypatch.setattr(tc._Compiled, "fn", no_shifted_graph)
     monkeypatch.setattr(tc._Compiled, "worked", True)
