@@ -12,6 +12,7 @@ import sys
 import torch
 
 import dlm_kernels.torch as D
+from dlm_kernels.token_stats.torch_compiled import COMPILE_MIN_LOGITS
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for bench
 from bench.memory import proc_status_bytes, reset_peak_rss  # noqa: E402
@@ -22,7 +23,8 @@ def main():
     torch.manual_seed(0)
     z = torch.randn(n, k) * 3  # [N, K] f32, random (never zero)
     y = torch.randint(0, k, (n,))
-    warm = D.token_stats(z[:512].requires_grad_(True), y[:512], backend=backend)  # compiles
+    rows = min(n, -(-COMPILE_MIN_LOGITS // k))  # a warm-up call that compiles, if N·K does
+    warm = D.token_stats(z[:rows].requires_grad_(True), y[:rows], backend=backend)
     warm.logp.sum().backward()
     z.requires_grad_(True)
     gc.collect()
