@@ -424,8 +424,11 @@ class SamplingSuite:
         z = fw.array(rng.normal(size=(6, 50)), "float32")
         kw = dict(temperature=0.9, seed=int(rng.integers(0, 2**31)), chunk_size=16,
                   backend=self.BACKEND)
-        for ids, same in ((7, [7]), (np.int64(7), [7]), ([7, 49], [7, 49]), ((0, 7), [0, 7]),
-                          (np.array([7, 0]), [7, 0]), ([], None)):
+        forms = ((7, [7]), (np.int64(7), [7]), ([7, 49], [7, 49]), ((0, 7), [0, 7]),
+                 (np.array([7, 0]), [7, 0]), ([], None))
+        if self.BACKEND in ("triton", "pallas"):  # the front end turns every form into the
+            forms = forms[2:3]  # one array a backend sees: the native classes check them all
+        for ids, same in forms:
             want = api.sample_tokens(z, suppress_ids=None if same is None else
                                      fw.array(np.array(same)), **kw)
             got = api.sample_tokens(z, suppress_ids=ids, **kw)
