@@ -138,7 +138,7 @@ def test_large_cpu_gradients_are_not_advised_into_huge_pages():
     """The chunked backend's [N, K] gradient on a CPU lives in the kernel's default pages
     (no VmFlags ``hg``): advised into 2 MiB pages, a fresh 2 GiB gradient took 4-6 s
     instead of 0.44 s to fill on a virtual machine whose free memory had gone back to its
-    host (bench/NOTES.md, "Huge pages, withdrawn")."""
+    host (bench/NOTES.md, "Shifted tiles, dynamic threads, huge pages withdrawn")."""
     import torch
 
     import dlm_kernels.torch as D

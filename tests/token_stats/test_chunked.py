@@ -240,6 +240,33 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     assert not tc._Compiled.failed and tc.use_compiled(1 << 20, 1 << 20)
 
 
+def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compiled_loops):
+    """Inductor fixes a loop nest's threads from the sizes of the call that compiled it, and
+    its disk cache hands that code to later processes: compiled first at [6, 97] (a test's
+    size), the float32 backward later ran on one thread over [128, 131072] blocks
+    (bench/NOTES.md). Compiled here at that size, from scratch (fresh copies of the two
+    functions, no cache), every generated loop nest is still an OpenMP parallel region."""
+    import types
+
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
+
+    tc = compiled_loops
+    fresh = lambda f: types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__)  # noqa: E731
+    monkeypatch.setattr(tc, "_tile_state", fresh(tc._tile_state))
+    monkeypatch.setattr(tc, "_block_grads", fresh(tc._block_grads))
+    monkeypatch.setattr(tc._Compiled, "fn", None)
+    monkeypatch.setattr(tc._Compiled, "grads", None)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    suite = TestTorchChunked()
+    case = make_case(suite.fw, rng, (6,), 97, "float32", FEATURES["teacher"])
+    _, codes = run_and_get_code(lambda: suite.check(case, rng, "float32", entropy=False))
+    kernels = [part for code in codes for part in code.split('extern "C"')[1:]]
+    assert len(kernels) >= 2, codes  # the forward's and the backward's
+    serial = [k for k in kernels if "#pragma omp parallel" not in k]
+    assert not serial, f"{len(serial)} of {len(kernels)} generated kernels have no parallel region"
+
+
 def test_compiled_forward_falls_back_from_a_later_tile(rng, monkeypatch, compiled_loops):
     """A compile that fails after others have worked, at the last tile (the shifted rows'
     graph, compiled where the first shifted column lies: Dynamo's recompile limit, say),

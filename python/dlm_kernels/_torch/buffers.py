@@ -9,7 +9,7 @@ for 2 MiB pages (``madvise(MADV_HUGEPAGE)``) filled a fresh 2 GiB gradient in 18
 instead of 440 on a 2-core virtual machine when calls came back to back, but in 4-6 s when
 the memory had been free a few seconds: a virtual machine that hands free 2 MiB blocks back
 to its host (free page reporting) has each such page faulted in again by the host
-(bench/NOTES.md, "Huge pages, withdrawn").
+(bench/NOTES.md, "Shifted tiles, dynamic threads, huge pages withdrawn").
 """
 
 from __future__ import annotations
