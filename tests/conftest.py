@@ -9,9 +9,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import random  # noqa: E402
+
 import pytest  # noqa: E402
 
-from harness import new_seed  # noqa: E402
+from harness import new_seed, torch_configs_restored  # noqa: E402
+
+# torch's configuration modules that tests change: restored after every test whatever the
+# test did (see _torch_configs_restored).
+TORCH_CONFIGS = ("torch._dynamo.config", "torch._inductor.config")
+ORDER_SEED_ENV = "DLM_TEST_ORDER_SEED"
 
 
 def interpreter_incompatibility(triton_version, numpy_version):
@@ -28,8 +35,49 @@ def interpreter_incompatibility(triton_version, numpy_version):
     return None
 
 
+def _order_seed(config):
+    """The seed of this run's test order: drawn once in the controlling process (or read from
+    ``DLM_TEST_ORDER_SEED``) and handed to every pytest-xdist worker, which must all collect
+    the same order."""
+    workerinput = getattr(config, "workerinput", None)  # set by xdist on a worker
+    if workerinput is not None:
+        return int(workerinput[ORDER_SEED_ENV])
+    env = os.environ.get(ORDER_SEED_ENV)
+    if env == "none":
+        return -1  # the collection order
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist, in the controlling process: each worker runs the controller's test order."""
+    node.workerinput[ORDER_SEED_ENV] = node.config.stash[ORDER_SEED]
+
+
+def pytest_report_header(config):
+    seed = config.stash[ORDER_SEED]
+    if seed < 0:
+        return "test order: as collected"
+    return f"test order: shuffled, {ORDER_SEED_ENV}={seed} replays it"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Every run takes its tests in a fresh random order (pytest-xdist's workers split them
+    differently each time too), so a test that leaves global state behind for a later one
+    cannot hide behind one lucky schedule. The header prints the seed; setting
+    ``DLM_TEST_ORDER_SEED`` replays that order (``none``: the order of collection)."""
+    seed = config.stash[ORDER_SEED]
+    if seed >= 0:
+        random.Random(seed).shuffle(items)
+
+
+ORDER_SEED = pytest.StashKey[int]()
+
+
 def pytest_configure(config):
     import importlib.metadata as md
+
+    config.stash[ORDER_SEED] = _order_seed(config)
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
@@ -53,6 +101,29 @@ def _poisoned_outputs():
 
     with poisoned_outputs():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _torch_configs_restored():
+    """Whatever a test does to torch's Dynamo and Inductor configuration, the next test in the
+    worker starts from the values before it: by construction, not by each test's care
+    (``harness.torch_configs_restored``). Tests change them through ``torch_config``."""
+    with torch_configs_restored(TORCH_CONFIGS):
+        yield
+
+
+@pytest.fixture
+def torch_config():
+    """``torch_config("torch._dynamo.config", recompile_limit=64)``: torch's own
+    ``config.patch`` for the rest of the test, undone at its end."""
+    import contextlib
+    import importlib
+
+    with contextlib.ExitStack() as stack:
+        def patch(module_name, **changes):
+            stack.enter_context(importlib.import_module(module_name).patch(**changes))
+
+        yield patch
 
 
 @pytest.fixture

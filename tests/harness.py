@@ -8,8 +8,10 @@ and compares every element.
 from __future__ import annotations
 
 
+import contextlib
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,30 @@ import pytest
 
 from dlm_kernels.testing import (  # noqa: F401
     DTYPES, TOLERANCES, assert_close, assert_exact_zero, new_seed)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def torch_configs_restored(module_names: tuple[str, ...]) -> Iterator[None]:
+    """Every entry of torch's configuration modules ``module_names`` that are loaded on entry
+    has its value from before on exit, whatever ran inside: set, patched or deleted.
+    (``monkeypatch.setattr`` on such a module is unsafe: pytest 9.2's undo deletes an
+    attribute the module serves through ``__getattr__``, torch then hides the entry, and every
+    later ``torch.compile`` in the process fails.) A module loaded inside keeps its defaults;
+    nothing here imports torch."""
+    saved = {name: sys.modules[name].get_config_copy()
+             for name in module_names if name in sys.modules}
+    try:
+        yield
+    finally:
+        for name, before in saved.items():
+            module = sys.modules[name]
+            for key, value in before.items():
+                # a deleted entry is hidden: getattr raises, and setattr shows it again
+                if getattr(module, key, _MISSING) is not value:
+                    setattr(module, key, value)
 
 
 class TorchFW:

@@ -57,3 +57,35 @@ def test_conftest_parametrises_nothing():
     hooks = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)
              and n.name == "pytest_generate_tests"]
     assert not hooks, "conftest.py parametrises tests: name the cases in the test's class"
+
+
+def test_torch_configuration_comes_back_after_a_deleting_undo():
+    """What pytest 9.2's monkeypatch did to ``torch._dynamo.config``: its undo deleted
+    ``recompile_limit``, torch hid the entry, and every later ``torch.compile`` in that worker
+    failed. The restore every test runs under (conftest's ``_torch_configs_restored``) brings
+    a deleted or changed entry back, so no test can leave that state behind."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+
+    from harness import torch_configs_restored
+
+    limit = dynamo_config.recompile_limit
+    with torch_configs_restored(("torch._dynamo.config",)):
+        dynamo_config.recompile_limit = limit + 5
+        delattr(dynamo_config, "recompile_limit")
+    assert dynamo_config.recompile_limit == limit
+    assert torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_no_test_monkeypatches_a_torch_configuration():
+    """Tests change torch's configuration modules through conftest's ``torch_config`` (torch's
+    own ``config.patch``), never ``monkeypatch.setattr``, whose undo deletes the entry."""
+    found = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "setattr" and node.args
+                    and ast.unparse(node.args[0]).startswith("torch.")
+                    and ast.unparse(node.args[0]).endswith(".config")):
+                found.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not found, "use the torch_config fixture: " + ", ".join(found)

@@ -108,17 +108,15 @@ class TestTorchChunkedRowBlocks:
 
 
 @pytest.fixture
-def compiled_loops(monkeypatch):
+def compiled_loops(monkeypatch, torch_config):
     """The compiled CPU loops at every size, with room for a graph per configuration, dtype
     and shift: a worker that runs all the compiled-loop tests passes Dynamo's default limit
     of 8 graphs a function (then the eager tiles would run, and the tests that check the
     compiled path fail)."""
-    import torch._dynamo
-
     from dlm_kernels.token_stats import torch_compiled as tc
 
     monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    torch_config("torch._dynamo.config", recompile_limit=64)
     return tc
 
 
@@ -240,7 +238,8 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     assert not tc._Compiled.failed and tc.use_compiled(1 << 20, 1 << 20)
 
 
-def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compiled_loops):
+def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compiled_loops,
+                                                        torch_config):
     """Inductor fixes a loop nest's threads from the sizes of the call that compiled it, and
     its disk cache hands that code to later processes: compiled first at [6, 97] (a test's
     size), the float32 backward later ran on one thread over [128, 131072] blocks
@@ -248,7 +247,6 @@ def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compile
     functions, no cache), every generated loop nest is still an OpenMP parallel region."""
     import types
 
-    import torch._inductor.config
     from torch._inductor.utils import run_and_get_code
 
     tc = compiled_loops
@@ -257,7 +255,7 @@ def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compile
     monkeypatch.setattr(tc, "_block_grads", fresh(tc._block_grads))
     monkeypatch.setattr(tc._Compiled, "fn", None)
     monkeypatch.setattr(tc._Compiled, "grads", None)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    torch_config("torch._inductor.config", fx_graph_cache=False)
     suite = TestTorchChunked()
     case = make_case(suite.fw, rng, (6,), 97, "float32", FEATURES["teacher"])
     _, codes = run_and_get_code(lambda: suite.check(case, rng, "float32", entropy=False))
