@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import oracle
-from dlm_kernels.testing import cancellation_scale
+from dlm_kernels.testing import TOLERANCES, cancellation_scale
 from harness import DTYPES, assert_close, assert_exact_zero, cases, framework, new_seed
 
 SHAPES = [((1, 1), 1), ((2, 3), 7), ((3, 5), 1271), ((1, 2), 50257), ((7,), 130),
@@ -165,6 +165,52 @@ def make_case(fw, rng, rows, k, dtype, feat, *, active_frac=0.75, poison=True, s
         case["u"] = u
         ora_kw["u"] = fw.numpy(u).reshape(n, k)
     return case
+
+
+def shift_tie_case(fw, rng, kind, temperature, k, dtype="float32"):
+    """Six rows whose LOO shift lands where fl(z_x + d) rounds and ties with the row max.
+    ``huge`` (float32): logits near 1e7 (float32 spacing 1) at columns 0-3 and of size 3
+    elsewhere, x one of those four, d in (0.5, 3). ``small T``: logits of size 20 in
+    ``dtype``, the largest two (at 24-28) within 3 T of each other, and d putting
+    fl(z_x + d) within 3 T of them: from a z_x in (-15, 15) (d of 9 to 43; even rows, float32)
+    or from one 0.5 to 6 below the max. In every row z_x + d is not a float32 number (d, and
+    a float32 z_x, moved by ulps until so). Targets: the shifted column in rows 0 and 3.
+    Returns the inputs (``z`` in ``dtype``) and ``r`` [N, K] float64: the float32 shifted
+    logits every backend's forward forms."""
+    n = 6
+    rows = np.arange(n)
+    if kind == "huge":
+        x = rng.integers(0, 4, size=n)
+        z = rng.normal(size=(n, k)) * 3.0
+        z[:, :4] = 1e7 - rng.integers(0, 4, size=(n, 4))
+        d = rng.uniform(0.5, 3.0, size=n).astype(np.float32)
+    else:
+        x, top, second = np.array([rng.choice(k, 3, replace=False) for _ in rows]).T
+        z = (rng.normal(size=(n, k)) * 10.0).clip(-20.0, 20.0)
+        z[rows, top] = rng.uniform(24.0, 28.0, size=n)
+        z[rows, second] = z[rows, top] - temperature * rng.uniform(0.0, 3.0, size=n)
+        raised = (rows % 2 == 0) & (dtype == "float32")
+        z[rows, x] = np.where(raised, rng.uniform(-15.0, 15.0, size=n),
+                              z[rows, top] - rng.uniform(0.5, 6.0, size=n))
+    z = fw.numpy(fw.array(z, dtype)).astype(np.float32)  # what the backend reads
+    if kind != "huge":
+        gap = temperature * rng.uniform(-3.0, 3.0, size=n)
+        d = (z[rows, top].astype(np.float64) - z[rows, x] + gap).astype(np.float32)
+    for i in range(64):
+        exact = z[rows, x].astype(np.float64) + d == z[rows, x] + d
+        if not exact.any():
+            break
+        if i % 2 or dtype != "float32":
+            d = np.where(exact, np.nextafter(d, np.float32(np.inf)), d)
+        else:
+            z[rows, x] = np.where(exact, np.nextafter(z[rows, x], np.float32(-np.inf)),
+                                  z[rows, x])
+    assert not exact.any(), (z[rows, x], d)
+    y = rng.integers(0, k, size=n)
+    y[[0, 3]] = x[[0, 3]]
+    r = z.copy()
+    r[rows, x] = z[rows, x] + d  # a float32 sum, rounded as the forward does
+    return dict(n=n, z=fw.array(z, dtype), d=d, x=x, y=y, r=r.astype(np.float64))
 
 
 class TokenStatsSuite:
@@ -521,6 +567,55 @@ class TokenStatsSuite:
         assert_close(grad.reshape(n), np.where(case["active"], expected, 0.0), "float32",
                      "d shift")
         assert_exact_zero(grad.reshape(n)[~case["active"]], "d shift of inactive rows")
+
+    #: (kind, temperature, entropy) of test_shift_gradient_at_ties
+    SHIFT_TIES = (("huge", 1.0, False), ("small T", 1e-3, False), ("small T", 1e-3, True))
+
+    @pytest.mark.parametrize("kind,temperature,entropy", SHIFT_TIES, ids=str)
+    def test_shift_gradient_at_ties(self, rng, kind, temperature, entropy):
+        """The shifted column's logit is the float32 sum fl(z_x + d) in the forward, so the
+        backward must use that same number: d z_x equals d shift (§2, "Gradients") and the
+        row's gradient sums to g_lse / T. At inputs where z_x + d rounds and the shifted
+        column ties with the row max (logits near 1e7 at T = 1; logits of size 30 and shifts
+        of tens at T = 1e-3), each output and gradient against the float64 oracle of those
+        float32 shifted logits. (An interpreted kernel: at its many-block size only.)"""
+        for chunk_size in self.SHAPE_CHUNK_SIZES or self.CHUNK_SIZES:
+            self.check_shift_ties(rng, kind, temperature, entropy, chunk_size)
+
+    def check_shift_ties(self, rng, kind, temperature, entropy, chunk_size=None, k=307):
+        fw = self.fw
+        case = shift_tie_case(fw, rng, kind, temperature, k)
+        n, x, y, T = case["n"], case["x"], case["y"], temperature
+        active = np.ones(n, bool)
+        cots = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
+        cots[3][:] = 0.0  # no teacher
+        if not entropy:
+            cots[2][:] = 0.0
+
+        def fn(z, d):
+            st = fw.api.token_stats(z, fw.array(y), shift_ids=fw.array(x), shift=d,
+                                    temperature=T, entropy=entropy, chunk_size=chunk_size,
+                                    backend=self.BACKEND)
+            return (st.lse, st.logp, st.kl) if not entropy else tuple(st)
+
+        used = [c for i, c in enumerate(cots) if entropy or i != 2]
+        outs, (dz, d_shift) = fw.vjp(fn, [case["z"], fw.array(case["d"])], used)
+        r = case["r"]  # [N, K] float64 of the float32 shifted logits
+        exp = oracle.token_stats(r, y, active, T=T)
+        for name, got, e in zip(("lse", "logp", "entropy") if entropy else ("lse", "logp"),
+                                outs, exp):
+            assert_close(got, e, "float32", f"{name} ({kind})")
+        dz_exp, _ = oracle.token_stats_vjp(r, y, active, cots, T=T)
+        slack = oracle.saved_lse_slack(r, y, active, cots, T=T)
+        rows = np.arange(n)
+        assert_close(dz, dz_exp, "float32", f"d logits ({kind})", slack=slack)
+        assert_close(d_shift, dz_exp[rows, x], "float32", f"d shift ({kind})",
+                     slack=slack[rows, x])
+        assert_close(dz[rows, x], d_shift, "float32", f"d logits at x vs d shift ({kind})",
+                     slack=2 * slack[rows, x])
+        atol, rtol = TOLERANCES["float32"]
+        assert_close(dz.sum(axis=1), cots[0] / T, "float32", f"Σ_k d logits ({kind})",
+                     slack=(slack + atol + rtol * np.abs(dz_exp)).sum(axis=1))
 
     def test_shift_ids_out_of_range_give_nan_not_an_unshifted_row(self, rng):
         fw = self.fw

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import assert_close, cases
+import oracle
+from dlm_kernels.testing import TOLERANCES, tolerance
+from harness import assert_close, assert_exact_zero, cases
 
-from .suite import (FEATURES, ROTATED_SHAPE_DTYPES, ChunkedSuite, TorchCompileChecks,
-                    TorchInplaceChecks, make_case)
+from .suite import (FEATURES, ROTATED_SHAPE_DTYPES, ChunkedSuite, TokenStatsSuite,
+                    TorchCompileChecks, TorchInplaceChecks, make_case, shift_tie_case)
 
 
 class TestTorchChunked(TorchInplaceChecks, TorchCompileChecks, ChunkedSuite):
@@ -106,6 +108,12 @@ class TestTorchChunkedRowBlocks:
         case["ora_kw"].update(x=x, d=d.astype(np.float64))
         TestTorchChunked().check(case, rng, dtype, entropy=False)
 
+    @pytest.mark.parametrize("kind,temperature,entropy", TokenStatsSuite.SHIFT_TIES, ids=str)
+    def test_shift_gradient_at_ties(self, rng, kind, temperature, entropy):
+        """The suite's ``test_shift_gradient_at_ties`` in row blocks and tiles of 128 columns
+        (without entropy: the in-place tile gradient, ``_tile_grads_into``)."""
+        TestTorchChunked().check_shift_ties(rng, kind, temperature, entropy)
+
 
 @pytest.fixture
 def compiled_loops(monkeypatch, torch_config):
@@ -170,6 +178,72 @@ class TestTorchChunkedCompiled:
         case["api_kw"].update(shift_ids=suite.fw.array(x), shift=suite.fw.array(d))
         case["ora_kw"].update(x=x, d=d.astype(np.float64))
         suite.check(case, rng, "float32", entropy=True)
+
+    def test_shift_gradient_at_ties(self, rng):
+        """The suite's ``test_shift_gradient_at_ties`` through the compiled loops, once: at
+        the configuration of ``test_compiled_forward_recomputes_each_shifted_tile`` (T = 1,
+        entropy), whose compiled graphs it shares."""
+        TestTorchChunked().check_shift_ties(rng, "huge", 1.0, True)
+
+
+def test_plain_chunk_loop_shift_gradient_at_ties(rng, monkeypatch):
+    """The suite's ``test_shift_gradient_at_ties`` through the plain chunk loop (what runs
+    on an accelerator and under torch.compile: ``stats_math.chunk_grads`` chunk by chunk)."""
+    from dlm_kernels.token_stats import torch_chunked
+
+    monkeypatch.setattr(torch_chunked, "use_row_blocks", lambda x: False)
+    for kind, temperature, entropy in TokenStatsSuite.SHIFT_TIES:
+        TestTorchChunked().check_shift_ties(rng, kind, temperature, entropy, chunk_size=100)
+
+
+@pytest.mark.parametrize("dtype,temperature", [("float32", 1e-3), ("bfloat16", 1e-4)])
+def test_tile_gradient_is_the_shared_math(rng, monkeypatch, dtype, temperature):
+    """The in-place tile gradient (``_tile_grads_into``, hand-fused for speed) equals
+    ``stats_math.chunk_grads`` run over the same row blocks and saved statistics, at the
+    inputs where how a logit is formed shows (``shift_tie_case``: the LOO shift at the row
+    max, fl(z_x + d) rounding, T small enough for its error to pass the dtype's rounding),
+    with every feature the tiles cover: a teacher
+    (stop-gradient), T_ce, label smoothing, z-loss and padding columns. Each within the
+    float32 error model of a backward from saved statistics (twice: two implementations)."""
+    from dlm_kernels.token_stats import torch_chunked
+
+    fw = TestTorchChunked().fw
+    k, v, T, eps, lam = 307, 300, temperature, 0.1, 1e-4
+    T_ce = 1.5 * T
+    case = shift_tie_case(fw, rng, "small T", T, k, dtype)
+    n, x, y = case["n"], case["x"], np.minimum(case["y"], v - 1)
+    u = rng.normal(size=(n, k)).astype(np.float32) * 0.03
+    kw = dict(temperature=T, ce_temperature=T_ce, teacher_temperature=2 * T,
+              label_smoothing=eps, z_loss_weight=lam, vocab_size=v, entropy=False)
+    cots = [rng.normal(size=n).astype(np.float32) for _ in range(3)]  # lse, logp, kl
+
+    def grads():
+        def fn(z):
+            st = fw.api.token_stats(z, fw.array(y), shift_ids=fw.array(x),
+                                    shift=fw.array(case["d"]), teacher_logits=fw.array(u),
+                                    backend="chunked", **kw)
+            return st.lse, st.logp, st.kl
+        return fw.vjp(fn, [case["z"]], cots)[1][0]
+
+    calls = []
+    tiles = torch_chunked._tile_grads_into
+    monkeypatch.setattr(torch_chunked, "_tile_grads_into",
+                        lambda *a: calls.append(1) or tiles(*a))
+    fused = grads()
+    assert calls, "the tile gradient did not run"
+    monkeypatch.setattr(torch_chunked, "_tile_grads_into",
+                        lambda dz, rows, stats, g, cfg, offset:
+                        torch_chunked._grads_into(dz, None, rows, stats, g, cfg, offset))
+    shared = grads()
+    g = [cots[0], cots[1], np.zeros(n), cots[2]]
+    slack = oracle.saved_lse_slack(case["r"][:, :v], y, np.ones(n, bool), g, T=T, T_ce=T_ce,
+                                   u=u[:, :v].astype(np.float64), T_kl=2 * T,
+                                   label_smoothing=eps, z_loss_weight=lam)
+    # two results each rounded to the dtype: ``tolerance``'s rounded_twice rtol
+    rounding = (tolerance(dtype, rounded_twice=True)[1] - TOLERANCES[dtype][1]) * np.abs(shared)
+    assert_close(fused[:, :v], shared[:, :v], dtype, "tile d logits vs chunk_grads",
+                 slack=2 * slack + rounding[:, :v])
+    assert_exact_zero(fused[:, v:], "tile d logits of padding columns")
 
 
 def test_compiled_sums_over_flat_rows(rng, monkeypatch, compiled_loops):

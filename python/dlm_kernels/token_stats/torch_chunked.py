@@ -223,6 +223,9 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
     C = -g_p·e^{-la_ce}: a subtract, an exponential and a multiply per logit for CE (each
     an in-place pass over one cached [R, C] tile), one more exponential and fused
     multiply-add per extra distribution. Inactive rows and padding columns get exact zeros.
+    The shifted column's r is fl(z + d), then r - m, as the forward forms it (docs/design.md
+    §2, "Gradients"); tests/token_stats/test_chunked.py holds these formulas to
+    ``chunk_grads`` where that matters (``test_tile_gradient_is_the_shared_math``).
     dz: [R, K] rows of the output (a float32 view is written directly)."""
     z, u = rows.logits, rows.teacher
     n, k = z.shape
@@ -257,12 +260,13 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
         if c0 >= limit:  # padding columns only
             out.zero_()
             continue
-        if direct:
-            t = torch.sub(z[:, c0:c1], m, out=out)  # r - m (the shift lands below)
+        if direct and not cfg.HAS_SHIFT:
+            t = torch.sub(z[:, c0:c1], m, out=out)  # r - m
         else:  # a vectorised copy converts, then r - m in float32 (3x a converting subtract)
-            t = t_b[:, :c1 - c0].copy_(z[:, c0:c1]).sub_(m)
-        if cfg.HAS_SHIFT:
-            stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
+            t = (out if direct else t_b[:, :c1 - c0]).copy_(z[:, c0:c1])
+            if cfg.HAS_SHIFT:  # r = fl(z + d), then r - m: the forward's value (``chunk_logits``)
+                stats_math._add_at(xp, t, rows.shift_ids, offset + c0, rows.shift)
+            t.sub_(m)
         e2 = None
         if cfg.SEPARATE_CE:
             e2 = torch.mul(t, cfg.inv_t_ce, out=e2_b[:, :c1 - c0]).exp_()  # e^{x'}
