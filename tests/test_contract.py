@@ -657,6 +657,101 @@ def test_sft_rejects_bad_mask_time_and_vocab_size(fw_name, fn, change, pattern):
 
 
 @pytest.mark.parametrize("fw_name", FWS)
+def test_weighted_sums_stay_finite_at_the_largest_weights(fw_name, rng):
+    """Weights whose sum is a normal float32 number are in the domain up to 3.4e38, and
+    Σ w·CE then passes float32's range (8e37 x 4 x CE 4.5): a call whose largest weight
+    reaches 2^64 sums w·2^-64, so both fields hold that (exactly the scaled sums) and the
+    mean, the SFT loss and their gradients are the float64 oracle's; weights below 2^64
+    keep the plain sums. diffusion_sft_logps, a sum, is -inf past float32's range."""
+    fw = framework(fw_name)
+    k = 11
+    logits = rng.normal(size=(1, 4, k)) * 2
+    y = rng.integers(0, k, (1, 4))
+    ce = -oracle.token_stats(fw.numpy(fw.array(logits, "float32")).reshape(4, k),
+                             y.reshape(4), np.ones(4, bool))[1]  # [4] float64
+    for value, scale in ((8e37, 2.0 ** -64), (2.0 ** 64, 2.0 ** -64), (1.8e19, 1.0),
+                         (1.0, 1.0)):
+        w = np.full((1, 4), value, np.float32)
+        batch = fw.api.DiffusionTokenBatch.create(model_inputs=fw.array(y),
+                                                  target_ids=fw.array(y),
+                                                  loss_weights=fw.array(w))
+        z = fw.array(logits, "float32")
+        ws = fw.api.weighted_cross_entropy(z, batch)
+        w64 = w.astype(np.float64) * scale
+        assert_close(fw.numpy(ws.unreduced_sum), (w64 * ce).sum(), "float32", f"Σ w·CE at {value}")
+        assert_close(fw.numpy(ws.denominator), w64.sum(), "float32", f"Σ w at {value}")
+        (mean,), (dz,) = fw.vjp(lambda z_: (fw.api.weighted_cross_entropy(z_, batch).compute(),),
+                                [z], [np.float32(1.0)])
+        assert_close(mean, ce.mean(), "float32", f"weighted mean at {value}")
+        share = np.full(4, 0.25)
+        dz_exp, _ = oracle.token_stats_vjp(fw.numpy(z).reshape(4, k), y.reshape(4),
+                                           np.ones(4, bool), (0 * share, -share, 0 * share,
+                                                              0 * share))
+        assert_close(dz.reshape(4, k), dz_exp, "float32", f"d logits at {value}")
+        args = dict(x0=fw.array(y), xt=fw.array(y), t=0.5, loss_mask=fw.array(w),
+                    variant="base-sft", vocab_size=k)
+        (loss,), (dz,) = fw.vjp(lambda z_: (fw.api.diffusion_sft_loss(z_, **args),), [z],
+                                [np.ones(1, np.float32)])
+        assert_close(loss, [ce.mean()], "float32", f"SFT loss at {value}")
+        assert_close(dz.reshape(4, k), dz_exp, "float32", f"SFT d logits at {value}")
+        logps = fw.numpy(fw.api.diffusion_sft_logps(z, **args))
+        assert_close(logps, [-(w.astype(np.float64) * ce).sum()], "float32",
+                     f"SFT logps at {value}") if value < 1e30 else (
+            np.testing.assert_array_equal(logps, [-np.inf]))
+
+
+def _traced(fw_name, fn):
+    """fn under jax.jit, or under torch.compile (aot_eager: the same tracing, no C++ build)."""
+    if fw_name == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import torch
+
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
+def test_unreadable_bad_weights_give_nan_weighted_sums(fw_name, rng, torch_config):
+    """Traced weights have no values to check (the eager call raises naming loss_weights):
+    a NaN, an infinite or a negative weight, or weights whose sum overflows, make both sums
+    of the WeightedSum NaN, and so its mean: NaN, never the 0 of an empty batch. A
+    WeightedSum of a NaN or negative denominator computes to NaN; of 0, to 0. (torch: one
+    compiled graph, the weighted CE's; the objectives share their code, JAX runs them all.)"""
+    fw = framework(fw_name)
+    if fw_name == "torch":
+        torch_config("torch._dynamo.config", recompile_limit=64)
+    z = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    u = fw.array(rng.normal(size=(2, 3, 11)), "float32")
+    y = fw.array(np.ones((2, 3), np.int32))
+
+    def means(w, unreduced_sum, denominator):
+        batch = fw.api.DiffusionTokenBatch(model_inputs=y, target_ids=y, loss_weights=w)
+        out = [fw.api.WeightedSum(unreduced_sum, denominator).compute(),
+               fw.api.weighted_cross_entropy(z, batch).compute()]
+        if fw_name == "jax":
+            total, aux = fw.api.opd_loss(z, fw.api.DiffusionDistillationBatch(
+                student_batch=batch, teacher_logits=u), hard_loss_weight=0.5)
+            out += [total.compute(), aux["distill/soft_loss"].compute(),
+                    aux["distill/hard_loss"].compute()]
+        return out
+
+    traced = _traced(fw_name, means)  # one trace for every case
+    three, four = fw.array(np.float32(3.0)), fw.array(np.float32(4.0))
+    for den, expected in ((np.nan, np.nan), (-2.0, np.nan), (0.0, 0.0), (4.0, 0.75)):
+        got = traced(fw.array(np.ones((2, 3), np.float32)), three, fw.array(np.float32(den)))
+        np.testing.assert_array_equal(float(fw.numpy(got[0])), expected,
+                                      err_msg=f"WeightedSum(3, {den}).compute()")
+        assert np.isfinite([float(fw.numpy(v)) for v in got[1:]]).all(), got
+    for bad in (np.nan, np.inf, -1.0, 3e38):
+        w = np.ones((2, 3), np.float32)
+        w[1, 2] = bad
+        w[0, 0] = 3e38 if bad == 3e38 else 1.0
+        got = [float(fw.numpy(v)) for v in traced(fw.array(w), three, four)[1:]]
+        assert np.isnan(got).all(), (bad, got)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
 def test_sft_accepts_bool_mask_and_the_edges_of_time(fw_name, rng):
     fw = framework(fw_name)
     args = sft_args(fw, variant="reweighted-loo-ce")

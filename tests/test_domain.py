@@ -24,6 +24,8 @@ from domain import case_id, pairwise
 from dlm_kernels.testing import CANCELLATION_ULP, cancellation_scale
 from harness import DTYPES, assert_close, assert_exact_zero, framework
 
+F32_MAX = float(np.finfo(np.float32).max)
+
 N_ROWS, INACTIVE = 6, (4, 5)  # rows 4 and 5 inactive, poisoned with NaN and +inf
 NO_DISTRIBUTION_ROW = 1  # the active row that gets the case's non-finite entry
 
@@ -336,7 +338,10 @@ OBJECTIVE_AXES = dict(
     k=[2, 7, 301, 4099, 2 ** 17],
     magnitude=[1, 2 ** 5, 2 ** 13],  # powers of two: a head's dyadic logits stay exact
     mask=["none", "finfo.min"],
-    weight_scale=[1e-30, 1.0, 1e30],  # every non-zero weight (the SFT loss_mask's too)
+    # every non-zero weight (the SFT loss_mask's too) times the scale; "max": scaled so that
+    # the weights' sum is float32's largest number, 3.4e38 (docs/design.md §9; SFT: each
+    # row's mask sum, so the sequence of one position has a single weight of it)
+    weight_scale=[1e-30, 1.0, 1e37, "max"],
     time=["edges", "near edges", "uniform"],
     opd_temperature=[1.0, 2.0, 1e3],
 )
@@ -360,7 +365,13 @@ def draw_objective(case, fw, rng):
     weights = rng.uniform(0.5, 2.0, (B, L)) * (rng.uniform(size=(B, L)) < 0.75)
     weights[:, 0] = 1.5
     weights[-1, 1:] = 0.0  # a sequence with one position only
-    weights = (weights * np.float32(case["weight_scale"])).astype(np.float32)
+    if case["weight_scale"] == "max":
+        whole = case["objective"] in ("weighted_ce", "opd")  # one sum, else one per row
+        sums = weights.sum() if whole else weights.sum(axis=1, keepdims=True)
+        # 2^-10 below it: float32 sums rounded up stay finite
+        weights = (weights * (F32_MAX * (1.0 - 2.0 ** -10) / sums)).astype(np.float32)
+    else:
+        weights = (weights * np.float32(case["weight_scale"])).astype(np.float32)
     t = {"edges": [0.0, 1.0, 0.5], "near edges": [1e-6, 1.0 - 1e-6, 0.25],
          "uniform": rng.uniform(0.05, 0.95, B)}[case["time"]]
     return dict(h=h, w=w, bias=bias, z64=z64, x0=x0, xt=xt, weights=weights,

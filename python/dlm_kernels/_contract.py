@@ -11,17 +11,20 @@ from . import _checks as checks
 
 
 def weighted_mean(xp, unreduced_sum, denominator):
-    """unreduced_sum / denominator, and exactly 0 (gradient too) when the denominator is 0.
+    """unreduced_sum / denominator, and exactly 0 (gradient too) when the denominator is 0;
+    NaN (never a plausible number) for a NaN or negative denominator, which no weights
+    give (what the checks could not read, under jit or torch.compile, is NaN in both sums).
 
     The denominator's gradient is formed as -ratio / denominator, not as autodiff's
     -unreduced_sum / denominator², whose square underflows float32 for a denominator below
     about 1e-19 (weights summing to 1e-29 would get an infinite gradient)."""
-    safe = xp.where(denominator > 0, denominator, 1.0)
+    empty = denominator == 0
+    safe = xp.where(empty, 1.0, xp.where(denominator > 0, denominator, float("nan")))
     d0 = xp.stop_gradient(safe)
     ratio = unreduced_sum / d0
     fixed = xp.stop_gradient(xp.where(xp.isfinite(ratio), ratio, 0.0))
     ratio = ratio - fixed * ((safe - d0) / d0)  # value unchanged; d/d denominator = -ratio/d
-    return xp.where(denominator > 0, ratio, 0.0)
+    return xp.where(empty, 0.0, ratio)
 
 
 def validate_token_batch(xp, batch):

@@ -34,6 +34,21 @@ def _total(xp, x):  # [B, L] -> []
     return xp.rowsum(xp.rowsum(x))
 
 
+#: Weights (an SFT row's loss mask) of which one reaches BIG_WEIGHT are summed times
+#: WEIGHT_SCALE (docs/design.md §3): Σ w·CE stays finite wherever the mean is, up to
+#: weights of float32's largest value, and the mean's gradient 1 / Σ w stays a normal number.
+#: Two levels only, so that the sums of every batch whose weights stay below 2^64 (any
+#: real training) are the plain sums and add up across batches.
+BIG_WEIGHT = 2.0 ** 64
+WEIGHT_SCALE = 2.0 ** -64
+
+
+def _weight_scale(xp, w):
+    """[...] float32: WEIGHT_SCALE where a weight of the last axis of w [..., L] reaches
+    BIG_WEIGHT, else 1 (no gradient: a constant of each call)."""
+    return xp.where(_any(xp, w >= BIG_WEIGHT), WEIGHT_SCALE, 1.0)
+
+
 # Values the checks cannot read (under jit / torch.compile, or on an accelerator outside
 # ``sync_checks()``) are still never turned into a plausible number: what they touch is NaN.
 
@@ -169,8 +184,9 @@ class Objectives:
 
     def _sft_terms(self, logits, x0, xt, t, loss_mask, variant, vocab_size,
                    diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend, ce_options):
-        """(w [B], Σ_l M·CE [B], Σ_l M [B]) for one SFT batch (``ce_options``: the CE
-        term's label_smoothing and z_loss_weight, checked)."""
+        """(w [B], s·Σ_l M·CE [B], s·Σ_l M [B], s [B]) for one SFT batch, s each row's
+        ``_weight_scale`` (``ce_options``: the CE term's label_smoothing and z_loss_weight,
+        checked)."""
         xp = self.xp
         variant = normalize_variant(variant)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
@@ -226,8 +242,9 @@ class Objectives:
             shift_ids, shift = xt, self._loo_delta(alpha, vocab_size, bl, t, "alpha_fn(t)")
         stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
                                  entropy=False, backend=backend, **ce_options)
-        ce_sum = -xp.rowsum(mask * stats.logp)
-        return w, ce_sum, xp.rowsum(mask)
+        scale = _weight_scale(xp, mask)[:, None]  # [B, 1]
+        ce_sum = -xp.rowsum((mask * scale) * stats.logp)
+        return w, ce_sum, xp.rowsum(mask * scale), scale[:, 0]
 
     def diffusion_sft_loss(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                            diffusion_weight_clip=None, alpha_fn=rf_alpha,
@@ -255,10 +272,11 @@ class Objectives:
         the global K under ``vocab_parallel``) and lse_bl the logsumexp of the
         (LOO-shifted) logits, as ``token_stats`` takes them.
         """
-        w, ce_sum, count = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
-                                           diffusion_weight_clip, alpha_fn, alpha_dot_fn,
-                                           backend, _ce_options(label_smoothing, z_loss_weight))
-        return w * (ce_sum / self.xp.clamp_min(count, 1.0))  # no w·Σ M·CE overflow
+        w, ce_sum, count, scale = self._sft_terms(
+            logits, x0, xt, t, loss_mask, variant, vocab_size, diffusion_weight_clip,
+            alpha_fn, alpha_dot_fn, backend, _ce_options(label_smoothing, z_loss_weight))
+        # Σ M·CE / max(Σ M, 1), both sums times the row's scale; no w·Σ M·CE overflow
+        return w * (ce_sum / self.xp.maximum(count, scale))
 
     def diffusion_sft_logps(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                             diffusion_weight_clip=None, alpha_fn=rf_alpha,
@@ -266,10 +284,10 @@ class Objectives:
                             backend=None):
         """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as the loss,
         ``label_smoothing`` and ``z_loss_weight`` included)."""
-        w, ce_sum, _ = self._sft_terms(logits, x0, xt, t, loss_mask, variant, vocab_size,
-                                       diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend,
-                                       _ce_options(label_smoothing, z_loss_weight))
-        return -w * ce_sum
+        w, ce_sum, _, scale = self._sft_terms(
+            logits, x0, xt, t, loss_mask, variant, vocab_size, diffusion_weight_clip,
+            alpha_fn, alpha_dot_fn, backend, _ce_options(label_smoothing, z_loss_weight))
+        return -w * (ce_sum / scale)  # a sum: beyond float32's range, ±inf
 
     # -- Tunix batch contract --------------------------------------------------------------
 
@@ -326,21 +344,23 @@ class Objectives:
 
     def weighted_cross_entropy(self, logits, batch, *, label_smoothing=0.0, z_loss_weight=0.0,
                                backend=None):
-        """WeightedSum(Σ w·CE, Σ w) at T = 1.
+        """WeightedSum(Σ w·CE, Σ w) at T = 1 (both times 2^-64 when a weight reaches 2^64:
+        ``BIG_WEIGHT``).
 
         ``label_smoothing`` ε in [0, 1]: CE against (1 - ε)·onehot(target) + ε/K over the K
         valid columns (torch's ``cross_entropy(label_smoothing=ε)``); ``z_loss_weight``
         λ >= 0 adds λ·lse² per row (PaLM's z-loss). Both default to 0 (the plain CE)."""
         ce_options = _ce_options(label_smoothing, z_loss_weight)
         self.validate_diffusion_logits(batch, logits)
-        w = self.xp.f32(batch.loss_weights)
+        xp = self.xp
+        w = xp.f32(batch.loss_weights)
+        ws = w * _weight_scale(xp, w.reshape(-1))  # [B, L]
         # one scalar: Σ (-w)·logp, so a linear head forms its gradient in the forward
         _, total = self.token_stats_total(logits, batch.target_ids, batch.loss_weights,
-                                          (None, -w, None, None), entropy=False,
+                                          (None, -ws, None, None), entropy=False,
                                           backend=backend, **ce_options)
-        xp = self.xp
         total = _nan_where(xp, _bad_weighted_sum(xp, w), total)
-        return self.WeightedSum(total, _total(xp, w))
+        return self.WeightedSum(total, _total(xp, ws))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
                  hard_loss_weight=0.0, label_smoothing=0.0, z_loss_weight=0.0, backend=None):
@@ -372,7 +392,8 @@ class Objectives:
                                    self.vocab_extent(student_logits) if hard_w > 0.0 else None,
                                    allow_sync=False)
         # the hard term's T = 1 sums ride along in the same pass only when that term is on
-        w = xp.f32(student.loss_weights)
+        w_given = xp.f32(student.loss_weights)
+        w = w_given * _weight_scale(xp, w_given.reshape(-1))  # [B, L] (``BIG_WEIGHT``)
         t2 = temperature * temperature
         # the total is one scalar Σ c·stats (c: the weights times each term's factor), so a
         # linear head forms its gradient in the forward; the aux terms stay differentiable
@@ -387,7 +408,7 @@ class Objectives:
         zero = denominator * 0.0
         soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
         hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
-        bad = _bad_weighted_sum(xp, w)  # what the checks could not read: NaN
+        bad = _bad_weighted_sum(xp, w_given)  # what the checks could not read: NaN
         total, soft, hard = (_nan_where(xp, bad, v) for v in (total, soft, hard))
         aux = {
             "distill/soft_loss": self.WeightedSum(soft, denominator),

@@ -59,13 +59,17 @@ Logits = jax.Array | LinearHead
 @_dataclasses.dataclass(frozen=True)
 class WeightedSum:
     """A loss kept as ``unreduced_sum`` over ``denominator`` (sums across micro-batches or
-    devices add field by field); ``compute()`` is their ratio, 0 for a 0 denominator."""
+    devices add field by field); ``compute()`` is their ratio, 0 for a 0 denominator, NaN
+    for a NaN or negative one. The objectives give Σ w·loss and Σ w, both times 2^-64 when
+    a weight reaches 2^64 (so that Σ w·loss stays a float32 number up to weights of 3.4e38;
+    docs/design.md §3)."""
 
     unreduced_sum: jax.Array  # [] float32
     denominator: jax.Array  # [] float32
 
     def compute(self) -> jax.Array:
-        """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator."""
+        """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator, NaN
+        for a NaN or negative one."""
         return _contract.weighted_mean(_JaxOps, self.unreduced_sum, self.denominator)
 
     def replace(self, **fields: jax.Array) -> WeightedSum:

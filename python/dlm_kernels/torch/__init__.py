@@ -55,13 +55,17 @@ Logits = torch.Tensor | LinearHead
 @_dataclasses.dataclass(frozen=True)
 class WeightedSum:
     """A loss kept as ``unreduced_sum`` over ``denominator`` (sums across micro-batches or
-    devices add field by field); ``compute()`` is their ratio, 0 for a 0 denominator."""
+    devices add field by field); ``compute()`` is their ratio, 0 for a 0 denominator, NaN
+    for a NaN or negative one. The objectives give Σ w·loss and Σ w, both times 2^-64 when
+    a weight reaches 2^64 (so that Σ w·loss stays a float32 number up to weights of 3.4e38;
+    docs/design.md §3)."""
 
     unreduced_sum: torch.Tensor  # [] float32
     denominator: torch.Tensor  # [] float32
 
     def compute(self) -> torch.Tensor:
-        """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator."""
+        """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator, NaN
+        for a NaN or negative one."""
         return _contract.weighted_mean(_TorchOps, self.unreduced_sum, self.denominator)
 
     def replace(self, **fields: torch.Tensor) -> WeightedSum:
