@@ -5,6 +5,8 @@ construction."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,18 @@ from harness import assert_close, new_seed
 from objectives.suite import sft_inputs
 
 B, L, D, K = 3, 5, 16, 37
+
+#: Every module and its functional twin (a new module: one line). A module takes every
+#: keyword-only argument of its function at construction, keyword-only with the same
+#: default, and the function's positional arguments in ``forward``; a FusedLinear module
+#: takes ``hidden`` and ``weight`` (and a ``bias`` keyword) there in place of the logits,
+#: the function's first argument.
+TWINS = {
+    dn.DiffusionSFTLoss: dk.diffusion_sft_loss,
+    dn.FusedLinearDiffusionSFTLoss: dk.diffusion_sft_loss,
+    dn.OPDLoss: dk.opd_loss,
+    dn.FusedLinearOPDLoss: dk.opd_loss,
+}
 
 
 def run(fn, leaves, cot):
@@ -42,7 +56,8 @@ def test_sft_module_matches_the_function(variant):
     rng = np.random.default_rng(new_seed())
     logits, x0, xt, t, mask = (torch.as_tensor(a) for a in sft_inputs(rng, B, L, K))
     z = logits.float()
-    kw = dict(variant=variant, vocab_size=K, diffusion_weight_clip=4.0)
+    kw = dict(variant=variant, vocab_size=K, diffusion_weight_clip=4.0, label_smoothing=0.1,
+              z_loss_weight=1e-3)
     for reduction, reduce in REDUCE.items():
         cot = torch.as_tensor(rng.normal(size=B) if reduction == "none" else 1.0).float()
         module = dn.DiffusionSFTLoss(**kw, reduction=reduction)
@@ -60,17 +75,19 @@ def test_fused_linear_sft_module_matches_the_function_and_the_oracle():
     weight, bias = lm_head.weight.detach(), lm_head.bias.detach()
     cot = torch.as_tensor(rng.normal(size=B)).float()
     kw = dict(variant="reweighted-loo-ce", vocab_size=K)
-    module = dn.FusedLinearDiffusionSFTLoss(**kw, reduction="none", row_chunk=4)
+    ce = dict(label_smoothing=0.2, z_loss_weight=1e-2)
+    module = dn.FusedLinearDiffusionSFTLoss(**kw, **ce, reduction="none", row_chunk=4)
     got = run(lambda h, w, b: module(h, w, x0, xt, t, mask, bias=b), [hidden, weight, bias], cot)
     exp = run(lambda h, w, b: dk.diffusion_sft_loss(dk.LinearHead(h, w, b, row_chunk=4), x0, xt,
-                                                    t, mask, **kw), [hidden, weight, bias], cot)
+                                                    t, mask, **kw, **ce),
+              [hidden, weight, bias], cot)
     assert_same(got, exp, "fused linear SFT")
     # what the head stands for: logits = hidden @ weight.T + bias, in float64
     h64, w64, b64 = (x.double().numpy() for x in (hidden, weight, bias))
     z64 = h64 @ w64.T + b64
     args = (z64, x0.numpy(), xt.numpy(), t.numpy(), mask.numpy(), kw["variant"], K)
-    assert_close(got[0].numpy(), oracle.sft_loss(*args), "float32", "loss")
-    dz = oracle.sft_loss_grad(*args, cot.double().numpy())  # [B, L, K]
+    assert_close(got[0].numpy(), oracle.sft_loss(*args, **ce), "float32", "loss")
+    dz = oracle.sft_loss_grad(*args, cot.double().numpy(), **ce)  # [B, L, K]
     dh, dw, db = got[1]
     assert_close(dh.numpy(), dz @ w64, "float32", "d hidden")
     assert_close(dw.numpy(), np.einsum("blk,bld->kd", dz, h64), "float32", "d weight")
@@ -84,7 +101,8 @@ def distillation_batch(rng, teacher):
     return dk.DiffusionDistillationBatch.create(student_batch=student, teacher_logits=teacher)
 
 
-OPD = dict(temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.3)
+OPD = dict(temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.3, label_smoothing=0.1,
+           z_loss_weight=1e-3)
 
 
 def opd_total(student, batch):
@@ -126,6 +144,10 @@ BAD_OPTIONS = [
     (lambda: dn.OPDLoss(temperature=0.0), "temperature must be positive; got 0.0"),
     (lambda: dn.FusedLinearOPDLoss(soft_loss_weight=0.0),
      "at least one loss weight must be positive"),
+    (lambda: dn.FusedLinearDiffusionSFTLoss(variant="loo-ce", vocab_size=K, label_smoothing=1.5),
+     r"label_smoothing must be a float in \[0, 1\]; got 1.5"),
+    (lambda: dn.OPDLoss(z_loss_weight=-1.0),
+     "z_loss_weight must be a finite non-negative float; got -1.0"),
 ]
 
 
@@ -141,3 +163,33 @@ def test_modules_say_their_options():
     assert repr(dn.FusedLinearOPDLoss(temperature=2.0)) == (
         "FusedLinearOPDLoss(temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.0, "
         "weight_layout='KD')")
+    assert repr(dn.DiffusionSFTLoss(variant="loo-ce", vocab_size=K, label_smoothing=0.1)) == (
+        "DiffusionSFTLoss(variant='loo-ce', vocab_size=37, label_smoothing=0.1, "
+        "reduction='mean')")
+
+
+def test_every_module_has_a_functional_twin():
+    assert set(TWINS) == {getattr(dn, name) for name in dn.__all__}, "add the module to TWINS"
+
+
+@pytest.mark.parametrize("module", list(TWINS), ids=lambda m: m.__name__)
+def test_modules_take_every_keyword_of_their_function(module):
+    """The signatures of each module's __init__ and forward against its function's
+    (``TWINS``): no keyword of the function may be missing from the module."""
+    fn = TWINS[module]
+    init = inspect.signature(module.__init__).parameters
+    forward = inspect.signature(module.forward).parameters
+    fused = module.__name__.startswith("FusedLinear")
+    wrong = []
+    for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        if p.kind is p.KEYWORD_ONLY:
+            q = init.get(p.name)
+            if q is None or q.kind is not p.KEYWORD_ONLY or q.default != p.default:
+                wrong.append(f"__init__ lacks keyword-only {p} of {fn.__name__} (has {q})")
+        elif fused and i == 0:  # the logits: a LinearHead of hidden, weight (, bias)
+            for name in ("hidden", "weight", "bias"):
+                if name not in forward:
+                    wrong.append(f"forward lacks {name!r} (for {fn.__name__}'s {p.name})")
+        elif p.name not in forward:
+            wrong.append(f"forward lacks {p.name!r} of {fn.__name__}")
+    assert not wrong, f"{module.__name__}: " + "; ".join(wrong)

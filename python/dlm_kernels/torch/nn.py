@@ -9,7 +9,9 @@ runs underneath (the same values and gradients).
     head_loss = FusedLinearDiffusionSFTLoss(variant="loo-ce", vocab_size=K)
     loss = head_loss(hidden, model.lm_head.weight, x0, xt, t, loss_mask)  # no [B, L, K] logits
 
-The modules hold no parameters or buffers. ``reduction`` reduces the per-sequence [B] losses
+Each module takes every keyword of its function at construction, with the same defaults
+(``tests/test_modules.py`` compares the signatures). The modules hold no parameters or
+buffers. ``reduction`` reduces the per-sequence [B] losses
 of the SFT modules: "mean" (the default, as torch's and Liger's losses), "sum" or "none"
 ([B], Megatron-Bridge's ``diffusion_sft_loss`` as it is). The distillation modules return
 the scalar ``opd_loss(...)[0].compute()``: Σ w·loss / Σ w over the batch (``opd_loss``
@@ -22,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from .._config import (check_distillation_scalars, check_positive_float, check_positive_int,
-                       check_vocab_size)
+from .._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
+                       check_positive_float, check_positive_int, check_vocab_size)
 from ..linear_head.head import LAYOUTS, VOCAB_MAJOR
 from .._schedule import normalize_variant
 from . import (DiffusionDistillationBatch, LinearHead, Logits, diffusion_sft_loss, opd_loss,
@@ -44,6 +46,12 @@ def _check_backend(backend: str | None) -> str | None:
     return backend
 
 
+def _ce_repr(label_smoothing: float, z_loss_weight: float) -> str:
+    """The CE options for ``extra_repr``: those that are not 0."""
+    return "".join(f", {name}={value}" for name, value in (
+        ("label_smoothing", label_smoothing), ("z_loss_weight", z_loss_weight)) if value)
+
+
 def _check_head(weight_layout: str, row_chunk: int | None) -> tuple[str, int | None]:
     if weight_layout not in LAYOUTS:
         raise ValueError(f"weight_layout must be one of {LAYOUTS} ('KD': weight [K, D], as "
@@ -56,7 +64,8 @@ class _SFTLossBase(torch.nn.Module):
 
     def __init__(self, *, variant: str, vocab_size: int,
                  diffusion_weight_clip: float | None = None, alpha_fn: Schedule = rf_alpha,
-                 alpha_dot_fn: Schedule = rf_alpha_dot, reduction: str = "mean",
+                 alpha_dot_fn: Schedule = rf_alpha_dot, label_smoothing: float = 0.0,
+                 z_loss_weight: float = 0.0, reduction: str = "mean",
                  backend: str | None = None) -> None:
         super().__init__()
         if reduction not in REDUCTIONS:
@@ -67,6 +76,8 @@ class _SFTLossBase(torch.nn.Module):
             "diffusion_weight_clip", diffusion_weight_clip, allow_none=True)
         self.alpha_fn: Schedule = alpha_fn
         self.alpha_dot_fn: Schedule = alpha_dot_fn
+        self.label_smoothing: float = check_label_smoothing(label_smoothing)
+        self.z_loss_weight: float = check_loss_weight("z_loss_weight", z_loss_weight)
         self.reduction: str = reduction
         self.backend: str | None = _check_backend(backend)
 
@@ -75,7 +86,8 @@ class _SFTLossBase(torch.nn.Module):
         loss = diffusion_sft_loss(  # [B]
             logits, x0, xt, t, loss_mask, variant=self.variant, vocab_size=self.vocab_size,
             diffusion_weight_clip=self.diffusion_weight_clip, alpha_fn=self.alpha_fn,
-            alpha_dot_fn=self.alpha_dot_fn, backend=self.backend)
+            alpha_dot_fn=self.alpha_dot_fn, label_smoothing=self.label_smoothing,
+            z_loss_weight=self.z_loss_weight, backend=self.backend)
         if self.reduction == "mean":
             return loss.mean()
         return loss.sum() if self.reduction == "sum" else loss
@@ -83,7 +95,8 @@ class _SFTLossBase(torch.nn.Module):
     def extra_repr(self) -> str:
         clip = "" if self.diffusion_weight_clip is None else \
             f", diffusion_weight_clip={self.diffusion_weight_clip}"
-        return (f"variant={self.variant!r}, vocab_size={self.vocab_size}{clip}, "
+        return (f"variant={self.variant!r}, vocab_size={self.vocab_size}{clip}"
+                f"{_ce_repr(self.label_smoothing, self.z_loss_weight)}, "
                 f"reduction={self.reduction!r}")
 
 
@@ -96,6 +109,8 @@ class DiffusionSFTLoss(_SFTLossBase):
       vocab_size: K of the LOO shift and the range of valid ids (<= the logits' K).
       diffusion_weight_clip: an upper bound of the time weight, or None.
       alpha_fn, alpha_dot_fn: the schedule (default: rectified flow, 1 - t and -1).
+      label_smoothing: ε in [0, 1]; z_loss_weight: λ >= 0 (both default 0: the plain CE;
+        ``diffusion_sft_loss`` says what they do).
       reduction: "mean" (over sequences), "sum" or "none" ([B]).
       backend: None (auto) or a backend name.
 
@@ -124,12 +139,14 @@ class FusedLinearDiffusionSFTLoss(_SFTLossBase):
 
     def __init__(self, *, variant: str, vocab_size: int,
                  diffusion_weight_clip: float | None = None, alpha_fn: Schedule = rf_alpha,
-                 alpha_dot_fn: Schedule = rf_alpha_dot, reduction: str = "mean",
+                 alpha_dot_fn: Schedule = rf_alpha_dot, label_smoothing: float = 0.0,
+                 z_loss_weight: float = 0.0, reduction: str = "mean",
                  weight_layout: str = VOCAB_MAJOR, row_chunk: int | None = None,
                  backend: str | None = None) -> None:
         super().__init__(variant=variant, vocab_size=vocab_size,
                          diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
-                         alpha_dot_fn=alpha_dot_fn, reduction=reduction, backend=backend)
+                         alpha_dot_fn=alpha_dot_fn, label_smoothing=label_smoothing,
+                         z_loss_weight=z_loss_weight, reduction=reduction, backend=backend)
         self.weight_layout: str
         self.row_chunk: int | None
         self.weight_layout, self.row_chunk = _check_head(weight_layout, row_chunk)
@@ -150,24 +167,30 @@ class _OPDLossBase(torch.nn.Module):
     """The options of the distillation modules and the functional call they make."""
 
     def __init__(self, *, temperature: float = 1.0, soft_loss_weight: float = 1.0,
-                 hard_loss_weight: float = 0.0, backend: str | None = None) -> None:
+                 hard_loss_weight: float = 0.0, label_smoothing: float = 0.0,
+                 z_loss_weight: float = 0.0, backend: str | None = None) -> None:
         super().__init__()
         self.temperature: float
         self.soft_loss_weight: float
         self.hard_loss_weight: float
         self.temperature, self.soft_loss_weight, self.hard_loss_weight = \
             check_distillation_scalars(temperature, soft_loss_weight, hard_loss_weight)
+        self.label_smoothing: float = check_label_smoothing(label_smoothing)
+        self.z_loss_weight: float = check_loss_weight("z_loss_weight", z_loss_weight)
         self.backend: str | None = _check_backend(backend)
 
     def _loss(self, student_logits: Logits, batch: DiffusionDistillationBatch) -> torch.Tensor:
         total, _ = opd_loss(student_logits, batch, temperature=self.temperature,
                             soft_loss_weight=self.soft_loss_weight,
-                            hard_loss_weight=self.hard_loss_weight, backend=self.backend)
+                            hard_loss_weight=self.hard_loss_weight,
+                            label_smoothing=self.label_smoothing,
+                            z_loss_weight=self.z_loss_weight, backend=self.backend)
         return total.compute()  # []
 
     def extra_repr(self) -> str:
         return (f"temperature={self.temperature}, soft_loss_weight={self.soft_loss_weight}, "
-                f"hard_loss_weight={self.hard_loss_weight}")
+                f"hard_loss_weight={self.hard_loss_weight}"
+                f"{_ce_repr(self.label_smoothing, self.z_loss_weight)}")
 
 
 class OPDLoss(_OPDLossBase):
@@ -176,7 +199,8 @@ class OPDLoss(_OPDLossBase):
     hard_loss_weight · CE at T = 1, weighted by the batch's loss weights.
 
     Args (at construction, checked there in Tunix's words): temperature (> 0),
-    soft_loss_weight, hard_loss_weight (>= 0, not both 0), backend.
+    soft_loss_weight, hard_loss_weight (>= 0, not both 0), label_smoothing (ε in [0, 1]) and
+    z_loss_weight (λ >= 0) of the hard term (``opd_loss`` says what they do), backend.
 
     ``forward(student_logits, batch)``: student logits [B, L, K] (or a ``LinearHead``) and a
     ``DiffusionDistillationBatch``; returns the scalar Σ w·loss / Σ w (0 when Σ w = 0).
@@ -199,10 +223,12 @@ class FusedLinearOPDLoss(_OPDLossBase):
     """
 
     def __init__(self, *, temperature: float = 1.0, soft_loss_weight: float = 1.0,
-                 hard_loss_weight: float = 0.0, weight_layout: str = VOCAB_MAJOR,
+                 hard_loss_weight: float = 0.0, label_smoothing: float = 0.0,
+                 z_loss_weight: float = 0.0, weight_layout: str = VOCAB_MAJOR,
                  row_chunk: int | None = None, backend: str | None = None) -> None:
         super().__init__(temperature=temperature, soft_loss_weight=soft_loss_weight,
-                         hard_loss_weight=hard_loss_weight, backend=backend)
+                         hard_loss_weight=hard_loss_weight, label_smoothing=label_smoothing,
+                         z_loss_weight=z_loss_weight, backend=backend)
         self.weight_layout: str
         self.row_chunk: int | None
         self.weight_layout, self.row_chunk = _check_head(weight_layout, row_chunk)
