@@ -214,6 +214,42 @@ class LinearHeadSuite:
         dz, _ = oracle.token_stats_vjp(p.z(), ys, active, (zeros, -active.astype(float) / wsum, zeros, zeros))
         self._check_head_grads(p, grads, dz, dtype, layout)
 
+    def test_jax_vmap_over_a_head(self, rng):
+        """jax.vmap over the hidden states of a head (a per-example loss, the weight and
+        bias shared): each mapped element's statistics (with a LOO shift) and weighted CE
+        (the gradient formed in the forward), and its own gradients of hidden, weight and
+        bias, equal the calls one element at a time. (The fused Pallas kernels met pallas_call's batching rule,
+        which adds a grid axis they were not written for, and raised.)"""
+        if self.FW != "jax":
+            pytest.skip("jax.vmap: JAX only")
+        import jax
+
+        fw, api = self.fw, self.fw.api
+        p = HeadProblem(rng, rows=(3, 4), d=6, k=29, teacher=False)
+        hs = fw.array(dyadic(rng, (2,) + p.h.shape), "float32")  # 2 mapped elements
+        y, act = fw.array(p.y), fw.array(p.active.astype(np.float32))
+        x, d = fw.array(p.x), fw.array(p.d, "float32")
+        cots = [fw.array(c, "float32") for c in p.cot]
+        batch = self._batch(p)
+
+        def loss(h, w, b):
+            head = api.LinearHead(h, w, b, row_chunk=8)
+            st = api.token_stats(head, y, act, shift_ids=x, shift=d, entropy=False,
+                                 backend=self.BACKEND)
+            ce = api.weighted_cross_entropy(head, batch, backend=self.BACKEND).compute()
+            return (cots[0] * st.lse + cots[1] * st.logp).sum() + ce
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+        w, b = _weight(fw, p.w, "DK", "float32"), fw.array(p.b, "float32")
+        mapped = jax.jit(jax.vmap(grad, in_axes=(0, None, None)))(hs, w, b)
+        one = jax.jit(grad)
+        for e in range(2):
+            value, grads = one(hs[e], w, b)
+            for name, got, exp in zip(("loss", "d hidden", "d weight", "d bias"),
+                                      (mapped[0],) + mapped[1], (value,) + grads):
+                assert_close(fw.numpy(got[e]), fw.numpy(exp), "float32",
+                             f"{name} of element {e}")
+
     def test_opd_loss_with_teacher_head(self, rng, opd_term):
         """Student and teacher heads of different widths; the total's gradient comes from the
         forward, an aux term's (differentiated on purpose) from the recompute path, and

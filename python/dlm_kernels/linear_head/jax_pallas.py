@@ -3,11 +3,13 @@ fused head (the head op's registry, ``_dispatch.FUSED_HEAD``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
 from ..kernels.pallas import linear_head as head_kernels
+from .._jax.batching import map_vmap
 from .._jax.pallas import _statics, _ints, _forward_floats, _backward_floats, _stats
 
 
@@ -39,7 +41,8 @@ class FusedHead:
     weight of the same dtype, whose teacher is absent, an array, or a head of its own (then
     without teacher_grad), outside a vocabulary-parallel map; other rows go through the
     token-chunked path (XLA matmuls feeding the logits kernels). Gradient schedule: always
-    recompute (1 matmul forward, 4 backward)."""
+    recompute (1 matmul forward, 4 backward). Under ``jax.vmap`` the kernels run once per
+    mapped element (``map_vmap``: each element's weight gradient is its own)."""
 
     name = "pallas"
 
@@ -72,8 +75,9 @@ class FusedHead:
     def forward(cls, rows, cfg):
         """-> Stats of [N] f32 (one kernel: 1 matmul)."""
         head, teacher, statics = cls._args(rows, cfg)
-        out = head_kernels.head_forward(head, teacher, _ints(rows.targets, rows.shift_ids),
-                                        _forward_floats(rows, rows.active), **statics)
+        run = map_vmap(functools.partial(head_kernels.head_forward, **statics))
+        out = run(head, teacher, _ints(rows.targets, rows.shift_ids),
+                  _forward_floats(rows, rows.active))
         return _stats(out, rows.active, cfg)
 
     @classmethod
@@ -81,9 +85,10 @@ class FusedHead:
         """-> ((dH, dW, db or None) float32, the teacher's gradient or None): two kernels,
         2 matmuls each."""
         head, teacher, statics = cls._args(rows, cfg)
-        dh, dw, db, du = head_kernels.head_backward(
-            head, teacher, _ints(rows.targets, rows.shift_ids),
-            _backward_floats(rows, stats, grads, cfg), teacher_grad=cfg.TEACHER_GRAD, **statics)
+        run = map_vmap(functools.partial(head_kernels.head_backward,
+                                         teacher_grad=cfg.TEACHER_GRAD, **statics))
+        dh, dw, db, du = run(head, teacher, _ints(rows.targets, rows.shift_ids),
+                             _backward_floats(rows, stats, grads, cfg))
         return (dh, dw, db), du
 
 
