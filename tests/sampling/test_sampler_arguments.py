@@ -1,6 +1,11 @@
 """The sampler family's arguments and tracing, in both front ends: sample_tokens,
 commit_tokens, add_gumbel_noise, get_num_transfer_tokens and get_transfer_index.
 
+- The keyed noise is the same bits compiled (torch.compile with Inductor, which compiles
+  integer arithmetic to C++ where a wrapping signed product is undefined behaviour) as eager.
+- top_k wider than the vocabulary chunk draws as the whole row does, on every backend.
+- The keyed noise is the same bits compiled (torch.compile with Inductor, which compiles
+  integer arithmetic to C++, where a wrapping signed product is undefined behaviour) as eager.
 - Every number argument takes a 0-d array (torch, NumPy, JAX) or a NumPy scalar as the number
   it holds.
 - Python-number arguments are checked on the host: every function traces under
@@ -13,6 +18,7 @@ import numpy as np
 import pytest
 
 from harness import assert_close, framework
+from sampling.test_sampling import _mix, oracle_keys
 
 
 def _np(fw, x):
@@ -33,6 +39,66 @@ def _same(fw, got, want, where, exact=True):
         assert_close(g, w, "float32", where)
     else:
         assert np.array_equal(g, w, equal_nan=g.dtype.kind == "f"), (where, g, w)
+
+
+def _oracle_uniforms(seed, step, n, k):
+    """[N, K] float64 uniforms u of the noise (exact in float32), from test_sampling's NumPy
+    hash (docs/design.md §3)."""
+    keys = oracle_keys(seed, step, n)
+    h = _mix(keys[:, None] ^ _mix(np.arange(k, dtype=np.uint64))[None, :])
+    return ((h >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0 ** -23
+
+
+# -- the noise under Inductor -------------------------------------------------------------------
+
+def test_compiled_noise_is_eager_noise_under_inductor(rng):
+    """torch.compile (Inductor, the default, fullgraph) hashes as eager and as the NumPy
+    oracle, bit for bit: the uniforms u of the noise for one seed and for [B] seeds. Through
+    the public functions: add_gumbel_noise to float32 accuracy (Inductor's log is not
+    eager's: g = -log(-log u) may differ by an ulp), the tokens of sample_tokens and
+    remasking="random"'s choice exactly, and the rows of a uniform row of logits draw tokens
+    spread as a uniform draw (chi-square). (Inductor compiles a wrapping int32 product of
+    row ids to C++, where signed overflow is undefined: it gave 2^31 - 1 for every row, the
+    same noise in every row of a batch.)"""
+    import torch
+
+    from dlm_kernels._torch.ops import TorchOps as xp
+    from dlm_kernels.sampling import core
+
+    fw = framework("torch")
+    api = fw.api
+    b, l, k = 2, 3, 37
+    seed, seeds = int(rng.integers(-2**31, 2**31)), rng.integers(-2**31, 2**31, b)
+    z = fw.array(rng.normal(size=(b, l, k)) * 2, "float32")
+    flat = fw.array(np.zeros((512, 8)), "float32")
+    mask, x = fw.array(np.ones((b, l), bool)), fw.array(np.zeros((b, l), np.int64))
+
+    def uniforms(seed):  # [B·L, K] u of the noise, as sampling.core.gumbel forms it
+        keys = core.row_keys(xp, seed, 2, b * l, z)
+        cols = core.mix(xp, xp.u32(xp.arange(k, z)))
+        return core.open_uniform(xp, core.mix(xp, keys[:, None] ^ cols[None, :]))
+
+    def step(z, flat, seeds):
+        return ([uniforms(seed), uniforms(seeds)],
+                [api.sample_tokens(z, temperature=0.8, seed=seeds, step=2,
+                                   backend="reference").token,
+                 api.sample_tokens(z, temperature=0.8, seed=seed, top_k=4,
+                                   backend="reference").token,
+                 api.get_transfer_index(z, 0.8, "random", mask, x, 2, seed=seed,
+                                        backend="reference")[1],
+                 api.sample_tokens(flat, seed=seed, backend="chunked").token],
+                api.add_gumbel_noise(z, 0.8, seed=seed, step=2))
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(z, flat, fw.array(seeds))
+    want = step(z, flat, fw.array(seeds))
+    for u, one in zip(got[0], (seed, seeds)):
+        assert np.array_equal(_np(fw, u), _oracle_uniforms(one, 2, b * l, k)), one
+    _same(fw, got[1], want[1], "compiled vs eager tokens")
+    assert_close(_np(fw, got[2]), _np(fw, want[2]), "float32", "compiled add_gumbel_noise")
+    counts = np.bincount(_np(fw, got[1][-1]), minlength=8)
+    chi2 = float(((counts - 64.0) ** 2 / 64.0).sum())  # 7 degrees of freedom; p = 1e-4: 29.9
+    assert chi2 < 29.9, counts
 
 
 # -- 0-d numbers ------------------------------------------------------------------------------
@@ -119,7 +185,8 @@ def test_python_numbers_trace_under_torch_compile(rng):
         s = api.sample_tokens(z, temperature=0.5, seed=5, step=2, top_k=3, cfg_scale=1.5,
                               uncond_logits=zu, chunk_size=8, stats_temperature=0.75,
                               suppress_ids=[4, 7], backend="reference")
-        s1 = api.sample_tokens(z, temperature=0.5, seed=5, suppress_ids=4, backend="reference")
+        s1 = api.sample_tokens(z, temperature=0.5, seed=5, suppress_ids=4, chunk_size=8,
+                               backend="chunked")  # a narrower last chunk (K = 20)
         out = [tuple(s), tuple(s1), api.add_gumbel_noise(z, 0.5, seed=5, step=2),
                api.get_num_transfer_tokens(mask, 2)]
         out += [api.commit_tokens(canvas, s, mask, rule="topk", k=2),

@@ -6,6 +6,12 @@ import torch
 import torch.utils._pytree as pytree
 
 
+def signed32(c: int) -> int:
+    """The 32-bit pattern of the Python int c read as a signed 32-bit number."""
+    c &= 0xFFFFFFFF
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
 class TorchOps:
     """The few operations whose torch spelling differs from jax.numpy, as static methods."""
 
@@ -69,22 +75,26 @@ class TorchOps:
 
         return head_logits(head)
 
-    # -- the denoising step (32-bit hashes held in int32 bit patterns) ----------
+    # -- the denoising step (32-bit hashes held as int64 values in [0, 2^32)) ------
+    # No step relies on a wrapping signed product: a compiler may take its overflow as
+    # undefined (Inductor's C++ did, and gave every row of a batch the same hash).
     @staticmethod
-    def u32(x):  # the 32-bit pattern of x as int32 (torch has no uint32 shifts)
+    def u32(x):  # the 32-bit pattern of x as an int64 value in [0, 2^32)
         if torch.is_tensor(x):
-            return x.to(torch.int32)
-        v = int(x) & 0xFFFFFFFF
-        return torch.tensor(v - (1 << 32) if v >= 1 << 31 else v, dtype=torch.int32)
+            return x.long() & 0xFFFFFFFF
+        return torch.tensor(int(x) & 0xFFFFFFFF, dtype=torch.int64)
 
     @staticmethod
-    def u32_mul(x, c):  # int32 products wrap: the low 32 bits of the unsigned product
-        c &= 0xFFFFFFFF
-        return x * (c - (1 << 32) if c >= 1 << 31 else c)
+    def u32_mul(x, c):  # x·c mod 2^32, exact: x < 2^32 and c as signed 32 bits, |x·c| < 2^63
+        return (x * signed32(c)) & 0xFFFFFFFF
 
     @staticmethod
-    def shr(x, s):  # the logical right shift of the 32-bit pattern
-        return (x >> s) & ((1 << (32 - s)) - 1)
+    def shr(x, s):  # the logical right shift (x >= 0)
+        return x >> s
+
+    @staticmethod
+    def i32_bits(x):  # int32 holding the 32-bit pattern of x in [0, 2^32) (no wrapping cast)
+        return (x - ((x >> 31) << 32)).to(torch.int32)
 
     @staticmethod
     def i32(x):

@@ -149,8 +149,8 @@ class SampleLowered(NamedTuple):
 # -- the counter-based noise ----------------------------------------------------------------
 
 def mix(xp, x):
-    """lowbias32 of 32-bit integers held as xp.u32 arrays (logical shifts, wrapping
-    multiplies)."""
+    """lowbias32 of 32-bit integers held as xp.u32 arrays (logical shifts, products modulo
+    2^32 that never rely on a wrapping signed product)."""
     for shift, multiplier in MIX_STEPS:
         x = x ^ xp.shr(x, shift)
         if multiplier is not None:

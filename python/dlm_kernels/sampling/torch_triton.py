@@ -67,7 +67,7 @@ def sample(z, zu, keys, suppress, cfg):
     n, k = z.shape
     low = cfg.lowered()
     state, ids, top_v, top_i = torch.ops.dlm_kernels.sample_partial(
-        z, zu, keys.contiguous(), None if suppress is None else suppress.contiguous(),
+        z, zu, TorchOps.i32_bits(keys), None if suppress is None else suppress.contiguous(),
         low.temperature, low.top_k, low.cfg_c, low.block_k, low.stats_temperature,
         low.GREEDY, low.TWO_T)
     if cfg.top_k:  # [S, N, k] -> [N, S·k]
