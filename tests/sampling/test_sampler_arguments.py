@@ -4,8 +4,6 @@ commit_tokens, add_gumbel_noise, get_num_transfer_tokens and get_transfer_index.
 - The keyed noise is the same bits compiled (torch.compile with Inductor, which compiles
   integer arithmetic to C++ where a wrapping signed product is undefined behaviour) as eager.
 - top_k wider than the vocabulary chunk draws as the whole row does, on every backend.
-- The keyed noise is the same bits compiled (torch.compile with Inductor, which compiles
-  integer arithmetic to C++, where a wrapping signed product is undefined behaviour) as eager.
 - Every number argument takes a 0-d array (torch, NumPy, JAX) or a NumPy scalar as the number
   it holds.
 - Python-number arguments are checked on the host: every function traces under
@@ -14,11 +12,13 @@ commit_tokens, add_gumbel_noise, get_num_transfer_tokens and get_transfer_index.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from harness import assert_close, framework
-from sampling.test_sampling import _mix, oracle_keys
+from sampling.test_sampling import _mix, oracle, oracle_keys
 
 
 def _np(fw, x):
@@ -99,6 +99,41 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
     counts = np.bincount(_np(fw, got[1][-1]), minlength=8)
     chi2 = float(((counts - 64.0) ** 2 / 64.0).sum())  # 7 degrees of freedom; p = 1e-4: 29.9
     assert chi2 < 29.9, counts
+
+
+# -- top_k wider than the chunk ------------------------------------------------------------
+
+@pytest.mark.parametrize("fw_name,backend", [("torch", "chunked"), ("torch", "triton"),
+                                             ("jax", "chunked"), ("jax", "pallas")])
+def test_top_k_wider_than_the_chunk(rng, fw_name, backend):
+    """top_k above the vocabulary chunk (chunk_size), and above K, draws and scores as the
+    whole row (the reference backend and the oracle) does, bit for bit: the JAX chunked
+    stream's running top-k keeps min(top_k, K) slots through every chunk (its lax.fori_loop
+    raised on a narrower chunk's slots)."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("the Triton kernel runs on a GPU or in its interpreter")
+    fw = framework(fw_name)
+    api = fw.api
+    z = rng.normal(size=(5, 7)) * 2
+    z[0, 3] = -np.inf  # fewer finite logits than slots
+    z[0, 5] = -np.inf
+    for top_k, chunk, t in ((5, 2, 0.7), (2, 1, 0.7), (9, 3, 1.3), (4, 2, 0.0)):
+        where = f"top_k={top_k} chunk_size={chunk} T={t}"
+        run = lambda backend, c: api.sample_tokens(  # noqa: E731
+            fw.array(z, "float32"), temperature=t, seed=4, top_k=top_k, chunk_size=c,
+            backend=backend)
+        got, want = run(backend, chunk), run("reference", None)
+        _same(fw, got, want, where)
+        ref = oracle(z, temperature=t, seed=4, top_k=top_k)
+        for name, g, w in zip(got._fields, got, ref):
+            g = _np(fw, g)
+            if name in ("token", "argmax"):
+                assert np.array_equal(g, w), (where, name, g, w)
+            else:
+                assert_close(g, w, "float32", f"{where} {name}")
 
 
 # -- 0-d numbers ------------------------------------------------------------------------------
