@@ -52,12 +52,12 @@ def _oracle_uniforms(seed, step, n, k):
 # -- the noise under Inductor -------------------------------------------------------------------
 
 def test_compiled_noise_is_eager_noise_under_inductor(rng):
-    """torch.compile (Inductor, the default, fullgraph) hashes as eager and as the NumPy
-    oracle, bit for bit: the uniforms u of the noise for one seed and for [B] seeds. Through
-    the public functions: add_gumbel_noise to float32 accuracy (Inductor's log is not
-    eager's: g = -log(-log u) may differ by an ulp), the tokens of sample_tokens and
-    remasking="random"'s choice exactly, and the rows of a uniform row of logits draw tokens
-    spread as a uniform draw (chi-square). (Inductor compiles a wrapping int32 product of
+    """torch.compile (Inductor, the default, fullgraph) hashes as the NumPy oracle (and so as
+    eager), bit for bit: the uniforms u of the noise for one seed and for [B] seeds. Through
+    the public functions, against eager: add_gumbel_noise to float32 accuracy (Inductor's log
+    is not eager's: g = -log(-log u) may differ by an ulp), the tokens of sample_tokens ([B]
+    seeds, top_k: the noise of per-row ids) exactly; and the rows of a uniform row of logits draw tokens
+    spread as a uniform draw (chi-square) with the chunked backend. (Inductor compiles a wrapping int32 product of
     row ids to C++, where signed overflow is undefined: it gave 2^31 - 1 for every row, the
     same noise in every row of a batch.)"""
     import torch
@@ -71,7 +71,6 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
     seed, seeds = int(rng.integers(-2**31, 2**31)), rng.integers(-2**31, 2**31, b)
     z = fw.array(rng.normal(size=(b, l, k)) * 2, "float32")
     flat = fw.array(np.zeros((512, 8)), "float32")
-    mask, x = fw.array(np.ones((b, l), bool)), fw.array(np.zeros((b, l), np.int64))
 
     def uniforms(seed):  # [B·L, K] u of the noise, as sampling.core.gumbel forms it
         keys = core.row_keys(xp, seed, 2, b * l, z)
@@ -80,14 +79,10 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
 
     def step(z, flat, seeds):
         return ([uniforms(seed), uniforms(seeds)],
-                [api.sample_tokens(z, temperature=0.8, seed=seeds, step=2,
-                                   backend="reference").token,
-                 api.sample_tokens(z, temperature=0.8, seed=seed, top_k=4,
-                                   backend="reference").token,
-                 api.get_transfer_index(z, 0.8, "random", mask, x, 2, seed=seed,
-                                        backend="reference")[1],
-                 api.sample_tokens(flat, seed=seed, backend="chunked").token],
-                api.add_gumbel_noise(z, 0.8, seed=seed, step=2))
+                [api.sample_tokens(z, temperature=0.8, seed=seeds, step=2, top_k=4,
+                                   backend="reference").token],
+                api.add_gumbel_noise(z, 0.8, seed=seed, step=2),
+                api.sample_tokens(flat, seed=seed, backend="chunked").token)
 
     torch._dynamo.reset()
     got = torch.compile(step, fullgraph=True)(z, flat, fw.array(seeds))
@@ -96,7 +91,9 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
         assert np.array_equal(_np(fw, u), _oracle_uniforms(one, 2, b * l, k)), one
     _same(fw, got[1], want[1], "compiled vs eager tokens")
     assert_close(_np(fw, got[2]), _np(fw, want[2]), "float32", "compiled add_gumbel_noise")
-    counts = np.bincount(_np(fw, got[1][-1]), minlength=8)
+    # (the uniform row's tokens are not compared with eager's: their keys tie to an ulp of
+    # the noise, where Inductor's log may round the other way)
+    counts = np.bincount(_np(fw, got[3]), minlength=8)
     chi2 = float(((counts - 64.0) ** 2 / 64.0).sum())  # 7 degrees of freedom; p = 1e-4: 29.9
     assert chi2 < 29.9, counts
 
