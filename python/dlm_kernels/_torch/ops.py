@@ -75,26 +75,34 @@ class TorchOps:
 
         return head_logits(head)
 
-    # -- the denoising step (32-bit hashes held as int64 values in [0, 2^32)) ------
-    # No step relies on a wrapping signed product: a compiler may take its overflow as
-    # undefined (Inductor's C++ did, and gave every row of a batch the same hash).
+    # -- the denoising step (32-bit hashes) ---------------------------------------
+    # Eager: int32 bit patterns, whose products wrap modulo 2^32 in torch's kernels (a CPU
+    # without AVX-512 has no vector int64 product: seven times the time of an int32 one).
+    # Traced by torch.compile: int64 values in [0, 2^32) whose products are exact, since a
+    # compiler may take a wrapping signed product as undefined (Inductor's C++ did, and gave
+    # every row of a batch the same hash). The same bits either way.
     @staticmethod
-    def u32(x):  # the 32-bit pattern of x as an int64 value in [0, 2^32)
+    def u32(x):  # the 32-bit pattern of x (int32 eager, int64 in [0, 2^32) traced)
+        exact = torch.compiler.is_compiling()
         if torch.is_tensor(x):
-            return x.long() & 0xFFFFFFFF
-        return torch.tensor(int(x) & 0xFFFFFFFF, dtype=torch.int64)
+            return x.long() & 0xFFFFFFFF if exact else x.to(torch.int32)
+        v = int(x) & 0xFFFFFFFF
+        return torch.tensor(v if exact else signed32(v),
+                            dtype=torch.int64 if exact else torch.int32)
 
     @staticmethod
-    def u32_mul(x, c):  # x·c mod 2^32, exact: x < 2^32 and c as signed 32 bits, |x·c| < 2^63
-        return (x * signed32(c)) & 0xFFFFFFFF
+    def u32_mul(x, c):  # the low 32 bits of x·c
+        if x.dtype == torch.int64:  # exact: x < 2^32 and c as signed 32 bits, |x·c| < 2^63
+            return (x * signed32(c)) & 0xFFFFFFFF
+        return x * signed32(c)  # int32: wraps in torch's eager kernels
 
     @staticmethod
-    def shr(x, s):  # the logical right shift (x >= 0)
-        return x >> s
+    def shr(x, s):  # the logical right shift of the 32-bit pattern
+        return (x >> s) & ((1 << (32 - s)) - 1)
 
     @staticmethod
-    def i32_bits(x):  # int32 holding the 32-bit pattern of x in [0, 2^32) (no wrapping cast)
-        return (x - ((x >> 31) << 32)).to(torch.int32)
+    def i32_bits(x):  # int32 holding the 32-bit pattern of an xp.u32 array (no wrapping cast)
+        return x if x.dtype == torch.int32 else (x - ((x >> 31) << 32)).to(torch.int32)
 
     @staticmethod
     def i32(x):

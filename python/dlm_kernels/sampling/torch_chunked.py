@@ -9,11 +9,9 @@ chunk per row (``sampling.core.chunk_values`` and ``settle``):
       holds the largest s and which the largest s + g
   pass 2: those chunks re-read (1/S of the logits each) for the positions
 
-The noise is the same integers as ``sampling.core.gumbel``, so every backend draws the same
-tokens, eager or compiled: eager, computed in place in int32 scratch buffers (each lowbias32
-step a shift, a mask and an xor; the products wrap modulo 2^32 in torch's own kernels), under
-torch.compile by ``sampling.core.gumbel`` itself, whose products are exact int64 arithmetic
-(``noisy_scores_``).
+The noise is the same integers as ``sampling.core.gumbel``, computed in place in scratch buffers
+(each lowbias32 step a shift, a mask and an xor; under torch.compile ``sampling.core.gumbel``
+itself, exact int64 arithmetic: ``TorchOps.u32``), so every backend draws the same tokens.
 """
 
 from __future__ import annotations
@@ -29,40 +27,22 @@ _NEG_INF = float("-inf")
 _F32_LOWEST = torch.finfo(torch.float32).min
 
 
-def _mix_(h, t):
-    """h = mix(h) in place on int32 bit patterns (t: an int32 buffer of h's shape): x ^= x >>>
-    shift (an arithmetic shift and a mask), x *= multiplier (int32 products, which wrap modulo
-    2^32 in torch's eager kernels). Eager only (``noisy_scores_``)."""
-    for shift, mul in sampling.MIX_STEPS:
+def noisy_scores_(s, keys, cols, scratch):
+    """s + g [N, C] float32, bit for bit ``s + sampling.core.gumbel(xp, keys, cols)``: s [N, C],
+    keys [N] row keys (``xp.u32``), cols [C] or [N, C] global column ids, scratch (int32,
+    int32, float32) buffers of at least [N, C], the result in the third. Under torch.compile
+    it is ``sampling.core.gumbel`` itself (exact int64 products: ``TorchOps.u32``)."""
+    if torch.compiler.is_compiling():
+        return s + sampling.gumbel(xp, keys, cols)
+    h, t, out = (buf[:, :s.shape[1]] for buf in scratch)
+    col_keys = sampling.mix(xp, xp.u32(cols))
+    torch.bitwise_xor(keys[:, None], col_keys if cols.dim() == 2 else col_keys[None, :], out=h)
+    for shift, mul in sampling.MIX_STEPS:  # h = mix(h): x ^= x >>> shift; x *= mul (wrapping)
         torch.bitwise_right_shift(h, shift, out=t)
         t &= (1 << (32 - shift)) - 1
         h ^= t
         if mul is not None:
             h.mul_(signed32(mul))
-    return h
-
-
-def noisy_scores_(s, keys, cols, scratch):
-    """s + g [N, C] float32, bit for bit ``s + sampling.core.gumbel(xp, keys, cols)``: s [N, C],
-    keys [N] row keys (``xp.u32``), cols [C] or [N, C] global column ids, scratch (int32,
-    int32, float32) buffers of at least [N, C], the result in the third.
-
-    Eager, the hash runs in place on int32 bit patterns, whose products wrap modulo 2^32 in
-    torch's own kernels: a CPU without AVX-512 has no vector int64 product, and the exact int64
-    hash of ``sampling.core`` made the whole step 1.6x slower (AMD EPYC, AVX2: N 256, K 32768,
-    one thread, 94 -> 148 ms). Under torch.compile it is ``sampling.core.gumbel`` itself, exact
-    int64 arithmetic: a compiler may take a wrapping signed product as undefined (Inductor's
-    C++ did, and gave every row of a batch the same noise)."""
-    if torch.compiler.is_compiling():
-        return s + sampling.gumbel(xp, keys, cols)
-    h, t, out = (buf[:, :s.shape[1]] for buf in scratch)
-    keys = xp.i32_bits(keys)  # [N]
-    if cols.dim() == 2:  # per-row ids [N, C]: h = mix(cols) ^ key
-        _mix_(h.copy_(cols), t).bitwise_xor_(keys[:, None])
-    else:
-        col_keys = _mix_(cols.to(torch.int32), torch.empty_like(cols, dtype=torch.int32))
-        torch.bitwise_xor(keys[:, None], col_keys[None, :], out=h)
-    _mix_(h, t)
     torch.bitwise_right_shift(h, 9, out=t)  # u = ((h >>> 9) + 1/2)·2^-23, exact in float32
     t &= (1 << 23) - 1
     out.copy_(t).add_(0.5).mul_(2.0 ** -23)
