@@ -2,12 +2,12 @@
 commit_tokens, add_gumbel_noise, get_num_transfer_tokens and get_transfer_index.
 
 - The keyed noise is the same bits compiled (torch.compile with Inductor, which compiles
-  integer arithmetic to C++ where a wrapping signed product is undefined behaviour) as eager.
+  integer arithmetic to C++, where a wrapping signed product is undefined behaviour) as eager.
 - top_k wider than the vocabulary chunk draws as the whole row does, on every backend.
 - Every number argument takes a 0-d array (torch, NumPy, JAX) or a NumPy scalar as the number
   it holds.
 - Python-number arguments are checked on the host: every function traces under
-  torch.compile(fullgraph=True) and jax.jit with them.
+  torch.compile(fullgraph=True) with them (jax.jit takes them as static values already).
 """
 
 from __future__ import annotations
