@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from harness import assert_close, framework
-from sampling.test_sampling import _mix, oracle, oracle_keys
 
 
 def _np(fw, x):
@@ -41,25 +40,18 @@ def _same(fw, got, want, where, exact=True):
         assert np.array_equal(g, w, equal_nan=g.dtype.kind == "f"), (where, g, w)
 
 
-def _oracle_uniforms(seed, step, n, k):
-    """[N, K] float64 uniforms u of the noise (exact in float32), from test_sampling's NumPy
-    hash (docs/design.md §3)."""
-    keys = oracle_keys(seed, step, n)
-    h = _mix(keys[:, None] ^ _mix(np.arange(k, dtype=np.uint64))[None, :])
-    return ((h >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0 ** -23
-
-
 # -- the noise under Inductor -------------------------------------------------------------------
 
 def test_compiled_noise_is_eager_noise_under_inductor(rng):
-    """torch.compile (Inductor, the default, fullgraph) hashes as the NumPy oracle (and so as
-    eager), bit for bit: the uniforms u of the noise for one seed and for [B] seeds. Through
-    the public functions, against eager: add_gumbel_noise to float32 accuracy (Inductor's log
-    is not eager's: g = -log(-log u) may differ by an ulp), the tokens of sample_tokens ([B]
-    seeds, top_k: the noise of per-row ids) exactly; and the rows of a uniform row of logits draw tokens
-    spread as a uniform draw (chi-square) with the chunked backend. (Inductor compiles a wrapping int32 product of
-    row ids to C++, where signed overflow is undefined: it gave 2^31 - 1 for every row, the
-    same noise in every row of a batch.)"""
+    """torch.compile (Inductor, the default, fullgraph) hashes as eager (which the suites
+    check against the NumPy oracle), bit for bit: the uniforms u of the noise for one seed
+    and for [B] seeds, distinct in every row. Through the public functions, against eager:
+    add_gumbel_noise to float32 accuracy (Inductor's log is not eager's: g = -log(-log u)
+    may differ by an ulp) and the tokens of sample_tokens ([B] seeds, top_k: the noise of
+    per-row ids) exactly; and the rows of a uniform row of logits draw tokens spread as a
+    uniform draw (chi-square) with the chunked backend. (Inductor compiles a wrapping int32
+    product of row ids to C++, where signed overflow is undefined: it gave 2^31 - 1 for
+    every row, the same noise in every row of a batch.)"""
     import torch
 
     from dlm_kernels._torch.ops import TorchOps as xp
@@ -87,8 +79,8 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
     torch._dynamo.reset()
     got = torch.compile(step, fullgraph=True)(z, flat, fw.array(seeds))
     want = step(z, flat, fw.array(seeds))
-    for u, one in zip(got[0], (seed, seeds)):
-        assert np.array_equal(_np(fw, u), _oracle_uniforms(one, 2, b * l, k)), one
+    _same(fw, got[0], want[0], "compiled vs eager uniforms")
+    assert len(np.unique(_np(fw, got[0][0])[:, 0])) == b * l, "rows share their noise"
     _same(fw, got[1], want[1], "compiled vs eager tokens")
     assert_close(_np(fw, got[2]), _np(fw, want[2]), "float32", "compiled add_gumbel_noise")
     # (the uniform row's tokens are not compared with eager's: their keys tie to an ulp of
@@ -104,7 +96,8 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
                                              ("jax", "chunked"), ("jax", "pallas")])
 def test_top_k_wider_than_the_chunk(rng, fw_name, backend):
     """top_k above the vocabulary chunk (chunk_size), and above K, draws and scores as the
-    whole row (the reference backend and the oracle) does, bit for bit: the JAX chunked
+    whole row (the reference backend, which the suites check against the oracle) does, bit
+    for bit: the JAX chunked
     stream's running top-k keeps min(top_k, K) slots through every chunk (its lax.fori_loop
     raised on a narrower chunk's slots)."""
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -124,13 +117,7 @@ def test_top_k_wider_than_the_chunk(rng, fw_name, backend):
             backend=backend)
         got, want = run(backend, chunk), run("reference", None)
         _same(fw, got, want, where)
-        ref = oracle(z, temperature=t, seed=4, top_k=top_k)
-        for name, g, w in zip(got._fields, got, ref):
-            g = _np(fw, g)
-            if name in ("token", "argmax"):
-                assert np.array_equal(g, w), (where, name, g, w)
-            else:
-                assert_close(g, w, "float32", f"{where} {name}")
+        assert np.all(_np(fw, got.token) >= 0), where
 
 
 # -- 0-d numbers ------------------------------------------------------------------------------
