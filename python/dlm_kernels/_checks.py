@@ -106,30 +106,48 @@ def _static(name, value, what):
             f"or close over it, rather than as a traced array")
 
 
-def number(name, value, what, *, integer=False):
-    """``value`` as a Python int (``integer``) or float, for every scalar argument of both
-    front ends (and the sampler's): a Python int or float, a NumPy integer or floating scalar
-    (``np.int64(13)``, ``np.float32(0.5)``) or a 0-d array of such a dtype (NumPy, or a
-    concrete 0-d tensor / JAX array) is accepted as the number it holds. A bool is not a
-    number here (``True == 1`` in Python), nor a float where an int is meant. Anything else
-    raises ValueError ``{name} must be {what}; got ...``; the range is the caller's to check.
-    """
-    item = value
-    if not isinstance(value, (int, float)):  # the common case, and all torch.compile traces
-        traced = _static(name, value, "number")
-        if traced:
-            raise ValueError(traced)
-        if getattr(value, "shape", None) == () and hasattr(value, "item"):
-            try:  # NumPy scalars and 0-d arrays: their Python number (bool, int, float, ...)
-                item = value.item()
-            except Exception:  # not a number
-                pass
+def _item(value):
+    """A NumPy scalar's or a 0-d array's Python value (bool, int, float, ...); anything else
+    (a traced value too: a JAX tracer has no value here) as it is."""
+    if isinstance(value, (int, float)) or _static("", value, "number"):
+        return value  # the common case, and all torch.compile traces
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):
+        try:
+            return value.item()
+        except Exception:  # not a number
+            pass
+    return value
+
+
+def as_number(value, integer=False):
+    """The one reader of numbers in both front ends: ``value`` as a Python int
+    (``integer``) or float, or None when it is not one. A Python int or float, a NumPy
+    integer or floating scalar (``np.int64(13)``, ``np.float32(0.5)``) or a 0-d array of such
+    a dtype (NumPy, or a concrete 0-d tensor / JAX array, of either framework) is the number
+    it holds. A bool is not a number (``True == 1`` in Python), nor a float where an int is
+    meant, nor a traced value."""
+    item = _item(value)
     if isinstance(item, bool):
-        raise ValueError(f"{name} must be {what}, not a bool; got {item}")
+        return None
     if isinstance(item, int):
         return int(item) if integer else float(item)
     if isinstance(item, float) and not integer:
-        return item
+        return float(item)  # np.float64 is a float
+    return None
+
+
+def number(name, value, what, *, integer=False):
+    """``value`` as a Python int (``integer``) or float (``as_number``), for a scalar argument
+    whose range the caller checks; anything else raises ValueError ``{name} must be {what};
+    got ...`` (for a traced value: that it must be static)."""
+    out = as_number(value, integer)
+    if out is not None:
+        return out
+    traced = _static(name, value, "number")
+    if traced:
+        raise ValueError(traced)
+    if isinstance(_item(value), bool):
+        raise ValueError(f"{name} must be {what}, not a bool; got {_item(value)}")
     raise ValueError(f"{name} must be {what}; got {plain(value)}")
 
 

@@ -6,6 +6,12 @@ import torch
 import torch.utils._pytree as pytree
 
 
+def signed32(c: int) -> int:
+    """The 32-bit pattern of the Python int c read as a signed 32-bit number."""
+    c &= 0xFFFFFFFF
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
 class TorchOps:
     """The few operations whose torch spelling differs from jax.numpy, as static methods."""
 
@@ -69,22 +75,34 @@ class TorchOps:
 
         return head_logits(head)
 
-    # -- the denoising step (32-bit hashes held in int32 bit patterns) ----------
+    # -- the denoising step (32-bit hashes) ---------------------------------------
+    # Eager: int32 bit patterns, whose products wrap modulo 2^32 in torch's kernels (a CPU
+    # without AVX-512 has no vector int64 product: seven times the time of an int32 one).
+    # Traced by torch.compile: int64 values in [0, 2^32) whose products are exact, since a
+    # compiler may take a wrapping signed product as undefined (Inductor's C++ did, and gave
+    # every row of a batch the same hash). The same bits either way.
     @staticmethod
-    def u32(x):  # the 32-bit pattern of x as int32 (torch has no uint32 shifts)
+    def u32(x):  # the 32-bit pattern of x (int32 eager, int64 in [0, 2^32) traced)
+        exact = torch.compiler.is_compiling()
         if torch.is_tensor(x):
-            return x.to(torch.int32)
+            return x.long() & 0xFFFFFFFF if exact else x.to(torch.int32)
         v = int(x) & 0xFFFFFFFF
-        return torch.tensor(v - (1 << 32) if v >= 1 << 31 else v, dtype=torch.int32)
+        return torch.tensor(v if exact else signed32(v),
+                            dtype=torch.int64 if exact else torch.int32)
 
     @staticmethod
-    def u32_mul(x, c):  # int32 products wrap: the low 32 bits of the unsigned product
-        c &= 0xFFFFFFFF
-        return x * (c - (1 << 32) if c >= 1 << 31 else c)
+    def u32_mul(x, c):  # the low 32 bits of x·c
+        if x.dtype == torch.int64:  # exact: x < 2^32 and c as signed 32 bits, |x·c| < 2^63
+            return (x * signed32(c)) & 0xFFFFFFFF
+        return x * signed32(c)  # int32: wraps in torch's eager kernels
 
     @staticmethod
     def shr(x, s):  # the logical right shift of the 32-bit pattern
         return (x >> s) & ((1 << (32 - s)) - 1)
+
+    @staticmethod
+    def i32_bits(x):  # int32 holding the 32-bit pattern of an xp.u32 array (no wrapping cast)
+        return x if x.dtype == torch.int32 else (x - ((x >> 31) << 32)).to(torch.int32)
 
     @staticmethod
     def i32(x):

@@ -490,7 +490,9 @@ def sample_tokens(
         per sequence (B = logits.shape[0]): sequence b's noise is then keyed on (seed[b],
         step, its position inside the sequence, column), so it draws the same tokens alone
         or at any batch index, whatever its neighbours. One seed s keys the flattened row
-        index instead: a batch of one with seed s equals seed [s].
+        index instead: a batch of one with seed s equals seed [s]. Under ``jax.vmap`` an
+        unmapped seed draws alike in every mapped instance; map a seed per instance
+        (``jax.vmap(f)(logits, seeds)``, f passing ``seed=s``) to draw them independently.
       top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
         statistic is taken under that distribution).
       suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer array,

@@ -35,8 +35,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._checks import (dtype_str, flag, host_values, plain, require_array, require_float,
-                       require_int, require_logits, require_real, require_shape, shape_str)
+from .._checks import (as_number, dtype_str, flag, host_values, plain, require_array,
+                       require_float, require_int, require_logits, require_real, require_shape,
+                       shape_str)
 from ..linear_head.head import as_logits, row_chunks
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 
@@ -148,8 +149,8 @@ class SampleLowered(NamedTuple):
 # -- the counter-based noise ----------------------------------------------------------------
 
 def mix(xp, x):
-    """lowbias32 of 32-bit integers held as xp.u32 arrays (logical shifts, wrapping
-    multiplies)."""
+    """lowbias32 of 32-bit integers held as xp.u32 arrays (logical shifts, products modulo
+    2^32 that never rely on a wrapping signed product)."""
     for shift, multiplier in MIX_STEPS:
         x = x ^ xp.shr(x, shift)
         if multiplier is not None:
@@ -480,19 +481,6 @@ class ReferenceSampler:
 
 # -- checks -----------------------------------------------------------------------------------
 
-def _number(value, integral=False):
-    """value as a Python int (``integral``: an integer) or float (a real number), from a Python
-    number or a NumPy scalar such as np.int64(2) or np.float32(0.5); bools are not numbers.
-    None for anything else."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value) if integral else float(value)
-    if not integral and isinstance(value, (float, np.floating)):
-        return float(value)
-    return None
-
-
 def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale, chunk_size,
                        stats_temperature=None):
     require_logits(xp, "logits", logits)
@@ -500,13 +488,13 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
                          f"{shape_str(logits.shape)}")
-    t = _number(temperature)
+    t = as_number(temperature)
     if t is None or not (t == 0.0 or MIN_TEMPERATURE <= t <= _F32_MAX):
         raise ValueError(
             f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got "
             f"{plain(temperature)} (s = z / T is float32: below {MIN_TEMPERATURE} its "
             f"rounding swamps the noise, and temperature=0 is the exact T -> 0 limit)")
-    k = None if top_k is None else _number(top_k, integral=True)
+    k = None if top_k is None else as_number(top_k, integer=True)
     if top_k is not None and (k is None or not 1 <= k <= MAX_TOP_K):
         raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}] (a running top-k "
                          f"per row is merged in the one pass); got {plain(top_k)}")
@@ -514,15 +502,15 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
         require_logits(xp, "uncond_logits", uncond_logits)
         require_float(xp, "uncond_logits", uncond_logits)
         require_shape("uncond_logits", uncond_logits, logits.shape, "logits.shape")
-    c = _number(cfg_scale)
+    c = as_number(cfg_scale)
     if c is None or not abs(c) < float("inf"):
         raise ValueError(f"cfg_scale must be a finite number; got {plain(cfg_scale)}")
     if c != 0.0 and uncond_logits is None:
         raise ValueError("cfg_scale needs uncond_logits (the unconditional logits)")
-    chunk = None if chunk_size is None else _number(chunk_size, integral=True)
+    chunk = None if chunk_size is None else as_number(chunk_size, integer=True)
     if chunk_size is not None and (chunk is None or chunk < 1):
         raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
-    ts = None if stats_temperature is None else _number(stats_temperature)
+    ts = None if stats_temperature is None else as_number(stats_temperature)
     if stats_temperature is not None and (ts is None or not MIN_TEMPERATURE <= ts <= _F32_MAX):
         raise ValueError(f"stats_temperature must be None (the draw's temperature) or in "
                          f"[{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got {plain(stats_temperature)}")
@@ -533,14 +521,47 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
     return SampleConfig(t, k, c, uncond_logits is not None, chunk, ts)
 
 
+def _listed_ids(ids):
+    """``suppress_ids`` given as Python numbers -- one int, or a flat list or tuple of them
+    (NumPy integer scalars count) -- as a list of Python ints; None for anything else (an
+    array, nested lists). A non-integer element is a TypeError."""
+    if isinstance(ids, (list, tuple)):
+        if any(isinstance(i, (list, tuple)) or getattr(i, "shape", ()) != () for i in ids):
+            return None  # nested: the array path says which shape
+        items = list(ids)
+    elif isinstance(ids, (int, float, np.number, np.bool_)):
+        items = [ids]
+    else:
+        return None
+    out = [as_number(i, integer=True) for i in items]
+    bad = [i for i, v in zip(items, out) if v is None]
+    if bad:
+        raise TypeError(f"suppress_ids must be integer token ids (an array, a list or an int); "
+                        f"got {type(ids).__name__} holding {plain(bad[0])}")
+    return out
+
+
+def _raise_outside(vocab, values):
+    """Raise for the first id of ``values`` (a list of ints) outside [0, K)."""
+    for i, v in enumerate(values):
+        if not 0 <= v < vocab:
+            raise ValueError(f"suppress_ids must be token ids in [0, K) = [0, {vocab}) (K: the "
+                             f"vocabulary size); got {plain(v)} at index {i}")
+
+
 def suppressed_ids(xp, ids, vocab, like):
     """``suppress_ids`` (an integer array, a list, or one int; NumPy ones too) as (an [S]
     integer array on ``like``'s device or None, None or a bool scalar ``bad``). Ids outside
-    [0, K) raise where their values can be read here (``_checks.host_values``); where they
-    cannot (traced, or on an accelerator outside ``sync_checks()``) ``bad`` says whether any
-    is, and the caller marks every row as having no valid draw."""
+    [0, K) raise where their values can be read here: Python ints always (also while tracing),
+    arrays where ``_checks.host_values`` reads them; where it cannot (traced, or on an
+    accelerator outside ``sync_checks()``) ``bad`` says whether any is, and the caller marks
+    every row as having no valid draw."""
     if ids is None:
         return None, None
+    listed = None if xp.is_array(ids) else _listed_ids(ids)
+    if listed is not None:  # Python ints: checked here, with no array
+        _raise_outside(vocab, listed)
+        return (xp.from_host(np.asarray(listed, np.int32), like) if listed else None), None
     if xp.is_array(ids):
         require_int(xp, "suppress_ids", ids)
         host = host_values(xp, ids)
@@ -554,12 +575,8 @@ def suppressed_ids(xp, ids, vocab, like):
     if len(ids.shape if xp.is_array(ids) else host.shape) > 1:
         raise ValueError(f"suppress_ids must have shape [S] (or be one id); got "
                          f"{shape_str(ids.shape if xp.is_array(ids) else host.shape)}")
-    if host is not None:
-        out = (host < 0) | (host >= vocab)
-        if out.any():
-            i = int(np.argwhere(out.reshape(-1))[0][0])
-            raise ValueError(f"suppress_ids must be token ids in [0, K) = [0, {vocab}) (K: the "
-                             f"vocabulary size); got {plain(host.reshape(-1)[i])} at index {i}")
+    if host is not None and ((host < 0) | (host >= vocab)).any():
+        _raise_outside(vocab, host.reshape(-1).tolist())
     if not xp.is_array(ids):
         ids = xp.from_host(host.reshape(-1).astype(np.int32), like)
     ids = ids.reshape(-1)
@@ -586,7 +603,7 @@ def seed_argument(xp, name, value, lead):
                              f"{shape_str(value.shape)} for logits of leading shape "
                              f"{shape_str(lead)}")
         return value
-    number = _number(value, integral=True)
+    number = as_number(value, integer=True)
     if number is None:
         raise TypeError(f"{name} must be an int or an integer scalar; got "
                         f"{type(value).__name__}")
@@ -594,15 +611,17 @@ def seed_argument(xp, name, value, lead):
 
 
 def _per_sequence(xp, name, value, b, integral):
-    """A per-sequence argument of commit_tokens: a number (Python or NumPy), or an array of
-    shape [] or [B]; (value ready to broadcast against [B, L], its host values or None)."""
+    """A per-sequence argument of commit_tokens: a number (Python or NumPy, or a 0-d array of
+    another framework), or an array of shape [] or [B]; (value ready to broadcast against
+    [B, L], its values to check: the Python number itself, the array's host values, or None
+    where they cannot be read)."""
     if not xp.is_array(value):
-        number = _number(value, integral)
+        number = as_number(value, integral)
         if number is None:
             kind = "an int" if integral else "a number"
             raise TypeError(f"{name} must be {kind} or an array of shape [] or [B] = [{b}]; got "
                             f"{type(value).__name__}")
-        return number, np.asarray(number)
+        return number, number
     (require_int if integral else require_real)(xp, name, value)
     if tuple(value.shape) not in ((), (b,)):
         raise ValueError(f"{name} must be a number or have shape [] or [B] = [{b}] (one per "
@@ -611,6 +630,13 @@ def _per_sequence(xp, name, value, b, integral):
 
 
 def _raise_at(name, bad, values, rule):
+    """Raise naming the first bad value: ``values`` a Python number and ``bad`` a bool
+    (checked in Python: under torch.compile a NumPy array of it would be traced, and a branch
+    on it data-dependent), or host values [] or [B] and ``bad`` an array of their shape."""
+    if isinstance(values, (int, float)):
+        if bad:
+            raise ValueError(f"{name} must be {rule}; got {plain(values)}")
+        return
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(np.atleast_1d(bad))[0])
         where = f" at index {idx}" if values.ndim else ""
@@ -641,7 +667,7 @@ def commit_arguments(xp, canvas, sample, k, threshold, budget):
         if value is not None:
             value, host = _per_sequence(xp, name, value, b, integral=False)
             if host is not None:
-                _raise_at(name, np.isnan(host), host, "a number (not NaN)")
+                _raise_at(name, host != host, host, "a number (not NaN)")
         out.append(value)
     return tuple(out)
 

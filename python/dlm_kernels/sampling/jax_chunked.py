@@ -17,12 +17,25 @@ def _slice(a, start, c):
     return None if a is None else lax.dynamic_slice_in_dim(a, start, c, axis=1)
 
 
+def _padded(st, k):
+    """A chunk's state with k top-k slots: a chunk narrower than top_k fills its last slots
+    with -inf (probability 0: never drawn, nothing in a statistic), so the running top-k
+    keeps one shape through ``lax.fori_loop``."""
+    extra = k - st.topv.shape[1]
+    if extra == 0:
+        return st
+    return st._replace(topv=jnp.pad(st.topv, ((0, 0), (0, extra)), constant_values=-jnp.inf),
+                       topi=jnp.pad(st.topi, ((0, 0), (0, extra))))  # [N, k]
+
+
 def sample(z, zu, keys, suppress, cfg):
     # z, zu: [N, K] -> Sample of [N] fields, a lax.fori_loop over vocabulary chunks (the
     # clamped last chunk masks the columns an earlier one saw to -inf). Without top_k the
     # loop keeps maxima only and ``settle`` re-reads one chunk per row for the positions
     # (XLA's argmax on a CPU costs about 18x its max, 100x fused with the noise).
     n, k = z.shape
+    if cfg.top_k is not None:  # the slots of a whole row; every chunk's state has them all
+        cfg = cfg._replace(top_k=min(cfg.top_k, k))
     c = chunk_size_for(n, k, cfg, jax.default_backend() == "cpu")
     n_chunks = -(-k // c)
     noisy = sampling.noisy_scores(xp, keys)
@@ -47,7 +60,7 @@ def sample(z, zu, keys, suppress, cfg):
         if cfg.top_k is None:
             return sampling.chunk_values(xp, z_i, s, sd, cols, jnp.full((n,), i, jnp.int32),
                                          noisy, cfg)
-        return sampling.chunk_state(xp, z_i, s, sd, cols, keys, cfg)
+        return _padded(sampling.chunk_state(xp, z_i, s, sd, cols, keys, cfg), cfg.top_k)
 
     state = part(0)
     if n_chunks > 1:

@@ -10,7 +10,8 @@ chunk per row (``sampling.core.chunk_values`` and ``settle``):
   pass 2: those chunks re-read (1/S of the logits each) for the positions
 
 The noise is the same integers as ``sampling.core.gumbel``, computed in place in scratch buffers
-(each lowbias32 step a shift, a mask and an xor), so every backend draws the same tokens.
+(each lowbias32 step a shift, a mask and an xor; under torch.compile ``sampling.core.gumbel``
+itself, exact int64 arithmetic: ``TorchOps.u32``), so every backend draws the same tokens.
 """
 
 from __future__ import annotations
@@ -20,21 +21,19 @@ import torch
 from . import core as sampling
 from .._config import SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
-from .._torch.ops import TorchOps as xp
+from .._torch.ops import TorchOps as xp, signed32
 
 _NEG_INF = float("-inf")
 _F32_LOWEST = torch.finfo(torch.float32).min
 
 
-def _as_int32(c):
-    c &= 0xFFFFFFFF
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
 def noisy_scores_(s, keys, cols, scratch):
-    """s + g [N, C] float32 in scratch[2], bit for bit ``s + sampling.core.gumbel(xp, keys,
-    cols)``: s [N, C], keys [N] int32 row keys, cols [C] or [N, C] global column ids,
-    scratch (int32, int32, float32) buffers of at least [N, C]."""
+    """s + g [N, C] float32, bit for bit ``s + sampling.core.gumbel(xp, keys, cols)``: s [N, C],
+    keys [N] row keys (``xp.u32``), cols [C] or [N, C] global column ids, scratch (int32,
+    int32, float32) buffers of at least [N, C], the result in the third. Under torch.compile
+    it is ``sampling.core.gumbel`` itself (exact int64 products: ``TorchOps.u32``)."""
+    if torch.compiler.is_compiling():
+        return s + sampling.gumbel(xp, keys, cols)
     h, t, out = (buf[:, :s.shape[1]] for buf in scratch)
     col_keys = sampling.mix(xp, xp.u32(cols))
     torch.bitwise_xor(keys[:, None], col_keys if cols.dim() == 2 else col_keys[None, :], out=h)
@@ -43,7 +42,7 @@ def noisy_scores_(s, keys, cols, scratch):
         t &= (1 << (32 - shift)) - 1
         h ^= t
         if mul is not None:
-            h.mul_(_as_int32(mul))
+            h.mul_(signed32(mul))
     torch.bitwise_right_shift(h, 9, out=t)  # u = ((h >>> 9) + 1/2)·2^-23, exact in float32
     t &= (1 << 23) - 1
     out.copy_(t).add_(0.5).mul_(2.0 ** -23)
@@ -77,20 +76,29 @@ def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
     out[_FIELD["gv"]] = _NEG_INF if cfg.greedy else xp.rowmax(noisy(sd, cols))
 
 
+def _scratch(n, c, device):
+    """The [N, C] buffers of one chunk: two int32 for the hash, three float32."""
+    return [torch.empty((n, c), dtype=dt, device=device)
+            for dt in (torch.int32, torch.int32) + (torch.float32,) * 3]
+
+
 def _two_pass(z, zu, keys, suppress, cfg, chunks):
     """Sample of [N] fields of z [N, K] (and zu) over the vocabulary chunks [(c0, c1)] of one
     width (the last may be narrower); cfg.top_k is None."""
     n, k = z.shape
     c = chunks[0][1] - chunks[0][0]
-    scratch = [torch.empty((n, c), dtype=dt, device=z.device)
-               for dt in (torch.int32, torch.int32) + (torch.float32,) * 3]
+    scratch = _scratch(n, c, z.device)
     noisy = lambda s, cols: noisy_scores_(s, keys, cols, scratch[:3])  # noqa: E731
     state = torch.empty((len(SAMPLE_STATE), len(chunks), n), device=z.device)
     for j, (c0, c1) in enumerate(chunks):  # pass 1: every logit once
         cols = torch.arange(c0, c1, device=z.device)
         scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
                                         cols, suppress, cfg)
-        _chunk_values_(*scores, cols, noisy, cfg, state[:, j], scratch[3:])
+        # a narrower last chunk gets buffers of its own width: torch.compile's out= takes
+        # contiguous tensors only, and a buffer's first columns are not
+        bufs = scratch if c1 - c0 == c else _scratch(n, c1 - c0, z.device)
+        _chunk_values_(*scores, cols, lambda s, cols: noisy_scores_(s, keys, cols, bufs[:3]),
+                       cfg, state[:, j], bufs[3:])
     chunk_ids = torch.arange(len(chunks), dtype=torch.int32, device=z.device)
     ids = chunk_ids[None, :, None].expand(len(SAMPLE_IDS), len(chunks), n)
     st = sampling.merge_splits(xp, state, ids, None, None, cfg, k)

@@ -67,9 +67,9 @@ def sample(z, zu, keys, suppress, cfg):
     n, k = z.shape
     low = cfg.lowered()
     state, ids, top_v, top_i = torch.ops.dlm_kernels.sample_partial(
-        z, zu, keys.contiguous(), None if suppress is None else suppress.contiguous(),
-        low.temperature, low.top_k, low.cfg_c, low.block_k, low.stats_temperature,
-        low.GREEDY, low.TWO_T)
+        z, zu, TorchOps.i32_bits(keys).contiguous(),
+        None if suppress is None else suppress.contiguous(), low.temperature, low.top_k,
+        low.cfg_c, low.block_k, low.stats_temperature, low.GREEDY, low.TWO_T)
     if cfg.top_k:  # [S, N, k] -> [N, S·k]
         top_v, top_i = (t.permute(1, 0, 2).reshape(n, t.shape[0] * t.shape[2])
                         for t in (top_v, top_i))

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import (OutOfRangeError, flag, plain, require_array, require_int, require_real,
-                       require_shape, shape_str)
+from .._checks import (OutOfRangeError, as_number, flag, plain, require_array, require_int,
+                       require_real, require_shape, shape_str)
 from ..linear_head.head import as_logits
-from .core import (_flat_rows, _number, commit_arguments, gumbel, make_sample_config,
+from .core import (_flat_rows, commit_arguments, gumbel, make_sample_config,
                    position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
                    _commit_topk, _per_sequence, _unless_nan)
 
@@ -33,6 +33,22 @@ def _rows_of(lead):
     for dim in lead:
         n *= dim
     return n
+
+
+def _at_most_length(host, length):
+    """num_transfer_tokens' values (a Python int, checked in Python, also while tracing; host
+    values [] or [B]; or None, unreadable) at most L, as upstream's torch.topk requires."""
+    if isinstance(host, int):
+        bad, i, got = host > length, None, host
+    else:
+        bad = host is not None and bool((np.atleast_1d(host) > length).any())
+        i = int(np.argmax(np.atleast_1d(host) > length)) if bad else None
+        got = None if i is None else int(np.atleast_1d(host)[i])
+    if bad:
+        raise OutOfRangeError(
+            f"num_transfer_tokens must be at most L = {length} positions per sequence "
+            f"(torch.topk: selected index k out of range); got {got}"
+            + ("" if i is None else f" for sequence {i}"))
 
 
 def make_step_api(xp, sample_tokens):
@@ -61,7 +77,7 @@ def make_step_api(xp, sample_tokens):
         if len(mask_index.shape) != 2:
             raise ValueError(f"mask_index must have shape [B, L]; got "
                              f"{shape_str(mask_index.shape)}")
-        count = _number(steps, integral=True)
+        count = as_number(steps, integer=True)
         if count is None or count < 1:
             raise ValueError(f"steps must be a positive int; got {plain(steps)}")
         masked = xp.rowsum(xp.index_ints(mask_index != 0))  # [B]
@@ -84,7 +100,7 @@ def make_step_api(xp, sample_tokens):
         if _lead(logits) != tuple(x.shape):
             raise ValueError(f"logits must have shape [B, L, K] with [B, L] = x.shape "
                              f"{shape_str(x.shape)}; got {shape_str(logits.shape)}")
-        t = _number(temperature)
+        t = as_number(temperature)
         sample = sample_tokens(logits, temperature=temperature, seed=seed, step=step,
                                stats_temperature=None if t == 0.0 else 1.0, backend=backend)
         k = num_transfer_tokens
@@ -95,13 +111,7 @@ def make_step_api(xp, sample_tokens):
             if xp.is_array(k) and tuple(k.shape) == (x.shape[0], 1):
                 k = k.reshape(-1)
             _, host = _per_sequence(xp, "num_transfer_tokens", k, x.shape[0], integral=True)
-            length = x.shape[1]
-            if host is not None and (host > length).any():  # upstream: torch.topk raises
-                i = int(np.argmax(np.atleast_1d(host) > length))
-                raise OutOfRangeError(
-                    f"num_transfer_tokens must be at most L = {length} positions per sequence "
-                    f"(torch.topk: selected index k out of range); got "
-                    f"{int(np.atleast_1d(host)[i])} for sequence {i}")
+            _at_most_length(host, x.shape[1])
         else:
             k = None  # upstream commits every masked position at or above the threshold
         k, threshold, _ = commit_arguments(xp, x, sample, k, threshold, None)
