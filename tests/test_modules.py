@@ -115,6 +115,60 @@ def test_fused_linear_opd_module_matches_the_function():
     assert_same(got, exp, "fused linear OPD")
 
 
+POLICY = dict(loss_type="dapo", epsilon=0.1, epsilon_high=0.28, delta=1.5, beta=0.04,
+              use_bias_correction_kl=True, importance_sampling_level="sequence",
+              temperature=0.7, max_completion_length=9)
+
+
+def policy_inputs(rng):
+    batch = distillation_batch(rng, torch.zeros(B, L, K)).student_batch
+    logps = lambda: torch.as_tensor(rng.normal(size=(B, L)) - 3.0).float()
+    return batch, dict(old_logps=logps(), advantages=torch.as_tensor(rng.normal(size=B)).float(),
+                       ref_logps=logps(), num_items_in_batch=torch.tensor(11.0))
+
+
+def test_policy_modules_take_every_keyword_of_the_function():
+    """Every keyword of policy_loss is a constructor option or a forward argument of both
+    modules (with the function's default)."""
+    import inspect
+
+    function = inspect.signature(dk.policy_loss).parameters
+    for module in (dn.PolicyLoss, dn.FusedLinearPolicyLoss):
+        taken = {**inspect.signature(module.__init__).parameters,
+                 **inspect.signature(module.forward).parameters}
+        for name, param in function.items():
+            if name in ("logits", "batch"):
+                continue
+            assert name in taken, (module.__name__, name)
+            assert taken[name].default == param.default, (module.__name__, name)
+
+
+def test_policy_module_matches_the_function():
+    rng = np.random.default_rng(new_seed())
+    batch, kw = policy_inputs(rng)
+    z = torch.as_tensor(rng.normal(size=(B, L, K))).float()
+    module = dn.PolicyLoss(**POLICY)
+    got = run(lambda z: module(z, batch, **kw).loss, [z], 1.0)
+    assert_same(got, run(lambda z: dk.policy_loss(z, batch, **POLICY, **kw).loss, [z], 1.0),
+                "policy")
+    assert module(z, batch, **kw) == dk.policy_loss(z, batch, **POLICY, **kw)
+    assert list(module.parameters()) == [] and module.state_dict() == {}
+
+
+def test_fused_linear_policy_module_matches_the_function():
+    rng = np.random.default_rng(new_seed())
+    batch, kw = policy_inputs(rng)
+    hidden = torch.as_tensor(rng.normal(size=(B, L, D))).float()
+    kernel = torch.as_tensor(rng.normal(size=(D, K)) / D ** 0.5).float()  # [D, K]
+    bias = torch.as_tensor(rng.normal(size=K)).float()
+    module = dn.FusedLinearPolicyLoss(**POLICY, weight_layout="DK", row_chunk=4)
+    got = run(lambda h, w, b: module(h, w, batch, **kw, bias=b).loss, [hidden, kernel, bias], 1.0)
+    exp = run(lambda h, w, b: dk.policy_loss(dk.LinearHead(h, w, b, weight_layout="DK",
+                                                           row_chunk=4), batch, **POLICY,
+                                             **kw).loss, [hidden, kernel, bias], 1.0)
+    assert_same(got, exp, "fused linear policy")
+
+
 BAD_OPTIONS = [
     (lambda: dn.DiffusionSFTLoss(variant="nope", vocab_size=K), "Unknown variant 'nope'"),
     (lambda: dn.DiffusionSFTLoss(variant="loo-ce", vocab_size=0),
@@ -126,6 +180,9 @@ BAD_OPTIONS = [
     (lambda: dn.OPDLoss(temperature=0.0), "temperature must be positive; got 0.0"),
     (lambda: dn.FusedLinearOPDLoss(soft_loss_weight=0.0),
      "at least one loss weight must be positive"),
+    (lambda: dn.PolicyLoss(loss_type="ppo"), r"loss_type must be one of \('grpo', .*; got 'ppo'"),
+    (lambda: dn.FusedLinearPolicyLoss(loss_type="grpo", epsilon=2.0),
+     r"epsilon must be a float in \[0, 1\]"),
 ]
 
 
@@ -141,3 +198,6 @@ def test_modules_say_their_options():
     assert repr(dn.FusedLinearOPDLoss(temperature=2.0)) == (
         "FusedLinearOPDLoss(temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.0, "
         "weight_layout='KD')")
+    assert repr(dn.PolicyLoss(loss_type="cispo", epsilon_high=5.0)) == (
+        "PolicyLoss(loss_type='cispo', epsilon=0.2, epsilon_high=5.0, "
+        "importance_sampling_level='token', temperature=1.0)")

@@ -346,3 +346,132 @@ class TestJaxPallas(KernelPolicySuite):
     def _interpret(self, monkeypatch):
         pytest.importorskip("jax.experimental.pallas.tpu")
         monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def _valid(fw, rng):
+    """(logits, batch, keywords) of a valid call with beta > 0 (every input read)."""
+    p = Problem(rng)
+    y = fw.array(p.y)
+    batch = fw.api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+                                              loss_weights=fw.array(p.w.astype(np.float32)))
+    kw = dict(old_logps=fw.array(p.old), advantages=fw.array(p.adv), loss_type="dapo",
+              beta=0.1, ref_logps=fw.array(p.ref))
+    return fw.array(np.nan_to_num(p.z).reshape(B, L, K), "float32"), batch, kw, p
+
+
+def _bad_arguments(fw, p):
+    """(keywords replaced, error class, message pattern) for each bad argument."""
+    f32 = lambda a: fw.array(np.asarray(a, np.float32))
+    valid = "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"
+    return [
+        (dict(old_logps=f32(p.old[:, :-1])), ValueError,
+         r"old_logps must have shape target_ids.shape \[B, L\] = \[3, 7\]; got \[3, 6\]"),
+        (dict(old_logps=fw.array(np.zeros((B, L), np.int32))), TypeError,
+         "old_logps must have a floating-point dtype; got int32"),
+        (dict(old_logps=p.old.tolist()), TypeError, "old_logps must be .*; got list"),
+        (dict(ref_logps=f32(p.ref[0])), ValueError,
+         r"ref_logps must have shape target_ids.shape \[B, L\] = \[3, 7\]; got \[7\]"),
+        (dict(advantages=f32(p.adv[:, None])), ValueError,
+         r"advantages must have shape \[B\] = \[3\]; got \[3, 1\]"),
+        (dict(advantages=f32(p.adv[:2])), ValueError,
+         r"advantages must have shape \[B\] = \[3\]; got \[2\]"),
+        (dict(loss_type="ppo"), ValueError, rf"loss_type must be one of \({valid}\); got 'ppo'"),
+        (dict(ref_logps=None), ValueError,
+         r"ref_logps must be given when beta != 0 .*; got None with beta = 0.1"),
+        (dict(epsilon=-0.1), ValueError, r"epsilon must be a float in \[0, 1\] .*; got -0.1"),
+        (dict(epsilon=1.5), ValueError, r"epsilon must be a float in \[0, 1\] .*; got 1.5"),
+        (dict(epsilon=float("nan")), ValueError, r"epsilon must be .*; got nan"),
+        (dict(epsilon_high=-0.2), ValueError,
+         "epsilon_high must be a finite float >= 0 or None; got -0.2"),
+        (dict(epsilon_high=float("inf")), ValueError, "epsilon_high must be .*; got inf"),
+        (dict(loss_type="cispo", epsilon_high=0.0), ValueError,
+         "epsilon_high must be positive with loss_type 'cispo' .*; got 0.0"),
+        (dict(delta=0.9), ValueError, "delta must be a finite float > 1 or None .*; got 0.9"),
+        (dict(beta=-0.5), ValueError, "beta must be a finite non-negative float; got -0.5"),
+        (dict(importance_sampling_level="seq"), ValueError,
+         r"importance_sampling_level must be one of \('token', 'sequence'\); got 'seq'"),
+        (dict(temperature=0.0), ValueError,
+         "temperature must be a finite positive real scalar; got 0.0"),
+        (dict(max_completion_length=0), ValueError,
+         "max_completion_length must be a positive int or None; got 0"),
+        (dict(num_items_in_batch=-1.0), ValueError,
+         "num_items_in_batch must be a finite non-negative float; got -1.0"),
+        (dict(num_items_in_batch=f32([3.0, 4.0])), ValueError,
+         r"num_items_in_batch must be a number or a 0-d array; got shape \[2\]"),
+        (dict(use_bias_correction_kl=1), TypeError,
+         "use_bias_correction_kl must be True or False; got 1"),
+    ]
+
+
+def _bad_values(fw, p):
+    """(name, keywords replaced, loss_weights or None, message pattern) for each bad value:
+    an error where values are readable, NaN where they are not."""
+    f32 = lambda a: fw.array(np.asarray(a, np.float32))
+    adv, old, ref, w = p.adv.copy(), p.old.copy(), p.ref.copy(), p.w.astype(np.float32)
+    adv[1] = np.nan
+    old[0, 0] = np.inf
+    ref[0, 0] = np.nan
+    w_neg, w_nan = w.copy(), w.copy()
+    w_neg[1, 2], w_nan[1, 2] = -1.0, np.nan
+    return [
+        ("advantages NaN", dict(advantages=f32(adv)), None,
+         r"advantages must be finite; got nan at index \(1,\)"),
+        ("old_logps inf", dict(old_logps=f32(old)), None,
+         r"old_logps where loss_weights is set must be finite; got inf at index \(0, 0\)"),
+        ("ref_logps NaN", dict(ref_logps=f32(ref)), None,
+         r"ref_logps where loss_weights is set must be finite; got nan at index \(0, 0\)"),
+        ("num_items_in_batch < 0", dict(num_items_in_batch=f32(-3.0)), None,
+         "num_items_in_batch must be a finite non-negative number; got -3.0"),
+        ("a negative weight", {}, w_neg, r"loss_weights must be nonnegative; got -1.0"),
+        ("a NaN weight", {}, w_nan, "loss_weights must contain only finite values; got nan"),
+    ]
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_bad_arguments_raise_naming_them(rng, fw_name):
+    fw = framework(fw_name)
+    z, batch, kw, p = _valid(fw, rng)
+    fw.api.policy_loss(z, batch, **kw)  # the valid call passes
+    for change, error, pattern in _bad_arguments(fw, p):
+        with pytest.raises(error, match=pattern):
+            fw.api.policy_loss(z, batch, **dict(kw, **change))
+    for name, change, w, pattern in _bad_values(fw, p):
+        bad = batch if w is None else batch.replace(loss_weights=fw.array(w))
+        with pytest.raises(ValueError, match=pattern):
+            fw.api.policy_loss(z, bad, **dict(kw, **change))
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_bad_values_give_nan_where_they_cannot_be_read(rng, fw_name, monkeypatch):
+    """Where no check can read the values (JAX: under jax.jit; torch: simulated, as on a GPU
+    or under torch.compile, by giving the checks no host values), each bad value makes the
+    loss and every metric NaN, never a plausible number; the good call stays finite."""
+    fw = framework(fw_name)
+    z, batch, kw, p = _valid(fw, rng)
+    cases = [("none", {}, None)] + [(n, c, w) for n, c, w, _ in _bad_values(fw, p)]
+    if fw_name == "torch":
+        from dlm_kernels import _checks
+
+        monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
+        results = [fw.api.policy_loss(z, batch if w is None else batch.replace(
+            loss_weights=fw.array(w)), **dict(kw, **c)) for _, c, w in cases]
+    else:
+        def all_cases(z, arrays):
+            out = []
+            for (_, c, w), (c_arrays, w_array) in zip(cases, arrays):
+                b = batch if w is None else batch.replace(loss_weights=w_array)
+                out.append(fw.api.policy_loss(z, b, **dict(kw, **c_arrays)))
+            return out
+
+        arrays = [(c, None if w is None else fw.array(w)) for _, c, w in cases]
+        results = fw.jax.jit(all_cases)(z, arrays)
+    for (name, _, _), result in zip(cases, results):
+        values = [fw.numpy(v) for v in (result.loss, result.clip_ratio_low,
+                                        result.clip_ratio_high, result.clip_ratio_region,
+                                        result.kl, result.entropy)]
+        if name == "none":
+            assert np.isfinite(values).all(), values
+        else:
+            assert np.isnan(values).all(), (name, values)
