@@ -475,3 +475,37 @@ def test_bad_values_give_nan_where_they_cannot_be_read(rng, fw_name, monkeypatch
             assert np.isfinite(values).all(), values
         else:
             assert np.isnan(values).all(), (name, values)
+
+
+def test_jax_policy_loss_under_vocab_parallel(rng):
+    """Logits sharded on K over a 4-device "vocab" axis (K = 41 padded to 44 with NaN):
+    the loss, its metrics and d logits equal the unsharded reference's, and the padding's
+    gradient is exact zeros."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    fw = framework("jax")
+    D = fw.api
+    z, batch, kw, p = _valid(fw, rng)
+    kw = dict(kw, importance_sampling_level="sequence", use_bias_correction_kl=True,
+              temperature=T)
+    padded = np.concatenate([fw.numpy(z), np.full((B, L, 3), np.nan)], axis=-1)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("vocab",))
+
+    def local(z_):
+        with D.vocab_parallel("vocab", vocab_size=K):
+            r = D.policy_loss(z_, batch, **kw)
+        return r.loss, r.clip_ratio_region, r.kl, r.entropy
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P(None, None, "vocab"),
+                      out_specs=(P(), P(), P(), P()))
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda z_: (lambda o: (o[0], o[1:]))(
+        f(z_)), has_aux=True))(fw.array(padded, "float32"))
+    ref = lambda z_: (lambda r: (r.loss, (r.clip_ratio_region, r.kl, r.entropy)))(
+        D.policy_loss(z_, batch, backend="reference", **kw))
+    (r_loss, r_metrics), r_grad = jax.value_and_grad(ref, has_aux=True)(z)
+    assert_close(float(loss), float(r_loss), "float32", "loss")
+    for name, got, want in zip(("clip_ratio_region", "kl", "entropy"), metrics, r_metrics):
+        assert_close(float(got), float(want), "float32", name)
+    assert_close(np.asarray(grad)[..., :K], np.asarray(r_grad), "float32", "d logits")
+    assert_exact_zero(np.asarray(grad)[..., K:], "d logits of the padding")
