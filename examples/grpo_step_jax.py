@@ -33,7 +33,7 @@ V, D = 64, 32  # vocabulary (the last id is the mask token), width
 MASK = V - 1
 PROMPT, COMPLETION = 4, 12
 TEMPERATURE = 0.9  # of the rollouts, and so of every log-prob of the loss
-STEPS_PER_ROLLOUT = 6
+STEPS_PER_ROLLOUT = 4
 # a trained predictor never proposes the mask token: its logit is -inf
 BIAS = jnp.zeros(V).at[MASK].set(-jnp.inf)
 

@@ -54,7 +54,7 @@ class TinyDenoiser(torch.nn.Module):
 
 @torch.no_grad()
 def rollout(model: TinyDenoiser, prompts: torch.Tensor, seeds: torch.Tensor,
-            steps: int = 6) -> torch.Tensor:
+            steps: int = 4) -> torch.Tensor:
     """Complete every prompt by unmasking COMPLETION // steps positions per step."""
     canvas = torch.cat([prompts, torch.full((len(prompts), COMPLETION), MASK)], dim=1)
     for step in range(steps):
