@@ -552,10 +552,11 @@ def policy_loss(
 
     old_logps, ref_logps and advantages are constants (no gradient). Positions of weight 0
     take no part (a -inf or NaN there reaches nothing). Bad values raise ValueError where
-    they can be read without a device sync (concrete host arrays; accelerator arrays inside ``sync_checks()``): non-finite advantages, old_logps or
-    ref_logps non-finite where the weight is set, a negative or non-finite num_items_in_batch,
-    and the batch's own checks. Elsewhere (accelerators, ``jit``) they make the loss and every metric NaN,
-    never a plausible number.
+    they can be read without a device sync (concrete host arrays; accelerator arrays inside
+    ``sync_checks()``): non-finite advantages, old_logps or ref_logps non-finite where the
+    weight is set, a negative or non-finite num_items_in_batch, and the batch's own checks.
+    Elsewhere (accelerators, ``jit``) they make the loss and every metric NaN, never a
+    plausible number.
     """
     return _OBJECTIVES.policy_loss(
         logits, batch, old_logps=old_logps, advantages=advantages, loss_type=loss_type,

@@ -535,9 +535,10 @@ def policy_loss(
 
     old_logps, ref_logps and advantages are constants (no gradient). Positions of weight 0
     take no part (a -inf or NaN there reaches nothing). Bad values raise ValueError where
-    they can be read without a device sync (CPU tensors; CUDA tensors inside ``sync_checks()``): non-finite advantages, old_logps or
-    ref_logps non-finite where the weight is set, a negative or non-finite num_items_in_batch,
-    and the batch's own checks. Elsewhere (CUDA tensors, ``torch.compile``) they make the loss and every metric NaN,
+    they can be read without a device sync (CPU tensors; CUDA tensors inside
+    ``sync_checks()``): non-finite advantages, old_logps or ref_logps non-finite where the
+    weight is set, a negative or non-finite num_items_in_batch, and the batch's own checks.
+    Elsewhere (CUDA tensors, ``torch.compile``) they make the loss and every metric NaN,
     never a plausible number.
     """
     return _OBJECTIVES.policy_loss(
