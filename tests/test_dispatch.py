@@ -184,7 +184,8 @@ def test_non_editable_install_ships_kernels(tmp_path):
 def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
     """The kernels leave out what no output needs: CE-type objectives run without the
     entropy's sums, distillation adds the T = 1 CE sums only with a hard term, and only
-    per_token_logps(return_entropy=True) computes the entropy."""
+    per_token_logps(return_entropy=True) and policy_loss (its entropy metric) compute the
+    entropy."""
     fw = framework(fw_name)
     impl = fw.registry.IMPLEMENTATIONS["chunked"]
     seen = []
@@ -211,6 +212,9 @@ def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
         "per_token_logps+entropy": lambda: api.per_token_logps(z, batch, return_entropy=True),
         "opd soft+hard": lambda: api.opd_loss(z, dbatch, temperature=2.0, hard_loss_weight=0.5),
         "opd soft only": lambda: api.opd_loss(z, dbatch, temperature=2.0),
+        "policy_loss": lambda: api.policy_loss(z, batch, old_logps=None,
+                                               advantages=fw.array(np.ones(2, np.float32)),
+                                               loss_type="grpo"),
     }
     got = {}
     for name, call in calls.items():
@@ -225,6 +229,7 @@ def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
         "per_token_logps+entropy": (True, False),
         "opd soft+hard": (False, True),
         "opd soft only": (False, False),
+        "policy_loss": (True, False),  # its entropy metric, from the same pass
     }, got
 
 

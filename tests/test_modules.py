@@ -30,6 +30,8 @@ TWINS = {
     dn.FusedLinearDiffusionSFTLoss: dk.diffusion_sft_loss,
     dn.OPDLoss: dk.opd_loss,
     dn.FusedLinearOPDLoss: dk.opd_loss,
+    dn.PolicyLoss: dk.policy_loss,
+    dn.FusedLinearPolicyLoss: dk.policy_loss,
 }
 
 
@@ -133,6 +135,60 @@ def test_fused_linear_opd_module_matches_the_function():
     assert_same(got, exp, "fused linear OPD")
 
 
+POLICY = dict(loss_type="dapo", epsilon=0.1, epsilon_high=0.28, delta=1.5, beta=0.04,
+              use_bias_correction_kl=True, importance_sampling_level="sequence",
+              temperature=0.7, max_completion_length=9)
+
+
+def policy_inputs(rng):
+    batch = distillation_batch(rng, torch.zeros(B, L, K)).student_batch
+    logps = lambda: torch.as_tensor(rng.normal(size=(B, L)) - 3.0).float()
+    return batch, dict(old_logps=logps(), advantages=torch.as_tensor(rng.normal(size=B)).float(),
+                       ref_logps=logps(), num_items_in_batch=torch.tensor(11.0))
+
+
+def test_policy_modules_take_every_keyword_of_the_function():
+    """Every keyword of policy_loss is a constructor option or a forward argument of both
+    modules (with the function's default)."""
+    import inspect
+
+    function = inspect.signature(dk.policy_loss).parameters
+    for module in (dn.PolicyLoss, dn.FusedLinearPolicyLoss):
+        taken = {**inspect.signature(module.__init__).parameters,
+                 **inspect.signature(module.forward).parameters}
+        for name, param in function.items():
+            if name in ("logits", "batch"):
+                continue
+            assert name in taken, (module.__name__, name)
+            assert taken[name].default == param.default, (module.__name__, name)
+
+
+def test_policy_module_matches_the_function():
+    rng = np.random.default_rng(new_seed())
+    batch, kw = policy_inputs(rng)
+    z = torch.as_tensor(rng.normal(size=(B, L, K))).float()
+    module = dn.PolicyLoss(**POLICY)
+    got = run(lambda z: module(z, batch, **kw).loss, [z], 1.0)
+    assert_same(got, run(lambda z: dk.policy_loss(z, batch, **POLICY, **kw).loss, [z], 1.0),
+                "policy")
+    assert module(z, batch, **kw) == dk.policy_loss(z, batch, **POLICY, **kw)
+    assert list(module.parameters()) == [] and module.state_dict() == {}
+
+
+def test_fused_linear_policy_module_matches_the_function():
+    rng = np.random.default_rng(new_seed())
+    batch, kw = policy_inputs(rng)
+    hidden = torch.as_tensor(rng.normal(size=(B, L, D))).float()
+    kernel = torch.as_tensor(rng.normal(size=(D, K)) / D ** 0.5).float()  # [D, K]
+    bias = torch.as_tensor(rng.normal(size=K)).float()
+    module = dn.FusedLinearPolicyLoss(**POLICY, weight_layout="DK", row_chunk=4)
+    got = run(lambda h, w, b: module(h, w, batch, **kw, bias=b).loss, [hidden, kernel, bias], 1.0)
+    exp = run(lambda h, w, b: dk.policy_loss(dk.LinearHead(h, w, b, weight_layout="DK",
+                                                           row_chunk=4), batch, **POLICY,
+                                             **kw).loss, [hidden, kernel, bias], 1.0)
+    assert_same(got, exp, "fused linear policy")
+
+
 BAD_OPTIONS = [
     (lambda: dn.DiffusionSFTLoss(variant="nope", vocab_size=K), "Unknown variant 'nope'"),
     (lambda: dn.DiffusionSFTLoss(variant="loo-ce", vocab_size=0),
@@ -148,6 +204,9 @@ BAD_OPTIONS = [
      r"label_smoothing must be a float in \[0, 1\]; got 1.5"),
     (lambda: dn.OPDLoss(z_loss_weight=-1.0),
      "z_loss_weight must be a finite non-negative float; got -1.0"),
+    (lambda: dn.PolicyLoss(loss_type="ppo"), r"loss_type must be one of \('grpo', .*; got 'ppo'"),
+    (lambda: dn.FusedLinearPolicyLoss(loss_type="grpo", epsilon=2.0),
+     r"epsilon must be a float in \[0, 1\]"),
 ]
 
 
@@ -166,6 +225,10 @@ def test_modules_say_their_options():
     assert repr(dn.DiffusionSFTLoss(variant="loo-ce", vocab_size=K, label_smoothing=0.1)) == (
         "DiffusionSFTLoss(variant='loo-ce', vocab_size=37, label_smoothing=0.1, "
         "reduction='mean')")
+    assert repr(dn.PolicyLoss(loss_type="cispo", epsilon_high=5.0)) == (
+        "PolicyLoss(loss_type='cispo', epsilon=0.2, epsilon_high=5.0, "
+        "importance_sampling_level='token', temperature=1.0)")
+
 
 
 def test_every_module_has_a_functional_twin():
@@ -175,13 +238,16 @@ def test_every_module_has_a_functional_twin():
 @pytest.mark.parametrize("module", list(TWINS), ids=lambda m: m.__name__)
 def test_modules_take_every_keyword_of_their_function(module):
     """The signatures of each module's __init__ and forward against its function's
-    (``TWINS``): no keyword of the function may be missing from the module."""
+    (``TWINS``): no keyword of the function may be missing from the module (an option in
+    __init__ with the function's default, or a per-batch tensor in forward)."""
     fn = TWINS[module]
     init = inspect.signature(module.__init__).parameters
     forward = inspect.signature(module.forward).parameters
     fused = module.__name__.startswith("FusedLinear")
     wrong = []
     for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        if p.kind is p.KEYWORD_ONLY and p.name in forward:  # per-batch tensors (policy)
+            continue
         if p.kind is p.KEYWORD_ONLY:
             q = init.get(p.name)
             if q is None or q.kind is not p.KEYWORD_ONLY or q.default != p.default:

@@ -409,6 +409,26 @@ def _torch_rank(rank, world, backend, seed):
     if hi > lo:
         assert_close(gw[: hi - lo].numpy(), r_gw[lo:hi].numpy(), "float32", "d weight")
     assert_exact_zero(gw[max(hi - lo, 0):].numpy(), "d weight of the padding rows")
+
+    # policy_loss from the same sharded logits: the loss and d logits of the unsharded one
+    batch = D.DiffusionTokenBatch.create(model_inputs=to(y2), target_ids=to(y2),
+                                         loss_weights=to(m))
+    old = D.per_token_logps(to(z3[..., :K]), batch, temperature=0.8, backend="reference")
+    kw = dict(old_logps=old + 0.3 * to(m) * torch.sin(to(z3[..., 0])), loss_type="dapo",
+              advantages=to(np.array([0.8, -1.1], np.float32)), beta=0.05, ref_logps=old,
+              importance_sampling_level="sequence", temperature=0.8)
+    zl3 = to(z3[..., cols]).requires_grad_(True)
+    with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
+        value = D.policy_loss(zl3, batch, backend=backend, **kw).loss
+    (g3,) = torch.autograd.grad(value, zl3)
+    ref_z = to(z3[..., :K]).requires_grad_(True)
+    ref = D.policy_loss(ref_z, batch, backend="reference", **kw).loss
+    (g_ref,) = torch.autograd.grad(ref, ref_z)
+    assert_close(value.item(), ref.item(), "float32", "policy_loss")
+    if hi > lo:
+        assert_close(g3[..., : hi - lo].numpy(), g_ref[..., lo:hi].numpy(), "float32",
+                     "d logits of policy_loss")
+    assert_exact_zero(g3[..., max(hi - lo, 0):].numpy(), "d logits of the padding (policy)")
     dist.barrier()  # no rank tears the group down while another still uses it
 
 

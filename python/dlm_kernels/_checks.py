@@ -300,6 +300,23 @@ def check_weight_sum(xp, name, x, per_row=False, allow_sync=False):
             f"{float(sums[tuple(idx)]):.3g}{where}: rescale them")
 
 
+def check_finite(xp, name, x, where=None, at="", allow_sync=False):
+    """Every value of ``x`` finite, at the positions where ``where`` (an array whose non-zero
+    entries select) is set, or everywhere when ``where`` is None; ``at`` says which positions
+    in the message (" where loss_weights is set")."""
+    v = host_values(xp, x, allow_sync)
+    if v is None:
+        return
+    bad = ~np.isfinite(v)
+    if where is not None:
+        w = host_values(xp, where, allow_sync)
+        if w is None:
+            return
+        bad = bad & (w != 0)
+    if bad.any():
+        _raise_first(bad, v, f"{name}{at} must be finite")
+
+
 def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False,
               error=ValueError):
     """ids in [0, high) (>= 0 when high is None) at the positions where ``where`` (an array

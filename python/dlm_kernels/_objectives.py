@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from . import _checks as checks
+from . import _policy
 from ._checks import flag, number, shape_str
 from .linear_head.head import as_logits
 from ._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
@@ -78,7 +79,8 @@ class Objectives:
     """The public objectives of one front end (see the module docstring)."""
 
     def __init__(self, xp, token_stats, token_stats_total, weighted_sum, token_batch,
-                 distillation_batch, vocab_extent=lambda logits: logits.shape[-1]):
+                 distillation_batch, vocab_extent=lambda logits: logits.shape[-1],
+                 policy_result=None):
         self.xp = xp
         self.token_stats = token_stats
         self.token_stats_total = token_stats_total  # (stats, Σ c·stats): a scalar objective
@@ -86,6 +88,7 @@ class Objectives:
         self.WeightedSum = weighted_sum
         self.DiffusionTokenBatch = token_batch
         self.DiffusionDistillationBatch = distillation_batch
+        self.PolicyLossResult = policy_result
 
     # -- schedule -------------------------------------------------------------------------
 
@@ -415,6 +418,27 @@ class Objectives:
             "distill/hard_loss": self.WeightedSum(hard, denominator),
         }
         return self.WeightedSum(total, denominator), aux
+
+    def policy_loss(self, logits, batch, *, old_logps, advantages, loss_type, epsilon=0.2,
+                    epsilon_high=None, delta=None, beta=0.0, ref_logps=None,
+                    use_bias_correction_kl=False, importance_sampling_level="token",
+                    temperature=1.0, max_completion_length=None, num_items_in_batch=None,
+                    backend=None):
+        """TRL GRPOTrainer's policy losses (the public ``policy_loss``): one token-statistics
+        call for logp and the entropy at the temperature, the rest ``_policy``'s [B, L] math."""
+        opts = _policy.check_policy_options(
+            loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta,
+            beta=beta, use_bias_correction_kl=use_bias_correction_kl,
+            importance_sampling_level=importance_sampling_level, temperature=temperature,
+            max_completion_length=max_completion_length)
+        self.validate_diffusion_logits(batch, logits)
+        inputs = _policy.policy_inputs(self.xp, opts, batch, old_logps, advantages, ref_logps,
+                                       num_items_in_batch)
+        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
+                                 temperature=opts.temperature, entropy=True, backend=backend)
+        terms = _policy.policy_terms(self.xp, opts, stats.logp, stats.entropy,
+                                     self.xp.f32(batch.loss_weights), *inputs)
+        return self.PolicyLossResult(**terms)
 
     def merge_diffusion_batches(self, batches):
         """Concatenate batches on the batch axis, every leaf of every field (model_inputs is a

@@ -40,7 +40,8 @@ __all__ = [
     "DiffusionDistillationBatch", "validate_diffusion_logits", "merge_diffusion_batches",
     "WeightedSum", "per_token_logps", "compute_diffusion_per_token_logps",
     "compute_diffusion_logits",
-    "weighted_cross_entropy", "opd_loss", "token_stats", "TokenStats", "backend_for",
+    "weighted_cross_entropy", "opd_loss", "policy_loss", "PolicyLossResult", "token_stats",
+    "TokenStats", "backend_for",
     "BackendUnavailableError", "vocab_parallel", "sync_checks", "LinearHead", "Sample",
     "sample_tokens", "commit_tokens", "add_gumbel_noise", "get_num_transfer_tokens",
     "get_transfer_index",
@@ -137,6 +138,26 @@ class DiffusionDistillationBatch:
     def replace(self, **fields: Any) -> DiffusionDistillationBatch:
         """A copy with some fields replaced (not validated)."""
         return _dataclasses.replace(self, **fields)
+
+
+@_dataclasses.dataclass(frozen=True)
+class PolicyLossResult:
+    """What ``policy_loss`` returns: the loss to differentiate and the metrics TRL's
+    ``GRPOTrainer`` logs, each a [] float32 tensor (the metrics are constants).
+
+    loss: the normalised policy loss (``loss_type``'s normaliser).
+    clip_ratio_low, clip_ratio_high, clip_ratio_region: the shares of clipped ratios (TRL's
+      clip_ratio/low_mean, high_mean, region_mean; with "cispo" its cispo_clip_ratio).
+    kl: the mean KL term, None when beta = 0.
+    entropy: the mean entropy at the temperature.
+    """
+
+    loss: torch.Tensor
+    clip_ratio_low: torch.Tensor
+    clip_ratio_high: torch.Tensor
+    clip_ratio_region: torch.Tensor
+    kl: torch.Tensor | None
+    entropy: torch.Tensor
 
 
 # -- the primitive -----------------------------------------------------------------------------
@@ -247,7 +268,8 @@ def vocab_parallel(process_group: torch.distributed.ProcessGroup,
 # -- the objectives ----------------------------------------------------------------------------
 
 _OBJECTIVES = _Objectives(_TorchOps, token_stats, _FRONT.token_stats_total, WeightedSum,
-                         DiffusionTokenBatch, DiffusionDistillationBatch, _FRONT.vocab_extent)
+                         DiffusionTokenBatch, DiffusionDistillationBatch, _FRONT.vocab_extent,
+                         PolicyLossResult)
 
 
 def reweight(variant: str, t: torch.Tensor, alpha: torch.Tensor,
@@ -438,6 +460,98 @@ def opd_loss(
                                 hard_loss_weight=hard_loss_weight,
                                 label_smoothing=label_smoothing, z_loss_weight=z_loss_weight,
                                 backend=backend)
+
+
+def policy_loss(
+    logits: Logits,
+    batch: DiffusionTokenBatch,
+    *,
+    old_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_type: str,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    backend: str | None = None,
+) -> PolicyLossResult:
+    """TRL ``GRPOTrainer``'s policy losses on a diffusion batch: the scalar loss and the
+    metrics TRL logs (``PolicyLossResult``), differentiable in the logits.
+
+    logp is the log-probability of ``batch.target_ids`` at ``temperature``, taken with the
+    entropy in one pass over the vocabulary (a LinearHead never forms its logits); the
+    weights w = ``batch.loss_weights`` are the completion mask (a float weight scales its
+    token's term). With r = exp(logp - old_logps) and A the sequence's advantage, the
+    per-token loss ℓ is
+
+      "grpo", "bnpo", "dr_grpo", "dapo": -min(r'·A, clip(r, 1 - epsilon, 1 + epsilon_high)·A),
+        r' = min(r, delta) when ``delta`` is given (two-sided clipping), else r;
+      "cispo": -min(r, epsilon_high)·A·logp, the capped ratio a constant;
+
+    plus beta·(exp(ref - logp) - (ref - logp) - 1), ref = ``ref_logps``, when beta != 0
+    (times r when ``use_bias_correction_kl``). The loss normalises Σ w·ℓ:
+
+      grpo: the mean over the B sequences of Σ_l w·ℓ / max(Σ_l w, 1);
+      bnpo: Σ w·ℓ / max(Σ w, 1);
+      dr_grpo: Σ w·ℓ / (B·max_completion_length), max_completion_length L by default;
+      dapo, cispo: Σ w·ℓ / max(num_items_in_batch, 1), Σ w by default.
+
+    Args:
+      logits: [B, L, K] logits, or a LinearHead standing for them.
+      batch: the DiffusionTokenBatch the logits score.
+      old_logps: [B, L] float, the sampling policy's log-probs (``per_token_logps`` of the
+        same batch at the same temperature), or None: on-policy, logp itself as a constant
+        (r = 1 exactly).
+      advantages: [B], one per sequence.
+      loss_type: one of "grpo", "bnpo", "dr_grpo", "dapo", "cispo".
+      epsilon: in [0, 1]: the ratio's lower clip bound is 1 - epsilon.
+      epsilon_high: >= 0 (None: epsilon): the upper clip bound is 1 + epsilon_high; with
+        "cispo" (> 0) the cap of the ratio itself.
+      delta: None, or > 1: the two-sided clipping bound of the unclipped term.
+      beta: >= 0, the KL term's weight; ref_logps ([B, L] float) must be given when it is
+        not 0 (otherwise they are not read).
+      use_bias_correction_kl: multiply the KL term by r (importance-sampling correction).
+      importance_sampling_level: "token" (a ratio per token) or "sequence" (GSPO: sequence
+        b's ratio is exp of its weighted mean log-ratio, Σ_l w·(logp - old) / max(Σ_l w, 1),
+        for every token of it).
+      temperature: T > 0 of logp and the entropy (the sampling temperature).
+      max_completion_length: dr_grpo's constant (a positive int; default L).
+      num_items_in_batch: dapo's and cispo's count, a number or a 0-d tensor (default Σ w):
+        across data-parallel ranks, the global token count. TRL's trainer passes that count
+        divided by the number of processes, whose gradients DDP then averages.
+      backend: None (auto), or one of "reference", "chunked", "triton".
+
+    Returns:
+      PolicyLossResult: ``loss`` ([] float32) and TRL's metrics as constants, each a
+      weighted mean over tokens, Σ w·x / max(Σ w, 1): ``clip_ratio_low`` (r < 1 - epsilon
+      with A < 0), ``clip_ratio_high`` (r > 1 + epsilon_high with A > 0; r after delta) and
+      ``clip_ratio_region`` (either); with importance_sampling_level="sequence" these three
+      are means over the B sequences, as TRL takes them. With "cispo", clip_ratio_high and
+      clip_ratio_region are TRL's cispo_clip_ratio (r > epsilon_high with A > 0) and
+      clip_ratio_low is 0. ``kl``: the KL term (times r with the bias correction), None when
+      beta = 0. ``entropy``: the entropy at T.
+
+    old_logps, ref_logps and advantages are constants (no gradient). Positions of weight 0
+    take no part (a -inf or NaN there reaches nothing). Bad values raise ValueError where
+    they can be read without a device sync (CPU tensors; CUDA tensors inside
+    ``sync_checks()``): non-finite advantages, old_logps or ref_logps non-finite where the
+    weight is set, a negative or non-finite num_items_in_batch, and the batch's own checks.
+    Elsewhere (CUDA tensors, ``torch.compile``) they make the loss and every metric NaN,
+    never a plausible number.
+    """
+    return _OBJECTIVES.policy_loss(
+        logits, batch, old_logps=old_logps, advantages=advantages, loss_type=loss_type,
+        epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta,
+        ref_logps=ref_logps, use_bias_correction_kl=use_bias_correction_kl,
+        importance_sampling_level=importance_sampling_level, temperature=temperature,
+        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+        backend=backend)
 
 
 # -- the denoising step ------------------------------------------------------------------------

@@ -15,7 +15,8 @@ buffers. ``reduction`` reduces the per-sequence [B] losses
 of the SFT modules: "mean" (the default, as torch's and Liger's losses), "sum" or "none"
 ([B], Megatron-Bridge's ``diffusion_sft_loss`` as it is). The distillation modules return
 the scalar ``opd_loss(...)[0].compute()``: Σ w·loss / Σ w over the batch (``opd_loss``
-itself gives the WeightedSum and the soft and hard terms).
+itself gives the WeightedSum and the soft and hard terms). The policy modules return
+``policy_loss``'s ``PolicyLossResult``: ``.loss`` to differentiate, and TRL's metrics.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ import torch
 from .._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
                        check_positive_float, check_positive_int, check_vocab_size)
 from ..linear_head.head import LAYOUTS, VOCAB_MAJOR
+from .._policy import check_policy_options
 from .._schedule import normalize_variant
-from . import (DiffusionDistillationBatch, LinearHead, Logits, diffusion_sft_loss, opd_loss,
-               rf_alpha, rf_alpha_dot)
+from . import (DiffusionDistillationBatch, DiffusionTokenBatch, LinearHead, Logits,
+               PolicyLossResult, diffusion_sft_loss, opd_loss, policy_loss, rf_alpha,
+               rf_alpha_dot)
 
-__all__ = ["DiffusionSFTLoss", "FusedLinearDiffusionSFTLoss", "OPDLoss", "FusedLinearOPDLoss"]
+__all__ = ["DiffusionSFTLoss", "FusedLinearDiffusionSFTLoss", "OPDLoss", "FusedLinearOPDLoss",
+           "PolicyLoss", "FusedLinearPolicyLoss"]
 
 #: how the SFT modules reduce their [B] losses
 REDUCTIONS = ("mean", "sum", "none")
@@ -240,6 +244,118 @@ class FusedLinearOPDLoss(_OPDLossBase):
         head = LinearHead(hidden, weight, bias, weight_layout=self.weight_layout,
                           row_chunk=self.row_chunk)
         return self._loss(head, batch)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight_layout={self.weight_layout!r}"
+
+
+class _PolicyLossBase(torch.nn.Module):
+    """The options of the policy modules and the functional call they make."""
+
+    def __init__(self, *, loss_type: str, epsilon: float = 0.2,
+                 epsilon_high: float | None = None, delta: float | None = None,
+                 beta: float = 0.0, use_bias_correction_kl: bool = False,
+                 importance_sampling_level: str = "token", temperature: float = 1.0,
+                 max_completion_length: int | None = None, backend: str | None = None) -> None:
+        super().__init__()
+        options = check_policy_options(
+            loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta,
+            beta=beta, use_bias_correction_kl=use_bias_correction_kl,
+            importance_sampling_level=importance_sampling_level, temperature=temperature,
+            max_completion_length=max_completion_length)
+        self.loss_type: str = options.loss_type
+        self.epsilon: float = options.epsilon
+        self.epsilon_high: float = options.epsilon_high  # epsilon when not given
+        self.delta: float | None = options.delta
+        self.beta: float = options.beta
+        self.use_bias_correction_kl: bool = options.use_bias_correction_kl
+        self.importance_sampling_level: str = options.importance_sampling_level
+        self.temperature: float = options.temperature
+        self.max_completion_length: int | None = options.max_completion_length
+        self.backend: str | None = _check_backend(backend)
+
+    def _loss(self, logits: Logits, batch: DiffusionTokenBatch, old_logps: torch.Tensor | None,
+              advantages: torch.Tensor, ref_logps: torch.Tensor | None,
+              num_items_in_batch: torch.Tensor | float | None) -> PolicyLossResult:
+        return policy_loss(
+            logits, batch, old_logps=old_logps, advantages=advantages,
+            loss_type=self.loss_type, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+            delta=self.delta, beta=self.beta, ref_logps=ref_logps,
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            importance_sampling_level=self.importance_sampling_level,
+            temperature=self.temperature, max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items_in_batch, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        optional = "".join(f", {name}={value!r}" for name, value in (
+            ("delta", self.delta), ("max_completion_length", self.max_completion_length))
+            if value is not None)
+        kl = (f", beta={self.beta}, use_bias_correction_kl={self.use_bias_correction_kl}"
+              if self.beta else "")
+        return (f"loss_type={self.loss_type!r}, epsilon={self.epsilon}, "
+                f"epsilon_high={self.epsilon_high}{optional}{kl}, "
+                f"importance_sampling_level={self.importance_sampling_level!r}, "
+                f"temperature={self.temperature}")
+
+
+class PolicyLoss(_PolicyLossBase):
+    """TRL ``GRPOTrainer``'s policy losses (``dlm_kernels.torch.policy_loss``) as a module.
+
+    Args (at construction, checked there): loss_type ("grpo", "bnpo", "dr_grpo", "dapo",
+    "cispo"), epsilon, epsilon_high, delta, beta, use_bias_correction_kl,
+    importance_sampling_level, temperature, max_completion_length, backend: as
+    ``policy_loss``.
+
+    ``forward(logits, batch, *, old_logps, advantages, ref_logps=None,
+    num_items_in_batch=None)``: logits [B, L, K] (or a ``LinearHead``), a
+    ``DiffusionTokenBatch``, old_logps [B, L] or None (on-policy), advantages [B]; returns
+    the ``PolicyLossResult`` (``.loss`` and TRL's metrics).
+    """
+
+    def forward(self, logits: Logits, batch: DiffusionTokenBatch, *,
+                old_logps: torch.Tensor | None, advantages: torch.Tensor,
+                ref_logps: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | float | None = None) -> PolicyLossResult:
+        """The policy loss of one batch and its metrics."""
+        return self._loss(logits, batch, old_logps, advantages, ref_logps, num_items_in_batch)
+
+
+class FusedLinearPolicyLoss(_PolicyLossBase):
+    """``PolicyLoss`` from the hidden states and the unembedding weight (a ``LinearHead``: no
+    [B, L, K] logits); gradients reach hidden, weight and bias.
+
+    Args: those of ``PolicyLoss``, and ``weight_layout`` ("KD", the default: ``lm_head.weight``
+    [K, D]; or "DK") and ``row_chunk`` as ``FusedLinearDiffusionSFTLoss``.
+
+    ``forward(hidden, weight, batch, *, old_logps, advantages, ref_logps=None,
+    num_items_in_batch=None, bias=None)``: hidden [B, L, D]; returns the
+    ``PolicyLossResult``.
+    """
+
+    def __init__(self, *, loss_type: str, epsilon: float = 0.2,
+                 epsilon_high: float | None = None, delta: float | None = None,
+                 beta: float = 0.0, use_bias_correction_kl: bool = False,
+                 importance_sampling_level: str = "token", temperature: float = 1.0,
+                 max_completion_length: int | None = None, weight_layout: str = VOCAB_MAJOR,
+                 row_chunk: int | None = None, backend: str | None = None) -> None:
+        super().__init__(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high,
+                         delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
+                         importance_sampling_level=importance_sampling_level,
+                         temperature=temperature, max_completion_length=max_completion_length,
+                         backend=backend)
+        self.weight_layout: str
+        self.row_chunk: int | None
+        self.weight_layout, self.row_chunk = _check_head(weight_layout, row_chunk)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, batch: DiffusionTokenBatch,
+                *, old_logps: torch.Tensor | None, advantages: torch.Tensor,
+                ref_logps: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | float | None = None,
+                bias: torch.Tensor | None = None) -> PolicyLossResult:
+        """The policy loss of one batch from its hidden states, and its metrics."""
+        head = LinearHead(hidden, weight, bias, weight_layout=self.weight_layout,
+                          row_chunk=self.row_chunk)
+        return self._loss(head, batch, old_logps, advantages, ref_logps, num_items_in_batch)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, weight_layout={self.weight_layout!r}"
