@@ -894,9 +894,19 @@ def linear_head_cases(plan, frameworks):
     return sum(len(variants_of(plan.variants, fw)) + plan.scaling for fw in frameworks)
 
 
+def _noise(mine, base):
+    return spread_verdict(mine, base) == "within noise"
+
+
+def _bar_words(mine, base):
+    """Ours (``mine``) against another row in words: "1.5x faster", "2.0x slower", or
+    "within noise" where their p20-p80 spreads overlap (no speed claim then)."""
+    return "within noise" if _noise(mine, base) else ratio_words(base["ms"] / mine["ms"])
+
+
 def linear_head_summary(head):
     """One line per framework and variant: forward+backward time, TFLOP/s, faster or slower
-    than the unfused pipeline."""
+    than the unfused pipeline (where the p20-p80 spreads are apart, else within noise)."""
     rows = [r for r in head["results"] if r["mode"] == "fwd+bwd" and not r.get("scaling")]
     unfused = {r["framework"]: r for r in rows if r["backend"] == "unfused" and "ms" in r}
     s = head["shape"]
@@ -906,7 +916,7 @@ def linear_head_summary(head):
             lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['error'][:60]}")
             continue
         base = unfused.get(r["framework"])
-        vs = (f"{ratio_words(base['ms'] / r['ms'])} than unfused"
+        vs = (f"{_bar_words(r, base)} {'of' if _noise(r, base) else 'than'} unfused"
               if base and base is not r and r["ms"] > 0 else "")
         lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['ms']:9.1f} ms "
                      f"{(r['tflops'] or 0):7.2f} TFLOP/s  {vs}")
@@ -937,7 +947,8 @@ def sampling_plan(env, smoke, full=False):
 
 def sampling_summary(draw):
     """One line per shape and variant: time, GB/s of the one read, how much faster or slower
-    ours is (ours-step for the whole step)."""
+    ours is (ours-step for the whole step; where the p20-p80 spreads are apart, else within
+    noise)."""
     lines = ["Denoising step (one draw over [N, K] logits):"]
     from .sampling import baseline
 
@@ -949,7 +960,7 @@ def sampling_summary(draw):
             lines.append(f"{what} {r['error'][:60]}")
             continue
         mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
-        vs = (f"{mine['variant']} {ratio_words(r['ms'] / mine['ms'])}"
+        vs = (f"{mine['variant']} {_bar_words(mine, r)}"
               if mine and r["variant"] != mine["variant"] and mine["ms"] > 0 else "")
         lines.append(f"{what} {r['ms']:9.1f} ms {r['gbps']:7.1f} GB/s  {vs}")
     return lines

@@ -920,16 +920,21 @@ def test_bar_summaries_say_faster_or_slower(monkeypatch):
     from bench.runner import linear_head_summary, sampling_summary
 
     head = dict(shape=dict(n=8, d=4, k=300, dtype="float32"), results=[
-        dict(framework="torch", backend=b, mode="fwd+bwd", ms=ms, tflops=1.0)
-        for b, ms in (("ours-ce", 10.0), ("unfused", 15.0), ("torch.linear_ce", 30.0))])
+        dict(framework="torch", backend=b, mode="fwd+bwd", ms=ms, p20=0.95 * ms, p80=1.05 * ms,
+             tflops=1.0)
+        for b, ms in (("ours-ce", 10.0), ("unfused", 15.0), ("torch.linear_ce", 30.0),
+                      ("ours-policy", 14.5))])
     lines = linear_head_summary(head)
     assert lines[1].endswith("1.5x faster than unfused") and lines[3].endswith(
         "2.0x slower than unfused") and "than unfused" not in lines[2], lines
-    draw = dict(results=[dict(variant=v, n=8, k=300, dtype="float32", ms=ms, gbps=1.0)
+    assert lines[4].endswith("within noise of unfused"), lines  # spreads overlap: no claim
+    draw = dict(results=[dict(variant=v, n=8, k=300, dtype="float32", ms=ms, p20=0.9 * ms,
+                              p80=1.1 * ms, gbps=1.0)
                          for v, ms in (("ours", 10.0), ("llada-float64", 40.0),
-                                       ("float32", 5.0))])
+                                       ("float32", 5.0), ("float64", 10.5))])
     lines = sampling_summary(draw)
     assert lines[2].endswith("ours 4.0x faster") and lines[3].endswith("ours 2.0x slower"), lines
+    assert lines[4].endswith("ours within noise"), lines
 
 
 def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
