@@ -128,6 +128,7 @@ def _bars(ax, labels: list[str], values: list, unit: str, colours: list[str]) ->
     if log:
         ax.set_xscale("log")
         ax.set_xlim(floor, 2.5 * max(known))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(FuncFormatter(
             lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else ""))
         ax.tick_params(axis="x", which="both", labelsize=7)
@@ -357,9 +358,13 @@ def _ratio_panel(ax, found: dict, style) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts],
                 linestyle="-" if key[1] == "float32" else "--", **look)
         band = [p for p in pts if p[2] is not None]
-        if band:
+        if len(band) > 1:
             ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
                             color=colour, alpha=0.15, linewidth=0)
+        elif band:  # one K: the band as an error bar
+            (k, mid, low, high, _), = band
+            ax.errorbar([k], [mid], yerr=[[mid - low], [high - mid]], color=colour,
+                        linewidth=1, capsize=3)
         memory = [(p[0], p[4]) for p in pts if p[4]]
         if memory:
             ax.plot(*zip(*memory), linestyle=":", markerfacecolor="none", **look)
