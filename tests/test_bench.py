@@ -1059,3 +1059,17 @@ def test_cpu_target_skips_a_materialised_loss_that_would_not_fit():
     assert why is not None and "does not fit in memory" in why and "GiB" in why, why
     assert R.skip_reason(env, "upstream", 0, 0.0, None,
                          (upstream_bytes("ce", 4096, 32768, "float32"), 0.85 * 22 * 2**30)) is None
+
+
+def test_host_time_profiles_the_chunked_backend():
+    """python -m bench.host_time --backend chunked --profile: each case's host time per call,
+    then where it goes by module and how many ATen ops one call dispatches."""
+    out = subprocess.run([sys.executable, "-m", "bench.host_time", "--backend", "chunked",
+                          "--rows", "64", "--vocab", "16", "--reps", "5", "--profile"],
+                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    cases = re.findall(r"^(ce forward|ce forward\+backward|sft loo forward\+backward) +"
+                       r"[0-9.]+ ms host time per call .*chunked, work included\)$", out, re.M)
+    assert cases == ["ce forward", "ce forward+backward", "sft loo forward+backward"], out
+    assert out.count("profile (cProfile own time per call") == 3
+    assert len(re.findall(r"%\s+[0-9.]+ calls  dlm_kernels/_objectives\.py", out)) == 3, out
+    assert len(re.findall(r"ATen ops per call \(nested included\): \d+; most: ", out)) == 3
