@@ -811,11 +811,6 @@ def run_seconds(cases, rotate, reps, head=False, sampling=False):
     return total
 
 
-def cpu_target_seconds(cases, rotate, reps):
-    """The --cpu-target run's estimated seconds (``run_seconds``: no linear head or step)."""
-    return run_seconds(cases, rotate, reps)
-
-
 #: the variants timed on a CPU (bench: ``variants``), for the estimate --help quotes
 CPU_VARIANTS = {"torch": ("chunked", "reference", "upstream", "upstream+compile"),
                 "jax": ("chunked", "reference", "upstream")}
