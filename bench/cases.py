@@ -86,11 +86,13 @@ class TorchCase:
     writes its gradient into the logits during the forward pass, so after the first call its
     inputs hold gradients: the pass structure (and so the timing) is the same, the values are
     not meaningful. ``rotate``: how many input sets the calls cycle through (``ROTATE``; 1
-    where two would not fit in memory, ``rotate_sets``)."""
+    where two would not fit in memory, ``rotate_sets``). ``sets``: another case's input sets
+    to use instead of drawing new ones (the variants of one shape timed side by side read
+    the same tensors; never Liger's, which writes into them)."""
 
     framework = "torch"
 
-    def __init__(self, objective, variant, n, k, dtype, device, seed=0, rotate=ROTATE):
+    def __init__(self, objective, variant, n, k, dtype, device, seed=0, rotate=ROTATE, sets=None):
         import torch
 
         import dlm_kernels.torch as dk
@@ -98,6 +100,13 @@ class TorchCase:
         self.torch, self.dk = torch, dk
         self.objective, self.variant = objective, variant
         self.device = torch.device(device)
+        self._loss = self._make_loss()
+        self._graphs = {}
+        # compiled backwards donate their buffers: no retain_graph, so bwd is derived there
+        self.separate_bwd = not variant.endswith("+compile")
+        if sets is not None:  # another case's inputs (``sets``): the same draw, no copy
+            self.rotate, self.sets = len(sets), sets
+            return
         tdtype = getattr(torch, dtype)
         gen = torch.Generator(self.device).manual_seed(seed)  # inputs drawn on the device
 
@@ -120,10 +129,6 @@ class TorchCase:
             if u is not None:
                 batch = dk.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=u)
             self.sets.append((z, batch))
-        self._loss = self._make_loss()
-        self._graphs = {}
-        # compiled backwards donate their buffers: no retain_graph, so bwd is derived there
-        self.separate_bwd = not variant.endswith("+compile")
 
     def _make_loss(self):
         dk, torch, obj = self.dk, self.torch, self.objective
@@ -184,11 +189,13 @@ class TorchCase:
 class JaxCase:
     """``variant``: a backend name, or "upstream" (bench/upstream.py: the materialised loss,
     jitted ``jax.nn.log_softmax``); every JAX case runs under ``jax.jit``. The backward time
-    is derived as time(value_and_grad) - time(forward) and labelled so."""
+    is derived as time(value_and_grad) - time(forward) and labelled so. ``sets``: another
+    case's input sets, as for ``TorchCase``."""
 
     framework = "jax"
 
-    def __init__(self, objective, variant, n, k, dtype, device=None, seed=0, rotate=ROTATE):
+    def __init__(self, objective, variant, n, k, dtype, device=None, seed=0, rotate=ROTATE,
+                 sets=None):
         import jax
         import jax.numpy as jnp
 
@@ -199,8 +206,8 @@ class JaxCase:
         keys = iter(jax.random.split(jax.random.key(seed), 4 * rotate))  # drawn on the device
         normal = lambda: (jax.random.normal(next(keys), (1, n, k), jnp.float32) * 3).astype(jdtype)
         ids = lambda: jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)  # [1, N]
-        self.rotate, self.sets = rotate, []
-        for _ in range(rotate):
+        self.rotate, self.sets = (rotate, []) if sets is None else (len(sets), sets)
+        for _ in range(rotate if sets is None else 0):
             z = normal()
             y = ids()
             b = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,

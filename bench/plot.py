@@ -1,16 +1,26 @@
 """The benchmark's picture: ``plot`` renders a run's results to a PNG.
 
-One row per objective and N: forward+backward time against K (log scales), one panel per
-framework, then peak memory beyond the inputs, one panel per framework, then the row's legend
-in a column of its own (never over the data). A series is one backend and dtype; its colour
-and its marker each say which, the same in every panel and every run (``series_style``).
-Then a row of bars for the linear head's variants and one for the denoising step's, each bar
-with its value at its end, ours dark and the peers light.
+One row per objective and N, per framework three panels against K: forward+backward time
+(log scales, the median a line, the p20-p80 spread a band); ours / peer, the question "how
+much faster and leaner than what I would use" (time: the medians' ratio with the band the
+two spreads allow, which holds 1 where they overlap; peak memory dotted; a line at 1; log
+scale); peak memory beyond the inputs (a log axis where one series dwarfs the rest). Then
+the row's legend in a column of its own (never over the data), ours named "(ours)". No panel
+without data: a framework that timed nothing in a row, or a memory that was not measured,
+gets none. A series is one backend and dtype; its colour and its marker each say which, the
+same in every panel and every run (``series_style``). Then a row of bars for the linear
+head's variants and one for the denoising step's, each bar with its value at its end, ours
+dark and the peers light, on a log axis where one bar dwarfs the rest.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from . import shapes
+
+#: the backends that are not ours (bench/runner.py PEERS: our parity reference and the peers)
+PEER_NAMES = ("reference", "reference+compile", "upstream", "upstream+compile", "liger")
 
 #: each backend's hue (matplotlib's tab10), float32 at full strength, 16-bit dtypes lighter
 _HUES = {"chunked": "tab:blue", "triton": "tab:green", "pallas": "tab:cyan",
@@ -91,16 +101,91 @@ def _series_order(key: tuple[str, str]) -> tuple:
             _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES), dtype)
 
 
+#: a panel takes a log axis where its largest value passes this many times its smallest
+DWARF = 20.0
+#: which of our backends a ratio panel divides by the peers (the first one timed)
+_OURS_ORDER = ("triton", "pallas", "chunked")
+
+
+def _dwarfed(values) -> bool:
+    """Whether one value dwarfs the rest: the largest over DWARF times the smallest (> 0)."""
+    known = [v for v in values if v is not None and v > 0]
+    return len(known) > 1 and max(known) > DWARF * min(known)
+
+
 def _bars(ax, labels: list[str], values: list, unit: str, colours: list[str]) -> None:
-    """Horizontal bars, the first label on top, each with its value (or n/a) at its end."""
-    known = [v for v in values if v is not None]
-    bars = ax.barh(labels, [v or 0.0 for v in values], color=colours)
+    """Horizontal bars, the first label on top, each with its value (or n/a) at its end; a
+    log axis where one bar dwarfs the rest."""
+    from matplotlib.ticker import FuncFormatter
+
+    known = [v for v in values if v is not None and v > 0]
+    log = _dwarfed(known)
+    floor = min(known) / 2 if log else 0.0
+    bars = ax.barh(labels, [v - floor if v else 0.0 for v in values], left=floor,
+                   color=colours)
     ax.bar_label(bars, labels=[f"{_value(v)} {unit}" if v is not None else "n/a"
                                for v in values], padding=3, fontsize=7)
-    ax.set_xlim(0, 1.22 * max(known) if known and max(known) > 0 else 1)
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(floor, 2.5 * max(known))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(
+            lambda v, _: f"{v:g}" if f"{v:e}"[0] in "25" else ""))
+        ax.tick_params(axis="x", which="both", labelsize=7)
+    else:
+        ax.set_xlim(0, 1.22 * max(known) if known else 1)
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(alpha=0.3, axis="x")
+
+
+def ours_of(backends) -> Optional[str]:
+    """The backend of ours a ratio panel divides by the peers: the first of ``_OURS_ORDER``
+    among ``backends`` (peers left out), else the first other in name order."""
+    mine = sorted(b for b in backends if b not in PEER_NAMES)
+    return next((b for b in _OURS_ORDER if b in mine), mine[0] if mine else None)
+
+
+def ratios(rows: list[dict], ours: str) -> dict:
+    """{(peer, dtype): [(k, time median, low, high, memory)]}: ours / peer forward+backward
+    time (medians, and the band the p20-p80 spreads allow, ``progress.ratio_band``) and peak
+    memory, a point per K both timed; our own parity reference left out."""
+    from .progress import ratio_band
+
+    index = {(r["backend"], r["dtype"], r["k"]): r for r in rows}
+    out = {}
+    for (backend, dtype, k), peer in sorted(index.items()):
+        mine = index.get((ours, dtype, k))
+        if backend not in PEER_NAMES or backend == "reference" or mine is None:
+            continue
+        mid, low, high = ratio_band(mine, peer)
+        memory = (mine["peak_bytes"] / peer["peak_bytes"]
+                  if mine.get("peak_bytes") and peer.get("peak_bytes") else None)
+        out.setdefault((backend, dtype), []).append((k, mid, low, high, memory))
+    return out
+
+
+def _label(backend: str, dtype: str) -> str:
+    """A series' legend label: "chunked (ours) float32", "upstream+compile bfloat16"."""
+    return f"{backend}{'' if backend in PEER_NAMES else ' (ours)'} {dtype}"
+
+
+def _row_panels(mine: list[dict], frameworks: list[str]) -> list[tuple[str, str]]:
+    """The panels of one row, (framework, "time" | "ratio" | "memory"): each framework that
+    timed something its time and ratio panels (the ratio where a peer was timed beside ours)
+    and its memory panel where it has a number; no panel without data."""
+    panels = []
+    for fw in frameworks:
+        own = [r for r in mine if r["framework"] == fw]
+        if not own:
+            continue
+        panels.append((fw, "time"))
+        ours = ours_of({r["backend"] for r in own})
+        if ours and ratios(own, ours):
+            panels.append((fw, "ratio"))
+        if any(r.get("peak_bytes") for r in own):
+            panels.append((fw, "memory"))
+    return panels
 
 
 def figure(results: list[dict], head: dict | None = None, env: dict | None = None,
@@ -125,11 +210,13 @@ def figure(results: list[dict], head: dict | None = None, env: dict | None = Non
     n_rows = len(line_rows) + bool(head_rows) + bool(draw_rows)
     if not n_rows:
         return None
-    n_fw = max(len(frameworks), 1)
-    legend = [0.6] if line_rows else []  # the legends' column
-    fig = plt.figure(figsize=(4.3 * 2 * n_fw + 4.3 * sum(legend), 3.4 * n_rows + 0.5),
+    panels = {key: _row_panels([r for r in rows if (r["objective"], r["n"]) == key], frameworks)
+              for key in line_rows}
+    n_cols = max([len(p) for p in panels.values()] + [2 if head_rows or draw_rows else 0])
+    legend = [0.75] if line_rows else []  # the legends' column
+    fig = plt.figure(figsize=(4.3 * n_cols + 4.3 * sum(legend), 3.4 * n_rows + 0.5),
                      layout="constrained")
-    grid = fig.add_gridspec(n_rows, 2 * n_fw + len(legend), width_ratios=[1] * (2 * n_fw) + legend)
+    grid = fig.add_gridspec(n_rows, n_cols + len(legend), width_ratios=[1] * n_cols + legend)
     style = series_style({(r["backend"], r["dtype"]) for r in rows})
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     # minor ticks of a log axis: label 2 and 5 of each decade only
@@ -137,53 +224,45 @@ def figure(results: list[dict], head: dict | None = None, env: dict | None = Non
     for i, (obj, n) in enumerate(line_rows):
         mine = [r for r in rows if r["objective"] == obj and r["n"] == n]
         ks = sorted({r["k"] for r in mine})
-        time_axes = [fig.add_subplot(grid[i, j]) for j in range(n_fw)]
-        ms = [r["ms"] for r in mine if r["ms"] > 0]
-        keys = set()
-        for j, fw in enumerate(frameworks):
-            ax_t, ax_m = time_axes[j], fig.add_subplot(grid[i, n_fw + j])
+        ms = [v for r in mine for v in (r["ms"], r.get("p20"), r.get("p80")) if v and v > 0]
+        keys, ratio_keys = set(), False
+        for j, (fw, kind) in enumerate(panels[(obj, n)]):
+            ax = fig.add_subplot(grid[i, j])
             own = [r for r in mine if r["framework"] == fw]
-            unit, unit_bytes = _memory_unit(own)
-            for key in sorted({(r["backend"], r["dtype"]) for r in own}, key=_series_order):
-                keys.add(key)
-                pts = sorted((r["k"], r["ms"], r["peak_bytes"]) for r in own
-                             if (r["backend"], r["dtype"]) == key)
-                colour, marker = style[key]
-                look = dict(color=colour, marker=marker, markersize=_size(marker),
-                            linestyle="-" if key[1] == "float32" else "--", label=" ".join(key))
-                ax_t.plot([p[0] for p in pts], [p[1] for p in pts], **look)
-                mem = [(p[0], p[2] / unit_bytes) for p in pts if p[2] is not None]
-                if mem:
-                    ax_m.plot(*zip(*mem), **look)
-            ax_t.set_title(f"{obj}, {fw}: fwd+bwd time, N = {n}", fontsize=10)
-            ax_m.set_title(f"{obj}, {fw}: peak memory beyond inputs", fontsize=10)
-            if not own:
-                for ax in (ax_t, ax_m):
-                    ax.text(0.5, 0.5, "not timed", ha="center", va="center",
-                            transform=ax.transAxes, color="0.4")
-                    ax.tick_params(labelbottom=False, labelleft=False, length=0)
-                continue
-            for ax in (ax_t, ax_m):
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(ks, [_k_label(k) for k in ks])
-                ax.minorticks_off()
-                ax.set_xlabel("vocabulary K")
-                ax.grid(alpha=0.3)
-            ax_t.set_yscale("log")
-            if ms:  # the same time scale in each framework's panel of the row
-                ax_t.set_ylim(min(ms) / 1.3, max(ms) * 1.3)
-            ax_t.yaxis.set_major_formatter(plain)
-            ax_t.yaxis.set_minor_formatter(sparse)
-            ax_t.tick_params(axis="y", which="both", labelsize=7)
-            ax_m.set_ylim(bottom=0)
-            ax_m.set_ylabel(_memory_label(own), fontsize=8)
-        time_axes[0].set_ylabel("ms (median, log scale)")
+            if kind == "time":
+                keys |= _time_panel(ax, own, style)
+                ax.set_title(f"{obj}, {fw}: fwd+bwd time, N = {n}", fontsize=10)
+                ax.set_ylabel("ms (median, p20-p80 band)", fontsize=8)
+                if ms:  # the same time scale in each framework's panel of the row
+                    ax.set_ylim(min(ms) / 1.3, max(ms) * 1.3)
+            elif kind == "ratio":
+                ours = ours_of({r["backend"] for r in own})
+                _ratio_panel(ax, ratios(own, ours), style)
+                ratio_keys = True
+                ax.set_title(f"{obj}, {fw}: {ours} (ours) / peer", fontsize=10)
+                ax.set_ylabel("ratio (below 1: ours faster, leaner)", fontsize=8)
+            else:
+                keys |= _memory_panel(ax, own, style)
+                ax.set_title(f"{obj}, {fw}: peak memory beyond inputs", fontsize=10)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks, [_k_label(k) for k in ks])
+            ax.minorticks_off()
+            ax.set_xlabel("vocabulary K")
+            ax.grid(alpha=0.3)
+            if kind != "memory" or ax.get_yscale() == "log":
+                ax.yaxis.set_major_formatter(plain)
+                ax.yaxis.set_minor_formatter(sparse)
+            ax.tick_params(axis="y", which="both", labelsize=7)
         legend_ax = fig.add_subplot(grid[i, -1])
         legend_ax.axis("off")
         handles = [Line2D([], [], color=style[key][0], marker=style[key][1],
                           markersize=_size(style[key][1]),
-                          linestyle="-" if key[1] == "float32" else "--", label=" ".join(key))
+                          linestyle="-" if key[1] == "float32" else "--", label=_label(*key))
                    for key in sorted(keys, key=_series_order)]
+        if ratio_keys:  # what the ratio panels' two kinds of line are
+            handles += [Line2D([], [], color="0.3", marker="o", label="ratio: time (band: p20-p80)"),
+                        Line2D([], [], color="0.3", marker="o", markerfacecolor="none",
+                               linestyle=":", label="ratio: peak memory")]
         legend_ax.legend(handles=handles, loc="center left", fontsize=8, frameon=False,
                          title="backend, dtype", title_fontsize=8, borderaxespad=0)
     extra = []  # (time title, memory title, labels, ours or a peer, rows) of each bar row
@@ -201,21 +280,98 @@ def figure(results: list[dict], head: dict | None = None, env: dict | None = Non
                       [r["variant"] if one else f"{r['variant']} ({shape_of(r)})"
                        for r in draw_rows],
                       [r["variant"].startswith("ours") for r in draw_rows], draw_rows))
+    half = max(n_cols // 2, 1)
     for i, (t_title, m_title, labels, ours, bars) in enumerate(extra, start=len(line_rows)):
-        ax_t = fig.add_subplot(grid[i, :n_fw])
-        ax_m = fig.add_subplot(grid[i, n_fw:2 * n_fw])
+        ax_t = fig.add_subplot(grid[i, :half])
         _bars(ax_t, labels, [r["ms"] for r in bars], "ms",
               ["tab:blue" if o else _lighter("tab:blue", 0.55) for o in ours])
-        ax_t.set_xlabel("ms (median; ours dark)")
+        ax_t.set_xlabel("ms (median; ours dark)" + (", log scale" if ax_t.get_xscale() == "log"
+                                                     else ""))
         ax_t.set_title(t_title, fontsize=10)
-        _bars(ax_m, labels, [r["peak_bytes"] / 2**20 if r.get("peak_bytes") is not None
-                             else None for r in bars], "MiB",
-              ["tab:orange" if o else _lighter("tab:orange", 0.55) for o in ours])
-        ax_m.set_xlabel("MiB (ours dark)")
-        ax_m.set_title(m_title, fontsize=10)
+        peaks = [r["peak_bytes"] / 2**20 if r.get("peak_bytes") is not None else None
+                 for r in bars]
+        if any(v is not None for v in peaks):  # no memory panel without a number
+            ax_m = fig.add_subplot(grid[i, half:2 * half])
+            _bars(ax_m, labels, peaks, "MiB",
+                  ["tab:orange" if o else _lighter("tab:orange", 0.55) for o in ours])
+            ax_m.set_xlabel("MiB (ours dark)" + (", log scale" if ax_m.get_xscale() == "log"
+                                                  else ""))
+            ax_m.set_title(m_title, fontsize=10)
     if env is not None:
-        fig.suptitle(f"dlm-kernels benchmark: {env['device']}, {env['date'][:10]}")
+        load = (env.get("load") or {}).get("before")
+        fig.suptitle(f"dlm-kernels benchmark: {env['device']}, {env['date'][:10]}"
+                     + (f" (load average {load[0]:.2f} at the start)" if load else ""))
     return fig
+
+
+def _look(style, key) -> dict:
+    colour, marker = style[key]
+    return dict(color=colour, marker=marker, markersize=_size(marker),
+                linestyle="-" if key[1] == "float32" else "--", label=_label(*key))
+
+
+def _time_panel(ax, own: list[dict], style) -> set:
+    """Each series' median time against K, its p20-p80 spread a band; log axes."""
+    keys = set()
+    for key in sorted({(r["backend"], r["dtype"]) for r in own}, key=_series_order):
+        keys.add(key)
+        pts = sorted((r["k"], r["ms"], r.get("p20"), r.get("p80")) for r in own
+                     if (r["backend"], r["dtype"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **_look(style, key))
+        band = [p for p in pts if p[2] is not None and p[3] is not None]
+        if band:
+            ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
+                            color=style[key][0], alpha=0.15, linewidth=0)
+    ax.set_yscale("log")
+    return keys
+
+
+def _memory_panel(ax, own: list[dict], style) -> set:
+    """Each series' peak memory against K: a log axis where one dwarfs the rest (points of
+    0 bytes are then left out: the tables have them), else linear from 0."""
+    keys = set()
+    unit, unit_bytes = _memory_unit(own)
+    log = _dwarfed([r.get("peak_bytes") for r in own])
+    for key in sorted({(r["backend"], r["dtype"]) for r in own}, key=_series_order):
+        pts = sorted((r["k"], r["peak_bytes"] / unit_bytes) for r in own
+                     if (r["backend"], r["dtype"]) == key and r.get("peak_bytes") is not None
+                     and (r["peak_bytes"] > 0 or not log))
+        if pts:
+            keys.add(key)
+            ax.plot(*zip(*pts), **_look(style, key))
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_ylabel(_memory_label(own) + (", log scale" if log else ""), fontsize=8)
+    return keys
+
+
+def _ratio_panel(ax, found: dict, style) -> None:
+    """ours / peer against K: time (the medians' ratio, a band where the spreads allow) in
+    each peer's colour and marker, memory dotted with hollow markers; a line at 1, log axis."""
+    values = [1.0]
+    for key in sorted(found, key=_series_order):
+        colour, marker = style[key]
+        pts = found[key]
+        look = dict(color=colour, marker=marker, markersize=_size(marker))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                linestyle="-" if key[1] == "float32" else "--", **look)
+        band = [p for p in pts if p[2] is not None]
+        if len(band) > 1:
+            ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
+                            color=colour, alpha=0.15, linewidth=0)
+        elif band:  # one K: the band as an error bar
+            (k, mid, low, high, _), = band
+            ax.errorbar([k], [mid], yerr=[[mid - low], [high - mid]], color=colour,
+                        linewidth=1, capsize=3)
+        memory = [(p[0], p[4]) for p in pts if p[4]]
+        if memory:
+            ax.plot(*zip(*memory), linestyle=":", markerfacecolor="none", **look)
+        values += [v for p in pts for v in (p[1], p[2], p[3], p[4]) if v and v > 0]
+    ax.axhline(1.0, color="0.2", linewidth=0.8, zorder=0)
+    ax.set_yscale("log")
+    ax.set_ylim(min(values) / 1.3, max(values) * 1.3)
 
 
 def plot(results: list[dict], path: str, head: dict | None = None, env: dict | None = None,

@@ -2,11 +2,12 @@
 
 ``Progress`` prints one line per finished case: a bar, case i of n, the time spent and an
 estimate of the time left (the mean time per case so far, times the cases to go).
-``summary`` condenses a run: first, per objective, each backend of ours against the
-strongest peer a user would run instead ("CE fwd+bwd, torch chunked: 1.3x faster than
-torch.compile (upstream+compile), 1/9 of its memory (6 shapes)"), then against every peer;
-forward+backward time and peak memory beyond the inputs, geometric means over the shapes
-both ran.
+``summary`` condenses a run: per objective, each backend of ours against the peers a user
+would run instead, forward+backward time and peak memory beyond the inputs, geometric means
+over the shapes both ran. A speed claim ("1.3x faster than torch.compile
+(upstream+compile) at all 6 shapes") only where the p20-p80 spreads of the two, timed side
+by side rep by rep, are apart at every shape; what is within noise is said so, after what
+was measured apart. Then the machine's load before and after the run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from typing import NamedTuple, Optional
 
 
 def clock(seconds):
@@ -76,43 +78,137 @@ _PEER_WORDS = {("torch", "upstream"): "eager PyTorch (upstream)",
 _OBJECTIVE_WORDS = {"ce": "CE", "sft": "SFT", "policy": "Policy", "opd": "OPD"}
 
 
-def summary(results, peers=("reference", "reference+compile", "upstream", "upstream+compile",
-                            "liger"), oracle="reference"):
-    """Lines of text, forward+backward, geometric means over the shapes both timed. First,
-    per objective, framework and backend of ours, the comparison against the strongest
-    (fastest) peer a user would run instead (every name in ``peers`` but ``oracle``, our own
-    materialised parity backend): "CE fwd+bwd, torch chunked: 1.3x faster than torch.compile
-    (upstream+compile), 1/9 of its memory (6 shapes)". Then one line per (framework,
-    objective, backend) against every such peer, the strongest first."""
-    rows = [r for r in results if r.get("mode") == "fwd+bwd" and "ms" in r]
+def spread_verdict(ours, peer):
+    """"faster", "slower" or "within noise": ours against a peer from the p20-p80 spreads of
+    their times (rows of one shape and mode), a speed claim only where the spreads do not
+    overlap; None where either has no spread (a derived time)."""
+    if any(r.get("p20") is None or r.get("p80") is None for r in (ours, peer)):
+        return None
+    if ours["p80"] < peer["p20"]:
+        return "faster"
+    if ours["p20"] > peer["p80"]:
+        return "slower"
+    return "within noise"
+
+
+def ratio_band(ours, peer):
+    """(median, low, high) of ours / peer time: the medians' ratio and the bounds the p20-p80
+    spreads allow (ours p20 / peer p80 to ours p80 / peer p20; the band holds 1 exactly where
+    ``spread_verdict`` says "within noise"); the bounds None without spreads."""
+    mid = ours["ms"] / peer["ms"] if peer["ms"] > 0 else None
+    if spread_verdict(ours, peer) is None or not peer["p20"] > 0:
+        return mid, None, None
+    return mid, ours["p20"] / peer["p80"], ours["p80"] / peer["p20"]
+
+
+class Comparison(NamedTuple):
+    """Ours against one peer over the shapes both timed (forward+backward)."""
+
+    peer: str
+    speed: float  # geometric mean of peer / ours time
+    memory: Optional[float]  # geometric mean of ours / peer peak memory
+    verdicts: dict  # {"faster" | "slower" | "within noise": [peer / ours time, a shape each]}
+
+    @property
+    def shapes(self) -> int:
+        return sum(len(v) for v in self.verdicts.values())
+
+    @property
+    def settled(self) -> Optional[str]:
+        """"faster" or "slower" where every shape's spreads say so, else None."""
+        found = [v for v, speeds in self.verdicts.items() if speeds]
+        return found[0] if found in (["faster"], ["slower"]) else None
+
+
+def _peer_name(fw, peer):
+    return _PEER_WORDS.get((fw, peer), peer)
+
+
+def _settled_words(fw, c: Comparison) -> str:
+    """"1.3x faster than torch.compile (upstream+compile) at all 6 shapes, 1/9 of its memory"."""
+    where = "at the one shape" if c.shapes == 1 else f"at all {c.shapes} shapes"
+    return (f"{ratio_words(c.speed)} than {_peer_name(fw, c.peer)} {where}"
+            + (f", {_memory_words(c.memory)}" if c.memory else ""))
+
+
+def _unsettled_words(fw, c: Comparison) -> str:
+    """"vs eager PyTorch (upstream): within noise at 4 of 6 shapes, 1.2x slower at 2"."""
+    parts = []
+    for verdict in ("within noise", "faster", "slower"):
+        speeds = c.verdicts.get(verdict, [])
+        if not speeds:
+            continue
+        count = f"{len(speeds)} of {c.shapes} shapes" if not parts else f"{len(speeds)}"
+        parts.append(f"within noise at {count}" if verdict == "within noise"
+                     else f"{ratio_words(_geomean(speeds))} at {count}")
+    return (f"vs {_peer_name(fw, c.peer)}: {', '.join(parts)}"
+            + (f"; {_memory_words(c.memory)}" if c.memory else ""))
+
+
+def load_line(load):
+    """The machine's load in words, from dict(before=, after=, cores=) (os.getloadavg's 1,
+    5 and 15 minute averages), with a warning where other work ran beside the benchmark."""
+    if not load or load.get("before") is None:
+        return "Machine load: unknown (no os.getloadavg here)"
+    before, after, cores = load["before"], load.get("after"), load.get("cores") or 1
+    line = (f"Machine load (1-minute average): {before[0]:.2f} before the run"
+            + (f", {after[0]:.2f} after it" if after else "") + f", {cores} cores")
+    if before[0] >= 0.5 * cores:
+        line += (" -- other work was running: the spreads overlap more and the medians "
+                 "move; re-run on a quiet machine for verdicts")
+    return line
+
+
+def comparisons(results, peers=("reference", "reference+compile", "upstream",
+                                "upstream+compile", "liger"), oracle="reference"):
+    """{(framework, objective, backend of ours): [Comparison, the strongest peer first]},
+    forward+backward, over the shapes both timed."""
+    rows = [r for r in results if r.get("mode") == "fwd+bwd" and "ms" in r and r["ms"] > 0]
     index = {(r["framework"], r["objective"], r["shape"], r["backend"]): r for r in rows}
     objectives = sorted({r["objective"] for r in rows},
                         key=lambda o: (list(_OBJECTIVE_WORDS) + [o]).index(o))
     frameworks = sorted({r["framework"] for r in rows},
                         key=lambda f: (["torch", "jax", f]).index(f))
-    keys = [(fw, obj, backend) for obj in objectives for fw in frameworks
+    out = {}
+    for obj in objectives:
+        for fw in frameworks:
             for backend in sorted({r["backend"] for r in rows if r["backend"] not in peers
-                                   and (r["framework"], r["objective"]) == (fw, obj)})]
-    lead = ["Summary (forward+backward against the strongest peer users run instead; "
-            "geometric mean over shapes):"]
-    detail = ["Against every peer, the strongest first:"]
-    for fw, obj, backend in keys:
-        found = []  # (time ratio, words)
-        for peer in peers:
-            if peer == oracle:
-                continue
-            speed, memory, n = _against(index, fw, obj, backend, peer)
-            if speed:
-                words = (f"{ratio_words(speed)} than {_PEER_WORDS.get((fw, peer), peer)}"
-                         + (f", {_memory_words(memory)}" if memory else "")
-                         + f" ({n} shape{'s' * (n != 1)})")
-                found.append((speed, words))
-        found.sort()
+                                   and (r["framework"], r["objective"]) == (fw, obj)}):
+                found = [c for peer in peers if peer != oracle
+                         for c in [_against(index, fw, obj, backend, peer)] if c]
+                out[(fw, obj, backend)] = sorted(found, key=lambda c: c.speed)
+    return out
+
+
+def summary(results, peers=("reference", "reference+compile", "upstream", "upstream+compile",
+                            "liger"), oracle="reference", load=None):
+    """Lines of text, forward+backward, ours against what users run instead (every name in
+    ``peers`` but ``oracle``, our own materialised parity backend), geometric means over the
+    shapes both timed. A speed claim only where the p20-p80 spreads of the two (timed side
+    by side, rep by rep) are apart at every shape (``spread_verdict``). First what was
+    measured so ("CE fwd+bwd, torch chunked: 1.3x faster than torch.compile
+    (upstream+compile) at all 6 shapes, 1/9 of its memory"), the strongest peer first; then
+    what was not settled ("within noise at 4 of 6 shapes, ..."), to re-measure on a quiet
+    machine; then the machine's load (``load``: dict(before=, after=, cores=))."""
+    found = comparisons(results, peers, oracle)
+    lead = ["Summary (forward+backward, ours against what users run instead, geometric mean "
+            "over shapes; a speed claim only where the p20-p80 spreads of calls timed side "
+            "by side are apart at every shape):"]
+    unsettled = ["Not settled (the spreads overlap, or shapes disagree; re-measure on a quiet "
+                 "machine):"]
+    for (fw, obj, backend), comps in found.items():
         what = f"{_OBJECTIVE_WORDS.get(obj, obj)} fwd+bwd, {fw} {backend}"
-        lead.append(f"  {what}: {found[0][1] if found else 'no peer timed'}")
-        detail.append(f"  {fw:9s} {obj:9s} {backend:10s} "
-                      + ("; ".join(w for _, w in found) if found else "no peer timed"))
-    return lead + detail
+        if not comps:
+            lead.append(f"  {what}: no peer timed")
+            continue
+        sure = [_settled_words(fw, c) for c in comps if c.settled]
+        if sure:
+            lead.append(f"  {what}: " + "; ".join(sure))
+        unsettled += [f"  {what} {_unsettled_words(fw, c)}" for c in comps if not c.settled]
+    lines = lead + (unsettled if len(unsettled) > 1 else [])
+    if load is not None:
+        lines.append(load_line(load))
+    return lines
 
 
 def _ms(ms):
@@ -127,9 +223,10 @@ def target_summary(results, peers=("reference", "reference+compile", "upstream",
                                    "upstream+compile", "liger"), oracle="reference"):
     """Lines of text for the --cpu-target grid: per objective, shape and dtype (a shape
     ending in -busy: beside the busy loop), each framework's backend of ours against its
-    strongest peer per fwd+bwd ("torch chunked vs torch.compile: fwd 1.2x faster, bwd 1.1x
-    slower, fwd+bwd 1.0x faster (640 vs 650 ms); memory beyond inputs 60 MiB vs 1.0 GiB,
-    1/17 of its memory"), then the other peers' fwd+bwd ratios."""
+    strongest peer per fwd+bwd ("torch chunked vs torch.compile: fwd 1.2x faster, bwd within
+    noise, fwd+bwd 1.1x faster (640 vs 700 ms); memory beyond inputs 60 MiB vs 1.0 GiB,
+    1/17 of its memory"), then the other peers' fwd+bwd ratios; a ratio only where the
+    p20-p80 spreads are apart (``spread_verdict``), else "within noise"."""
     timed = {(r["framework"], r["objective"], r["shape"], r["backend"], r["mode"]): r
              for r in results if "ms" in r and r["ms"] > 0}
     shapes = []  # (objective, shape, n, k, dtype) in the order first timed
@@ -155,7 +252,7 @@ def target_summary(results, peers=("reference", "reference+compile", "upstream",
                     lines.append(f"    {fw} {backend}: no peer timed")
                     continue
                 best = found[0]
-                ratios = [f"{mode} {ratio_words(base['ms'] / mine['ms'])}"
+                ratios = [f"{mode} {_verdict_words(mine, base)}"
                           for mode in ("fwd", "bwd", "fwd+bwd")
                           for mine, base in [(timed.get((fw, obj, shape, backend, mode)),
                                               timed.get((fw, obj, shape, best, mode)))]
@@ -166,24 +263,41 @@ def target_summary(results, peers=("reference", "reference+compile", "upstream",
                              if ours["peak_bytes"] else "")
                           if ours.get("peak_bytes") is not None and peak else "")
                 base_ms = timed[(fw, obj, shape, best, "fwd+bwd")]["ms"]
-                others = [f"{ratio_words(timed[(fw, obj, shape, b, 'fwd+bwd')]['ms'] / ours['ms'])}"
-                          f" than {_PEER_WORDS.get((fw, b), b)}" for b in found[1:]]
+                others = [f"{_verdict_words(ours, timed[(fw, obj, shape, b, 'fwd+bwd')])}"
+                          f" {'of' if _within(ours, timed[(fw, obj, shape, b, 'fwd+bwd')]) else 'than'}"
+                          f" {_PEER_WORDS.get((fw, b), b)}" for b in found[1:]]
                 lines.append(f"    {fw} {backend} vs {_PEER_WORDS.get((fw, best), best)}: "
                              f"{', '.join(ratios)} ({_ms(ours['ms'])} vs {_ms(base_ms)} ms)"
                              + memory + (f"; fwd+bwd {'; '.join(others)}" if others else ""))
     return lines
 
 
+def _verdict_words(ours, peer):
+    """Ours against a peer at one shape and mode: "1.3x faster" where the p20-p80 spreads
+    are apart, "within noise" where they overlap, "1.3x faster (derived)" without spreads."""
+    verdict = spread_verdict(ours, peer)
+    if verdict == "within noise":
+        return verdict
+    words = ratio_words(peer["ms"] / ours["ms"]) if ours["ms"] > 0 else "n/a"
+    return words if verdict else f"{words} (derived)"
+
+
+def _within(ours, peer):
+    return spread_verdict(ours, peer) == "within noise"
+
+
 def _against(index, fw, obj, backend, peer):
-    """(time ratio peer / ours, memory ratio ours / peer, shapes) over the shapes where both
-    have a number."""
-    speed, memory, n = [], [], 0
+    """Ours against ``peer`` over the shapes where both have a time (a Comparison), or None
+    where they share none."""
+    speed, memory, verdicts = [], [], {}
     for (f, o, shape, b), r in index.items():
         base = index.get((f, o, shape, peer))
-        if (f, o, b) != (fw, obj, backend) or base is None or r["ms"] <= 0:
+        if (f, o, b) != (fw, obj, backend) or base is None:
             continue
-        n += 1
         speed.append(base["ms"] / r["ms"])
+        verdicts.setdefault(spread_verdict(r, base) or "within noise", []).append(speed[-1])
         if base.get("peak_bytes") and r.get("peak_bytes"):
             memory.append(r["peak_bytes"] / base["peak_bytes"])
-    return _geomean(speed), _geomean(memory), n
+    if not speed:
+        return None
+    return Comparison(peer, _geomean(speed), _geomean(memory), verdicts)

@@ -1,6 +1,6 @@
 """The main job: parity check, then the benchmark of every available backend on this device.
 
-    python -m bench              # quick: a few minutes (2 CPU cores: under 3; one GPU: a few)
+    python -m bench              # quick: QUICK_ESTIMATE on a quiet 2-core CPU (its estimate)
     python -m bench --full       # the whole grid: on a GPU the real model vocabularies
     python -m bench --smoke      # seconds; what the test suite runs
     python -m bench --cpu-target # issue 30's CPU grid (N 4096, K 32k and 128k): an hour or more
@@ -11,8 +11,15 @@ reports milliseconds (median, p20-p80), GB/s of the bytes the pass must move, th
 the copy bandwidth measured in the same run, peak memory beyond the inputs, and the speedup
 over each baseline; then the linear-head cases (bench/linear_head.py) and the denoising
 step's (bench/sampling.py: our draw beside LLaDA's float64 step and a plain float32 one).
-It prints a line per case with the time left, and at the end a summary; the full tables go to
-``<out>/<device>-<date>.{json,md,png}`` (``--out``, by default ``./bench-results``).
+The variants of one objective at one shape are timed side by side, call by call (ours, a
+peer, ours, a peer, ...), so that a slower stretch of a shared machine falls on each alike,
+and a speed-up is claimed only where the p20-p80 spreads are apart. It prints its estimated
+run time (from its case list: QUICK_ESTIMATE for the quick CPU grid on a quiet 2-core
+machine; longer when busy, and at a first run, which compiles every torch.compile graph from
+scratch), the machine's load average, a line per case with the time left, and at the end a
+summary, what was measured apart first, then what is within noise, then the load again; the
+summary and full tables go to ``<out>/<device>-<date>.{json,md,png}`` (``--out``, by
+default ``./bench-results``).
 
 ``--cpu-target`` times issue 30's CPU target grid instead: ce, sft and opd at N 4096,
 K 32768 and 131072, float32 and bf16; torch chunked beside eager and torch.compile of the
@@ -42,9 +49,10 @@ import numpy as np
 from . import shapes
 from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets, upstream_bytes
 from .memory import cpu_peak_bytes, meminfo_bytes, package_cwd
-from .plot import plot
-from .progress import Progress, clock, ratio_words, summary, target_summary
-from .timing import copy_bandwidth, copy_bandwidth_jax, measure
+from .plot import PEER_NAMES, plot
+from .progress import (Progress, clock, load_line, ratio_words, spread_verdict, summary,
+                       target_summary)
+from .timing import copy_bandwidth, copy_bandwidth_jax, error_line, measure, measure_interleaved
 
 
 
@@ -128,7 +136,7 @@ def skip_reason(env, variant, shape_index, elapsed_s, budget_s, memory=None):
 
 #: the rows that are not ours: our own materialised ``reference`` (a parity oracle, kept as a
 #: table row, out of the summary's comparisons) and what a user would run instead
-PEERS = ("reference", "reference+compile", "upstream", "upstream+compile", "liger")
+PEERS = PEER_NAMES
 
 
 def variants(env, framework, objective, smoke=False):
@@ -244,54 +252,135 @@ def untimed_rows(fw, objective, variant, label, n, k, dtype, error):
 
 def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate=ROTATE):
     """The rows of one case, a row per mode (``rotate``: its input sets, bench/cases.py)."""
-    elem = 2 if dtype in ("bfloat16", "float16") else 4
-    out = []
-    cuda = env["cuda"] and fw == "torch"
-    try:
-        case = (TorchCase(objective, variant, n, k, dtype, "cuda" if cuda else "cpu", rotate=rotate)
-                if fw == "torch" else JaxCase(objective, variant, n, k, dtype, rotate=rotate))
-        timings = {"fwd": measure(case.fwd, cuda=cuda, reps=args.reps),
-                   "fwd+bwd": measure(case.fwdbwd, cuda=cuda, reps=args.reps)}
-        if fw == "torch" and case.separate_bwd:
-            case.prepare_bwd()
-            timings["bwd"] = measure(case.bwd, cuda=cuda, reps=args.reps)
-            case.release()
-        else:
-            fb, f = timings["fwd+bwd"], timings["fwd"]
-            timings["bwd"] = dict(ms=max(fb["ms"] - f["ms"], 0.0), p20=None, p80=None,
-                                  reps=fb["reps"], derived="fwd+bwd minus fwd")
-            if "back_to_back_ms" in fb and "back_to_back_ms" in f:
-                timings["bwd"]["back_to_back_ms"] = max(fb["back_to_back_ms"] - f["back_to_back_ms"], 0.0)
-        if fw == "torch":
-            if cuda:
-                peak, mem_kind = case.cuda_peak_bytes(), "cuda max_memory_allocated delta"
-            else:
-                del case
-                gc.collect()
-                peak, mem_kind = cpu_peak_bytes(objective, variant, n, k, dtype), "VmHWM delta (own process)"
-        else:
-            peak, mem_kind = case.temp_bytes(), "XLA temp bytes (memory_analysis)"
-    except Exception as err:  # noqa: BLE001 - e.g. the reference running out of memory
-        msg = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-        return untimed_rows(fw, objective, variant, label, n, k, dtype, msg)
-    finally:
-        case = None  # drop the inputs first, so that emptying the cache hands their memory back
-        gc.collect()
-        if cuda:
-            import torch
+    return run_group(env, fw, objective, [variant], label, n, k, dtype, copy_gbps, args, rotate)
 
-            torch.cuda.empty_cache()  # (JAX shares the card: torch must not sit on freed blocks)
+
+def _make_cases(env, fw, objective, names, n, k, dtype, rotate):
+    """{variant: its case, or the error that building it raised}; every variant but Liger
+    (which writes its gradient into its inputs) reads the first one's input sets."""
+    cuda = env["cuda"] and fw == "torch"
+    cases, shared = {}, None
+    for variant in names:
+        own = variant == "liger"
+        try:
+            if fw == "torch":
+                case = TorchCase(objective, variant, n, k, dtype, "cuda" if cuda else "cpu",
+                                 rotate=rotate, sets=None if own else shared)
+            else:
+                case = JaxCase(objective, variant, n, k, dtype, rotate=rotate, sets=shared)
+        except Exception as err:  # noqa: BLE001 - e.g. the reference running out of memory
+            cases[variant] = error_line(err)
+            continue
+        cases[variant] = case
+        if shared is None and not own:
+            shared = case.sets
+    return cases
+
+
+def _timings(env, fw, cases, reps):
+    """{variant: {mode: the timing dict}}: forward, then forward+backward, each timed
+    interleaved across the variants rep by rep (bench/timing.py ``measure_interleaved``);
+    torch's separate backward (not under compile) one variant after another, each holding
+    its graphs only while it is timed; elsewhere the backward is derived. A variant whose
+    call raised gets dict(error=...) for the mode."""
+    cuda = env["cuda"] and fw == "torch"
+    out = {v: {} for v in cases}
+    for mode, call in (("fwd", "fwd"), ("fwd+bwd", "fwdbwd")):
+        timed = measure_interleaved({v: getattr(c, call) for v, c in cases.items()
+                                     if "error" not in out[v]}, cuda=cuda, reps=reps)
+        for v, t in timed.items():
+            out[v][mode] = t
+            if "error" in t:
+                out[v]["error"] = t["error"]
+    for v, case in cases.items():
+        if "error" in out[v]:
+            continue
+        if fw == "torch" and case.separate_bwd:
+            try:
+                case.prepare_bwd()
+                out[v]["bwd"] = dict(measure(case.bwd, cuda=cuda, reps=reps), interleaved=False)
+            except Exception as err:  # noqa: BLE001
+                out[v]["error"] = error_line(err)
+            finally:
+                case.release()
+            continue
+        fb, f = out[v]["fwd+bwd"], out[v]["fwd"]
+        out[v]["bwd"] = dict(ms=max(fb["ms"] - f["ms"], 0.0), p20=None, p80=None,
+                             reps=fb["reps"], derived="fwd+bwd minus fwd")
+        if "back_to_back_ms" in fb and "back_to_back_ms" in f:
+            out[v]["bwd"]["back_to_back_ms"] = max(fb["back_to_back_ms"] - f["back_to_back_ms"], 0.0)
+    return out
+
+
+def _peak(env, fw, case, objective, variant, n, k, dtype):
+    """(peak bytes beyond the inputs, what the number is) of one forward+backward."""
+    if fw == "torch" and env["cuda"]:
+        return case.cuda_peak_bytes(), "cuda max_memory_allocated delta"
+    if fw == "torch":
+        return (cpu_peak_bytes(objective, variant, n, k, dtype),
+                "VmHWM delta (own process, bench/memory.py)")
+    return case.temp_bytes(), "XLA temp bytes (memory_analysis)"
+
+
+def run_group(env, fw, objective, names, label, n, k, dtype, copy_gbps, args, rotate=ROTATE):
+    """The rows of the variants ``names`` of one objective at one shape, a row per variant
+    and mode: built on one draw of inputs, timed side by side rep by rep (``_timings``), then
+    each one's peak memory (CPU torch: in a process of its own, bench/memory.py). A variant
+    that fails gets rows with its error; the others are still timed."""
+    elem = 2 if dtype in ("bfloat16", "float16") else 4
+    cuda = env["cuda"] and fw == "torch"
+    started = time.monotonic()
+    cases = _make_cases(env, fw, objective, names, n, k, dtype, rotate)
+    timings = {v: dict(error=c) for v, c in cases.items() if isinstance(c, str)}
+    built = {v: c for v, c in cases.items() if not isinstance(c, str)}
+    timings.update(_timings(env, fw, built, args.reps) if built else {})
+    if fw == "torch" and not cuda:  # the probes run in a process of their own: free the
+        cases = built = {v: None for v in built}  # memory they will need (the inputs)
+        gc.collect()
+    peaks = {}
+    for v in list(built):
+        case = built.pop(v)
+        if "error" in timings[v]:
+            continue
+        try:
+            peaks[v] = _peak(env, fw, case, objective, v, n, k, dtype)
+        except Exception as err:  # noqa: BLE001
+            timings[v]["error"] = error_line(err)
+    cases = case = None  # drop the inputs, so that emptying the cache hands them back
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()  # (JAX shares the card: torch must not sit on freed blocks)
+    wall_s = (time.monotonic() - started) / max(len(names), 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    out = []
+    for variant in names:
+        out += _variant_rows(fw, objective, variant, label, n, k, dtype, elem, copy_gbps,
+                             timings[variant], peaks.get(variant), rotate, wall_s, load)
+    return out
+
+
+def _variant_rows(fw, objective, variant, label, n, k, dtype, elem, copy_gbps, timing, peak,
+                  rotate, wall_s, load):
+    """One variant's rows, a row per mode (its error in each where it has one)."""
+    if "error" in timing:
+        return untimed_rows(fw, objective, variant, label, n, k, dtype, timing["error"])
+    peak_bytes, peak_kind = peak
+    out = []
     for mode in shapes.MODES:
-        t = timings[mode]
+        t = timing[mode]
         nbytes = shapes.bytes_moved(objective, mode, n, k, elem)
         gbps = nbytes / (t["ms"] * 1e-3) / 1e9 if t["ms"] > 0 else None
-        out.append(dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
-                        dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
+        out.append(dict(framework=fw, objective=objective, backend=variant, shape=label, n=n,
+                        k=k, dtype=dtype, mode=mode, ms=t["ms"], p20=t["p20"], p80=t["p80"],
                         reps=t["reps"], times_ms=t.get("times"), derived=t.get("derived"),
+                        interleaved=t.get("interleaved", t.get("derived") is None),
                         back_to_back_ms=t.get("back_to_back_ms"),
                         bytes=nbytes, gbps=gbps, rotate=rotate,
                         pct_copy=100 * gbps / copy_gbps if gbps else None,
-                        peak_bytes=peak, peak_kind=mem_kind))
+                        peak_bytes=peak_bytes, peak_kind=peak_kind, case_s=wall_s,
+                        load_1min=load))
     return out
 
 
@@ -320,16 +409,25 @@ def vocab_parallel_comm(env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def markdown(env, copy_gbps, results, parity_rows):
+def markdown(env, copy_gbps, results, parity_rows, summary_lines=None):
+    """The run's Markdown: the device, the machine's load, the closing summary
+    (``summary_lines``), parity, then a table per objective."""
     lines = [f"Device: {env['device']} — {env['date'][:10]} — {env.get('threads', '?')} threads"
              + (" — beside a busy-loop process on one core" if env.get("busy_core") else "") + " — "
              f"copy bandwidth {copy_gbps:.1f} GB/s (measured in the same run)", ""]
+    if env.get("load"):
+        lines += [load_line(env["load"]), ""]
+    if summary_lines:
+        lines += ["## Summary", "", "```text", *summary_lines, "```", ""]
     if env.get("busy_repeat"):
         lines += ["Shapes ending in -busy: the same cases once more beside a busy-loop "
                   "process on one core.", ""]
     lines += [f"Not timed: {line}" for line in env.get("missing_peers", [])]
     lines += ["Speed-ups compare ours with what users run instead (upstream: the loss written "
-              "materialised, bench/upstream.py); `reference` is our parity oracle.", ""]
+              "materialised, bench/upstream.py); `reference` is our parity oracle. Each "
+              "objective's variants at one shape are timed side by side, call by call (the "
+              "separate backward one variant after another); a speed-up is given only where "
+              "the p20-p80 spreads are apart, else \"within noise\".", ""]
     bad = [p for p in parity_rows if not p["ok"]]
     seed = parity_rows[0]["seed"] if parity_rows else None
     lines.append(f"Parity vs reference (seed {seed}): "
@@ -340,6 +438,8 @@ def markdown(env, copy_gbps, results, parity_rows):
     header = ["framework", "backend", "shape", "mode", "ms (p20-p80)"] + (["ms back to back"] if b2b else []) \
         + ["GB/s", "% copy", "peak MiB beyond inputs", "vs upstream", "vs upstream+compile"]
     row_of = lambda cells: "| " + " | ".join(cells) + " |"
+    peer = {(r["framework"], r["objective"], r["shape"], r["mode"], r["backend"]): r
+            for r in results if "ms" in r and r["backend"] in PEERS}
     for obj in shapes.OBJECTIVES:
         rows = [r for r in results if r["objective"] == obj]
         if not rows:
@@ -358,15 +458,28 @@ def markdown(env, copy_gbps, results, parity_rows):
             cells += [f"{r['gbps']:.1f}" if r["gbps"] else "-",
                       f"{r['pct_copy']:.0f}%" if r["pct_copy"] else "-",
                       f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] is not None else "n/a"]
-            cells += [ratio_words(v) if v and r["backend"] not in PEERS else "-"
-                      for v in (r["speedup"].get(b) for b in ("upstream", "upstream+compile"))]
+            cells += [_speedup_cell(r, peer.get((r["framework"], r["objective"], r["shape"],
+                                                 r["mode"], b)))
+                      for b in ("upstream", "upstream+compile")]
             lines.append(row_of(cells))
     return "\n".join(lines) + "\n"
 
 
+def _speedup_cell(row, base):
+    """A table's "vs <peer>" cell of one of our rows: the speed-up in words where the p20-p80
+    spreads are apart, "within noise" where they overlap, "(derived)" after a derived time."""
+    if base is None or row["backend"] in PEERS or not row["ms"] > 0:
+        return "-"
+    verdict = spread_verdict(row, base)
+    if verdict == "within noise":
+        return verdict
+    return ratio_words(base["ms"] / row["ms"]) + ("" if verdict else " (derived)")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench", formatter_class=_HelpFormatter,
+        description=__doc__.replace("QUICK_ESTIMATE", minutes_words(quick_estimate_s())))
     p.add_argument("--full", action="store_true",
                    help="the whole grid (GPU: bench/shapes.py's FULL_SHAPES; CPU: CPU_SHAPES, "
                         "and every linear-head variant); default: the quick grid")
@@ -407,8 +520,10 @@ def main(argv=None):
 
     if args.cpu_target and (args.smoke or args.full):
         p.error("--cpu-target is a grid of its own: not with --smoke or --full")
+    load_before = load_average()  # before this process adds its own work
     share_gpu_with_torch(os.environ)
     env = detect()
+    env["load"] = dict(before=load_before, after=None, cores=os.cpu_count())
     if args.cpu_target and env["cuda"]:
         p.error("--cpu-target times the CPU; this machine's torch runs on its CUDA GPU")
     if env["torch"]:
@@ -426,6 +541,7 @@ def main(argv=None):
     env["busy_repeat"] = args.busy_core and args.cpu_target  # some cases again beside it
     print(f"device: {env['device']}; threads: {env['threads']}; versions: {env['versions']}",
           flush=True)
+    print(load_line(env["load"]), flush=True)
     if args.reps is None:
         args.reps = 10 if env["cuda"] else 5
     if env["cuda"]:
@@ -477,9 +593,6 @@ def main(argv=None):
                       for variant in shapes.CPU_TARGET_VARIANTS[repeat["framework"]]]
         rotate = cpu_target_memory(cases)
         usable_bytes = 0.85 * (meminfo_bytes("MemAvailable") or float("inf"))
-        print(f"estimated run time: {clock(cpu_target_seconds(cases, rotate, args.reps))} "
-              "(rough: per-logit times of a 2-core Xeon, bench/NOTES.md, and a minute per "
-              "torch.compile)", flush=True)
     else:
         cases = [(fw, index, shape, obj, variant, False)
                  for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
@@ -490,6 +603,13 @@ def main(argv=None):
                  if args.linear_head and not args.cpu_target else None)
     sample_plan = (sampling_plan(env, args.smoke, args.full)
                    if args.sampling and not args.cpu_target else None)
+    if not env["cuda"]:
+        estimate = run_seconds(cases, rotate, args.reps, head_plan is not None,
+                               sample_plan is not None)
+        print(f"estimated run time: {minutes_words(estimate)} ({clock(estimate)}; rough: "
+              "from this run's case list and the times of a quiet 2-core Xeon, "
+              "bench/runner.py run_seconds; longer on a busy machine, and at a first run, "
+              "which compiles every torch.compile graph from scratch)", flush=True)
     progress = Progress(len(cases) + (linear_head_cases(head_plan, frameworks)
                                       if head_plan else 0)
                         + (len(sample_plan.shapes) * len(sample_plan.variants)
@@ -500,32 +620,40 @@ def main(argv=None):
     busy = start_busy_loop() if env["busy_core"] else None
     atexit.register(lambda: busy is not None and busy.poll() is None and busy.kill())
     # Framework outermost: a run that its budget cuts short has timed torch's whole grid (the
-    # baselines the Triton issue asks for) before any JAX case.
-    for fw, index, (label, n, k, dtype), obj, variant, beside_busy in cases:
+    # baselines the Triton issue asks for) before any JAX case. The variants of one objective
+    # at one shape run together, timed side by side rep by rep (``run_group``).
+    for group in group_cases(cases):
+        fw, index, (label, n, k, dtype), obj, _, beside_busy = group[0]
         if beside_busy:
             label += "-busy"
             if busy is None:
                 busy = start_busy_loop()
-        what = f"{fw} {obj} {variant} {label}"
-        memory = None
-        if args.cpu_target and variant == "upstream":  # eager / jit: every [N, K] temporary
-            memory = (upstream_bytes(obj, n, k, dtype), usable_bytes)
-        why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s,
-                          memory)
-        if why:
-            results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
-            progress.step(what, f"skipped: {why}")
+        names = []
+        for *_, variant, _ in group:
+            memory = None
+            if args.cpu_target and variant == "upstream":  # eager / jit: every [N, K] temporary
+                memory = (upstream_bytes(obj, n, k, dtype), usable_bytes)
+            why = skip_reason(env, variant, index, time.monotonic() - started, args.budget_s,
+                              memory)
+            if why:
+                results += untimed_rows(fw, obj, variant, label, n, k, dtype, f"skipped: {why}")
+                progress.step(f"{fw} {obj} {variant} {label}", f"skipped: {why}")
+            else:
+                names.append(variant)
+        if not names:
             continue
-        rows = run_case(env, fw, obj, variant, label, n, k, dtype, copy_gbps, args,
-                        rotate=rotate.get((obj, n, k, dtype), ROTATE))
+        rows = run_group(env, fw, obj, names, label, n, k, dtype, copy_gbps, args,
+                         rotate=rotate.get((obj, n, k, dtype), ROTATE))
         for row in rows:
             row["busy"] = beside_busy  # (--cpu-target's repeat beside the busy loop)
         results += rows
         add_speedups(results)
         save(partial=True)
-        fb = next(r for r in rows if r["mode"] == "fwd+bwd")
-        progress.step(what, f"fwd+bwd {fb['ms']:.2f} ms, {fb['gbps']:.1f} GB/s" if "ms" in fb
-                      else fb["error"])
+        for variant in names:
+            fb = next(r for r in rows if r["mode"] == "fwd+bwd" and r["backend"] == variant)
+            progress.step(f"{fw} {obj} {variant} {label}",
+                          f"fwd+bwd {fb['ms']:.2f} ms ({fb['p20']:.2f}-{fb['p80']:.2f}), "
+                          f"{fb['gbps']:.1f} GB/s" if "ms" in fb else fb["error"])
     if env["busy_repeat"] and busy is not None:
         busy.kill()
     comm = None if args.cpu_target else vocab_parallel_comm(env)
@@ -549,8 +677,10 @@ def main(argv=None):
 
         draw = sampling.run(sample_plan.shapes, reps=args.reps, cuda=env["cuda"],
                             variants=sample_plan.variants, progress=progress.step)
-    report = save(vocab_parallel_comm=comm, linear_head=head, sampling=draw)
-    table = markdown(env, copy_gbps, results, parity_rows)
+    env["load"]["after"] = load_average()
+    lines = closing_summary(results, head, draw, env["load"], args.cpu_target)
+    report = save(vocab_parallel_comm=comm, linear_head=head, sampling=draw, summary=lines)
+    table = markdown(env, copy_gbps, results, parity_rows, lines)
     if head is not None:
         from .linear_head import markdown as head_markdown
 
@@ -567,13 +697,7 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(table)
     png = plot(results, stem + ".png", head, env, draw)
-    if args.cpu_target:
-        print("\n".join(target_summary(results, PEERS)), flush=True)
-    print("\n".join(summary([r for r in results if not r.get("busy")], PEERS)), flush=True)
-    if head is not None:
-        print("\n".join(linear_head_summary(head)), flush=True)
-    if draw is not None:
-        print("\n".join(sampling_summary(draw)), flush=True)
+    print("\n".join(lines), flush=True)
     print(f"full tables: {stem}.md; data: {stem}.json" + (f"; plot: {png}" if png else ""))
     if not all(r["ok"] for r in parity_rows) or (
             head is not None and not all(c["ok"] for c in head["parity"])):
@@ -581,21 +705,75 @@ def main(argv=None):
     return report
 
 
+def load_average():
+    """os.getloadavg()'s 1, 5 and 15 minute averages as a list, or None where there is none."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def closing_summary(results, head, draw, load, cpu_target=False):
+    """The run's closing lines: --cpu-target's per-shape summary, the summary against the
+    peers (quiet cases only), the linear head's and the denoising step's, then the machine's
+    load; the same lines go into the results' JSON and Markdown."""
+    lines = target_summary(results, PEERS) if cpu_target else []
+    lines += summary([r for r in results if not r.get("busy")], PEERS)
+    if head is not None:
+        lines += linear_head_summary(head)
+    if draw is not None:
+        lines += sampling_summary(draw)
+    return lines + [load_line(load)]
+
+
+def group_cases(cases):
+    """The cases in runs of one framework, shape, objective and busy flag (their order kept):
+    the variants ``run_group`` times side by side."""
+    groups = []
+    for case in cases:
+        fw, index, shape, obj, _, beside_busy = case
+        if groups and groups[-1][0][:4] == (fw, index, shape, obj) and groups[-1][0][5] == beside_busy:
+            groups[-1].append(case)
+        else:
+            groups.append([case])
+    return groups
+
+
 def start_busy_loop():
     """The competing process of --busy-core: a Python busy loop, on one core."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-#: rough forward+backward nanoseconds per logit by (framework, variant) and objective, at
-#: N 4096, K 32768 on a 2-core Xeon (bench/NOTES.md, issue 30; the JAX sft and opd ones
-#: guessed from its CE), for --cpu-target's estimate of its run time
-_NS_PER_LOGIT = {("torch", "chunked"): {"ce": 4.5, "sft": 5.0, "opd": 19.0},
-                 ("torch", "upstream"): {"ce": 6.5, "sft": 15.5, "opd": 29.0},
-                 ("torch", "upstream+compile"): {"ce": 4.5, "sft": 7.0, "opd": 12.0},
-                 ("jax", "chunked"): {"ce": 2.1, "sft": 2.5, "opd": 8.0},
-                 ("jax", "upstream"): {"ce": 3.9, "sft": 4.5, "opd": 12.0}}
-_COMPILE_S = 60.0  # one torch.compile of a case's loss (the timed process and the probe's)
+#: rough forward+backward nanoseconds per logit by (framework, variant) and objective on a
+#: 2-core Xeon: chunked, upstream and upstream+compile at N 4096, K 32768 (bench/NOTES.md,
+#: issue 30; the JAX sft and opd ones guessed from its CE), reference at N 256, K 16384
+#: (the quick run of 2026-12-02; its policy and sft taken as CE's), for the run-time estimate
+_NS_PER_LOGIT = {("torch", "chunked"): {"ce": 4.5, "sft": 5.0, "policy": 5.0, "opd": 19.0},
+                 ("torch", "upstream"): {"ce": 6.5, "sft": 15.5, "policy": 10.0, "opd": 29.0},
+                 ("torch", "upstream+compile"): {"ce": 4.5, "sft": 7.0, "policy": 5.0,
+                                                 "opd": 12.0},
+                 ("torch", "reference"): {"ce": 14.0, "sft": 14.0, "policy": 14.0, "opd": 40.0},
+                 ("jax", "chunked"): {"ce": 2.1, "sft": 2.5, "policy": 3.5, "opd": 8.0},
+                 ("jax", "upstream"): {"ce": 3.9, "sft": 4.5, "policy": 5.0, "opd": 12.0},
+                 ("jax", "reference"): {"ce": 2.5, "sft": 2.5, "policy": 4.5, "opd": 11.0}}
+_CALL_FLOOR_S = 0.002  # one call at the quick grid's smallest shapes (host time, mostly)
+#: one torch.compile of a case's loss, in the timed process and again in its memory probe:
+#: at the CPU target's sizes (a guess, a minute each), and at the quick grid's. These,
+#: ``_CASE_S`` and the fixed costs below are calibrated on the quick grid before sft joined
+#: it (3 objectives): the parts of its loaded run (bench/NOTES.md, 14 min 35 s: compiles
+#: 405 s, the other torch cases 202 s, JAX 128 s, start 51 s, ...) scaled to the 3 min 19 s
+#: it took on the quiet 2-core Xeon (2026-12-02). A first run on a machine, with Inductor's
+#: cache on disk cold, compiles for longer. Every run records each case's seconds
+#: (``case_s``) to calibrate them again.
+_COMPILE_S = 60.0
+_SMALL_COMPILE_S = 2.4
+_CASE_S = {"torch": 0.3, "jax": 0.4}  # building a case, its probe's fork, JAX's two jits
 _SETUP_NS = 5.0  # drawing one input logit
+#: start-up (imports, copy bandwidth, parity) with the vocabulary-parallel HLO, the quick
+#: linear head and the quick denoising step on a quiet 2-core CPU, the same calibration
+_FIXED_S = 16.0
+_HEAD_S = 5.0
+_SAMPLING_S = 11.0
 
 
 def _measure_seconds(call_s, reps, budget_s=20.0):
@@ -605,24 +783,56 @@ def _measure_seconds(call_s, reps, budget_s=20.0):
     return (2 + timed) * call_s
 
 
-def cpu_target_seconds(cases, rotate, reps):
-    """The --cpu-target run's estimated seconds (``_NS_PER_LOGIT``; fwd taken as 35 % of
-    fwd+bwd, as in bench/NOTES.md): per case its input sets, fwd and fwd+bwd timed, torch's
-    separate bwd (not under compile), its memory probe's call and each compile."""
-    total = 0.0
-    for fw, _, (_, n, k, dtype), obj, variant, _ in cases:
-        ns = _NS_PER_LOGIT.get((fw, variant), {})
-        fb = ns.get(obj, max(ns.values(), default=20.0)) * n * k * 1e-9
-        sets = rotate.get((obj, n, k, dtype), ROTATE)
-        total += _SETUP_NS * n * k * 1e-9 * sets * (2 if obj == "opd" else 1)
-        total += _measure_seconds(0.35 * fb, reps) + _measure_seconds(fb, reps)
-        if fw == "torch":
-            total += fb  # the memory probe's call
-            if variant.endswith("+compile"):
-                total += 2 * _COMPILE_S
-            else:
-                total += sets * 0.35 * fb + _measure_seconds(0.65 * fb, reps)
+def case_seconds(fw, n, k, dtype, obj, variant, sets, reps):
+    """One case's estimated seconds on a 2-core CPU (``_NS_PER_LOGIT``; fwd taken as 35 % of
+    fwd+bwd, as in bench/NOTES.md): its input sets, fwd and fwd+bwd timed, torch's separate
+    bwd (not under compile), its memory probe's call, each compile."""
+    ns = _NS_PER_LOGIT.get((fw, variant), {})
+    fb = ns.get(obj, max(ns.values(), default=20.0)) * n * k * 1e-9 + _CALL_FLOOR_S
+    total = _CASE_S.get(fw, 1.0) + _SETUP_NS * n * k * 1e-9 * sets * (2 if obj == "opd" else 1)
+    total += _measure_seconds(0.35 * fb, reps) + _measure_seconds(fb, reps)
+    if fw == "torch":
+        total += 2 * fb  # the memory probe's warm-up and measured calls
+        if variant.endswith("+compile"):
+            total += 2 * (_COMPILE_S if n * k >= 1 << 24 else _SMALL_COMPILE_S)
+        else:
+            total += sets * 0.35 * fb + _measure_seconds(0.65 * fb, reps)
     return total
+
+
+def run_seconds(cases, rotate, reps, head=False, sampling=False):
+    """The run's estimated seconds on a 2-core CPU: start-up, every case (``case_seconds``),
+    the linear head and denoising step where they run. Rough: constants from a 2-core Xeon
+    (bench/NOTES.md and the quick run of 2026-12-02), a machine of its own."""
+    total = _FIXED_S + _HEAD_S * head + _SAMPLING_S * sampling
+    for fw, _, (_, n, k, dtype), obj, variant, _ in cases:
+        total += case_seconds(fw, n, k, dtype, obj, variant,
+                              rotate.get((obj, n, k, dtype), ROTATE), reps)
+    return total
+
+
+#: the variants timed on a CPU (bench: ``variants``), for the estimate --help quotes
+CPU_VARIANTS = {"torch": ("chunked", "reference", "upstream", "upstream+compile"),
+                "jax": ("chunked", "reference", "upstream")}
+
+
+def quick_cases(objectives=shapes.OBJECTIVES, frameworks=("torch", "jax")):
+    """The cases of ``python -m bench`` on a CPU, in the order the run takes them."""
+    return [(fw, index, shape, obj, variant, False)
+            for fw in frameworks for index, shape in enumerate(shapes.QUICK_CPU_SHAPES)
+            for obj in objectives for variant in CPU_VARIANTS[fw]]
+
+
+def quick_estimate_s(objectives=shapes.OBJECTIVES):
+    """The quick job's estimated seconds on a quiet 2-core CPU (its own case list, the
+    default 5 calls a case, the linear head and denoising step): what --help and the README
+    quote, and what the run prints at its start."""
+    return run_seconds(quick_cases(objectives), {}, 5, head=True, sampling=True)
+
+
+def minutes_words(seconds):
+    """"about 5 min" (whole minutes, at least 1)."""
+    return f"about {max(1, round(seconds / 60))} min"
 
 
 def cpu_target_memory(cases, share=0.85):
@@ -679,9 +889,19 @@ def linear_head_cases(plan, frameworks):
     return sum(len(variants_of(plan.variants, fw)) + plan.scaling for fw in frameworks)
 
 
+def _noise(mine, base):
+    return spread_verdict(mine, base) == "within noise"
+
+
+def _bar_words(mine, base):
+    """Ours (``mine``) against another row in words: "1.5x faster", "2.0x slower", or
+    "within noise" where their p20-p80 spreads overlap (no speed claim then)."""
+    return "within noise" if _noise(mine, base) else ratio_words(base["ms"] / mine["ms"])
+
+
 def linear_head_summary(head):
     """One line per framework and variant: forward+backward time, TFLOP/s, faster or slower
-    than the unfused pipeline."""
+    than the unfused pipeline (where the p20-p80 spreads are apart, else within noise)."""
     rows = [r for r in head["results"] if r["mode"] == "fwd+bwd" and not r.get("scaling")]
     unfused = {r["framework"]: r for r in rows if r["backend"] == "unfused" and "ms" in r}
     s = head["shape"]
@@ -691,7 +911,7 @@ def linear_head_summary(head):
             lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['error'][:60]}")
             continue
         base = unfused.get(r["framework"])
-        vs = (f"{ratio_words(base['ms'] / r['ms'])} than unfused"
+        vs = (f"{_bar_words(r, base)} {'of' if _noise(r, base) else 'than'} unfused"
               if base and base is not r and r["ms"] > 0 else "")
         lines.append(f"  {r['framework']:9s} {r['backend']:18s} {r['ms']:9.1f} ms "
                      f"{(r['tflops'] or 0):7.2f} TFLOP/s  {vs}")
@@ -722,7 +942,8 @@ def sampling_plan(env, smoke, full=False):
 
 def sampling_summary(draw):
     """One line per shape and variant: time, GB/s of the one read, how much faster or slower
-    ours is (ours-step for the whole step)."""
+    ours is (ours-step for the whole step; where the p20-p80 spreads are apart, else within
+    noise)."""
     lines = ["Denoising step (one draw over [N, K] logits):"]
     from .sampling import baseline
 
@@ -734,7 +955,7 @@ def sampling_summary(draw):
             lines.append(f"{what} {r['error'][:60]}")
             continue
         mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
-        vs = (f"{mine['variant']} {ratio_words(r['ms'] / mine['ms'])}"
+        vs = (f"{mine['variant']} {_bar_words(mine, r)}"
               if mine and r["variant"] != mine["variant"] and mine["ms"] > 0 else "")
         lines.append(f"{what} {r['ms']:9.1f} ms {r['gbps']:7.1f} GB/s  {vs}")
     return lines

@@ -22,13 +22,24 @@ def test_bench_smoke(tmp_path):
     assert n == 20 and steps[-1].startswith("[" + "#" * 24 + "]") and f" {n}/{n} " in steps[-1], out
     assert all(" left | " in line for line in steps), steps
     summary = out[out.index("Summary (forward+backward"):].splitlines()
-    lead = [re.fullmatch(r"  (\w+) fwd\+bwd, (\w+) (\w+): (.*)", line) for line in summary[1:7]]
-    assert all(lead) and [m.groups()[:3] for m in lead] == [
-        (obj, fw, "chunked") for obj in ("CE", "SFT", "OPD") for fw in ("torch", "jax")], summary
-    # against the upstream loss (never our own reference), ratios in words: no "0.32x faster"
-    assert all(re.match(r"\d+\.\dx (faster|slower) than (eager PyTorch|jax\.jit) \(upstream\)",
-                        m.group(4)) for m in lead), summary
+    # each of ours against the upstream loss (never our own reference), in the lead where the
+    # spreads were apart ("1.3x faster than ... at the one shape"), else said to be within
+    # noise; ratios in words: no "0.32x faster"
+    for obj in ("CE", "SFT", "OPD"):
+        for fw, peer in (("torch", "eager PyTorch"), ("jax", "jax.jit")):
+            what = f"  {obj} fwd+bwd, {fw} chunked"
+            settled = re.compile(re.escape(what) + r": \d+\.\dx (faster|slower) than "
+                                 + re.escape(peer) + r" \(upstream\) at the one shape")
+            noise = f"{what} vs {peer} (upstream): within noise at 1 of 1 shapes"
+            assert sum(bool(settled.match(line)) or line.startswith(noise)
+                       for line in summary) == 1, (what, summary)
+    assert not any(re.search(r"\b0\.\d+x", line) for line in summary), summary
+    assert re.search(r"Machine load \(1-minute average\): [0-9.]+ before the run, [0-9.]+ "
+                     r"after it, \d+ cores", out), out
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
+    assert report["summary"][0].startswith("Summary (forward+backward")
+    assert "\n".join(report["summary"]) in out
+    assert len(report["load"]["before"]) == 3 and len(report["load"]["after"]) == 3
     assert report["copy_gbps"] > 0 and report["device"] and report["versions"]["numpy"]
     assert report["threads"] >= 1 and f"threads: {report['threads']}" in out
     assert report["parity"] and all(p["ok"] for p in report["parity"])
@@ -48,8 +59,10 @@ def test_bench_smoke(tmp_path):
     draws = report["sampling"]["results"]
     assert [r["variant"] for r in draws] == ["ours", "float32"] and all(
         r["ms"] > 0 and r["peak_bytes"] is not None for r in draws), draws
-    assert "Denoising step" in out and "### denoising step" in open(
-        [os.path.join(tmp_path, f) for f in os.listdir(tmp_path) if f.endswith(".md")][0]).read()
+    table = open([os.path.join(tmp_path, f) for f in os.listdir(tmp_path) if f.endswith(".md")][0]).read()
+    assert "Denoising step" in out and "### denoising step" in table
+    assert "## Summary" in table and all(line in table for line in report["summary"])
+    assert all(r["interleaved"] for r in rows if r["mode"] != "bwd")
 
 
 def test_bench_runs_installed_from_any_directory(tmp_path):
@@ -90,24 +103,25 @@ def test_bench_keeps_partial_report(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(ROOT)
     import bench.runner as R
 
-    real, calls = R.run_case, []
+    real, calls = R.run_group, []
 
-    def run_case_then_die(*args, **kwargs):
+    def run_group_then_die(*args, **kwargs):
         if calls:
-            raise KeyboardInterrupt  # the second case never finishes
+            raise KeyboardInterrupt  # the second group never finishes
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(R, "run_case", run_case_then_die)
+    monkeypatch.setattr(R, "run_group", run_group_then_die)
     monkeypatch.setattr(R, "parity", lambda env: [])  # not what this test is about
     monkeypatch.setattr(R, "vocab_parallel_comm", lambda env: None)
     with pytest.raises(KeyboardInterrupt):
-        R.main(["--smoke", "--reps", "2", "--objectives", "ce", "--frameworks", "torch",
+        R.main(["--smoke", "--reps", "2", "--objectives", "ce,opd", "--frameworks", "torch",
                 "--no-linear-head", "--out", str(tmp_path)])
     (report,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path) if f.endswith(".json")]
     assert report["partial"] is True
+    assert calls[0][2] == "ce" and len(calls[0][3]) > 1  # the first group: ce, every variant
     assert {(r["backend"], r["mode"]) for r in report["results"]} == {
-        (calls[0][3], m) for m in ("fwd", "bwd", "fwd+bwd")}
+        (v, m) for v in calls[0][3] for m in ("fwd", "bwd", "fwd+bwd")}
     assert all("ms" in r and "speedup" in r for r in report["results"])
 
 def _same_loss_as_ours(variant, objective="ce"):
@@ -418,11 +432,12 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
 
     order = []
 
-    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate):
+    def stub_group(env, fw, objective, names, label, n, k, dtype, copy_gbps, args, rotate):
         order.append((fw, label))
-        return R.untimed_rows(fw, objective, variant, label, n, k, dtype, "stub")
+        return sum((R.untimed_rows(fw, objective, v, label, n, k, dtype, "stub") for v in names),
+                   [])
 
-    monkeypatch.setattr(R, "run_case", stub_case)
+    monkeypatch.setattr(R, "run_group", stub_group)
     monkeypatch.setattr(R, "parity", lambda env: [])
     monkeypatch.setattr(R, "vocab_parallel_comm", lambda env: None)
     monkeypatch.setattr(S, "SMOKE_SHAPES", [("a", 8, 130, "float32"), ("b", 4, 70, "float32")])
@@ -521,13 +536,15 @@ def _data_axes(fig):
 
 def test_plot_series_have_their_own_colour_and_marker(monkeypatch, tmp_path):
     """Issue 30: a series is one backend and dtype; in a panel no two series share a colour or
-    a marker, and a series keeps its colour and marker in every panel (the peers too)."""
+    a marker, and a series keeps its colour and marker in every panel (the peers too); ours
+    is named so in the labels."""
     from matplotlib.colors import to_hex
 
     fig = _rendered(monkeypatch, tmp_path, *_synthetic_run())
     seen = {}
     line_axes = [ax for ax in _data_axes(fig) if ax.get_lines()]
-    for ax in line_axes:
+    series_axes = [ax for ax in line_axes if "/ peer" not in ax.get_title()]
+    for ax in series_axes:
         styles = [(line.get_label(), to_hex(line.get_color()), line.get_marker())
                   for line in ax.get_lines()]
         assert len({c for _, c, _ in styles}) == len(styles), (ax.get_title(), styles)
@@ -535,9 +552,40 @@ def test_plot_series_have_their_own_colour_and_marker(monkeypatch, tmp_path):
         assert len(styles) in (6, 8), styles  # jax: 3 backends x 2 dtypes; torch: 4 x 2
         for label, colour, marker in styles:
             assert seen.setdefault(label, (colour, marker)) == (colour, marker), label
-    assert len(line_axes) == 12  # 3 objectives x (time, memory) x (torch, jax)
+    # 3 objectives x (time, ours / peer, memory) x (torch, jax)
+    assert len(series_axes) == 12 and len(line_axes) == 18
     assert {label.split()[0] for label in seen} == {
         "chunked", "reference", "upstream", "upstream+compile"}, seen
+    assert {label for label in seen if "(ours)" in label} == {
+        "chunked (ours) float32", "chunked (ours) bfloat16"}, seen
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_plot_ratio_panel_answers_how_much_faster(monkeypatch, tmp_path):
+    """A panel per objective and framework of ours / peer: the forward+backward time ratio
+    per peer and dtype (its band from the p20-p80 spreads, which holds 1 where they overlap),
+    the peak-memory ratio dotted, a line at 1, a log axis; our own reference is no peer."""
+    from matplotlib.colors import to_hex
+
+    results, _, _ = _synthetic_run(objectives=("ce",))
+    for r in results:
+        r.update(p20=0.9 * r["ms"], p80=1.1 * r["ms"])
+    fig = _rendered(monkeypatch, tmp_path, results, None, None)
+    (ratio,) = [ax for ax in fig.axes if ax.get_title() == "ce, torch: chunked (ours) / peer"]
+    assert ratio.get_yscale() == "log"
+    lines = [line for line in ratio.get_lines() if len(line.get_xdata()) == 3]
+    times = [line for line in lines if line.get_linestyle() != ":"]
+    memory = [line for line in lines if line.get_linestyle() == ":"]
+    # torch: upstream and upstream+compile (no reference) x 2 dtypes, each time and memory
+    assert len(times) == len(memory) == 4, [line.get_label() for line in lines]
+    assert {to_hex(line.get_color()) for line in times} == {to_hex(line.get_color())
+                                                            for line in memory}
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ratio.get_lines())  # y = 1
+    assert len(ratio.collections) == 4  # a band per time ratio
+    for line in times:  # ours is 1/3 of the peer's time in the synthetic run, 0.8-1.2 each
+        assert all(0.2 < v < 0.5 for v in line.get_ydata()), list(line.get_ydata())
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -586,23 +634,55 @@ def test_plot_bars_carry_their_values(monkeypatch, tmp_path):
 
 def test_plot_a_row_per_n(monkeypatch, tmp_path):
     """A GPU grid with two N: each line is a trend over K at one N (never zig-zags between
-    N), and a framework that timed nothing in a row says so."""
+    N); a framework that timed nothing in a row gets no panel there (no empty panels), and
+    a panel of memory that was not measured is not drawn."""
     results, _, _ = _synthetic_run(ns=(16384, 4096), ks=(32768, 131072, 262144),
                                    objectives=("ce",))
     results = [r for r in results if r["framework"] == "torch" or r["n"] == 16384]
+    for r in results:
+        if r["framework"] == "jax":
+            r["peak_bytes"] = None
     fig = _rendered(monkeypatch, tmp_path, results, None, None)
     titles = [ax.get_title() for ax in fig.axes]
     assert "ce, torch: fwd+bwd time, N = 16384" in titles
     assert "ce, torch: fwd+bwd time, N = 4096" in titles
+    assert "ce, jax: fwd+bwd time, N = 16384" in titles
+    assert not any(t.startswith("ce, jax") and t.endswith("N = 4096") for t in titles), titles
+    assert "ce, jax: peak memory beyond inputs" not in titles
     for ax in _data_axes(fig):
         for line in ax.get_lines():
             ks = list(line.get_xdata())
-            assert ks == sorted(set(ks)) and len(ks) == 3, (ax.get_title(), ks)
-    (empty,) = [ax for ax in fig.axes if ax.get_title() == "ce, jax: fwd+bwd time, N = 4096"]
-    assert [t.get_text() for t in empty.texts] == ["not timed"]
+            if len(ks) > 2:
+                assert ks == sorted(set(ks)) and len(ks) == 3, (ax.get_title(), ks)
+    assert all(ax in _data_axes(fig) or not ax.axison for ax in fig.axes)  # legends aside
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_plot_log_axis_where_one_bar_dwarfs_the_rest(monkeypatch, tmp_path):
+    """A bar row whose largest value is more than 20 times its smallest takes a log axis (the
+    small bars stay readable); one within that range stays linear from 0."""
+    results, head, draw = _synthetic_run(objectives=("ce",))
+    for r, ms in zip(draw["results"], (1.0, 2.0, 400.0, 3.0)):
+        r["ms"] = ms
+    fig = _rendered(monkeypatch, tmp_path, results, head, draw)
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    step = by_title["denoising step: N = 256, K = 32768, float32"]
+    assert step.get_xscale() == "log" and "log scale" in step.get_xlabel()
+    assert sorted(t.get_text() for t in step.texts) == ["1.00 ms", "2.00 ms", "3.00 ms", "400 ms"]
+    widths = {round(p.get_x() + p.get_width(), 6) for p in step.patches}
+    assert widths == {1.0, 2.0, 3.0, 400.0}  # each bar ends at its value
+    assert by_title["denoising step: peak beyond the logits"].get_xscale() == "linear"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _timed_row(fw, obj, backend, shape, ms, mib, spread=0.05, mode="fwd+bwd"):
+    """A result row of ``ms`` (its p20-p80 ``spread`` either side) and ``mib`` peak."""
+    return dict(framework=fw, objective=obj, backend=backend, shape=shape, mode=mode, ms=ms,
+                p20=ms * (1 - spread), p80=ms * (1 + spread), peak_bytes=int(mib * 2**20))
 
 
 def test_summary_leads_with_the_strongest_peer(monkeypatch):
@@ -612,10 +692,7 @@ def test_summary_leads_with_the_strongest_peer(monkeypatch):
     from bench.progress import summary
     from bench.runner import PEERS
 
-    def row(fw, obj, backend, shape, ms, mib):
-        return dict(framework=fw, objective=obj, backend=backend, shape=shape, mode="fwd+bwd",
-                    ms=ms, peak_bytes=int(mib * 2**20))
-
+    row = _timed_row
     results = [row("torch", "ce", "chunked", "a", 10.0, 1.0),
                row("torch", "ce", "reference", "a", 5.0, 9.0),  # the oracle: not a peer
                row("torch", "ce", "upstream", "a", 30.0, 12.0),
@@ -625,18 +702,215 @@ def test_summary_leads_with_the_strongest_peer(monkeypatch):
                row("torch", "opd", "chunked", "a", 8.0, 3.0)]
     lines = summary(results, PEERS)
     assert lines[1:4] == [
-        "  CE fwd+bwd, torch chunked: 1.3x faster than torch.compile (upstream+compile), "
-        "1/9 of its memory (1 shape)",
-        "  CE fwd+bwd, jax chunked: 2.0x slower than jax.jit (upstream), 60% of its memory "
-        "(1 shape)",
+        "  CE fwd+bwd, torch chunked: 1.3x faster than torch.compile (upstream+compile) at "
+        "the one shape, 1/9 of its memory; 3.0x faster than eager PyTorch (upstream) at the "
+        "one shape, 1/12 of its memory",
+        "  CE fwd+bwd, jax chunked: 2.0x slower than jax.jit (upstream) at the one shape, 60% "
+        "of its memory",
         "  OPD fwd+bwd, torch chunked: no peer timed"], lines
-    assert "; 3.0x faster than eager PyTorch (upstream), 1/12 of its memory" in lines[5]
+    assert len(lines) == 4  # all measured apart: nothing left to re-measure
     assert not any(re.search(r"\b0\.\d+x", line) for line in lines), lines
     from bench.progress import _memory_words
 
     assert [_memory_words(r) for r in (1 / 9, 0.4, 1.0, 2.5, 52000.0)] == [
         "1/9 of its memory", "40% of its memory", "the same memory", "2.5x its memory",
         "52000x its memory"]  # 0.4 read "1/2", 52000 "52000.0x" before
+
+
+def test_summary_claims_speed_only_where_spreads_are_apart(monkeypatch):
+    """On a busy machine the p20-p80 spreads of ours and a peer overlap: no speed claim is
+    made from such a shape ("within noise"), the lead holds only what was measured apart at
+    every shape, the rest follows to re-measure; the tables' cells say the same."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.progress import load_line, ratio_band, spread_verdict, summary
+    from bench.runner import PEERS, add_speedups, markdown
+
+    row = _timed_row
+    ours, close, far = (row("torch", "ce", "chunked", "a", 10.0, 1.0, 0.1),
+                        row("torch", "ce", "upstream", "a", 10.5, 1.0, 0.1),
+                        row("torch", "ce", "upstream", "a", 20.0, 1.0, 0.05))
+    assert spread_verdict(ours, close) == "within noise"
+    assert spread_verdict(ours, far) == "faster" and spread_verdict(far, ours) == "slower"
+    assert spread_verdict(ours, dict(close, p20=None, p80=None)) is None  # a derived time
+    low, high = ratio_band(ours, close)[1:]
+    assert low < 1 < high  # the ratio's band holds 1 exactly where the spreads overlap
+    assert ratio_band(ours, far)[2] < 1
+    results = [ours, close, dict(ours, shape="b"), dict(far, shape="b"),
+               row("torch", "ce", "upstream+compile", "a", 10.2, 1.0, 0.1),
+               row("torch", "ce", "upstream+compile", "b", 10.1, 1.0, 0.1),
+               row("torch", "sft", "chunked", "a", 10.0, 1.0, 0.01),
+               row("torch", "sft", "upstream", "a", 40.0, 2.0, 0.01),
+               row("torch", "sft", "upstream+compile", "a", 10.3, 1.0, 0.1)]
+    lines = summary(results, PEERS)
+    lead = lines[:lines.index(next(l for l in lines if l.startswith("Not settled")))]
+    assert lead[1:] == ["  SFT fwd+bwd, torch chunked: 4.0x faster than eager PyTorch "
+                        "(upstream) at the one shape, 50% of its memory"], lines
+    assert not any("CE" in line or "torch.compile" in line for line in lead), lines
+    assert lines[len(lead) + 1:] == [
+        "  CE fwd+bwd, torch chunked vs torch.compile (upstream+compile): within noise at 2 of "
+        "2 shapes; the same memory",
+        "  CE fwd+bwd, torch chunked vs eager PyTorch (upstream): within noise at 1 of 2 "
+        "shapes, 2.0x faster at 1; the same memory",
+        "  SFT fwd+bwd, torch chunked vs torch.compile (upstream+compile): within noise at 1 "
+        "of 1 shapes; the same memory"], lines
+    for r in results:
+        r.update(k=1, n=1, dtype="float32", gbps=None, pct_copy=None)
+    add_speedups(results)
+    table = markdown(dict(device="d", date="2026-12-03"), 1.0, results, [])
+    ce = table[table.index("### ce"):table.index("### sft")]
+    cells = {line.split(" | ")[2]: line for line in ce.splitlines()
+             if line.startswith("| torch | chunked |")}
+    assert cells["a"].endswith("| within noise | within noise |"), cells
+    assert cells["b"].endswith("| 2.0x faster | within noise |"), cells
+    busy = load_line(dict(before=[2.4, 3.1, 3.8], after=[3.0, 3.2, 3.7], cores=2))
+    assert busy.startswith("Machine load (1-minute average): 2.40 before the run, 3.00 after "
+                           "it, 2 cores") and "re-run on a quiet machine" in busy
+    assert "quiet" not in load_line(dict(before=[0.1, 0.2, 0.2], after=[1.9, 1, 1], cores=2))
+
+
+def test_interleaved_timing_order(monkeypatch):
+    """measure_interleaved: each function's warm-up, then rep by rep A0 B0 A1 B1 ... (never all
+    of A, then all of B); one that raises leaves the loop with its error, the rest go on."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.timing import measure_interleaved
+
+    calls = []
+
+    def fn(name, fail_at=None):
+        def call(i):
+            calls.append((name, i))
+            if i == fail_at and len([c for c in calls if c[0] == name]) > 2:
+                raise MemoryError("out of memory")
+        return call
+
+    t = measure_interleaved({"ours": fn("ours"), "peer": fn("peer"), "bad": fn("bad", 1)},
+                            warmup=2, reps=3)
+    assert calls == [("ours", 0), ("ours", 1), ("peer", 0), ("peer", 1), ("bad", 0), ("bad", 1),
+                     ("ours", 0), ("peer", 0), ("bad", 0), ("ours", 1), ("peer", 1),
+                     ("bad", 1), ("ours", 2), ("peer", 2)], calls
+    assert t["ours"]["reps"] == t["peer"]["reps"] == 3 and len(t["ours"]["times"]) == 3
+    assert t["ours"]["p20"] <= t["ours"]["ms"] <= t["ours"]["p80"]
+    assert t["bad"] == dict(error="MemoryError: out of memory")
+
+
+def test_run_group_times_the_variants_side_by_side(monkeypatch):
+    """The variants of one objective at one shape are timed call by call on one draw of
+    inputs (ours, peer, ours, peer, ... for the forward and for forward+backward); torch's
+    separate backward one variant after another."""
+    import types
+
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+    from bench.cases import TorchCase
+
+    calls = []
+    for mode in ("fwd", "fwdbwd", "bwd"):
+        def logged(self, i, real=getattr(TorchCase, mode), mode=mode):
+            calls.append((mode, self.variant, i))
+            return real(self, i)
+        monkeypatch.setattr(TorchCase, mode, logged)
+    monkeypatch.setattr(R, "cpu_peak_bytes", lambda *a: 2**20)  # no probe process here
+    env = dict(cuda=False)
+    rows = R.run_group(env, "torch", "ce", ["chunked", "upstream"], "tiny", 16, 257, "float32",
+                       10.0, types.SimpleNamespace(reps=3))
+    for mode in ("fwd", "fwdbwd"):
+        got = [(v, i) for m, v, i in calls if m == mode]
+        # (after them, the separate backward's timing builds its graphs with fwd)
+        assert len(got) == 10 + 4 * (mode == "fwd"), (mode, calls)
+        assert got[:10] == [("chunked", 0), ("chunked", 1), ("upstream", 0), ("upstream", 1)] + [
+            (v, i) for i in range(3) for v in ("chunked", "upstream")], (mode, calls)
+    bwd = [(v, i) for m, v, i in calls if m == "bwd"]
+    assert bwd == [("chunked", i) for i in (0, 1, 0, 1, 2)] + [
+        ("upstream", i) for i in (0, 1, 0, 1, 2)], bwd
+    assert {(r["backend"], r["mode"]) for r in rows} == {
+        (v, m) for v in ("chunked", "upstream") for m in ("fwd", "bwd", "fwd+bwd")}
+    assert all(r["interleaved"] == (r["mode"] != "bwd") and r["peak_bytes"] == 2**20
+               and r["case_s"] > 0 for r in rows)
+
+
+def test_load_and_summary_go_into_the_results(monkeypatch, tmp_path, capsys):
+    """The machine's load average before and after the run, and the closing summary, are in
+    the results' JSON and Markdown, not only on stdout. Cases are stubs (no timing)."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+
+    loads = [(2.4, 2.0, 1.5), (3.8, 3.0, 2.0)]  # at the start, then ever after
+    monkeypatch.setattr(os, "getloadavg", lambda: loads.pop(0) if len(loads) > 1 else loads[0])
+
+    def stub_group(env, fw, objective, names, label, n, k, dtype, copy_gbps, args, rotate):
+        ms = {"chunked": 10.0, "reference": 30.0, "upstream": 11.0}
+        return [dict(framework=fw, objective=objective, backend=v, shape=label, n=n, k=k,
+                     dtype=dtype, mode=m, ms=ms[v], p20=ms[v] * 0.8, p80=ms[v] * 1.2,
+                     gbps=1.0, pct_copy=5.0, peak_bytes=2**20, rotate=rotate)
+                for v in names for m in ("fwd", "bwd", "fwd+bwd")]
+
+    monkeypatch.setattr(R, "run_group", stub_group)
+    monkeypatch.setattr(R, "parity", lambda env: [])
+    monkeypatch.setattr(R, "vocab_parallel_comm", lambda env: None)
+    monkeypatch.setattr(R, "plot", lambda *a: None)
+    R.main(["--smoke", "--reps", "1", "--objectives", "ce", "--frameworks", "torch",
+            "--no-linear-head", "--no-sampling", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    (stem,) = {f.rsplit(".", 1)[0] for f in os.listdir(tmp_path)}
+    report = json.load(open(tmp_path / f"{stem}.json"))
+    table = open(tmp_path / f"{stem}.md").read()
+    assert report["load"]["before"] == [2.4, 2.0, 1.5] and report["load"]["after"] == [3.8, 3.0, 2.0]
+    assert report["load"]["cores"] == os.cpu_count()
+    lines = report["summary"]
+    assert lines[0].startswith("Summary (") and lines[-1].startswith(
+        "Machine load (1-minute average): 2.40 before the run, 3.80 after it")
+    assert "  CE fwd+bwd, torch chunked vs eager PyTorch (upstream): within noise at 1 of 1 " \
+           "shapes; the same memory" in lines
+    assert "\n".join(lines) in out and "## Summary" in table
+    assert all(line in table for line in lines)
+    assert table.index("Machine load") < table.index("## Summary") < table.index("### ce")
+
+
+def test_memory_probe_warms_up_at_the_measured_shape(monkeypatch):
+    """The memory probe's warm-up is the measured call itself, at its shape: a warm-up at
+    another N made a static-shape torch.compile peer compile again inside the window, and
+    the compile's memory (33 MiB at every K of the quick grid) was reported as the loss's."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.cases
+    import bench.memory as M
+
+    built, ran = [], []
+
+    class Case:
+        def __init__(self, objective, variant, n, k, dtype, device, rotate=2):
+            self.shape = (variant, n, k)
+            built.append(self)
+
+        def fwdbwd(self, i):
+            ran.append(self.shape)
+
+    monkeypatch.setattr(bench.cases, "TorchCase", Case)
+    windows = []
+    monkeypatch.setattr(M, "rss_peak_delta",
+                        lambda run, warm: (warm(), windows.append(len(ran)), run(), 0)[-1])
+    for n, k in ((256, 2048), (4096, 32768)):
+        ran.clear(), built.clear()
+        M._probe("ce", "upstream+compile", n, k, "float32")
+        assert ran == [("upstream+compile", n, k)] * 2 and windows[-1] == 1, ran
+        assert len(built) == 1  # the same case (its compiled graph) in and before the window
+
+
+def test_run_time_estimate_is_one_number(monkeypatch):
+    """The quick job's time has one source: its estimate from its own case list, which the
+    run prints, --help quotes and the README quotes."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+
+    words = R.minutes_words(R.quick_estimate_s())
+    assert re.fullmatch(r"about \d+ min", words)
+    env = dict(cuda=False, jax_backend="cpu")
+    for fw, names in R.CPU_VARIANTS.items():  # the case list the estimate takes is the run's
+        assert tuple(sum(R.variants(env, fw, "ce"), [])) == names
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert f"the job's own estimate from its case list: {words} on a quiet 2-core CPU" in readme
+    out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    assert f"quick: {words} on a quiet 2-core CPU" in out, out
 
 
 def test_bar_summaries_say_faster_or_slower(monkeypatch):
@@ -646,16 +920,21 @@ def test_bar_summaries_say_faster_or_slower(monkeypatch):
     from bench.runner import linear_head_summary, sampling_summary
 
     head = dict(shape=dict(n=8, d=4, k=300, dtype="float32"), results=[
-        dict(framework="torch", backend=b, mode="fwd+bwd", ms=ms, tflops=1.0)
-        for b, ms in (("ours-ce", 10.0), ("unfused", 15.0), ("torch.linear_ce", 30.0))])
+        dict(framework="torch", backend=b, mode="fwd+bwd", ms=ms, p20=0.95 * ms, p80=1.05 * ms,
+             tflops=1.0)
+        for b, ms in (("ours-ce", 10.0), ("unfused", 15.0), ("torch.linear_ce", 30.0),
+                      ("ours-policy", 14.5))])
     lines = linear_head_summary(head)
     assert lines[1].endswith("1.5x faster than unfused") and lines[3].endswith(
         "2.0x slower than unfused") and "than unfused" not in lines[2], lines
-    draw = dict(results=[dict(variant=v, n=8, k=300, dtype="float32", ms=ms, gbps=1.0)
+    assert lines[4].endswith("within noise of unfused"), lines  # spreads overlap: no claim
+    draw = dict(results=[dict(variant=v, n=8, k=300, dtype="float32", ms=ms, p20=0.9 * ms,
+                              p80=1.1 * ms, gbps=1.0)
                          for v, ms in (("ours", 10.0), ("llada-float64", 40.0),
-                                       ("float32", 5.0))])
+                                       ("float32", 5.0), ("float64", 10.5))])
     lines = sampling_summary(draw)
     assert lines[2].endswith("ours 4.0x faster") and lines[3].endswith("ours 2.0x slower"), lines
+    assert lines[4].endswith("ours within noise"), lines
 
 
 def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
@@ -691,15 +970,18 @@ def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
         def kill(self):
             popen.append(("killed", len(timed)))
 
-    def stub_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, rotate):
-        timed.append((fw, objective, variant, label, n, k, dtype, rotate))
-        ms = {"chunked": 10.0, "upstream": 40.0, "upstream+compile": 20.0}[variant]
-        return [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n, k=k,
-                     dtype=dtype, mode=m, ms=ms, p20=ms, p80=ms, gbps=1.0, pct_copy=5.0,
-                     peak_bytes=2**20 * ms, rotate=rotate)
-                for m in ("fwd", "bwd", "fwd+bwd")]
+    def stub_group(env, fw, objective, names, label, n, k, dtype, copy_gbps, args, rotate):
+        rows = []
+        for variant in names:
+            timed.append((fw, objective, variant, label, n, k, dtype, rotate))
+            ms = {"chunked": 10.0, "upstream": 40.0, "upstream+compile": 20.0}[variant]
+            rows += [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n,
+                          k=k, dtype=dtype, mode=m, ms=ms, p20=ms, p80=ms, gbps=1.0,
+                          pct_copy=5.0, peak_bytes=2**20 * ms, rotate=rotate)
+                     for m in ("fwd", "bwd", "fwd+bwd")]
+        return rows
 
-    monkeypatch.setattr(R, "run_case", stub_case)
+    monkeypatch.setattr(R, "run_group", stub_group)
     monkeypatch.setattr(R, "meminfo_bytes", lambda field: 1 << 40)  # every case fits
     monkeypatch.setattr(R, "parity", lambda env: [])
     monkeypatch.setattr(R, "start_busy_loop", FakeLoop)
@@ -777,3 +1059,17 @@ def test_cpu_target_skips_a_materialised_loss_that_would_not_fit():
     assert why is not None and "does not fit in memory" in why and "GiB" in why, why
     assert R.skip_reason(env, "upstream", 0, 0.0, None,
                          (upstream_bytes("ce", 4096, 32768, "float32"), 0.85 * 22 * 2**30)) is None
+
+
+def test_host_time_profiles_the_chunked_backend():
+    """python -m bench.host_time --backend chunked --profile: each case's host time per call,
+    then where it goes by module and how many ATen ops one call dispatches."""
+    out = subprocess.run([sys.executable, "-m", "bench.host_time", "--backend", "chunked",
+                          "--rows", "64", "--vocab", "16", "--reps", "5", "--profile"],
+                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    cases = re.findall(r"^(ce forward|ce forward\+backward|sft loo forward\+backward) +"
+                       r"[0-9.]+ ms host time per call .*chunked, work included\)$", out, re.M)
+    assert cases == ["ce forward", "ce forward+backward", "sft loo forward+backward"], out
+    assert out.count("profile (cProfile own time per call") == 3
+    assert len(re.findall(r"%\s+[0-9.]+ calls  dlm_kernels/_objectives\.py", out)) == 3, out
+    assert len(re.findall(r"ATen ops per call \(nested included\): \d+; most: ", out)) == 3

@@ -11,8 +11,12 @@ buffer the backend allocated. No [R, K] temporary (bench/NOTES.md, "Compiled loo
 pages").
 
 The compile takes seconds, once per configuration and dtype in a process (with a LOO shift,
-a second forward graph for the shifted rows; Inductor's cache on disk shortens it for later
-processes), so only large calls use it. Work goes in blocks of
+a second forward graph for the shifted rows), so only large calls use it; the first one in a
+process says so in one log record (logger "dlm_kernels", level WARNING: a call of several
+seconds that is not a hang). Inductor's caches on disk (its FX graph and AOTAutograd
+caches, on by default) serve the generated code to later processes, which skip the C++
+build; Dynamo still traces in each new process, so its first large call still takes
+seconds. Work goes in blocks of
 ``BLOCK_BYTES`` float32 bytes, so that if a compiled function ever runs eagerly
 (``torch.compiler.set_stance("force_eager")``, Dynamo disabled) its temporaries stay
 blocks, never [N, K]. A compile that fails (no C++ compiler on the machine, Dynamo's
@@ -22,6 +26,7 @@ says so once and leaves the eager tiles in charge of that call.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from typing import Callable, Optional
@@ -43,6 +48,7 @@ MIN_SIDE = 2  # rows per block and columns at least: Dynamo specialises sizes 0 
 #: the float32 backward on one thread for calls of [128, 131072] (OPD: 55 against 19 ms a
 #: block). Dynamic threads take the thread count at run time, from ``torch.get_num_threads()``.
 _OPTIONS = {"cpp.dynamic_threads": True}
+logger = logging.getLogger("dlm_kernels")
 
 
 def _tile_state(z, u, shift_ids, shift, cols, cfg: Lowered) -> stats_math.State:
@@ -79,6 +85,11 @@ def _compiled() -> Optional[Callable[..., stats_math.State]]:
             compile_ = lambda f: torch.compile(f, dynamic=True, fullgraph=True,  # noqa: E731
                                                options=_OPTIONS)
             _Compiled.fn, _Compiled.grads = compile_(_tile_state), compile_(_block_grads)
+            logger.warning(
+                "dlm_kernels: compiling the chunked backend's CPU loops with Inductor for this "
+                "first call of %d logits (N·K) or more (several seconds, once per process and "
+                "configuration; later processes reuse Inductor's cache on disk but trace "
+                "again)", COMPILE_MIN_LOGITS)
         return None if _Compiled.failed else _Compiled.fn
 
 
