@@ -20,16 +20,25 @@ ROW_STATS: the finished statistics of a row, float32: the four public outputs, t
   the backward forms log p = (r - m)/T - la from differences of logits, never from two
   scaled logits of size |r|/T. Triton's is [len(ROW_STATS), N].
 SAMPLE_STATE / SAMPLE_IDS: the sampler's streaming state of one row over a block of columns
-  (``dlm_kernels._sampling.StreamState``): float32 m (the running max of s, 0 while every s is
-  -inf), Σ e^{s-m}, Σ e^{s-m}(s-m), the largest and second largest s, the largest s + g
-  (Gumbel key) and s at it; int32 the id of the largest s and the id of the largest key.
-  Triton's buffers are [len(SAMPLE_STATE), S, N] and [len(SAMPLE_IDS), S, N]; with top_k the
-  k slots of each split follow as [S, N, k] values and ids (unsorted).
+  (``dlm_kernels.sampling.core.StreamState``): float32 first PARTIAL_STATE's m, a, b of the
+  statistics' distribution (the running max m of the logits r in logit units, Σ e^x and
+  Σ e^x·x with x = (r - m)/T_s: the token statistics' own sums, so that the token-statistics
+  finalize reads them as they are), then the largest and second largest s = r / T_s, the
+  largest s + g (Gumbel key) and the logit r at it; int32 the id of the largest s and the id
+  of the largest key. Triton's buffers are [len(SAMPLE_STATE), S, N] and
+  [len(SAMPLE_IDS), S, N] (the first three rows of the float one are a [3, S, N] partial
+  buffer for ``stats_finalize_kernel``); with top_k the k slots of each split follow as
+  [S, N, k] values and ids (unsorted).
+SAMPLE_ROW_STATS: what the Pallas sampler finalises in its kernel, as the token-statistics
+  forward finalises its rows: the log of the sum la (lse = m/T_s + la), the drawn token's
+  log-probability and the entropy; written after SAMPLE_STATE in its float output.
 NO_VOCAB_LIMIT: the kernels' vocabulary limit when every column is real (int32 max).
 """
 
 PARTIAL_STATE = ("m", "a", "b", "a2", "mu", "au", "cu", "fu", "sr")
 ROW_STATS = ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u")
-SAMPLE_STATE = ("m", "a", "b", "v1", "v2", "gv", "gs")
+SAMPLE_STATE = ("m", "a", "b", "v1", "v2", "gv", "gz")
+SAMPLE_ROW_STATS = ("la", "logp", "entropy")
+assert SAMPLE_STATE[:3] == PARTIAL_STATE[:3]  # the sampler's buffer is a partial buffer too
 SAMPLE_IDS = ("i1", "gi")
 NO_VOCAB_LIMIT = 2**31 - 1

@@ -159,7 +159,7 @@ def main():
     # the draw as jax-triton types it (float64 scalars)
     sampler_types = dict(types, zu_ptr=ptr, keys_ptr="*i32", sup_ptr="*i64", n_suppress="i32",
                          stride_zu="i32", temperature="fp32", stat_temperature="fp32",
-                         cfg_c="fp32", state_ptr="*fp32",
+                         cfg_c="fp32", inv_t="fp32", state_ptr="*fp32",
                          ids_ptr="*i32", topv_ptr="*fp32", topi_ptr="*i32")
     values.update(stride_zu=262144, n_suppress=1)
     plan = K.launch_config(16384, 262144, ELEM_BYTES[dtype], True, block_k=block_k)
@@ -176,7 +176,7 @@ def main():
                                                        ("top_k", False, 8, False))]
         kernels += [("jax:sampler:draw:", dict(sampler_types, sup_ptr="*i32",
                                                temperature="fp64", stat_temperature="fp64",
-                                               cfg_c="fp64"),
+                                               cfg_c="fp64", inv_t="fp64"),
                      sampler(False, 0))]
     report = {}
     for prefix, typed, (fn, constexprs, warps) in kernels:

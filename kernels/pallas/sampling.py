@@ -4,15 +4,21 @@ streaming read of each row's logits.
 Grid (cdiv(N, BN), cdiv(K, BK)) with dimension semantics ("parallel", "arbitrary"), blocks
 as in ``token_stats`` (``block_sizes``): row blocks are independent, the vocabulary axis is
 the sequential inner one, so each row's state lives in VMEM scratch across it, starts at
-k == 0 and is written at k == last: floats [N, 7] (``SAMPLE_STATE``), ints [N, 2]
-(``SAMPLE_IDS``) and, with top_k, the k slots [N, k] of values and ids (unsorted). The host
-sorts the slots and finalises (``merge_splits`` with one split, then ``finalize``).
+k == 0 and is written at k == last: floats [N, 10] (``SAMPLE_STATE``, then
+``SAMPLE_ROW_STATS``), ints [N, 2] (``SAMPLE_IDS``) and, with top_k, the k slots [N, k] of
+values and ids (unsorted). The host sorts the slots and finalises (``merge_splits`` with one
+split, then ``finalize``).
+
+The statistics are the token statistics' forward's own: its running sums of the logits at
+T_s (``token_stats.fold_sums``) and, at the last block, its finish (``row_entropy``,
+``row_logp``) with the drawn token's logit as the target's, so the drawn token's logp and the
+entropy are ``per_token_logps``'s bits (docs/design.md §3, "Rollout = trainer").
 
 Per-row inputs travel packed in one int32 block [N, 1 + S]: the row's noise key (its 32-bit
 pattern), then the S suppressed ids (the same in every row).
 
 Bytes per row (K columns, E bytes per logit): reads K·E (guidance: 2·K·E) and 4·(1 + S);
-writes 36 (top_k: + 8·k).
+writes 48 (top_k: + 8·k).
 
 With ``stat_temperature`` (T_s) the statistics read z / T_s and the draw (its key, its top-k
 slots) z / T. The noise is computed in int32 with logical shifts (products wrap modulo 2^32, as
@@ -30,8 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..layout import SAMPLE_IDS, SAMPLE_STATE
-from .token_stats import _interpret_arg, _out_struct, block_sizes
+from ..layout import SAMPLE_IDS, SAMPLE_ROW_STATS, SAMPLE_STATE
+from .token_stats import (_interpret_arg, _out_struct, block_sizes, fold_sums, row_entropy,
+                          row_logp)
 
 NEG_INF = float("-inf")
 G_BOUND = 17.0  # > the largest Gumbel noise, -log(-log(1 - 2^-24)) = 16.64
@@ -75,7 +82,7 @@ def _worst_slot(tv, ti, slot):
 
 
 def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greedy, two_t,
-                   has_uncond, n_suppress, top_k):
+                   has_uncond, n_suppress, top_k, inv_t):
     if has_uncond:
         z_ref, zu_ref, ints_ref, f_out, i_out, *rest = refs
     else:
@@ -86,7 +93,7 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greed
         scratch = scratch[:-2]
     else:
         scratch = rest
-    v1_sc, v2_sc, a_sc, b_sc, gv_sc, gs_sc, i1_sc, gi_sc = scratch
+    v1_sc, v2_sc, m_sc, a_sc, b_sc, gv_sc, gz_sc, i1_sc, gi_sc = scratch
     kb = pl.program_id(1)
     last = kb == pl.num_programs(1) - 1
     sample = not greedy and not top_k
@@ -94,9 +101,9 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greed
 
     @pl.when(kb == 0)
     def _init():
-        for ref in (v1_sc, v2_sc, gv_sc):
+        for ref in (v1_sc, v2_sc, m_sc, gv_sc):
             ref[...] = jnp.full(ref.shape, NEG_INF, jnp.float32)
-        for ref in (a_sc, b_sc, gs_sc):
+        for ref in (a_sc, b_sc, gz_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
         for ref in (i1_sc, gi_sc):
             ref[...] = jnp.zeros(ref.shape, jnp.int32)
@@ -118,25 +125,16 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greed
     s = z if greedy else z / (stat_temperature if two_t else temperature)  # the statistics'
     sd = z / temperature if two_t else s  # the draw's scores
 
-    # the largest s (ties: the lowest id), the runner-up, and the online sums relative to
-    # m = the largest s (0 while every s is -inf; a row with no finite s yet takes no rescale)
+    # the largest s (ties: the lowest id), the runner-up, and the statistics' running sums
+    # of the logits, as the token statistics' forward folds them
     bv, bpos = _first_max(s, cols)
     b2 = jnp.max(jnp.where(cols == bpos, NEG_INF, s), axis=1, keepdims=True)
     v1_old = v1_sc[...]
     take = bv > v1_old  # a tie keeps the earlier (lower) id
     v2_sc[...] = jnp.maximum(jnp.where(take, v1_old, v2_sc[...]), jnp.where(take, b2, bv))
     i1_sc[...] = jnp.where(take, bpos, i1_sc[...])
-    v1 = jnp.maximum(v1_old, bv)
-    v1_sc[...] = v1
-    m_old = jnp.where(v1_old == NEG_INF, 0.0, v1_old)
-    m = jnp.where(v1 == NEG_INF, 0.0, v1)
-    a_old = a_sc[...]
-    f = jnp.where(a_old > 0, jnp.exp(m_old - m), 0.0)
-    d = s - m
-    e = jnp.exp(d)
-    b_sc[...] = (jnp.where(a_old > 0, f * (b_sc[...] + (m_old - m) * a_old), 0.0)
-                 + jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=1, keepdims=True))
-    a_sc[...] = f * a_old + jnp.sum(e, axis=1, keepdims=True)
+    v1_sc[...] = jnp.maximum(v1_old, bv)
+    fold_sums(m_sc, a_sc, b_sc, z, inv_t, True)
 
     if sample:
         bd = jnp.max(sd, axis=1, keepdims=True) if two_t else bv
@@ -144,11 +142,11 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greed
         @pl.when(jnp.any(bd + G_BOUND >= gv_sc[...]))  # else no column here can win
         def _draw():
             kv, kpos = _first_max(sd + _gumbel(ints[:, 0:1], cols), cols)
-            ks = jnp.sum(jnp.where(cols == kpos, s, 0.0), axis=1, keepdims=True)
+            kz = jnp.sum(jnp.where(cols == kpos, z, 0.0), axis=1, keepdims=True)  # its logit
             tk = kv > gv_sc[...]
             gv_sc[...] = jnp.where(tk, kv, gv_sc[...])
             gi_sc[...] = jnp.where(tk, kpos, gi_sc[...])
-            gs_sc[...] = jnp.where(tk, ks, gs_sc[...])
+            gz_sc[...] = jnp.where(tk, kz, gz_sc[...])
 
     if top_k:
         slot = jax.lax.broadcasted_iota(jnp.int32, tv_sc.shape, 1)
@@ -169,12 +167,17 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greed
         tv_sc[...], ti_sc[...] = tv, ti
 
     @pl.when(last)
-    def _write():  # 9 x 4 bytes per row (and 8 x k of slots)
-        v1 = v1_sc[...]
+    def _write():  # 12 x 4 bytes per row (and 8 x k of slots)
         gv = gv_sc[...]
-        state = dict(m=jnp.where(v1 == NEG_INF, 0.0, v1), a=a_sc[...], b=b_sc[...], v1=v1,
-                     v2=v2_sc[...], gv=gv, gs=gs_sc[...])
-        for j, field in enumerate(SAMPLE_STATE):
+        m, a, b = m_sc[...], a_sc[...], b_sc[...]
+        state = dict(m=m, a=a, b=b, v1=v1_sc[...], v2=v2_sc[...], gv=gv, gz=gz_sc[...])
+        # the token statistics' finish, the drawn token's logit as the target's (the largest
+        # logit at T = 0, where the token is its argmax, and with top_k, whose logp the host
+        # takes from the slots)
+        la = jnp.log(a)
+        state.update(la=la, entropy=row_entropy(la, a, b),
+                     logp=row_logp(state["gz"] if sample else m, m, la, inv_t))
+        for j, field in enumerate(SAMPLE_STATE + SAMPLE_ROW_STATS):
             f_out[:, j:j + 1] = state[field]
         ids = dict(i1=i1_sc[...], gi=jnp.where(gv == NEG_INF, 0, gi_sc[...]))
         for j, field in enumerate(SAMPLE_IDS):
@@ -185,21 +188,24 @@ def _sample_kernel(*refs, vocab, bk, temperature, stat_temperature, cfg_c, greed
 
 
 def sample_partial(z, zu, ints, *, temperature, stat_temperature, cfg_c, greedy, two_t, top_k,
-                   block_k=None, interpret=False, detect_races=False):
-    """z, zu: [N, K]; ints [N, 1 + S] int32 (row key, suppressed ids) -> (floats [N, 7] f32,
-    ids [N, 2] int32, top-k values [N, k] f32 and ids [N, k] int32, or None without top_k);
-    the scalars and flags as ``_sampling.SampleLowered`` gives them (``greedy``: the
-    temperatures are not read; ``two_t``: the statistics read z / stat_temperature)."""
+                   inv_t, block_k=None, interpret=False, detect_races=False):
+    """z, zu: [N, K]; ints [N, 1 + S] int32 (row key, suppressed ids) -> (floats [N, 10] f32
+    (SAMPLE_STATE, SAMPLE_ROW_STATS), ids [N, 2] int32, top-k values [N, k] f32 and ids
+    [N, k] int32, or None without top_k); the scalars and flags as
+    ``sampling.core.SampleLowered`` gives them (``greedy``: the temperatures are not read;
+    ``two_t``: the statistics read z / stat_temperature), and ``inv_t`` the token statistics'
+    1/T_s (``sampling.core.stats_lowered``)."""
     n, k = z.shape
     has_uncond = zu is not None
     bn, bk = block_sizes(n, k, z.dtype.itemsize, has_uncond, False, block_k)
     tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
     per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
     operands = [z] + ([zu] if has_uncond else []) + [ints]
-    out_shape = [_out_struct((n, len(SAMPLE_STATE)), jnp.float32, operands),
+    n_floats = len(SAMPLE_STATE) + len(SAMPLE_ROW_STATS)
+    out_shape = [_out_struct((n, n_floats), jnp.float32, operands),
                  _out_struct((n, len(SAMPLE_IDS)), jnp.int32, operands)]
-    out_specs = [per_row(len(SAMPLE_STATE)), per_row(len(SAMPLE_IDS))]
-    scratch = ([pltpu.VMEM((bn, 1), jnp.float32) for _ in range(6)]
+    out_specs = [per_row(n_floats), per_row(len(SAMPLE_IDS))]
+    scratch = ([pltpu.VMEM((bn, 1), jnp.float32) for _ in range(7)]
                + [pltpu.VMEM((bn, 1), jnp.int32) for _ in range(2)])
     if top_k:
         out_shape += [_out_struct((n, top_k), jnp.float32, operands),
@@ -209,7 +215,7 @@ def sample_partial(z, zu, ints, *, temperature, stat_temperature, cfg_c, greedy,
     kernel = functools.partial(_sample_kernel, vocab=k, bk=bk, temperature=temperature,
                                stat_temperature=stat_temperature, cfg_c=cfg_c, greedy=greedy,
                                two_t=two_t, has_uncond=has_uncond,
-                               n_suppress=ints.shape[1] - 1, top_k=top_k)
+                               n_suppress=ints.shape[1] - 1, top_k=top_k, inv_t=inv_t)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -163,6 +163,31 @@ def _moved(f, delta, a, b):
     return jnp.where(f > 0, f * (b + delta * a), 0.0)
 
 
+def fold_sums(m_ref, a_ref, b_ref, r, inv_t, entropy):
+    """Fold a block r (BN, BK) of (capped, shifted) logits, masked columns at -inf, into the
+    running (m, a, b) scratch rows (m in logit units, a = Σ e^x, b = Σ e^x·x relative to m,
+    x = (r - m)/T; b untouched without ``entropy``). Returns (dr, shift, x, e^x, the old a,
+    its rescale f, its move δ) for the other sums. The sampler's kernel
+    (``kernels.pallas.sampling``) folds its blocks with this function too, so its
+    statistics are these sums, bit for bit."""
+    dr, shift = _max_update(m_ref, r)
+    xs, e, a_old, f, delta = _sum_update(a_ref, dr, shift, inv_t)
+    if entropy:  # b relative to the running max (stays 0 without entropy)
+        b_ref[...] = _moved(f, delta, a_old, b_ref[...]) + jnp.sum(
+            jnp.where(e > 0, e * xs, 0.0), axis=1, keepdims=True)
+    return dr, shift, xs, e, a_old, f, delta
+
+
+def row_entropy(la, a, b):
+    """The entropy log a - b/a of a row's finished sums (la = log a)."""
+    return la - b / a
+
+
+def row_logp(r_y, m, la, inv_t, found=True):
+    """logp = (r_y - m)/T - la of the target's logit r_y; NaN where not ``found``."""
+    return jnp.where(found, _scaled(r_y - m, inv_t) - la, jnp.nan)
+
+
 def _psi_series(y):
     """S(y) = psi(y) / y² for |y| < PSI_SMALL (kernels/series.py), by Horner's rule."""
     acc = PSI_COEFFS[-1]
@@ -281,11 +306,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
                                   keepdims=True)
         if masked:
             r = jnp.where(valid, r, NEG_INF)
-        dr, shift = _max_update(m_sc, r)
-        xs, e, a_old, f, delta = _sum_update(a_sc, dr, shift, inv_t)
-        if entropy:  # b relative to the running max (stays 0 without entropy)
-            b_sc[...] = _moved(f, delta, a_old, b_sc[...]) + jnp.sum(
-                jnp.where(e > 0, e * xs, 0.0), axis=1, keepdims=True)
+        dr, shift, xs, e, a_old, f, delta = fold_sums(m_sc, a_sc, b_sc, r, inv_t, entropy)
         if separate_ce:  # the same maximum, exponents (r - m)/T_ce
             _sum_update(a2_sc, dr, shift, inv_t_ce)
         if has_teacher:
@@ -324,7 +345,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
     def _finalize():
         m, la = m_sc[...], jnp.log(a_sc[...])
         lse = _scaled(m, inv_t) + la
-        ent = la - b_sc[...] / a_sc[...] if entropy else jnp.zeros_like(lse)
+        ent = row_entropy(la, a_sc[...], b_sc[...]) if entropy else jnp.zeros_like(lse)
         la_ce = jnp.log(a2_sc[...]) if separate_ce else la
         zero = jnp.zeros_like(lse)
         kl, mu, la_u, kl_shift = zero, zero, zero, zero
@@ -338,7 +359,7 @@ def fwd_body(load_z, load_u, ints_ref, floats_ref, out_ref, *scratch, kb, vocab,
         found = (y_local >= 0) & (y_local < vocab)
         if padded:
             found = found & (ints[:, 0:1] < vocab_limit)
-        logp = jnp.where(found, _scaled(ry_sc[...] - m, inv_t_ce) - la_ce, jnp.nan)
+        logp = row_logp(ry_sc[...], m, la_ce, inv_t_ce, found)
         stats = dict(lse=lse, logp=logp, entropy=ent, kl=kl, kl_shift=kl_shift, m=m, la=la,
                      la_ce=la_ce, mu=mu, la_u=la_u)
         values = [stats[field] for field in ROW_STATS] + ([sr_sc[...]] if smoothing else [])

@@ -6,8 +6,11 @@ of each row's logits, no host code.
                          load each), every lane keeping its own state; the lanes merge once
                          at the end and write the split's state to state[7, S, N] (float32)
                          and ids[2, S, N] (int32), with top_k also its k slots to
-                         topv[S, N, k] / topi[S, N, k]. The host merges the S splits and
-                         finalises (``dlm_kernels._sampling.merge_splits`` / ``finalize``).
+                         topv[S, N, k] / topi[S, N, k]. The host merges the S splits' draws
+                         (``dlm_kernels.sampling.core.merge_splits``); the token statistics'
+                         finalize kernel merges their statistics (state[:3], a partial
+                         buffer: ``kernels.triton.token_stats.stats_finalize_kernel``) with
+                         the drawn token as the target.
 
 Bytes per row (K columns, E bytes per logit): reads K·E (guidance: 2·K·E) and writes
 (7 + 2)·4·S (top_k: + 8·k·S). Nothing of size K is written.
@@ -18,8 +21,12 @@ framework code does for the decisions that pick a token, s = z / T (IEEE divisio
 the statistics read z / T_s and the draw z / T, both so), guidance ``zu + c·(z - zu)`` (launched
 without floating-point contraction, so this is a multiply and an add, not an FMA, as on the
 host), the lowbias32 hash in uint32 and g = -log(-log(u)) with the precise float32 log
-(``tl.log`` lowers to libdevice's logf). The statistics (log-sum-exp, entropy) need only
-float32 accuracy and use exp2.
+(``tl.log`` lowers to libdevice's logf). The statistics (log-sum-exp, entropy) are the token
+statistics' running sums of the logits at T_s, folded and merged across lanes by that
+kernel's own functions (``fold_sums``, ``merge_lanes``), so that the drawn token's logp and
+the entropy are ``per_token_logps``'s bits (docs/design.md §3, "Rollout = trainer"): the
+launch must then compile them as the statistics' kernels are compiled (floating-point
+contraction on, as it is without guidance).
 
 Two skips keep the arithmetic off the bytes' critical path without changing any result:
 - The noise of a block is computed only when the block could hold the winning key: every g
@@ -34,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..layout import SAMPLE_IDS, SAMPLE_STATE
-from .token_stats import _row_start
+from .token_stats import _row_start, fold_sums, merge_lanes
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
@@ -44,8 +51,8 @@ BIG_ID = tl.constexpr(2**31 - 1)
 M1 = tl.constexpr(0x7FEB352D)  # lowbias32 multipliers (_sampling.MIX_STEPS)
 M2 = tl.constexpr(0x846CA68B)
 
-F_M, F_A, F_B, F_V1, F_V2, F_GV, F_GS = (tl.constexpr(SAMPLE_STATE.index(f))
-                                        for f in ("m", "a", "b", "v1", "v2", "gv", "gs"))
+F_M, F_A, F_B, F_V1, F_V2, F_GV, F_GZ = (tl.constexpr(SAMPLE_STATE.index(f))
+                                        for f in ("m", "a", "b", "v1", "v2", "gv", "gz"))
 I_I1, I_GI = (tl.constexpr(SAMPLE_IDS.index(f)) for f in ("i1", "gi"))
 
 
@@ -90,9 +97,10 @@ def _worst_slot(tv, ti, slot):
 
 @triton.jit
 def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperature,
-                stat_temperature, cfg_c, lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti,
-                slot, MASKED: tl.constexpr, GREEDY: tl.constexpr, TWO_T: tl.constexpr,
-                HAS_UNCOND: tl.constexpr, HAS_SUPPRESS: tl.constexpr, TOP_K: tl.constexpr):
+                stat_temperature, cfg_c, c_t, lane_pos, v1, i1, v2, m, a, b, gv, gi, gz,
+                g_best, tv, ti, slot, MASKED: tl.constexpr, GREEDY: tl.constexpr,
+                TWO_T: tl.constexpr, HAS_UNCOND: tl.constexpr, HAS_SUPPRESS: tl.constexpr,
+                TOP_K: tl.constexpr):
     """Fold the columns cols [R, VEC] of one row into the per-lane state [R] (and the top-k
     slots); returns the new state."""
     mask = cols < k_valid
@@ -122,24 +130,16 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
             s = tl.div_rn(z, temperature)
             sd = s
 
-    # the lane's largest s (ties: the lowest id) and runner-up; the online sums rescale to
-    # the new maximum m (kept at 0 while every s is -inf: no inf - inf; a lane with no finite
-    # s yet has a = 0 and takes no rescale, whatever its m)
+    # the lane's largest s (ties: the lowest id) and runner-up; the statistics' running
+    # sums of the logits, as the token statistics' kernel folds them
     lane_first = tl.min(cols, axis=1)  # [R] the id of each lane's first column
     bv, bpos, rest = _first_in_lane(s, lane_pos)
     b2 = tl.max(rest, axis=1)
     take = bv > v1  # a tie keeps the earlier (lower) id
     v2 = tl.maximum(tl.where(take, v1, v2), tl.where(take, b2, bv))
     i1 = tl.where(take, lane_first + bpos, i1)
-    m_old = tl.where(v1 == NEG_INF, 0.0, v1)
     v1 = tl.maximum(v1, bv)
-    m = tl.where(v1 == NEG_INF, 0.0, v1)
-    f = tl.where(a > 0, tl.exp2((m_old - m) * LOG2E), 0.0)  # a = 0: no finite s before
-    d = s - m[:, None]
-    e = tl.exp2(d * LOG2E)
-    b = tl.where(a > 0, f * (b + (m_old - m) * a), 0.0) + tl.sum(tl.where(e > 0, e * d, 0.0),
-                                                                  axis=1)
-    a = f * a + tl.sum(e, axis=1)
+    m, a, b, _, _, _, _, _, _ = fold_sums(z, m, a, b, c_t, True)
 
     if not GREEDY and TOP_K == 0:
         # the Gumbel key s + g, only where the block could beat the best key so far
@@ -148,11 +148,11 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
             bd = tl.max(tl.max(sd, axis=1), axis=0)
         if bd + G_BOUND >= g_best:
             kv, kpos, _ = _first_in_lane(sd + _gumbel(key, cols), lane_pos)
-            ks = tl.sum(tl.where(lane_pos == kpos[:, None], s, 0.0), axis=1)
+            kz = tl.sum(tl.where(lane_pos == kpos[:, None], z, 0.0), axis=1)  # its logit
             tk = kv > gv
             gv = tl.where(tk, kv, gv)
             gi = tl.where(tk, lane_first + kpos, gi)
-            gs = tl.where(tk, ks, gs)
+            gz = tl.where(tk, kz, gz)
             g_best = tl.maximum(g_best, tl.max(kv, axis=0))
 
     if TOP_K > 0:
@@ -167,7 +167,7 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
             cand = tl.where(cols == cc, NEG_INF, cand)
             cv = tl.max(tl.max(cand, axis=1), axis=0)
             wv, ws = _worst_slot(tv, ti, slot)
-    return v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti
+    return v1, i1, v2, m, a, b, gv, gi, gz, g_best, tv, ti
 
 
 @triton.jit
@@ -180,6 +180,7 @@ def sample_partial_kernel(
     temperature,  # T > 0 (unused when GREEDY)
     stat_temperature,  # T_s of the statistics (TWO_T only)
     cfg_c,  # guidance's s + 1 (HAS_UNCOND)
+    inv_t,  # 1/T_s of the statistics' sums (the token statistics' inv_t)
     state_ptr,  # [7, S, N] f32 out: SAMPLE_STATE
     ids_ptr,  # [2, S, N] i32 out: SAMPLE_IDS
     topv_ptr, topi_ptr,  # [S, N, TOP_K] f32 / i32 out: the split's k slots (TOP_K > 0)
@@ -192,6 +193,7 @@ def sample_partial_kernel(
     n_splits = tl.num_programs(1)
     temperature, cfg_c = tl.cast(temperature, tl.float32), tl.cast(cfg_c, tl.float32)
     stat_temperature = tl.cast(stat_temperature, tl.float32)
+    c_t = tl.cast(inv_t, tl.float32) * LOG2E  # as the token statistics' kernel forms it
     k_start = tl.multiple_of(split * cols_per_split, BLOCK_K)
     k_end = tl.minimum(k_start + cols_per_split, K)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
@@ -205,25 +207,26 @@ def sample_partial_kernel(
     v1 = tl.full([R], NEG_INF, tl.float32)  # the lane's largest s
     i1 = tl.zeros([R], tl.int32)  # its id
     v2 = tl.full([R], NEG_INF, tl.float32)  # the runner-up (a tie with v1 counts)
-    a = tl.zeros([R], tl.float32)  # Σ e^{s - m}, m = v1 (0 while v1 = -inf)
-    b = tl.zeros([R], tl.float32)  # Σ e^{s - m}(s - m)
+    m = tl.full([R], NEG_INF, tl.float32)  # the lane's largest logit
+    a = tl.zeros([R], tl.float32)  # Σ 2^x, x = (z - m)·c_t (``fold_sums``)
+    b = tl.zeros([R], tl.float32)  # Σ 2^x·x
     gv = tl.full([R], NEG_INF, tl.float32)  # the largest key s + g
     gi = tl.zeros([R], tl.int32)  # its id
-    gs = tl.zeros([R], tl.float32)  # s at it
+    gz = tl.zeros([R], tl.float32)  # the logit at it
     g_best = tl.full([], NEG_INF, tl.float32)  # the best key of the program
     slot = tl.arange(0, TOP_KP)
     tv = tl.where(slot < TOP_K, NEG_INF, POS_INF)  # the top-k slots (TOP_K > 0)
     ti = tl.full([TOP_KP], -1, tl.int32)
     for k0 in range(k_start, k_full, BLOCK_K):  # whole blocks: no masks
-        v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti = _fold_block(
+        v1, i1, v2, m, a, b, gv, gi, gz, g_best, tv, ti = _fold_block(
             z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature,
-            stat_temperature, cfg_c, lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti,
-            slot, False, GREEDY, TWO_T, HAS_UNCOND, HAS_SUPPRESS, TOP_K)
+            stat_temperature, cfg_c, c_t, lane_pos, v1, i1, v2, m, a, b, gv, gi, gz, g_best,
+            tv, ti, slot, False, GREEDY, TWO_T, HAS_UNCOND, HAS_SUPPRESS, TOP_K)
     for k0 in range(k_full, k_end, BLOCK_K):  # the ragged tail: at most one block
-        v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti = _fold_block(
+        v1, i1, v2, m, a, b, gv, gi, gz, g_best, tv, ti = _fold_block(
             z_row, zu_row, sup_ptr, n_suppress, k0 + offs, k_end, key, temperature,
-            stat_temperature, cfg_c, lane_pos, v1, i1, v2, a, b, gv, gi, gs, g_best, tv, ti,
-            slot, True, GREEDY, TWO_T, HAS_UNCOND, HAS_SUPPRESS, TOP_K)
+            stat_temperature, cfg_c, c_t, lane_pos, v1, i1, v2, m, a, b, gv, gi, gz, g_best,
+            tv, ti, slot, True, GREEDY, TWO_T, HAS_UNCOND, HAS_SUPPRESS, TOP_K)
 
     # merge the lanes (lane r holds lower ids than lane r + 1 within a block, but not across
     # blocks: ties go to the lowest id explicitly)
@@ -232,14 +235,10 @@ def sample_partial_kernel(
     lead = tl.min(tl.where((v1 == v1_row) & (i1 == i1_row), tl.arange(0, R), R), axis=0)
     v2_row = tl.maximum(tl.max(v2, axis=0),
                         tl.max(tl.where(tl.arange(0, R) == lead, NEG_INF, v1), axis=0))
-    m_row = tl.where(v1_row == NEG_INF, 0.0, v1_row)
-    m_lane = tl.where(v1 == NEG_INF, 0.0, v1)
-    f = tl.where(a > 0, tl.exp2((m_lane - m_row) * LOG2E), 0.0)
-    a_row = tl.sum(f * a, axis=0)
-    b_row = tl.sum(tl.where(a > 0, f * (b + (m_lane - m_row) * a), 0.0), axis=0)
+    m_row, a_row, b_row, _, _, _ = merge_lanes(m, a, b, c_t, True)  # b natural
     gv_row = tl.max(gv, axis=0)
     gi_row = tl.min(tl.where(gv == gv_row, gi, BIG_ID), axis=0)
-    gs_row = tl.max(tl.where((gv == gv_row) & (gi == gi_row), gs, NEG_INF), axis=0)
+    gz_row = tl.max(tl.where((gv == gv_row) & (gi == gi_row), gz, NEG_INF), axis=0)
     gi_row = tl.where(gv_row == NEG_INF, 0, gi_row)  # no key at all (greedy, top-k, empty)
 
     # write (7 + 2) x 4 bytes of state
@@ -251,7 +250,7 @@ def sample_partial_kernel(
     tl.store(state_ptr + F_V1 * stride + base, v1_row)
     tl.store(state_ptr + F_V2 * stride + base, v2_row)
     tl.store(state_ptr + F_GV * stride + base, gv_row)
-    tl.store(state_ptr + F_GS * stride + base, gs_row)
+    tl.store(state_ptr + F_GZ * stride + base, gz_row)
     tl.store(ids_ptr + I_I1 * stride + base, i1_row)
     tl.store(ids_ptr + I_GI * stride + base, gi_row)
     if TOP_K > 0:  # write 8 x k bytes of slots

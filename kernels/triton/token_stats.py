@@ -263,6 +263,43 @@ def _lane_shift(m):
 
 
 @triton.jit
+def fold_sums(r, m, a, b, c_t, HAS_ENTROPY: tl.constexpr):
+    """Fold a block r [R, VEC] of (capped, shifted) logits, masked columns at -inf, into the
+    per-lane running (m, a, b) [R]: m in logit units, a = Σ 2^x and b = Σ 2^x·x (base 2,
+    x = (r - m)·c_t, c_t = log2 e / T; b stays 0 without HAS_ENTROPY). Returns (m, a, b)
+    and what the other sums of ``_fold_block`` reuse: the differences dr = r - m_safe
+    [R, VEC], the exponents xs and 2^xs, the old sums' rescale f and their move shift·c_t,
+    the old a and the move of the maximum, shift [R]. The sampler's kernel
+    (``kernels.triton.sampling``) folds its blocks with this function too, so its
+    statistics are these sums, bit for bit."""
+    m, m_safe, dr, shift = _online(m, r)
+    xs = dr * c_t  # log2 e · (r - m) / T
+    e = tl.exp2(xs)
+    f = tl.exp2(shift * c_t)  # the old sums' rescale
+    a_old = a
+    a = a * f + tl.sum(e, axis=1)
+    if HAS_ENTROPY:  # about a third of the CE loop's instructions (bench/NOTES.md)
+        # b is kept relative to the running max: rescale the old sum, then add this block.
+        b = _moved(f, shift * c_t, a_old, b) + tl.sum(tl.where(e > 0, e * xs, 0.0), axis=1)
+    return m, a, b, dr, xs, e, f, a_old, shift
+
+
+@triton.jit
+def merge_lanes(m, a, b, c_t, HAS_ENTROPY: tl.constexpr):
+    """The per-lane (m, a, b) [R] of ``fold_sums`` merged into the row's (docs/design.md
+    §2's merge, within the row), b converted to natural units (· ln 2) as the partial buffer
+    stores it; also returns each lane's move dm·c_t and rescale f for the other sums."""
+    m_row, dm = _lane_shift(m)
+    delta = dm * c_t
+    f = tl.exp2(delta)
+    a_row = tl.sum(f * a, axis=0)
+    b_row = 0.0
+    if HAS_ENTROPY:
+        b_row = tl.sum(_moved(f, delta, a, b), axis=0)
+    return m_row, a_row, b_row * LN2, dm, delta, f
+
+
+@triton.jit
 def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
                 softcap, m, a, b, a2, mu, au, cu, fu, sr, MASKED: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
@@ -286,15 +323,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
             sr += tl.sum(r, axis=1)
     if MASKED:
         r = tl.where(mask, r, NEG_INF)
-    m, m_safe, dr, shift = _online(m, r)
-    xs = dr * c_t  # log2 e · (r - m) / T
-    e = tl.exp2(xs)
-    f = tl.exp2(shift * c_t)  # the old sums' rescale
-    a_old = a
-    a = a * f + tl.sum(e, axis=1)
-    if HAS_ENTROPY:  # about a third of the CE loop's instructions (bench/NOTES.md)
-        # b is kept relative to the running max: rescale the old sum, then add this block.
-        b = _moved(f, shift * c_t, a_old, b) + tl.sum(tl.where(e > 0, e * xs, 0.0), axis=1)
+    m, a, b, dr, xs, e, f, a_old, shift = fold_sums(r, m, a, b, c_t, HAS_ENTROPY)
     if SEPARATE_CE:  # the same maximum, exponents (r - m)·c_ce
         a2 = a2 * tl.exp2(shift * c_ce) + tl.sum(tl.exp2(dr * c_ce), axis=1)
     if HAS_TEACHER:
@@ -381,13 +410,7 @@ def stats_partial_kernel(
             SEPARATE_CE, HAS_ENTROPY, SMOOTH)
 
     # merge the lanes (docs/design.md §2's merge, within the row)
-    m_row, dm = _lane_shift(m)
-    delta = dm * c_t
-    f = tl.exp2(delta)
-    a_row = tl.sum(f * a, axis=0)
-    b_row = 0.0
-    if HAS_ENTROPY:
-        b_row = tl.sum(_moved(f, delta, a, b), axis=0)
+    m_row, a_row, b_row, dm, delta, f = merge_lanes(m, a, b, c_t, HAS_ENTROPY)
     a2_row = a_row
     if SEPARATE_CE:
         a2_row = tl.sum(tl.exp2(dm * c_ce) * a2, axis=0)
@@ -407,7 +430,7 @@ def stats_partial_kernel(
     stride_p = n_splits * N
     tl.store(base + P_M * stride_p, m_row)
     tl.store(base + P_A * stride_p, a_row)
-    tl.store(base + P_B * stride_p, b_row * LN2)
+    tl.store(base + P_B * stride_p, b_row)
     tl.store(base + P_A2 * stride_p, a2_row)
     tl.store(base + P_MU * stride_p, mu_row)
     tl.store(base + P_AU * stride_p, au_row)

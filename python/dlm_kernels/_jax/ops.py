@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX
+
 
 class JaxOps:
     """The few operations whose jax.numpy spelling differs from torch, as static methods."""
@@ -87,6 +89,22 @@ class JaxOps:
         from ..linear_head.jax_head import head_logits
 
         return head_logits(head)
+
+    # the head path's schedule (``linear_head.jax_head``): its CPU budget of a token chunk,
+    # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for
+    head_chunk_bytes_cpu = HEAD_CHUNK_BYTES_CPU_JAX
+
+    @staticmethod
+    def head_token_chunks(n, r):
+        from ..linear_head.jax_head import token_chunks
+
+        return token_chunks(n, r)
+
+    @staticmethod
+    def head_vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab):
+        from ..linear_head.jax_head import vocab_chunk
+
+        return vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab)
 
     # -- the denoising step (32-bit hashes as uint32; rows of ids) --------------
     @staticmethod

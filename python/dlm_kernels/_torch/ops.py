@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
+from ..linear_head.head import HEAD_CHUNK_BYTES_CPU
+
 
 def signed32(c: int) -> int:
     """The 32-bit pattern of the Python int c read as a signed 32-bit number."""
@@ -74,6 +76,22 @@ class TorchOps:
         from ..linear_head.torch_head import head_logits
 
         return head_logits(head)
+
+    # the head path's schedule (``linear_head.torch_head``): its CPU budget of a token chunk,
+    # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for
+    head_chunk_bytes_cpu = HEAD_CHUNK_BYTES_CPU
+
+    @staticmethod
+    def head_token_chunks(n, r):
+        from ..linear_head.torch_head import token_chunks
+
+        return token_chunks(n, r)
+
+    @staticmethod
+    def head_vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab):
+        from ..linear_head.torch_head import vocab_chunk
+
+        return vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab)
 
     # -- the denoising step (32-bit hashes) ---------------------------------------
     # Eager: int32 bit patterns, whose products wrap modulo 2^32 in torch's kernels (a CPU

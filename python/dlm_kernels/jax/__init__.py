@@ -630,6 +630,11 @@ def sample_tokens(
       shape; ``Sample.vocab_size`` = K. A row with no valid draw -- a NaN or +inf logit after
       guidance, suppression and the temperature, or no finite one -- has token -1, argmax
       -1 and NaN logp, top1_logp, top2_logp and entropy; ``commit_tokens`` never commits it.
+      Without top_k, on logits without guidance or suppressed ids, logp and entropy are bit
+      for bit those of the token statistics on the same backend and logits:
+      ``per_token_logps(logits, batch with the tokens as targets, temperature=T_s,
+      return_entropy=True)``, ``token_stats(..., chunk_size=chunk_size)`` with a chunk_size
+      (docs/design.md §3, "Rollout = trainer"): an on-policy importance ratio is exactly 1.
       Not differentiable.
     """
     return _sample_tokens(logits, temperature=temperature, seed=seed, step=step, top_k=top_k,

@@ -227,10 +227,19 @@ class LogitsSource(Generic[A]):
         raise NotImplementedError
 
     def rows_per_chunk(self, n_rows: int, on_cpu: bool,
-                       beside: LogitsSource[A] | None = None) -> int:
+                       beside: LogitsSource[A] | None = None,
+                       cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
         """Rows R of one token chunk of these [N, K] logits and of ``beside`` (another source
-        of the same rows, or None): a head's own ``row_chunk_for``; an array exists whole, so
-        the R that ``beside`` wants (all N, at least 1, without one)."""
+        of the same rows, or None): a head's own ``row_chunk_for`` (``cpu_bytes``: the
+        framework's head path's budget on a CPU); an array exists whole, so the R that
+        ``beside`` wants (all N, at least 1, without one)."""
+        raise NotImplementedError
+
+    def vocab_chunk(self, xp: Any, impl_name: str, on_cpu: bool, chunk_size: int | None,
+                    r: int) -> int | None:
+        """The vocabulary chunk a backend streams a token chunk of R rows of these logits in
+        (its ``chunk_size``): an array's as asked; a head's as the framework's head path asks
+        its backend (``xp.head_vocab_chunk``)."""
         raise NotImplementedError
 
 
@@ -315,8 +324,14 @@ class DenseLogits(LogitsSource[A]):
         pass  # arrays concatenate along their rows
 
     def rows_per_chunk(self, n_rows: int, on_cpu: bool,
-                       beside: LogitsSource[A] | None = None) -> int:
-        return max(1, n_rows) if beside is None else beside.rows_per_chunk(n_rows, on_cpu)
+                       beside: LogitsSource[A] | None = None,
+                       cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
+        return (max(1, n_rows) if beside is None
+                else beside.rows_per_chunk(n_rows, on_cpu, cpu_bytes=cpu_bytes))
+
+    def vocab_chunk(self, xp: Any, impl_name: str, on_cpu: bool, chunk_size: int | None,
+                    r: int) -> int | None:
+        return chunk_size
 
 
 class LinearHead(LogitsSource[A]):
@@ -460,8 +475,14 @@ class LinearHead(LogitsSource[A]):
                         f"other fields), then build one head")
 
     def rows_per_chunk(self, n_rows: int, on_cpu: bool,
-                       beside: LogitsSource[A] | None = None) -> int:
-        return row_chunk_for(n_rows, self.vocab, self.dtype.itemsize, on_cpu, self.row_chunk)
+                       beside: LogitsSource[A] | None = None,
+                       cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
+        return row_chunk_for(n_rows, self.vocab, self.dtype.itemsize, on_cpu, self.row_chunk,
+                             cpu_bytes)
+
+    def vocab_chunk(self, xp: Any, impl_name: str, on_cpu: bool, chunk_size: int | None,
+                    r: int) -> int | None:
+        return xp.head_vocab_chunk(impl_name, on_cpu, chunk_size, r, self.vocab)
 
     # -- checks ---------------------------------------------------------------------------
     def check(self, xp: Any, name: str) -> None:

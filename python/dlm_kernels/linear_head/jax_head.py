@@ -80,6 +80,19 @@ def _acc_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
+def token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
+    """[(start, stop, first)]: the head path's token chunks of R rows over N rows (``_Sweep``),
+    rows [start, stop) formed and [first, stop) not in an earlier chunk: every chunk R rows,
+    the last starting at N - R. The denoising step takes a head's rows so too."""
+    starts = [(i * r, min(i * r, n - r)) for i in range(-(-n // r))]
+    return [(start, start + r, first) for first, start in starts]
+
+
+def vocab_chunk(impl_name: str, on_cpu: bool, chunk_size, r: int, vocab: int):
+    """The chunk_size the head path asks a backend for: the call's."""
+    return chunk_size
+
+
 def _slice(a, start, r):
     return lax.dynamic_slice_in_dim(a, start, r, axis=0)
 

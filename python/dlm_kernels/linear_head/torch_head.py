@@ -28,6 +28,22 @@ class LinearHead(base.LinearHead[torch.Tensor]):
     DEFAULT_LAYOUT: str = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
 
 
+def token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
+    """[(start, stop, first)]: the head path's token chunks of R rows over N rows, rows
+    [start, stop) formed and [first, stop) not in an earlier chunk (torch: a ragged last
+    chunk, first = start). The denoising step takes a head's rows so too."""
+    return [(r0, r1, r0) for r0, r1 in row_chunks(n, r)]
+
+
+def vocab_chunk(impl_name: str, on_cpu: bool, chunk_size, r: int, vocab: int):
+    """The chunk_size the head path asks a backend for over a token chunk of R rows: on a
+    CPU the chunked backend's vocabulary chunks sized for R rows (``head_vocab_chunk``)
+    unless the call gives one. The denoising step asks its sampler so too."""
+    if on_cpu and impl_name == "chunked" and chunk_size is None:
+        return base.head_vocab_chunk(r, vocab)
+    return chunk_size
+
+
 def head_logits(head):
     """The logits [..., K] of a head over [..., D] hidden states, in the head's dtype (the
     matmul accumulates in float32)."""
@@ -209,8 +225,8 @@ class _Sweep:
         like = z.device_array
         on_cpu = like.device.type == "cpu"
         self.r = row_chunk_for(n, k, like.element_size(), on_cpu, z.row_chunk)
-        if on_cpu and impl.name == "chunked" and cfg.chunk_size is None:
-            self.cfg = cfg._replace(chunk_size=base.head_vocab_chunk(self.r, k))
+        self.cfg = cfg._replace(chunk_size=vocab_chunk(impl.name, on_cpu, cfg.chunk_size,
+                                                       self.r, k))
 
     def _chunk(self, r0, r1, cols=None):
         take = lambda a: a[r0:r1]

@@ -5,11 +5,14 @@ then choose which masked positions to commit.
 Per row, with z the logits (after classifier-free guidance ``z_u + (s + 1)(z_c - z_u)``,
 suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
-  (m, a, b)      the online log-sum-exp of s and the entropy's sum, as in token_stats, the
-                 exponents logit differences (z - z1) / T_s taken before scaling (``exponents``)
+  (m, a, b)      the token statistics' own streaming state of the logits z at T_s (m the
+                 largest z, a = Σ e^x, b = Σ e^x·x with x = (z - m)/T_s), formed and merged by
+                 the token-statistics arithmetic (``token_stats.math``: ``chunk_partial``,
+                 ``merge``) or by the very kernels of the backend's token statistics
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
-  (gv, gi, gs)   the largest sd + g with its id and its s, g the Gumbel noise of the column,
-                 sd = z / T the draw's scores (s itself unless ``stats_temperature`` differs)
+  (gv, gi, gz)   the largest sd + g with its id and its logit z, g the Gumbel noise of the
+                 column, sd = z / T the draw's scores (s itself unless ``stats_temperature``
+                 differs)
   or, with top_k, the k largest (sd, id), merged chunk by chunk (ties: lowest ids first)
 
 and finalises: token = gi (i1 at T = 0: greedy), logp = log-probability of the token under
@@ -17,9 +20,16 @@ the sampling distribution (with ``stats_temperature`` T_s every statistic is tak
 z / T_s while the draw's key reads z / T: ``SampleConfig.two_temperatures``), argmax = i1,
 top1_logp / top2_logp, entropy. With ``top_k`` the sampling distribution is the softmax over
 the k largest (renormalised) and every statistic is taken under it. At T = 0 the statistics
-are those of softmax(z) (T = 1). A row whose whole m + log a is not finite (a NaN or +inf s,
-or none finite) has no valid draw: token and argmax -1, NaN statistics (``Sample``); the
-commit rules never pick it.
+are those of softmax(z) (T = 1). A row whose largest s plus log a is not finite (a NaN or
++inf s, or none finite) has no valid draw: token and argmax -1, NaN statistics (``Sample``);
+the commit rules never pick it.
+
+Rollout = trainer (docs/design.md §3): without top_k the drawn token's logp and the entropy
+are the token statistics' ``finalize`` of that state with the token as the target (``Stats``
+of ``stream_stats``, the backend's finalize kernel, or its forward itself), so on plain
+logits (no guidance, no suppressed ids) they are, bit for bit, what ``per_token_logps(...,
+temperature=T_s, return_entropy=True)`` (``token_stats`` with the same ``chunk_size``)
+returns for the drawn tokens on the same backend.
 
 Noise: g = -log(-log(u)), u = ((h >> 9) + 1/2)·2^-23 in (0, 1), h a 32-bit hash of
 (seed, step, row, column) -- with [B] seeds, of (seed_b, step, position, column) --:
@@ -31,6 +41,7 @@ draws the same tokens everywhere; no noise tensor is ever an input or an output.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,15 +49,18 @@ import numpy as np
 from .._checks import (as_number, dtype_str, flag, host_values, plain, require_array,
                        require_float, require_int, require_logits, require_real, require_shape,
                        shape_str)
-from ..linear_head.head import as_logits, row_chunks
+from .._config import make_config
+from .._rows import Rows
+from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
+from ..token_stats import math as stats_math
+from ..token_stats.lowering import Lowered, lower
 
 MASK32 = 0xFFFFFFFF
 # lowbias32, step by step: x ^= x >>> shift, then x *= multiplier (mod 2^32) where one is given
 MIX_STEPS = ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None))
 _STEP_SALT, _ROW_SALT = 0x9E3779B9, 0x85EBCA6B
 MAX_TOP_K = 64
-_F32_LOWEST = -3.4028234663852886e38  # the most negative finite float32
 _F32_MAX = 3.4028234663852886e38
 # The smallest temperature above 0 (docs/design.md §3): s = z / T is float32, and every
 # decision reads s + g rounded to an ulp of |s| (2^-23·|z| / T); at T >= 1e-3 that is below
@@ -146,6 +160,19 @@ class SampleLowered(NamedTuple):
     TWO_T: bool
 
 
+def stats_lowered(cfg: SampleConfig) -> Lowered:
+    """The token-statistics call whose arithmetic the step's statistics are: ``token_stats``
+    (``per_token_logps``) at temperature T_s with the entropy, no shift, teacher or softcap,
+    and the step's ``chunk_size`` (docs/design.md §3, "Rollout = trainer")."""
+    return _stats_lowered(cfg.stats_temperature, cfg.chunk_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _stats_lowered(stats_temperature: float, chunk_size) -> Lowered:
+    return lower(make_config(temperature=stats_temperature, entropy=True,
+                             chunk_size=chunk_size), has_shift=False)
+
+
 # -- the counter-based noise ----------------------------------------------------------------
 
 def mix(xp, x):
@@ -232,21 +259,23 @@ def exponents(xp, z, z1, cfg):
 
 
 class StreamState(NamedTuple):
-    """One row's stream over the columns seen, in units of s (the layout of the kernels'
-    split buffers, ``kernels.layout.SAMPLE_STATE``). Where the framework code forms them,
-    m and v1 are maxima of s (reductions, never a gather of a scaled chunk) and gs and v2
-    are m plus a difference of logits (``exponents``), so a tie with the largest s is m
-    itself, bit for bit."""
+    """One row's stream over the columns seen (the layout of the kernels' split buffers,
+    ``kernels.layout.SAMPLE_STATE``). m, a, b are the token statistics' streaming state of
+    the logits at T_s (``token_stats.math.State``; None where a backend's token-statistics
+    kernels hold them instead); the draw's fields are in units of s. Where the framework code
+    forms them, v1 is a maximum of s (a reduction, never a gather of a scaled chunk) and v2
+    is the largest s plus a difference of logits (``exponents``), so a tie with the largest
+    s is v1 itself, bit for bit."""
 
-    m: object  # [N] running max of s (0 while none is finite)
-    a: object  # [N] Σ exp(s - m)
-    b: object  # [N] Σ exp(s - m)·(s - m)
+    m: object  # [N] running max of the logits z (-inf while none is finite)
+    a: object  # [N] Σ e^x, x = (z - m)/T_s
+    b: object  # [N] Σ e^x·x
     v1: object
     i1: object
     v2: object  # the second largest s (a tie with v1 counts: v2 == v1)
     gv: object  # [N] best s + g
     gi: object
-    gs: object  # s at gi
+    gz: object  # the logit z at gi
     topv: object  # [N, k] or None
     topi: object
 
@@ -257,13 +286,41 @@ def _safe(xp, v1, x):
     return xp.where(v1 == float("-inf"), 0.0, x)
 
 
-def _sums(xp, d):
-    """(a, b) [N] of the exponents d [N, C] (``exponents``): a = Σ exp(d), b = Σ exp(d)·d.
-    The clamp keeps -inf out of the product (its e is 0 and 0·(-inf) is NaN); it is cheaper
-    than a select on CPUs."""
-    d = xp.clamp_min(d, _F32_LOWEST)
-    e = xp.exp(d)
-    return xp.rowsum(e), xp.rowsum(e * d)
+def stats_partial(xp, z, cols, cfg):
+    """The token-statistics State (``token_stats.math.State``: m, a, b and fields the step
+    does not read) of one chunk z [N, C] (float32, guided, suppressed ids and columns of
+    other chunks at -inf) of global column ids cols [C]: ``token_stats.math.chunk_partial``
+    itself."""
+    return stats_math.chunk_partial(xp, Rows(z), cols, None, stats_lowered(cfg))
+
+
+def merge_stats(xp, x, y, cfg):
+    """The token-statistics State of the columns of x followed by those of y (States):
+    ``token_stats.math.merge`` itself, as the token statistics' chunk loops merge."""
+    return stats_math.merge(xp, x, y, stats_lowered(cfg))
+
+
+def _stats_state(xp, st):
+    """A token-statistics State of a stream's (m, a, b) (the fields it does not keep: 0)."""
+    zero = xp.zeros_like(st.a)
+    return stats_math.State(st.m, st.a, st.b, st.a, st.m, zero, zero, zero, zero)
+
+
+def stats_target(st, cfg):
+    """[N] the id whose log-probability is the step's logp: the drawn token gi, or the
+    largest s's id i1 at T = 0 and with top_k (whose logp comes from its k slots)."""
+    return st.gi if cfg.temperature > 0.0 and cfg.top_k is None else st.i1
+
+
+def stream_stats(xp, st, cfg):
+    """The token statistics (``token_stats.math.Stats``) of a stream's merged (m, a, b), the
+    target ``stats_target``: ``token_stats.math.finalize`` itself, with the target's logit
+    the drawn token's gz (the largest logit m at T = 0, where the token is its argmax, and
+    with top_k, whose logp is not read)."""
+    one = xp.zeros_like(st.a) + 1.0
+    r_y = st.gz if cfg.temperature > 0.0 and cfg.top_k is None else st.m
+    return stats_math.finalize(xp, _stats_state(xp, st), r_y, one, one > 0,
+                               stats_lowered(cfg))
 
 
 def _first_max(xp, x, cols):
@@ -276,23 +333,23 @@ def chunk_state(xp, z, s, sd, cols, keys, cfg):
     """The state of one chunk (``scaled_logits``' z, s, sd [N, C]) with global column ids
     cols [C]."""
     v1, i1 = _first_max(xp, s, cols)
-    m = _safe(xp, v1, v1)
+    ms = _safe(xp, v1, v1)
     z1 = _safe(xp, v1, xp.gather_cols(z, i1 - cols[0]))  # [N] the logit at the largest s
-    d = exponents(xp, z, z1[:, None], cfg)  # [N, C]
-    a, b = _sums(xp, d)
-    # the runner-up: m plus the exponent of the second largest z (the same order as s's)
-    v2 = (m + exponents(xp, xp.second_max(z), z1, cfg) if s.shape[1] > 1
+    m, a, b = stats_partial(xp, z, cols, cfg)[:3]
+    # the runner-up: the largest s plus the exponent of the second largest z (the same
+    # order as s's)
+    v2 = (ms + exponents(xp, xp.second_max(z), z1, cfg) if s.shape[1] > 1
           else v1 * 0.0 + float("-inf"))
-    gv, gi, gs = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
+    gv, gi, gz = v1 * 0.0, i1 * 0, v1 * 0.0  # unused at T = 0 and with top_k
     if cfg.temperature > 0.0 and cfg.top_k is None:
         key = sd + gumbel(xp, keys, cols)
         gv, gi = _first_max(xp, key, cols)
-        gs = m + xp.gather_cols(d, gi - cols[0])
+        gz = xp.gather_cols(z, gi - cols[0])
     topv = topi = None
     if cfg.top_k is not None:
         topv, idx = xp.top_k(sd, min(cfg.top_k, s.shape[1]))  # the draw's scores
         topi = xp.take_cols(cols, idx)
-    return StreamState(m, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
+    return StreamState(m, a, b, v1, i1, v2, gv, gi, gz, topv, topi)
 
 
 def noisy_scores(xp, keys):
@@ -311,11 +368,10 @@ def chunk_values(xp, z, s, sd, cols, index, noisy, cfg):
     position costs a CPU many times the maximum itself (torch's argmax about 10x its amax;
     XLA's about 18x, and fused with the noise about 100x)."""
     v1 = xp.rowmax(s)
-    a, b = _sums(xp, exponents(xp, z, _safe(xp, v1, xp.rowmax(z))[:, None], cfg))
+    m, a, b = stats_partial(xp, z, cols, cfg)[:3]
     none = xp.full(v1.shape, float("-inf"), v1)
     gv = none if cfg.temperature == 0.0 else xp.rowmax(noisy(sd, cols))
-    return StreamState(_safe(xp, v1, v1), a, b, v1, index, none, gv, index, xp.zeros_like(v1),
-                       None, None)
+    return StreamState(m, a, b, v1, index, none, gv, index, xp.zeros_like(v1), None, None)
 
 
 def settle(xp, st, reread, noisy, cfg):
@@ -329,12 +385,11 @@ def settle(xp, st, reread, noisy, cfg):
     z1 = _safe(xp, st.v1, xp.gather_cols(z, pos))  # [N] the logit at the largest s
     inside = xp.where(xp.arange(s.shape[1], s)[None, :] == pos[:, None], float("-inf"), z)
     st = st._replace(i1=xp.gather_cols(cols, pos), v2=xp.maximum(
-        st.v2, st.m + exponents(xp, xp.rowmax(inside), z1, cfg)))
+        st.v2, _safe(xp, st.v1, st.v1) + exponents(xp, xp.rowmax(inside), z1, cfg)))
     if cfg.temperature > 0.0:
         z, _, sd, cols = reread(st.gi)
         _, pos = xp.first_max(noisy(sd, cols))
-        st = st._replace(gi=xp.gather_cols(cols, pos),
-                         gs=st.m + exponents(xp, xp.gather_cols(z, pos), z1, cfg))
+        st = st._replace(gi=xp.gather_cols(cols, pos), gz=xp.gather_cols(z, pos))
     return st
 
 
@@ -344,43 +399,33 @@ def _pick(xp, take_b, a, b):
 
 def merge_state(xp, x, y, cfg):
     """Merge the state of columns seen (x) with a later chunk (y): every id in y is larger."""
-    # the new maximum from the largest s (v1), not from m, which is 0 for a part with no
-    # finite s: taking it would rescale a part whose logits are all far below 0 to nothing
-    v1 = xp.maximum(x.v1, y.v1)
-    m = xp.where(v1 == float("-inf"), 0.0, v1)
-    fx, fy = (xp.where(p.a > 0, xp.exp(p.m - m), 0.0) for p in (x, y))  # a > 0: finite s
-    a = fx * x.a + fy * y.a
-    b = (xp.where(x.a > 0, fx * (x.b + (x.m - m) * x.a), 0.0)
-         + xp.where(y.a > 0, fy * (y.b + (y.m - m) * y.a), 0.0))
+    m, a, b = merge_stats(xp, _stats_state(xp, x), _stats_state(xp, y), cfg)[:3]
     take = y.v1 > x.v1  # a tie keeps x's (lower) id
     v1, i1 = _pick(xp, take, x.v1, y.v1), _pick(xp, take, x.i1, y.i1)
     # the runner-up: the larger of x's second and y's first when x leads, else of x's
     # first and y's second
     v2 = xp.maximum(_pick(xp, take, x.v2, x.v1), _pick(xp, take, y.v1, y.v2))
     tg = y.gv > x.gv
-    gv, gi, gs = (_pick(xp, tg, x.gv, y.gv), _pick(xp, tg, x.gi, y.gi),
-                  _pick(xp, tg, x.gs, y.gs))
+    gv, gi, gz = (_pick(xp, tg, x.gv, y.gv), _pick(xp, tg, x.gi, y.gi),
+                  _pick(xp, tg, x.gz, y.gz))
     topv = topi = None
     if cfg.top_k is not None:
         topv, topi = xp.merge_top_k(x.topv, x.topi, y.topv, y.topi, cfg.top_k)
-    return StreamState(m, a, b, v1, i1, v2, gv, gi, gs, topv, topi)
+    return StreamState(m, a, b, v1, i1, v2, gv, gi, gz, topv, topi)
 
 
 def merge_splits(xp, state, ids, top_v, top_i, cfg, k):
     """The StreamState [N] of S vocabulary splits at once (the Triton kernel's buffers):
     state [len(SAMPLE_STATE), S, N] float32 and ids [len(SAMPLE_IDS), S, N] int32
     (``kernels.layout``), split s holding lower ids than split s + 1; with top_k, top_v /
-    top_i [N, S·k] the splits' unsorted slots (unused ones -inf). The same merge as
-    ``merge_state``, over the split axis."""
+    top_i [N, S·k] the splits' unsorted slots (unused ones -inf). The draw's fields merge as
+    in ``merge_state``, over the split axis; the statistics' (m, a, b) are left to the
+    token statistics' own merge (None here: the Triton finalize kernel, or a stream's
+    chunk by chunk ``merge_stats``)."""
     f = {name: state[i].T for i, name in enumerate(SAMPLE_STATE)}  # each [N, S]
     i1s, gis = (ids[i].T for i in range(len(SAMPLE_IDS)))
     neg_inf = float("-inf")
     v1, lead = xp.first_max(f["v1"])  # ties: the first split, which holds the lower ids
-    m = xp.where(v1 == neg_inf, 0.0, v1)
-    live = f["a"] > 0
-    scale = xp.where(live, xp.exp(f["m"] - m[:, None]), 0.0)
-    a = xp.rowsum(scale * f["a"])
-    b = xp.rowsum(xp.where(live, scale * (f["b"] + (f["m"] - m[:, None]) * f["a"]), 0.0))
     splits = xp.arange(f["v1"].shape[1], v1)
     v2 = xp.maximum(xp.rowmax(f["v2"]),
                     xp.rowmax(xp.where(splits[None, :] == lead[:, None], neg_inf, f["v1"])))
@@ -391,30 +436,33 @@ def merge_splits(xp, state, ids, top_v, top_i, cfg, k):
         top_v, top_i = xp.take_rows(top_v, by_id), xp.take_rows(top_i, by_id)
         order = xp.argsort_desc(top_v)[:, :min(cfg.top_k, k)]
         topv, topi = xp.take_rows(top_v, order), xp.take_rows(top_i, order)
-    return StreamState(m, a, b, v1, xp.gather_cols(i1s, lead), v2, gv,
-                       xp.gather_cols(gis, gpos), xp.gather_cols(f["gs"], gpos), topv, topi)
+    return StreamState(None, None, None, v1, xp.gather_cols(i1s, lead), v2, gv,
+                       xp.gather_cols(gis, gpos), xp.gather_cols(f["gz"], gpos), topv, topi)
 
 
-def finalize(xp, st, keys, cfg):
-    """Sample of [N] fields from the merged state. Log-probabilities are taken relative to
-    the row's largest s, (s - m) - log a: at a small temperature s and m are large and the
-    normaliser m + log a would round log a away (a two-way tie would get log-probability 0).
-    A row has a valid draw where the whole row's m + log a is finite (a NaN s makes a NaN,
-    a +inf s makes m = +inf and a NaN, a row with no finite s has a = 0): on every backend,
-    with or without top_k. With two temperatures the statistics are those of z / T_s and the
+def finalize(xp, st, stats, keys, cfg):
+    """Sample of [N] fields from the merged state and the token statistics ``stats`` (a
+    ``token_stats.math.Stats`` of the rows with ``stats_target`` as the target: the
+    backend's token-statistics arithmetic, so logp and entropy are that arithmetic's, bit
+    for bit). Log-probabilities are taken relative to the row's largest logit m, (z - m)/T_s
+    - la (la the log of the sum relative to m): at a small temperature a normaliser
+    m/T_s + la of size |z|/T_s would round la away (a two-way tie would get log-probability
+    0). A row has a valid draw where its largest s plus la is finite (a NaN logit makes la
+    NaN, a +inf one makes m = +inf and la NaN, an s = z / T_s past the float32 range makes the
+    largest s +inf, a row with no finite s has no finite largest s): on every backend, with
+    or without top_k. With two temperatures the statistics are those of z / T_s and the
     draw's scores z / T must be finite as well (a z / T past the float32 range is +inf)."""
     nan = float("nan")
-    valid = xp.isfinite(st.m + xp.log(st.a))  # [N]
+    la = stats.la
+    valid = xp.isfinite(st.v1 + la)  # [N]
     if cfg.two_temperatures:
         valid = valid & ((st.gv if cfg.top_k is None else st.topv[:, 0]) < float("inf"))
     if cfg.top_k is None:
-        log_a = xp.log(st.a)
-        entropy = log_a - st.b / st.a
-        # the largest s is m on every row with a valid draw (v1 - m = 0: top1 is -log a);
-        # gs and v2 are m plus logit differences (StreamState), so a tie is 0 exactly
+        entropy, logp = stats.entropy, stats.logp
         token = st.i1 if cfg.temperature == 0.0 else st.gi
-        top1, top2 = -log_a, (st.v2 - st.m) - log_a
-        logp = top1 if cfg.temperature == 0.0 else (st.gs - st.m) - log_a
+        # top1: (m - m)/T_s - la, the form of every logp (+0 - la, never -0); v2 is the
+        # largest s plus a logit difference (StreamState), so a tie is 0 exactly
+        top1, top2 = 0.0 - la, (st.v2 - st.v1) - la
     else:
         v, ids = st.topv, st.topi  # [N, k'] largest first, the draw's scores z / T
         v = xp.where(valid[:, None], v, 0.0)  # a row without a valid draw: no NaN or inf below
@@ -455,10 +503,20 @@ def no_draw_where(xp, sample, bad):
 
 
 def reference_sample(xp, z, zu, keys, suppress, cfg):
-    """The whole row as one chunk (the reference backend: [N, K] float32 materialised)."""
+    """The whole row as one chunk (the reference backend: [N, K] float32 materialised); the
+    drawn token's logp and the entropy are those of the reference token statistics
+    (``token_stats.math.reference_stats``, which the reference backend of ``token_stats``
+    computes) of the same float32 logits, the rest the stream's."""
     cols = xp.arange(z.shape[1], z)
-    return finalize(xp, chunk_state(xp, *scaled_logits(xp, z, zu, cols, suppress, cfg), cols,
-                                    keys, cfg), keys, cfg)
+    zs, s, sd = scaled_logits(xp, z, zu, cols, suppress, cfg)
+    st = chunk_state(xp, zs, s, sd, cols, keys, cfg)
+    stats = stream_stats(xp, st, cfg)
+    if cfg.top_k is None:
+        active = xp.zeros_like(st.a) == 0.0
+        _, logp, entropy, _ = stats_math.reference_stats(
+            xp, Rows(zs, targets=stats_target(st, cfg), active=active), stats_lowered(cfg))
+        stats = stats._replace(logp=logp, entropy=entropy)
+    return finalize(xp, st, stats, keys, cfg)
 
 
 class ReferenceSampler:
@@ -752,6 +810,11 @@ def _rows(xp, x, r0, r1):
     return None if x is None else x.chunk(xp, lambda a: a[r0:r1])
 
 
+def _kept(sample, skip):
+    """sample without its first ``skip`` rows (a token chunk's rows an earlier one drew)."""
+    return sample if skip == 0 else Sample(*(f[skip:] for f in sample))
+
+
 def make_sampling_api(xp, registry):
     """(sample_tokens, commit_tokens) of one front end: the bodies of its typed public
     functions (their documentation is there); ``registry``: the sampler's registry of the
@@ -776,14 +839,20 @@ def make_sampling_api(xp, registry):
         for dim in lead:
             n *= dim
         z, zu = (None if x is None else _flat_rows(xp, x, n) for x in (logits, uncond_logits))
+        if impl.name == "reference":  # whole float32 rows, as the token statistics' reference
+            z, zu = (None if x is None else as_logits(x.reference_array(xp)) for x in (z, zu))
         keys = row_keys(xp, seed, step, n, like)
         # token chunks of R rows, each source's [R, K] logits chunk formed or sliced there:
         # arrays exist whole, so one chunk of all N rows (the backend's sampler on them as
         # they are); with a head, R rows at a time (the logits' R, else the guidance's),
-        # never [N, K]
-        r = z.rows_per_chunk(n, xp.platform(like) == "cpu", zu)
-        parts = [impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
-                             suppress_ids, cfg) for r0, r1 in row_chunks(n, r) or [(0, n)]]
+        # never [N, K], in the token chunks and vocabulary chunks of the framework's head
+        # path, so that the statistics stream the token statistics' own logits chunks
+        on_cpu = xp.platform(like) == "cpu"
+        r = z.rows_per_chunk(n, on_cpu, zu, xp.head_chunk_bytes_cpu)
+        cfg = cfg._replace(chunk_size=z.vocab_chunk(xp, impl.name, on_cpu, cfg.chunk_size, r))
+        parts = [_kept(impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],
+                                   suppress_ids, cfg), first - r0)
+                 for r0, r1, first in xp.head_token_chunks(n, r) or [(0, n, 0)]]
         out = parts[0] if len(parts) == 1 else Sample(*(xp.concat(list(f)) for f in zip(*parts)))
         out = Sample(*(f.reshape(lead) for f in out), vocab_size=k)
         return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)

@@ -1,6 +1,10 @@
 """The chunked backend's sampler from JAX: jax.numpy over vocabulary chunks inside
 ``lax.fori_loop`` (chunks taken with ``lax.dynamic_slice``; the clamped last chunk masks the
-columns an earlier one saw to -inf), live temporaries a few [N, C] chunks."""
+columns an earlier one saw to -inf), live temporaries a few [N, C] chunks. The chunks are
+those of the chunked token statistics (``token_stats.jax_chunked.vocab_chunk``) and each
+chunk's statistics are ``token_stats.math.chunk_partial``, merged by its ``merge`` in the same
+order, so the drawn token's logp and the entropy are ``per_token_logps``'s bits
+(docs/design.md §3, "Rollout = trainer")."""
 
 from __future__ import annotations
 
@@ -9,8 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import core as sampling
-from .._config import chunk_size_for
 from .._jax.ops import JaxOps as xp
+from ..token_stats.jax_chunked import vocab_chunk
 
 
 def _slice(a, start, c):
@@ -36,7 +40,7 @@ def sample(z, zu, keys, suppress, cfg):
     n, k = z.shape
     if cfg.top_k is not None:  # the slots of a whole row; every chunk's state has them all
         cfg = cfg._replace(top_k=min(cfg.top_k, k))
-    c = chunk_size_for(n, k, cfg, jax.default_backend() == "cpu")
+    c = vocab_chunk(n, k, cfg, jax.default_backend() == "cpu")
     n_chunks = -(-k // c)
     noisy = sampling.noisy_scores(xp, keys)
 
@@ -68,7 +72,7 @@ def sample(z, zu, keys, suppress, cfg):
                               lambda i, st: sampling.merge_state(xp, st, part(i), cfg), state)
     if cfg.top_k is None:
         state = sampling.settle(xp, state, reread, noisy, cfg)
-    return sampling.finalize(xp, state, keys, cfg)
+    return sampling.finalize(xp, state, sampling.stream_stats(xp, state, cfg), keys, cfg)
 
 
 class ChunkedSampler:

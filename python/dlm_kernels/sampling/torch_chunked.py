@@ -12,6 +12,14 @@ chunk per row (``sampling.core.chunk_values`` and ``settle``):
 The noise is the same integers as ``sampling.core.gumbel``, computed in place in scratch buffers
 (each lowbias32 step a shift, a mask and an xor; under torch.compile ``sampling.core.gumbel``
 itself, exact int64 arithmetic: ``TorchOps.u32``), so every backend draws the same tokens.
+
+The statistics (logp, entropy) are the token statistics' (docs/design.md §3, "Rollout =
+trainer"): ``token_stats.math.chunk_partial`` of each chunk of pass 1, merged chunk after
+chunk by its ``merge``, the chunks the token statistics' forward streams
+(``token_stats.torch_chunked.forward_chunks``) where it streams whole rows in one chunk loop
+(an accelerator, tracing); where it does not (CPU row blocks, compiled tiles), on plain logits
+(no guidance, no suppressed ids) the forward itself, on the same [N, K] logits with the drawn
+tokens as targets, so that ``per_token_logps`` returns the same bits either way.
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ import torch
 from . import core as sampling
 from .._config import SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
+from .._rows import Rows
 from .._torch.ops import TorchOps as xp, signed32
+from ..token_stats.torch_chunked import IMPLEMENTATION as _STATS, forward_chunks
 
 _NEG_INF = float("-inf")
-_F32_LOWEST = torch.finfo(torch.float32).min
 
 
 def noisy_scores_(s, keys, cols, scratch):
@@ -53,43 +62,30 @@ def noisy_scores_(s, keys, cols, scratch):
 _FIELD = {name: i for i, name in enumerate(SAMPLE_STATE)}
 
 
-def _chunk_values_(z, s, sd, cols, noisy, cfg, out, work):
-    """``sampling.core.chunk_values`` of z, s, sd [N, C] into out [len(SAMPLE_STATE), N], its
-    [N, C] temporaries in the two float32 buffers ``work``: a CPU allocator hands large freed
-    buffers back to the system and faults their pages in again, so fresh temporaries per
-    chunk cost as much as the arithmetic (N 1024, K 32768: twice the step's time).
-
-    The exponents are s - max s here, not ``sampling.core.exponents``' (z - max z) / T_s: eager
-    torch rounds each s = z / T_s once, so a tie is exactly 0 all the same (the logit
-    differences guard against a compiler contracting z·(1/T) - m into a fused multiply-add),
-    and the division of the differences would be one more pass over the chunk."""
-    del z  # the same state from s alone (above)
-    v1 = xp.rowmax(s)
-    m = torch.where(v1 == _NEG_INF, 0.0, v1)
-    d, e = (buf[:, :s.shape[1]] for buf in work)
-    torch.sub(s, m[:, None], out=d).clamp_min_(_F32_LOWEST)  # -inf out of e·d (0·inf: NaN)
-    torch.exp(d, out=e)
-    out[_FIELD["a"]] = xp.rowsum(e)
-    out[_FIELD["b"]] = xp.rowsum(e.mul_(d))
-    out[_FIELD["m"]], out[_FIELD["v1"]] = m, v1
-    out[_FIELD["v2"]], out[_FIELD["gs"]] = _NEG_INF, 0.0  # as chunk_values: found later
+def _chunk_values_(s, sd, cols, noisy, cfg, out):
+    """The draw's fields of ``sampling.core.chunk_values`` of s, sd [N, C] into out
+    [len(SAMPLE_STATE), N] (the statistics' m, a, b are the token statistics': not here)."""
+    out[_FIELD["v1"]] = xp.rowmax(s)
+    out[_FIELD["v2"]], out[_FIELD["gz"]] = _NEG_INF, 0.0  # as chunk_values: found later
     out[_FIELD["gv"]] = _NEG_INF if cfg.greedy else xp.rowmax(noisy(sd, cols))
 
 
 def _scratch(n, c, device):
-    """The [N, C] buffers of one chunk: two int32 for the hash, three float32."""
+    """The [N, C] buffers of one chunk's noise: two int32 for the hash, one float32."""
     return [torch.empty((n, c), dtype=dt, device=device)
-            for dt in (torch.int32, torch.int32) + (torch.float32,) * 3]
+            for dt in (torch.int32, torch.int32, torch.float32)]
 
 
-def _two_pass(z, zu, keys, suppress, cfg, chunks):
+def _two_pass(z, zu, keys, suppress, cfg, chunks, in_pass):
     """Sample of [N] fields of z [N, K] (and zu) over the vocabulary chunks [(c0, c1)] of one
-    width (the last may be narrower); cfg.top_k is None."""
+    width (the last may be narrower); cfg.top_k is None. The statistics stream these chunks
+    (``in_pass``), or are the token statistics' forward of z after the draw."""
     n, k = z.shape
     c = chunks[0][1] - chunks[0][0]
     scratch = _scratch(n, c, z.device)
-    noisy = lambda s, cols: noisy_scores_(s, keys, cols, scratch[:3])  # noqa: E731
+    noisy = lambda s, cols: noisy_scores_(s, keys, cols, scratch)  # noqa: E731
     state = torch.empty((len(SAMPLE_STATE), len(chunks), n), device=z.device)
+    stats = None  # the token statistics' State of the logits seen (in_pass)
     for j, (c0, c1) in enumerate(chunks):  # pass 1: every logit once
         cols = torch.arange(c0, c1, device=z.device)
         scores = sampling.scaled_logits(xp, z[:, c0:c1], None if zu is None else zu[:, c0:c1],
@@ -97,8 +93,11 @@ def _two_pass(z, zu, keys, suppress, cfg, chunks):
         # a narrower last chunk gets buffers of its own width: torch.compile's out= takes
         # contiguous tensors only, and a buffer's first columns are not
         bufs = scratch if c1 - c0 == c else _scratch(n, c1 - c0, z.device)
-        _chunk_values_(*scores, cols, lambda s, cols: noisy_scores_(s, keys, cols, bufs[:3]),
-                       cfg, state[:, j], bufs[3:])
+        _chunk_values_(*scores[1:], cols, lambda s, cols: noisy_scores_(s, keys, cols, bufs),
+                       cfg, state[:, j])
+        if in_pass:
+            part = sampling.stats_partial(xp, scores[0], cols, cfg)
+            stats = part if stats is None else sampling.merge_stats(xp, stats, part, cfg)
     chunk_ids = torch.arange(len(chunks), dtype=torch.int32, device=z.device)
     ids = chunk_ids[None, :, None].expand(len(SAMPLE_IDS), len(chunks), n)
     st = sampling.merge_splits(xp, state, ids, None, None, cfg, k)
@@ -119,7 +118,13 @@ def _two_pass(z, zu, keys, suppress, cfg, chunks):
         return scores + (cols,)
 
     st = sampling.settle(xp, st, reread, noisy, cfg)
-    return sampling.finalize(xp, st, keys, cfg)
+    if not in_pass:  # the token statistics' forward itself, the drawn tokens its targets
+        rows = Rows(z, targets=sampling.stats_target(st, cfg),
+                    active=torch.ones(n, dtype=torch.bool, device=z.device))
+        return sampling.finalize(xp, st, _STATS.forward(rows, sampling.stats_lowered(cfg)),
+                                 keys, cfg)
+    st = st._replace(m=stats.m, a=stats.a, b=stats.b)
+    return sampling.finalize(xp, st, sampling.stream_stats(xp, st, cfg), keys, cfg)
 
 
 @torch.no_grad()
@@ -130,7 +135,12 @@ def sample(z, zu, keys, suppress, cfg):
                        cpu_bytes=SAMPLE_CHUNK_BYTES_CPU)
     chunks = [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
     if cfg.top_k is None:  # values in the stream, positions from one chunk per row
-        return _two_pass(z, zu, keys, suppress, cfg, chunks)
+        plain = zu is None and suppress is None
+        stats_chunks = forward_chunks(z, sampling.stats_lowered(cfg))
+        if plain and stats_chunks is not None:
+            chunks = stats_chunks  # the statistics' forward's chunks: streamed here
+        in_pass = not plain or stats_chunks is not None
+        return _two_pass(z, zu, keys, suppress, cfg, chunks, in_pass)
     state = None
     for c0, c1 in chunks:
         cols = torch.arange(c0, c1, device=z.device)
@@ -138,7 +148,7 @@ def sample(z, zu, keys, suppress, cfg):
                                         zu[:, c0:c1], cols, suppress, cfg)
         part = sampling.chunk_state(xp, *scores, cols, keys, cfg)
         state = part if state is None else sampling.merge_state(xp, state, part, cfg)
-    return sampling.finalize(xp, state, keys, cfg)
+    return sampling.finalize(xp, state, sampling.stream_stats(xp, state, cfg), keys, cfg)
 
 
 class ChunkedSampler:

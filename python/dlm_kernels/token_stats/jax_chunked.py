@@ -21,9 +21,15 @@ from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._jax.ops import JaxOps as xp
 
 
+def vocab_chunk(n, k, cfg, on_cpu):
+    """Columns C of the forward's vocabulary chunks for [N, K] logits (the chunked sampler's
+    too, so that its statistics stream the same chunks)."""
+    return chunk_size_for(n, k, cfg, on_cpu)
+
+
 def _plan(z, cfg, on_cpu):
     n, k = z.shape
-    c = chunk_size_for(n, k, cfg, on_cpu)
+    c = vocab_chunk(n, k, cfg, on_cpu)
     return n, k, c, -(-k // c)
 
 

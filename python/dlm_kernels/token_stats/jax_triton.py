@@ -164,6 +164,20 @@ def _forward(rows, cfg):
     if n == 0:
         return stats_math.Stats(*jnp.zeros((len(ROW_STATS), 0), jnp.float32))
     part = _partial(z, u, active, x, d, _offsets(0, n), cfg)
+    stats = finalize(part, z, y, x, d, active, cfg)
+    if not cfg.CE_TERMS:
+        return stats
+    # the CE term on the host (O(N)): Σ r merges by a plain sum over the splits
+    sr = jnp.sum(part[PARTIAL_STATE.index("sr")], axis=0) if cfg.SMOOTH else None
+    return stats._replace(logp=stats_math.ce_objective(JaxOps, stats.logp, sr, stats.m,
+                                                       stats.la_ce, active, cfg))
+
+
+def finalize(part, z, y, x, d, active, cfg):
+    """Stats of [N] f32 from the partial states part [>= 3, S, N] of z: [N, K] (row-major),
+    the targets y [N] read from z (the statistics' finalize kernel; the Triton sampler
+    finalises its own split states so too)."""
+    n, k = z.shape
     s = part.shape[1]
     block_n, block_s = kernels.finalize_blocks(s)
     out = _launch(
@@ -172,13 +186,7 @@ def _forward(rows, cfg):
         jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 40 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
         **cfg.triton_flags())
-    stats = stats_math.Stats(*out)
-    if not cfg.CE_TERMS:
-        return stats
-    # the CE term on the host (O(N)): Σ r merges by a plain sum over the splits
-    sr = jnp.sum(part[PARTIAL_STATE.index("sr")], axis=0) if cfg.SMOOTH else None
-    return stats._replace(logp=stats_math.ce_objective(JaxOps, stats.logp, sr, stats.m,
-                                                       stats.la_ce, active, cfg))
+    return stats_math.Stats(*out)
 
 
 def _backward(rows, offsets, stats, grads, cfg):

@@ -26,6 +26,14 @@ def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
     return [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
 
 
+def forward_chunks(z, cfg):
+    """The vocabulary chunks [(c0, c1)] in which ``forward_partial`` streams every row of the
+    logits z [N, K] in one chunk loop (on an accelerator, or under tracing), or None where it
+    streams row blocks or compiled tiles instead (CPU tensors outside tracing). The chunked
+    sampler streams these chunks too, so its statistics are the forward's."""
+    return None if use_row_blocks(z) else _chunks(*z.shape, cfg, z.device)
+
+
 class ChunkedTorch(BackendBase):
     name = "chunked"
     custom_vjp = True

@@ -155,21 +155,47 @@ def token_stats_fwd(a: FwdArgs, low: Lowered) -> Tensor:
     residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]; with label smoothing one more
     row, Σ r over the valid columns."""
     z, u = _unit_col(a.z), _unit_col(a.u)
-    n, k = z.shape
     part = launch_partial(z, u, a.x, a.d, a.active, low)
+    out = launch_finalize(part, z, a.y, a.x, a.d, a.active, low)
+    if low.SMOOTH and z.shape[0] > 0:  # Σ r merges by a plain sum over the splits
+        torch.sum(part[PARTIAL_STATE.index("sr")], dim=0, out=out[len(ROW_STATS)])
+    return out
+
+
+def launch_finalize(part, z, y, x, d, active, low: Lowered):
+    """Row statistics [ROW_STATS, N] f32 (with label smoothing one more row, left to the
+    caller) from the partial states part [>= 3, S, N] of z: [N, K] (unit column stride), the
+    targets y [N] read from z. The Triton sampler finalises its own split states so too."""
+    n, k = z.shape
     s = part.shape[1]
     out = _empty((len(ROW_STATS) + low.SMOOTH, n), torch.float32, z.device)  # 40 B/row
     if n > 0:
         dummy = z
         block_n, block_s = kernels.finalize_blocks(s)
         kernels.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
-            part, z, a.y, dummy if a.x is None else a.x, dummy if a.d is None else a.d,
-            a.active, n, k, s, z.stride(0), low.inv_t, low.inv_t_ce, low.inv_t_kl,
+            part, z, y, dummy if x is None else x, dummy if d is None else d,
+            active, n, k, s, z.stride(0), low.inv_t, low.inv_t_ce, low.inv_t_kl,
             low.softcap, out, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
             **low.triton_flags())
-        if low.SMOOTH:  # Σ r merges by a plain sum over the splits
-            torch.sum(part[PARTIAL_STATE.index("sr")], dim=0, out=out[len(ROW_STATS)])
     return out
+
+
+class FinalizeArgs(NamedTuple):
+    part: Tensor  # [>= 3, S, N] f32 partial states (PARTIAL_STATE's m, a, b first)
+    z: Tensor  # [N, K] logits (the target column only is read)
+    y: Tensor  # [N] targets
+    active: Tensor  # [N] int8
+
+
+def _finalize_fake(a: FinalizeArgs, low: Lowered):
+    return a.z.new_empty((len(ROW_STATS), a.z.shape[0]), dtype=torch.float32)
+
+
+@_custom_op("dlm_kernels::token_stats_finalize", FinalizeArgs, "Tensor", _finalize_fake)
+def token_stats_finalize(a: FinalizeArgs, low: Lowered) -> Tensor:
+    """Row statistics [ROW_STATS, N] f32 of given partial states (no shift, no teacher, no
+    label smoothing): the finalize of ``token_stats_fwd`` alone."""
+    return launch_finalize(a.part, _unit_col(a.z), a.y, None, None, a.active, low)
 
 
 def _partial_fake(a: PartialArgs, low: Lowered):
