@@ -21,10 +21,45 @@ from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._jax.ops import JaxOps as xp
 
 
+#: rows of one block of the forward: XLA's CPU compiler orders a row's sums by the shape it
+#: reduces (a row of [2, C] and of [16, C] can differ in the last bit), so the forward reduces
+#: blocks of this many rows whatever N is: a row gives the same bits in any batch
+#: (docs/design.md §2, "One row, one answer").
+ROW_BLOCK = 8
+
+
 def _plan(z, cfg, on_cpu):
     n, k = z.shape
-    c = chunk_size_for(n, k, cfg, on_cpu)
+    c = chunk_size_for(k, cfg, on_cpu)
     return n, k, c, -(-k // c)
+
+
+def _row_blocks(fn, rows, n):
+    """fn(block) -> tuple of [ROW_BLOCK] arrays, over blocks of ROW_BLOCK rows of ``rows``
+    ([N, ...] fields), joined into [N] arrays. The last block is clamped to end at row N
+    (its rows that the block before it holds are computed again, to the same bits); fewer
+    than ROW_BLOCK rows are padded by repeating the last row."""
+    if n < ROW_BLOCK:
+        pad = lambda f: None if f is None else jnp.concatenate(  # noqa: E731
+            [f, jnp.repeat(f[-1:], ROW_BLOCK - n, axis=0)])
+        return tuple(o[:n] for o in fn(type(rows)(*(pad(f) for f in rows))))
+    count = -(-n // ROW_BLOCK)
+
+    def block(i):
+        start = jnp.minimum(i * ROW_BLOCK, n - ROW_BLOCK)
+        take = lambda f: None if f is None else lax.dynamic_slice_in_dim(f, start, ROW_BLOCK)  # noqa: E731
+        return start, fn(type(rows)(*(take(f) for f in rows)))
+
+    def body(i, outs):
+        start, parts = block(i)
+        return tuple(lax.dynamic_update_slice_in_dim(o, p, start, axis=0)
+                     for o, p in zip(outs, parts))
+
+    # the first block peeled: its outputs give the [N] buffers' dtypes, and the carry varies
+    # over the same shard_map axes as the inputs
+    _, first = block(0)
+    outs = tuple(jnp.zeros((n,), p.dtype).at[:ROW_BLOCK].set(p) for p in first)
+    return lax.fori_loop(1, count, body, outs)
 
 
 def _per_platform(run, z, cfg, cpu_differs=False):
@@ -93,6 +128,12 @@ class ChunkedJax(BackendBase):
 
         def run(on_cpu):
             n, k, c, n_chunks = _plan(z, cfg, on_cpu)
+            if n == 0:
+                return tuple(jnp.zeros((0,), jnp.float32) for _ in stats_math.State._fields)
+            return _row_blocks(lambda block: run_rows(block, k, c, n_chunks), rows, n)
+
+        def run_rows(rows, k, c, n_chunks):
+            z, u = rows.logits, rows.teacher
 
             def body(i, state):
                 z_i, u_i = _in_loop(i, z, u)
