@@ -38,11 +38,10 @@ def _row_blocks(fn, rows, n):
     """fn(block) -> tuple of [ROW_BLOCK] arrays, over blocks of ROW_BLOCK rows of ``rows``
     ([N, ...] fields), joined into [N] arrays. The last block is clamped to end at row N
     (its rows that the block before it holds are computed again, to the same bits); fewer
-    than two blocks' rows are padded by repeating the last row, so that every block is the
-    loop's one program (a loop of one trip would be inlined and compiled apart)."""
-    if n < 2 * ROW_BLOCK:
+    than ROW_BLOCK rows are padded by repeating the last row."""
+    if n < ROW_BLOCK:
         pad = lambda f: None if f is None else jnp.concatenate(  # noqa: E731
-            [f, jnp.repeat(f[-1:], 2 * ROW_BLOCK - n, axis=0)])
+            [f, jnp.repeat(f[-1:], ROW_BLOCK - n, axis=0)])
         return tuple(o[:n] for o in fn(type(rows)(*(pad(f) for f in rows))))
     count = -(-n // ROW_BLOCK)
 
@@ -57,11 +56,10 @@ def _row_blocks(fn, rows, n):
                      for o, p in zip(outs, parts))
 
     # the first block peeled: its outputs give the [N] buffers' dtypes, and the carry varies
-    # over the same shard_map axes as the inputs; the loop computes it again, so that every
-    # block's rows come from the loop's one program
+    # over the same shard_map axes as the inputs
     _, first = block(0)
     outs = tuple(jnp.zeros((n,), p.dtype).at[:ROW_BLOCK].set(p) for p in first)
-    return lax.fori_loop(0, count, body, outs)
+    return lax.fori_loop(1, count, body, outs)
 
 
 def _per_platform(run, z, cfg, cpu_differs=False):
