@@ -216,6 +216,21 @@ def chunk_size_for(vocab: int, cfg, on_cpu: bool = True) -> int:
     return max(1, min(CHUNK_COLUMNS_CPU if on_cpu else CHUNK_COLUMNS_ACCELERATOR, vocab))
 
 
+def budget_chunk_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
+                     cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
+    """Columns C of a chunk sized so one float32 [N, C] buffer of all N rows stays under
+    ``cpu_bytes`` on a CPU, ``CHUNK_BYTES_ACCELERATOR`` elsewhere (a multiple of 128, at least
+    128, at most K; ``cfg.chunk_size`` overrides). For the loops that take every row at once:
+    the JAX chunked backend and the sampler's draw. Their chunk, so a row's reduction order,
+    depends on N: the JAX chunked backend is not yet batch-invariant (docs/design.md §2)."""
+    if cfg.chunk_size is not None:
+        return max(1, min(cfg.chunk_size, vocab))
+    budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
+    c = budget // (4 * max(n_rows, 1))
+    c = max(128, (c // 128) * 128)
+    return max(1, min(c, vocab))
+
+
 def rows_per_block(n_rows: int, columns: int, on_cpu: bool = True,
                    cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
     """Rows R of one block whose float32 [R, C] chunk stays under ``cpu_bytes`` (default
