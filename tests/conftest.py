@@ -127,6 +127,19 @@ def torch_config():
 
 
 @pytest.fixture
+def compiled_loops(monkeypatch, torch_config):
+    """The torch chunked backend's compiled CPU loops at every K, with room for a graph per configuration, dtype
+    and shift: a worker that runs all the compiled-loop tests passes Dynamo's default limit
+    of 8 graphs a function (then the eager tiles would run, and the tests that check the
+    compiled path fail)."""
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_VOCAB", 0)
+    torch_config("torch._dynamo.config", recompile_limit=64)
+    return tc
+
+
+@pytest.fixture
 def rng():
     import numpy as np
 

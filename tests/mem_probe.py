@@ -12,7 +12,6 @@ import sys
 import torch
 
 import dlm_kernels.torch as D
-from dlm_kernels.token_stats.torch_compiled import COMPILE_MIN_LOGITS
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for bench
 from bench.memory import proc_status_bytes, reset_peak_rss  # noqa: E402
@@ -23,7 +22,7 @@ def main():
     torch.manual_seed(0)
     z = torch.randn(n, k) * 3  # [N, K] f32, random (never zero)
     y = torch.randint(0, k, (n,))
-    rows = min(n, -(-COMPILE_MIN_LOGITS // k))  # a warm-up call that compiles, if N·K does
+    rows = min(n, 4)  # a warm-up call on the same paths (they depend on K alone): it compiles
     warm = D.token_stats(z[:rows].requires_grad_(True), y[:rows], backend=backend)
     warm.logp.sum().backward()
     z.requires_grad_(True)

@@ -90,17 +90,22 @@ def test_jax_chunk_follows_the_platform_it_is_lowered_for(platform):
 
 
 def test_torch_chunk_follows_the_device():
+    """Chunks of a fixed width by device, whatever N; rows in blocks within the budget."""
     import torch
 
-    from dlm_kernels._config import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU, make_config
-    from dlm_kernels.token_stats.torch_chunked import _chunks
+    from dlm_kernels._config import (CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU,
+                                     CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, make_config)
+    from dlm_kernels.token_stats.torch_chunked import _blocks, _chunks
 
     n, k = 4096, 262144
-    for device, budget in (("cpu", CHUNK_BYTES_CPU), ("cuda", CHUNK_BYTES_ACCELERATOR),
-                           ("mps", CHUNK_BYTES_ACCELERATOR)):
-        spans = _chunks(n, k, make_config(), torch.device(device))
-        width = budget // (4 * n)
+    for device, width, budget in (("cpu", CHUNK_COLUMNS_CPU, CHUNK_BYTES_CPU),
+                                  ("cuda", CHUNK_COLUMNS_ACCELERATOR, CHUNK_BYTES_ACCELERATOR),
+                                  ("mps", CHUNK_COLUMNS_ACCELERATOR, CHUNK_BYTES_ACCELERATOR)):
+        spans = _chunks(k, make_config(), torch.device(device))
         assert spans == [(c0, c0 + width) for c0 in range(0, k, width)], (device, spans[:2])
+        rows = budget // (4 * width)
+        assert _blocks(n, spans, torch.device(device)) == [
+            (r0, min(r0 + rows, n)) for r0 in range(0, n, rows)], device
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")

@@ -142,7 +142,7 @@ def test_torch_cpu_compiled_tiles(rng, fw_backend, monkeypatch, torch_config):
     every size), the step's statistics are still the forward's."""
     from dlm_kernels.token_stats import torch_compiled
 
-    monkeypatch.setattr(torch_compiled, "COMPILE_MIN_LOGITS", 0)
+    monkeypatch.setattr(torch_compiled, "COMPILE_MIN_VOCAB", 0)
     torch_config("torch._dynamo.config", recompile_limit=64)
     fw, backend = fw_backend
     logits = fw.array(rng.normal(size=SHAPE) * 3.0, "float32")

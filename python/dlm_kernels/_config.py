@@ -183,12 +183,19 @@ def make_config(
     )
 
 
-# Bytes one float32 [N, C] temporary of a vocabulary chunk may occupy, by where it runs.
-# On a CPU the chunk stays small (a handful of them is the whole extra memory). On an
-# accelerator every elementwise pass over a chunk is a kernel launch of a few microseconds,
-# so a chunk must carry enough bytes for the launches not to dominate: at an HBM rate of
-# ~4 TB/s, 128 MiB is ~30 us of traffic per pass (8 MiB chunks of N = 16384 rows would be
-# 128 columns: 2048 chunks, several launches each, per pass at K = 262144).
+# Columns of one vocabulary chunk of the framework-native chunked backends, by where they
+# run. A row's statistics are reduced chunk by chunk and the chunks' partial states merged
+# left to right, so the chunk width fixes a row's reduction order: it depends on K (and a
+# user's ``chunk_size``) alone, never on the number of rows, and a row gives the same bits
+# in any batch (docs/design.md §2, "One row, one answer"). Memory is bounded by cutting the
+# rows into blocks instead (``rows_per_block``). On an accelerator every elementwise pass
+# over a chunk is a kernel launch of a few microseconds, so a chunk carries more columns.
+CHUNK_COLUMNS_CPU = 4096
+CHUNK_COLUMNS_ACCELERATOR = 32768
+# Bytes one float32 [R, C] temporary of a row block may occupy, by where it runs. On a CPU
+# the block stays small (a handful of such buffers is the whole extra memory); on an
+# accelerator a pass must carry enough bytes for its launches not to dominate: at an HBM
+# rate of ~4 TB/s, 128 MiB is ~30 us of traffic per pass.
 CHUNK_BYTES_CPU = 8 * 1024 * 1024
 CHUNK_BYTES_ACCELERATOR = 128 * 1024 * 1024
 # The sampler's chunk on a CPU: it keeps about 20 [N, C] temporaries alive at once (the
@@ -198,19 +205,37 @@ CHUNK_BYTES_ACCELERATOR = 128 * 1024 * 1024
 SAMPLE_CHUNK_BYTES_CPU = 2 * 1024 * 1024
 
 
-def chunk_size_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
-                   cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
-    """Vocabulary chunk of the framework-native chunked backends.
+def chunk_size_for(vocab: int, cfg, on_cpu: bool = True) -> int:
+    """Columns C of one vocabulary chunk of the framework-native chunked backends: the
+    user's ``cfg.chunk_size`` when given (``cfg``: the lowered call,
+    ``token_stats.lowering.Lowered``, or a sampler's ``SampleConfig``), else
+    ``CHUNK_COLUMNS_CPU`` on a CPU and ``CHUNK_COLUMNS_ACCELERATOR`` elsewhere; at most K.
+    A function of K alone: it fixes the order in which a row's terms are summed."""
+    if cfg.chunk_size is not None:
+        return max(1, min(cfg.chunk_size, vocab))
+    return max(1, min(CHUNK_COLUMNS_CPU if on_cpu else CHUNK_COLUMNS_ACCELERATOR, vocab))
 
-    Each live float32 temporary of a chunk is ``[N, C]``; C is picked so one such buffer
-    stays under ``cpu_bytes`` (default ``CHUNK_BYTES_CPU``, 8 MiB) on a CPU,
-    ``CHUNK_BYTES_ACCELERATOR`` (128 MiB)
-    elsewhere, a multiple of 128 columns, at least 128 and at most K. Peak extra memory is
-    then a handful of these buffers, independent of K. ``cfg.chunk_size`` overrides (``cfg``:
-    the lowered call, ``token_stats.lowering.Lowered``, or a sampler's ``SampleConfig``)."""
+
+def budget_chunk_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
+                     cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
+    """Columns C of a chunk sized so one float32 [N, C] buffer of all N rows stays under
+    ``cpu_bytes`` on a CPU, ``CHUNK_BYTES_ACCELERATOR`` elsewhere (a multiple of 128, at least
+    128, at most K; ``cfg.chunk_size`` overrides). For the loops that take every row at once:
+    the JAX chunked backend and the sampler's draw. Their chunk, so a row's reduction order,
+    depends on N: the JAX chunked backend is not yet batch-invariant (docs/design.md §2)."""
     if cfg.chunk_size is not None:
         return max(1, min(cfg.chunk_size, vocab))
     budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
     c = budget // (4 * max(n_rows, 1))
     c = max(128, (c // 128) * 128)
     return max(1, min(c, vocab))
+
+
+def rows_per_block(n_rows: int, columns: int, on_cpu: bool = True,
+                   cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
+    """Rows R of one block whose float32 [R, C] chunk stays under ``cpu_bytes`` (default
+    ``CHUNK_BYTES_CPU``, 8 MiB) on a CPU, ``CHUNK_BYTES_ACCELERATOR`` (128 MiB) elsewhere: at
+    least 1 and at most N. Peak extra memory is a handful of such buffers, whatever N and K.
+    Rows are independent, so the block changes no row's result."""
+    budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
+    return max(1, min(n_rows, budget // (4 * max(columns, 1))))

@@ -115,19 +115,6 @@ class TestTorchChunkedRowBlocks:
         TestTorchChunked().check_shift_ties(rng, kind, temperature, entropy)
 
 
-@pytest.fixture
-def compiled_loops(monkeypatch, torch_config):
-    """The compiled CPU loops at every size, with room for a graph per configuration, dtype
-    and shift: a worker that runs all the compiled-loop tests passes Dynamo's default limit
-    of 8 graphs a function (then the eager tiles would run, and the tests that check the
-    compiled path fail)."""
-    from dlm_kernels.token_stats import torch_compiled as tc
-
-    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
-    torch_config("torch._dynamo.config", recompile_limit=64)
-    return tc
-
-
 class TestTorchChunkedCompiled:
     """The compiled CPU forward and backward (``token_stats/torch_compiled.py``) at small
     shapes: every call compiles (no size threshold); the backward in blocks of 5 rows (12
@@ -296,7 +283,7 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     def no_compiler(*args):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)
+    monkeypatch.setattr(tc, "COMPILE_MIN_VOCAB", 0)
     monkeypatch.setattr(tc._Compiled, "fn", no_compiler)
     monkeypatch.setattr(tc._Compiled, "worked", False)
     monkeypatch.setattr(tc._Compiled, "failed", False)
@@ -305,11 +292,11 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     case = make_case(suite.fw, rng, (4, 3), 1271, "float32", FEATURES["teacher"])
     with pytest.warns(RuntimeWarning, match="no C.. compiler found.*eager tiles run instead"):
         suite.check(case, rng, "float32", entropy=False)
-    assert tc._Compiled.failed and not tc.use_compiled(1 << 20, 1 << 20)
+    assert tc._Compiled.failed and not tc.use_compiled(1 << 20)
     monkeypatch.setattr(tc._Compiled, "failed", False)
     monkeypatch.setattr(tc._Compiled, "worked", True)
     suite.check(case, rng, "float32", entropy=False)  # said once: no second warning
-    assert not tc._Compiled.failed and tc.use_compiled(1 << 20, 1 << 20)
+    assert not tc._Compiled.failed and tc.use_compiled(1 << 20)
 
 
 def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compiled_loops,

@@ -11,7 +11,7 @@ def test_first_compile_is_logged_once(rng, monkeypatch, caplog):
     import dlm_kernels.torch as dk
     from dlm_kernels.token_stats import torch_compiled as tc
 
-    monkeypatch.setattr(tc, "COMPILE_MIN_LOGITS", 0)  # every call takes the compiled loops
+    monkeypatch.setattr(tc, "COMPILE_MIN_VOCAB", 0)  # every call takes the compiled loops
     for field, value in (("fn", None), ("grads", None), ("failed", False), ("worked", False)):
         monkeypatch.setattr(tc._Compiled, field, value)
     compiled = []

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import core as sampling
-from .._config import SAMPLE_CHUNK_BYTES_CPU, chunk_size_for
+from .._config import SAMPLE_CHUNK_BYTES_CPU, budget_chunk_for
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 from .._rows import Rows
 from .._torch.ops import TorchOps as xp, signed32
@@ -131,8 +131,8 @@ def _two_pass(z, zu, keys, suppress, cfg, chunks, in_pass):
 def sample(z, zu, keys, suppress, cfg):
     # z, zu: [N, K] -> Sample of [N] fields; live temporaries: a few [N, C] chunks
     n, k = z.shape
-    c = chunk_size_for(n, k, cfg, on_cpu=z.device.type == "cpu",
-                       cpu_bytes=SAMPLE_CHUNK_BYTES_CPU)
+    c = budget_chunk_for(n, k, cfg, on_cpu=z.device.type == "cpu",
+                         cpu_bytes=SAMPLE_CHUNK_BYTES_CPU)
     chunks = [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
     if cfg.top_k is None:  # values in the stream, positions from one chunk per row
         plain = zu is None and suppress is None

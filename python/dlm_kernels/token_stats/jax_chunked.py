@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import math as stats_math
-from .._config import chunk_size_for
+from .._config import budget_chunk_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._jax.ops import JaxOps as xp
 
@@ -24,7 +24,7 @@ from .._jax.ops import JaxOps as xp
 def vocab_chunk(n, k, cfg, on_cpu):
     """Columns C of the forward's vocabulary chunks for [N, K] logits (the chunked sampler's
     too, so that its statistics stream the same chunks)."""
-    return chunk_size_for(n, k, cfg, on_cpu)
+    return budget_chunk_for(n, k, cfg, on_cpu)
 
 
 def _plan(z, cfg, on_cpu):
@@ -36,7 +36,7 @@ def _plan(z, cfg, on_cpu):
 def _per_platform(run, z, cfg, cpu_differs=False):
     """run(on_cpu) for the platform the call is lowered for (``lax.platform_dependent``: a
     jitted function does not know its device while it is traced). The chunk differs (a
-    CPU's is smaller, _config.chunk_size_for) and so may the CPU's gradient carry; when
+    CPU's is smaller, _config.budget_chunk_for) and so may the CPU's gradient carry; when
     neither does, the one program is traced once."""
     if not cpu_differs and _plan(z, cfg, True)[2] == _plan(z, cfg, False)[2]:
         return run(True)

@@ -2,7 +2,11 @@
 
 Forward keeps the streaming state of docs/design.md §2 per row and merges chunk partials; backward
 recomputes p (and q) chunk by chunk and writes d(logits) slice by slice. Live float32
-temporaries are a few [N, C] buffers (C from ``chunk_size_for``), never [N, K]. With a
+temporaries are a few [R, C] buffers (C from ``chunk_size_for``, a function of K alone; R
+rows of a block, ``rows_per_block``), never [N, K]. Which path computes a call (the compiled
+loops, the row-block tiles or the plain chunk loop) depends on the device, the vocabulary
+size and the features asked for, never on the number of rows, so a row's results are the
+same bits in any batch (docs/design.md §2, "One row, one answer"). With a
 column ``offset`` the logits are one vocabulary shard (columns [offset, offset + K)); the
 vocabulary-parallel path merges the partial states across shards.
 """
@@ -13,7 +17,7 @@ import torch
 
 from . import math as stats_math
 from ..kernels.series import PSI_COEFFS, PSI_SMALL
-from .._config import CHUNK_BYTES_CPU, chunk_size_for
+from .._config import CHUNK_BYTES_CPU, chunk_size_for, rows_per_block
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps as xp
@@ -21,17 +25,25 @@ from .torch_compiled import compiled_grads, compiled_partial, use_compiled
 from .torch_row_blocks import TILE_BYTES, run_blocks, scratch, use_row_blocks
 
 
-def _chunks(n, k, cfg, device, cpu_bytes=CHUNK_BYTES_CPU):
-    c = chunk_size_for(n, k, cfg, on_cpu=device.type == "cpu", cpu_bytes=cpu_bytes)
+def _chunks(k, cfg, device):
+    """[(c0, c1)] vocabulary chunks of a row of K columns: their width depends on K (and the
+    user's chunk size) alone."""
+    c = chunk_size_for(k, cfg, on_cpu=device.type == "cpu")
     return [(c0, min(c0 + c, k)) for c0 in range(0, k, c)]
 
 
 def forward_chunks(z, cfg):
-    """The vocabulary chunks [(c0, c1)] in which ``forward_partial`` streams every row of the
-    logits z [N, K] in one chunk loop (on an accelerator, or under tracing), or None where it
+    """The vocabulary chunks [(c0, c1)] in which ``forward_partial`` streams the rows of the
+    logits z [N, K] in the plain chunk loop (on an accelerator, or under tracing), or None where it
     streams row blocks or compiled tiles instead (CPU tensors outside tracing). The chunked
     sampler streams these chunks too, so its statistics are the forward's."""
-    return None if use_row_blocks(z) else _chunks(*z.shape, cfg, z.device)
+    return None if use_row_blocks(z) else _chunks(z.shape[1], cfg, z.device)
+
+
+def _blocks(n, chunks, device, cpu_bytes=CHUNK_BYTES_CPU):
+    """[(r0, r1)] row blocks whose [R, C] float32 chunk fits the device's budget."""
+    r = rows_per_block(n, max(c1 - c0 for c0, c1 in chunks), device.type == "cpu", cpu_bytes)
+    return [(r0, min(r0 + r, n)) for r0 in range(0, n, r)]
 
 
 class ChunkedTorch(BackendBase):
@@ -50,7 +62,7 @@ class ChunkedTorch(BackendBase):
         z = rows.logits
         n, k = z.shape
         state = None
-        if use_row_blocks(z) and use_compiled(n, k):  # one compiled loop nest per row
+        if use_row_blocks(z) and use_compiled(k):  # one compiled loop nest per row
             state = compiled_partial(rows, cfg, offset)
         if state is None and use_row_blocks(z) and n > 0:  # tiles on single-threaded workers
             parts = run_blocks(lambda r0, r1: _block_partial(_row_slice(rows, r0, r1), cfg,
@@ -76,7 +88,7 @@ class ChunkedTorch(BackendBase):
         if not use_row_blocks(z):
             _grads_into(dz, du, rows, stats, grads, cfg, offset)
             return dz, du
-        if (not inplace and use_compiled(n, k)
+        if (not inplace and use_compiled(k)
                 and compiled_grads(dz, du, rows, stats, grads, cfg, offset)):  # one loop nest
             return dz, du
 
@@ -100,11 +112,23 @@ def _row_slice(rows, r0, r1):
 
 
 def _partial(rows, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
-    """The merged partial State of rows over all their chunks (the plain chunk loop)."""
-    z, u = rows.logits, rows.teacher
+    """The merged partial State of rows over all their chunks (the plain chunk loop), in row
+    blocks whose chunks fit ``cpu_bytes`` on a CPU."""
+    z = rows.logits
     n, k = z.shape
+    chunks = _chunks(k, cfg, z.device)
+    blocks = [_chunk_loop(_row_slice(rows, r0, r1), chunks, cfg, offset)
+              for r0, r1 in _blocks(n, chunks, z.device, cpu_bytes)]
+    if len(blocks) == 1:
+        return blocks[0]
+    return stats_math.State(*(torch.cat(f) for f in zip(*blocks)))
+
+
+def _chunk_loop(rows, chunks, cfg, offset):
+    # rows: [R, K] -> the State of each row, its chunks merged left to right
+    z, u = rows.logits, rows.teacher
     state = None
-    for c0, c1 in _chunks(n, k, cfg, z.device, cpu_bytes):
+    for c0, c1 in chunks:
         cols = torch.arange(offset + c0, offset + c1, device=z.device)  # [C] global ids
         chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
         part = stats_math.chunk_partial(xp, chunk, cols, stats_math.column_mask(xp, cols, cfg), cfg)
@@ -128,16 +152,13 @@ def _fast_partial(cfg) -> bool:
 def _tile_partial(rows, cfg, offset):
     """The State of ``_partial`` in tiles of whole rows (``_minus_row_max``: the row max m of
     r, the shift included whatever its sign, and r - m in a float32 tile), then, while the
-    tile is in cache, Σ e^x (and Σ e^{x'}): no per-chunk maxima to merge. A row with a NaN
-    shift takes the chunk loop (this returns None). With a teacher, its tile is made the
+    tile is in cache, Σ e^x (and Σ e^{x'}): no per-chunk maxima to merge. A row's sums run
+    over its whole K in one reduction, whose order depends on K alone. With a teacher, its
+    tile is made the
     same way and its sums (``stats_math.teacher_sums``, the same formulas) are taken relative to its row max
     mu in preallocated tiles."""
     z, u = rows.logits, rows.teacher
     n, k = z.shape
-    if cfg.HAS_SHIFT:
-        found, _ = stats_math.target_column(xp, rows.shift_ids, k, offset, cfg)
-        if not bool((~found | ~torch.isnan(rows.shift)).all()):  # CPU tensors: no sync
-            return None
     row = lambda: torch.empty(n, dtype=torch.float32)  # noqa: E731  [N]
     m, a = row(), row()
     a2 = row() if cfg.SEPARATE_CE else a
@@ -203,13 +224,20 @@ def _grads_into(dz, du, rows, stats, grads, cfg, offset, cpu_bytes=CHUNK_BYTES_C
     (``stats_math.chunk_grads``: the general path, every feature)."""
     z, u = rows.logits, rows.teacher
     n, k = z.shape
-    for c0, c1 in _chunks(n, k, cfg, z.device, cpu_bytes):
-        cols = torch.arange(offset + c0, offset + c1, device=z.device)
-        chunk = rows.columns(z[:, c0:c1], None if u is None else u[:, c0:c1])
-        gz, gu = stats_math.chunk_grads(xp, chunk, cols, stats, grads, cfg)
-        dz[:, c0:c1] = gz
-        if du is not None:
-            du[:, c0:c1] = gu
+    chunks = _chunks(k, cfg, z.device)
+    for r0, r1 in _blocks(n, chunks, z.device, cpu_bytes):
+        rs = slice(r0, r1)
+        block = _row_slice(rows, r0, r1)
+        block_stats = type(stats)(*(s[rs] for s in stats))
+        block_grads = tuple(g[rs] for g in grads)
+        for c0, c1 in chunks:
+            cols = torch.arange(offset + c0, offset + c1, device=z.device)
+            chunk = block.columns(block.logits[:, c0:c1],
+                                  None if u is None else block.teacher[:, c0:c1])
+            gz, gu = stats_math.chunk_grads(xp, chunk, cols, block_stats, block_grads, cfg)
+            dz[rs, c0:c1] = gz
+            if du is not None:
+                du[rs, c0:c1] = gu
 
 
 def _fast_grads(cfg) -> bool:
@@ -258,7 +286,7 @@ def _tile_grads_into(dz, rows, stats, grads, cfg, offset):
     m = stats.m[:, None]
     direct = dz.dtype == torch.float32
     limit = max(0, min(k, cfg.vocab_limit - offset)) if cfg.PADDED else k
-    chunks = _chunks(n, k, cfg, z.device, TILE_BYTES)
+    chunks = _chunks(k, cfg, z.device)  # elementwise: any width gives the same bits
     # the float32 tiles, in the thread's reused buffer (``scratch``): r - m unless written
     # straight into float32 dz, e^{x'}, e^{x_u}
     width = chunks[0][1]

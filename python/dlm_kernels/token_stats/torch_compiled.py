@@ -1,6 +1,10 @@
 """The chunked backend on a CPU as compiled loops: the forward's ``stats_math.chunk_partial``
 and the backward's ``stats_math.chunk_grads``, compiled once per configuration by Inductor
-(``torch.compile``), for calls of at least ``COMPILE_MIN_LOGITS`` logits outside tracing.
+(``torch.compile``), for calls of at least ``COMPILE_MIN_VOCAB`` columns outside tracing.
+The choice depends on K alone, never on the number of rows: the compiled loops sum a row's
+terms in another order than the eager tiles, so a threshold on N·K would give the same row
+other bits in a larger batch (docs/design.md §2, "One row, one answer"). A call of one row
+runs as two copies of it (Dynamo specialises a size of 1).
 
 Eager, each cached tile takes a few ATen calls, each a pass over the tile
 (``torch_chunked._tile_partial``, ``_tile_grads_into``); compiled, the same formulas become
@@ -38,7 +42,7 @@ from .lowering import Lowered
 from .._rows import Rows
 from .._torch.ops import TorchOps as xp
 
-COMPILE_MIN_LOGITS = 1 << 24  # N·K of the smallest call that compiles its forward
+COMPILE_MIN_VOCAB = 8192  # K of the smallest call that takes the compiled loops
 BLOCK_BYTES = 64 << 20  # float32 bytes of one block ([R, K] rows, or an [R, C] tile) at most
 SUM_COLUMNS = 4096  # columns of one forward tile: 256 terms in each of a compiled sum's 16 lanes
 MIN_SIDE = 2  # rows per block and columns at least: Dynamo specialises sizes 0 and 1
@@ -87,9 +91,9 @@ def _compiled() -> Optional[Callable[..., stats_math.State]]:
             _Compiled.fn, _Compiled.grads = compile_(_tile_state), compile_(_block_grads)
             logger.warning(
                 "dlm_kernels: compiling the chunked backend's CPU loops with Inductor for this "
-                "first call of %d logits (N·K) or more (several seconds, once per process and "
+                "first call of %d or more columns (several seconds, once per process and "
                 "configuration; later processes reuse Inductor's cache on disk but trace "
-                "again)", COMPILE_MIN_LOGITS)
+                "again)", COMPILE_MIN_VOCAB)
         return None if _Compiled.failed else _Compiled.fn
 
 
@@ -104,9 +108,15 @@ def _fell_back(err: Exception) -> None:
                       "the eager tiles run instead", RuntimeWarning, stacklevel=3)
 
 
-def use_compiled(n: int, k: int) -> bool:
-    """Whether a CPU call of [N, K] logits (outside tracing) takes the compiled forward."""
-    return n * k >= COMPILE_MIN_LOGITS and n >= MIN_SIDE and k >= MIN_SIDE and not _Compiled.failed
+def use_compiled(k: int) -> bool:
+    """Whether a CPU call of [N, K] logits (outside tracing) takes the compiled loops: by K
+    alone."""
+    return k >= max(COMPILE_MIN_VOCAB, MIN_SIDE) and not _Compiled.failed
+
+
+def _two_rows(rows: Rows) -> Rows:
+    """A lone row as two copies of it (no size that Dynamo specialises)."""
+    return type(rows)(*(None if f is None else torch.cat([f, f]) for f in rows))
 
 
 def _spans(n: int, size: int) -> list[tuple[int, int]]:
@@ -150,6 +160,9 @@ def compiled_partial(rows: Rows, cfg: Lowered, offset: int = 0) -> Optional[stat
     fn = _compiled()
     if fn is None:
         return None
+    if rows.logits.shape[0] == 1:
+        state = compiled_partial(_two_rows(rows), cfg, offset)
+        return None if state is None else stats_math.State(*(f[:1] for f in state))
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     cols = torch.arange(offset, offset + k, dtype=torch.int32)  # [K] global column ids
@@ -204,6 +217,17 @@ def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int =
     unavailable."""
     if _compiled() is None or _Compiled.grads is None:
         return False
+    if rows.logits.shape[0] == 1:  # two copies of the row, the first one kept
+        dz2 = torch.empty((2, *dz.shape[1:]), dtype=dz.dtype)
+        du2 = None if du is None else torch.empty((2, *du.shape[1:]), dtype=du.dtype)
+        two = lambda v: torch.cat([v, v])  # noqa: E731
+        if not compiled_grads(dz2, du2, _two_rows(rows), type(stats)(*(two(f) for f in stats)),
+                              tuple(two(g) for g in grads), cfg, offset):
+            return False
+        dz.copy_(dz2[:1])
+        if du is not None:
+            du.copy_(du2[:1])
+        return True
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     cols = torch.arange(offset, offset + k, dtype=torch.int32)  # [K] global column ids
