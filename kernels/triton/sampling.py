@@ -147,7 +147,7 @@ def _fold_block(z_row, zu_row, sup_ptr, n_suppress, cols, k_valid, key, temperat
         if TWO_T:
             bd = tl.max(tl.max(sd, axis=1), axis=0)
         if bd + G_BOUND >= g_best:
-            kv, kpos, _ = _first_in_lane(sd + _gumbel(key, cols), lane_pos)
+            kv, kpos, _others = _first_in_lane(sd + _gumbel(key, cols), lane_pos)
             kz = tl.sum(tl.where(lane_pos == kpos[:, None], z, 0.0), axis=1)  # its logit
             tk = kv > gv
             gv = tl.where(tk, kv, gv)

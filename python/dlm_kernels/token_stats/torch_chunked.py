@@ -118,7 +118,7 @@ def _partial(rows, cfg, offset, cpu_bytes=CHUNK_BYTES_CPU):
     n, k = z.shape
     chunks = _chunks(k, cfg, z.device)
     blocks = [_chunk_loop(_row_slice(rows, r0, r1), chunks, cfg, offset)
-              for r0, r1 in _blocks(n, chunks, z.device, cpu_bytes)]
+              for r0, r1 in _blocks(n, chunks, z.device, cpu_bytes) or [(0, n)]]
     if len(blocks) == 1:
         return blocks[0]
     return stats_math.State(*(torch.cat(f) for f in zip(*blocks)))
