@@ -93,6 +93,10 @@ class _HeadGrads:
         head = self.head
         w, h = head.weight, head.hidden[r0:r1]
         major = head.weight_layout == VOCAB_MAJOR
+        if head.softcap is not None:  # a teacher head's cap, applied where its chunk formed
+            raw = head_logits(head.without_softcap().replace(hidden=h))  # z again: [R, K]
+            dz = (dz.float() * stats_math.softcap_slope(TorchOps, raw.float(), head.softcap)
+                  ).to(head.dtype)
         if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds, into dH's rows
             _mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=False)
         if self.dw is not None:  # [K, R] x [R, D] (or [D, R] x [R, K]): K·R·D, added to dW
