@@ -1,6 +1,14 @@
-"""The fused linear head: ``logits = hidden @ weight (+ bias)`` as a value that every
-objective and ``token_stats`` accept in place of a logits array, without the [N, K] logits
-(or their gradient) ever existing in full.
+"""The fused linear head: ``logits = cap(hidden @ weight (+ bias))`` (``cap`` the optional
+final-logit softcap c·tanh(z / c)) as a value that every objective, ``token_stats`` and the
+sampler accept in place of a logits array, without the [N, K] logits (or their gradient)
+ever existing in full.
+
+The softcap: a student head's becomes the token-statistics call's ``softcap``
+(``resolve_softcap``, where the op is entered), so the kernels cap each chunk's logits in
+float32 and chain cap' into dZ exactly as for a logits array; everywhere else a head's logits
+are formed (a teacher head's chunks, the sampler's, ``dense``, ``column``) ``capped`` applies
+it, in float32, with the kernels' formula; a capped teacher head's gradient takes cap' of its
+chunk formed again (each framework's head gradients).
 
 What an op sees of it (``LogitsSource``): a logits array (``DenseLogits``) and a head are
 one protocol, the kind decided once where an op is entered (``as_logits``); the op's one
@@ -137,6 +145,9 @@ class LogitsSource(Generic[A]):
     materialized: bool = True
     #: rows per token chunk the caller asked for (None: the platform's heuristic)
     row_chunk: int | None = None
+    #: the final-logit softcap c the source's logits carry (a head's; an array's logits are
+    #: as given: None)
+    softcap: float | None = None
 
     @property
     def array(self) -> A | None:
@@ -560,8 +571,8 @@ def resolve_softcap(logits: LogitsSource, softcap: Any) -> tuple[LogitsSource, A
     float32, exactly as for a logits array) and the head is passed on without it. A call's
     ``softcap`` beside a head's is an error unless the two are equal (the cap would otherwise
     be ambiguous: applied once, or twice)."""
-    head_cap = getattr(logits, "softcap", None)
-    if logits.materialized or head_cap is None:
+    head_cap = logits.softcap
+    if head_cap is None:
         return logits, softcap
     if softcap is not None:
         given = check_positive_float("softcap", softcap)
