@@ -554,7 +554,7 @@ def test_jax_linear_head_under_vocab_parallel(softcap):
                                             weight_layout="KD"),
                             jnp.asarray(y), jnp.asarray(xt), jnp.asarray(t), jnp.asarray(m),
                             backend="reference")
-        assert abs(float(sum(plain)) - float(r_val)) > 1e-2 * _sum_scale(r_terms)
+        assert max(abs(float(a) - float(b)) for a, b in zip(plain, r_terms)) > 0.1
     assert_close(float(val), float(r_val), "float32", "objectives", scale=_sum_scale(r_terms))
     assert_close(np.asarray(gh), np.asarray(r_gh), "float32", "d hidden")
     assert_close(np.asarray(gw)[:K], np.asarray(r_gw), "float32", "d weight")

@@ -35,8 +35,10 @@ _FUSED_HEADS = registry(FUSED_HEAD, "jax")
 
 @jax.tree_util.register_pytree_node_class
 class LinearHead(base.LinearHead[jax.Array]):
-    """``logits = hidden @ weight (+ bias)`` of JAX arrays, given in place of a logits
-    array; weight [D, K] by default (a Flax ``Dense`` kernel), or [K, D] with
+    """``logits = cap(hidden @ weight (+ bias))`` of JAX arrays (``softcap=c``: cap(z) =
+    c·tanh(z / c), else z), given in place of a logits array:
+    ``LinearHead(hidden, weight, bias=None, softcap=None, *, weight_layout, row_chunk)``;
+    weight [D, K] by default (a Flax ``Dense`` kernel), or [K, D] with
     ``weight_layout="KD"`` (a tied embedding table). A pytree; gradients flow to hidden,
     weight and bias; no backend but "reference" forms the [N, K] logits
     (``dlm_kernels.linear_head.head.LinearHead`` has the whole story)."""

@@ -20,8 +20,10 @@ from .._torch.ops import TorchOps
 
 
 class LinearHead(base.LinearHead[torch.Tensor]):
-    """``logits = hidden @ weight (+ bias)`` of torch tensors, given in place of a logits
-    tensor; weight [K, D] by default (``nn.Linear.weight``, a tied ``nn.Embedding``), or
+    """``logits = cap(hidden @ weight (+ bias))`` of torch tensors (``softcap=c``: cap(z) =
+    c·tanh(z / c), else z), given in place of a logits tensor:
+    ``LinearHead(hidden, weight, bias=None, softcap=None, *, weight_layout, row_chunk)``;
+    weight [K, D] by default (``nn.Linear.weight``, a tied ``nn.Embedding``), or
     [D, K] with ``weight_layout="DK"``. Gradients flow to hidden, weight and bias; no
     backend but "reference" forms the [N, K] logits (``dlm_kernels.linear_head.head.LinearHead``
     has the whole story)."""
