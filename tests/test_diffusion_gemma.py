@@ -39,6 +39,16 @@ CAP = 30.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+@pytest.fixture(autouse=True)
+def unpatched_class(monkeypatch):
+    """The reference is transformers' class as it ships, whatever patched the class earlier
+    in the process (the README's block patches it); restored after each test."""
+    cls = DiffusionGemmaForBlockDiffusion
+    for name in ("forward", "_denoising_step"):
+        monkeypatch.setattr(cls, name, getattr(cls, integration._ORIGINAL + name,
+                                               getattr(cls, name)))
+
+
 def tiny_config() -> DiffusionGemmaConfig:
     text = dict(vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=32,
@@ -298,9 +308,6 @@ def test_encoder_labels(rng):
 def test_class_patch_and_registry(rng, monkeypatch):
     """model=None patches the class (models built afterwards compute the loss);
     apply_dlm_kernels finds the patch by config.model_type; bad arguments name themselves."""
-    cls = DiffusionGemmaForBlockDiffusion
-    for name in ("forward", "_denoising_step"):  # restored after the test
-        monkeypatch.setattr(cls, name, getattr(cls, name))
     assert MODEL_TYPE_TO_APPLY_FN["diffusion_gemma"] is apply_dlm_kernels_to_diffusion_gemma
     apply_dlm_kernels(model_type="diffusion_gemma")
     model = build(rng)
