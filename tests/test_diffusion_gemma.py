@@ -224,6 +224,9 @@ def test_eval_and_the_tuple_form(rng):
     inputs, labels, _ = make_inputs(rng)
     with torch.no_grad():
         want = ref(**inputs)
+        states = ref(**inputs, output_hidden_states=True, output_attentions=True)
+        passed = model(**inputs, labels=labels, output_hidden_states=True,
+                       output_attentions=True)
         plain = model(**inputs)
         both = model(**inputs, labels=labels)
         tup = model(**inputs, labels=labels, return_dict=False)
@@ -232,6 +235,11 @@ def test_eval_and_the_tuple_form(rng):
         assert torch.equal(out.logits, want.logits)
         assert torch.equal(out.encoder_last_hidden_state, want.encoder_last_hidden_state)
     assert plain.loss is None and both.loss is not None
+    # what the model returns beside the logits passes through (router outputs too, where
+    # transformers records them; 5.23 returns none at this level)
+    assert set(passed.keys()) == set(states.keys()) | {"loss"}, (passed.keys(), states.keys())
+    for key in ("hidden_states", "attentions"):
+        assert all(torch.equal(a, b) for a, b in zip(passed[key], states[key])), key
     assert torch.equal(kept.loss, both.loss)
     assert isinstance(tup, tuple) and len(tup) == 4
     assert torch.equal(tup[0], both.loss) and torch.equal(tup[1], want.logits)
@@ -240,8 +248,9 @@ def test_eval_and_the_tuple_form(rng):
 
 
 def test_num_items_in_batch_and_nothing_supervised(rng):
-    """num_items_in_batch replaces the count of supervised positions (Σ CE / n); a batch
-    with no supervised position has loss 0 and zero gradients."""
+    """num_items_in_batch replaces the count of supervised positions (Σ CE / n); loss_mask
+    without a variant weights the token mean (Σ w·CE / Σ w); a batch with no supervised
+    position has loss 0 and zero gradients."""
     model = build(rng)
     apply_dlm_kernels_to_diffusion_gemma(model)
     inputs, labels, _ = make_inputs(rng)
@@ -250,6 +259,13 @@ def test_num_items_in_batch_and_nothing_supervised(rng):
     summed = run_patched(model, inputs, labels=labels,
                          num_items_in_batch=torch.tensor(3 * count)).loss
     assert_close(_np(summed) * 3, _np(mean), "float32", name="loss with num_items_in_batch")
+    weights = torch.from_numpy(rng.uniform(0.5, 2.0, (B, L))).float()
+    weighted = run_patched(model, inputs, labels=labels, loss_mask=weights).loss
+    model.zero_grad(set_to_none=True)
+    zc = model.eval()(**inputs).logits
+    model.train()
+    want, _ = token_ce(_np(zc), labels.numpy(), weights.double().numpy())
+    assert_close(_np(weighted), want, "float32", name="loss with loss_mask as weights")
     out = run_patched(model, inputs, labels=torch.full_like(labels, -100))
     assert out.loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
