@@ -768,6 +768,69 @@ def test_inclusive_threshold(rng, name):
         api.commit_tokens(canvas, s, m, rule="threshold", threshold=0.5, inclusive=1)
 
 
+def _exclusive_budget_oracle(entropy, eligible, budget):
+    """DiffusionGemma's acceptance (transformers' EntropyBoundSampler.accept_canvas) over the
+    eligible positions: sort by entropy (ties: the lower position), a float32 running sum,
+    less each position's own entropy, <= budget; at least the lowest entropy."""
+    out = np.zeros(entropy.shape, bool)
+    for i in range(entropy.shape[0]):
+        idx = np.flatnonzero(eligible[i])
+        if idx.size == 0:
+            continue
+        order = idx[np.argsort(entropy[i, idx], kind="stable")]
+        e = entropy[i, order].astype(np.float32)
+        run = np.zeros_like(e)
+        acc = np.float32(0.0)
+        for j, v in enumerate(e):  # one float32 rounding per step, in order
+            acc = np.float32(acc + v)
+            run[j] = acc
+        before = (run - e).astype(np.float32)
+        b = budget[i] if np.ndim(budget) else budget
+        chosen = order[before <= np.float32(b)]
+        out[i, chosen if chosen.size else order[:1]] = True
+    return out
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_exclusive_entropy_budget(rng, name):
+    """rule="entropy_budget" with exclusive=True commits the k lowest entropies whose k - 1
+    lowest sum to at most the budget (DiffusionGemma's sampler in transformers), the running
+    sum less each one's own in float32: a budget sitting exactly on that value for the third
+    commits three, the default (the whole sum, its own included) at most two. exclusive
+    must be a bool and applies to rule="entropy_budget" only."""
+    fw = framework(name)
+    api = fw.api
+    s, masked, sample = _commit_case(rng, fw)
+    masked[:, :3] = True
+    ent = sample[5].astype(np.float32)
+    canvas, m = fw.array(np.zeros((4, 12), np.int32)), fw.array(masked)
+    budgets = []
+    for row in range(4):  # the budget on the exclusive sum of the row's third-lowest masked
+        order = np.flatnonzero(masked[row])[np.argsort(ent[row][masked[row]], kind="stable")]
+        e = ent[row, order]
+        run = np.cumsum(e, dtype=np.float32)  # float32 sequential, as torch.cumsum on CPU
+        budgets.append(float(np.float32(run[2] - e[2])))
+    budgets = np.array(budgets, np.float32)
+    for budget in (budgets, float(budgets[0]), 1e-30, 1.5):
+        arg = fw.array(budget) if np.ndim(budget) else budget
+        got = np.asarray(fw.numpy(api.commit_tokens(canvas, s, m, rule="entropy_budget",
+                                                    budget=arg, exclusive=True)[1]))
+        want = _exclusive_budget_oracle(ent, masked, budget)
+        assert np.array_equal(got, want), (budget, np.argwhere(got != want)[:1], got, want)
+        default = np.asarray(fw.numpy(api.commit_tokens(canvas, s, m, rule="entropy_budget",
+                                                        budget=arg)[1]))
+        assert (got | default).sum() == got.sum(), "exclusive commits a superset"
+        if budget is budgets:
+            assert (got.sum(1) == 3).all(), got.sum(1)
+            # the default's sum through the second, run[1], may round a hair above run[2] - e[2]
+            assert ((default.sum(1) >= 1) & (default.sum(1) <= 2)).all(), default.sum(1)
+    with pytest.raises(TypeError, match=r"exclusive must be True or False; got 1"):
+        api.commit_tokens(canvas, s, m, rule="entropy_budget", budget=0.5, exclusive=1)
+    with pytest.raises(ValueError, match=r"exclusive=True applies to rule='entropy_budget' "
+                                         r"only; got rule='topk'"):
+        api.commit_tokens(canvas, s, m, rule="topk", k=1, exclusive=True)
+
+
 @pytest.mark.parametrize("name", ["torch", "jax"])
 def test_numpy_scalars_are_numbers(rng, name):
     """Every number argument of sample_tokens and commit_tokens takes a NumPy scalar as it

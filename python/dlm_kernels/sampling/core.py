@@ -768,7 +768,8 @@ def _unless_nan(xp, commit, value):
     return commit & (value == value) if xp.is_array(value) else commit
 
 
-def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclusive=False):
+def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclusive=False,
+                     exclusive=False):
     """[B, L] bool: the masked positions the rule commits (see ``commit_tokens``); a row with
     no valid draw (token -1) is never one of them, nor ranked above one that is."""
     eligible = masked & (sample.token >= 0)
@@ -789,8 +790,12 @@ def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclu
         ent = xp.where(eligible, sample.entropy, float("inf"))
         order = xp.argsort_desc(-ent)  # ascending entropy, ties: the lower position
         rank = xp.scatter_rank(order)
-        sorted_ent = xp.take_rows(ent, order)
-        within = xp.cumsum(xp.where(sorted_ent < float("inf"), sorted_ent, 0.0)) <= budget
+        sorted_ent = xp.where(xp.take_rows(ent, order) < float("inf"),
+                              xp.take_rows(ent, order), 0.0)
+        total = xp.cumsum(sorted_ent)
+        if exclusive:  # the entropies ranked before each position: the running sum less its
+            total = total - sorted_ent  # own, formed as DiffusionGemma's sampler forms it
+        within = total <= budget
         keep = xp.take_rows(within, rank)  # back in position order
         commit = _at_least_one(xp, eligible & keep, -sample.entropy, eligible)
         return _unless_nan(xp, commit, budget)
@@ -858,7 +863,8 @@ def make_sampling_api(xp, registry):
         return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)
 
     def commit_tokens(canvas, sample, masked, *, rule="topk", k=None, threshold=None,
-                      budget=None, confidence="probability", inclusive=False):
+                      budget=None, confidence="probability", inclusive=False,
+                      exclusive=False):
         require_array(xp, "canvas", canvas)
         require_int(xp, "canvas", canvas)
         if len(canvas.shape) != 2:
@@ -872,10 +878,14 @@ def make_sampling_api(xp, registry):
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}; got {confidence!r}")
         inclusive = flag("inclusive", inclusive)
+        exclusive = flag("exclusive", exclusive)
+        if exclusive and rule != "entropy_budget":
+            raise ValueError(f"exclusive=True applies to rule='entropy_budget' only; got "
+                             f"rule={rule!r}")
         k, threshold, budget = commit_arguments(xp, canvas, sample, k, threshold, budget)
         masked = masked != 0
         commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence,
-                                  inclusive)
+                                  inclusive, exclusive)
         return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit
 
     return sample_tokens, commit_tokens
