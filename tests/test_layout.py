@@ -1,13 +1,22 @@
-"""The suite's layout: no test file imports another test file (shared suites and input
-builders live in non-test modules: ``token_stats/suite.py``, ``objectives/suite.py``, ...),
-and pytest's conftest parametrises nothing behind a reader's back."""
+"""The layout of the suite and of the package: no test file imports another test file
+(shared suites and input builders live in non-test modules: ``token_stats/suite.py``,
+``objectives/suite.py``, ...), pytest's conftest parametrises nothing behind a reader's back,
+every ``dlm_kernels.<name>`` the comments, docstrings and documents cite exists, and the
+package's imports form no cycle."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import io
 import pathlib
+import re
+import tokenize
+
+import pytest
 
 TESTS = pathlib.Path(__file__).parent
+ROOT = TESTS.parent
 
 
 def names_of_test_modules(path: pathlib.Path) -> set[str]:
@@ -89,3 +98,103 @@ def test_no_test_monkeypatches_a_torch_configuration():
                     and ast.unparse(node.args[0]).endswith(".config")):
                 found.append(f"{path.relative_to(TESTS)}:{node.lineno}")
     assert not found, "use the torch_config fixture: " + ", ".join(found)
+
+
+# -- names the text cites ------------------------------------------------------------------
+
+#: where comments, docstrings and documents cite the package's names
+TEXT_ROOTS = ("python", "kernels", "bench", "docs", "examples", "README.md")
+#: a dotted name of the package (not ``torch.ops.dlm_kernels.<op>``, a custom op's namespace)
+DOTTED = re.compile(r"(?<![\w.])dlm_kernels(?:\.[A-Za-z_]\w*)+")
+#: the optional frameworks: a name whose module needs a missing one is not checked here
+FRAMEWORKS = {"torch", "jax", "jaxlib", "triton", "jax_triton"}
+
+
+def text_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """The .py and .md files under ``TEXT_ROOTS``, each once (not again through the links
+    ``python/dlm_kernels/kernels`` and ``python/dlm_kernels/bench``)."""
+    found = []
+    for name in TEXT_ROOTS:
+        top = root / name
+        paths = [top] if top.is_file() else sorted(top.rglob("*"))
+        found += [p for p in paths if p.suffix in (".py", ".md") and p.is_file()
+                  and not any(q.is_symlink() for q in p.relative_to(root).parents
+                              if str(q) != "." and (root / q).is_symlink())]
+    return found
+
+
+def prose_of_python(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every string that stands as a statement (docstrings,
+    attribute docstrings) of a Python source: what a reader reads, not what the code runs."""
+    out = [(tok.start[0], tok.string)
+           for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            out.append((node.lineno, node.value.value))
+    return out
+
+
+def cited_names(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, name) of every ``dlm_kernels.<dotted>`` name in a file's prose (a Python
+    file's comments and docstrings, a Markdown file's whole text)."""
+    text = path.read_text()
+    parts = prose_of_python(text) if path.suffix == ".py" else [(1, text)]
+    return [(line + part[:m.start()].count("\n"), m.group())
+            for line, part in parts for m in DOTTED.finditer(part)]
+
+
+def resolve(name: str) -> str | None:
+    """None where ``name`` is a module of the package or an attribute of one (the longest
+    prefix that is a module imported, the rest read with getattr), else what is missing;
+    "skip" where the module needs a framework that is not installed."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            value = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            missing = err.name or ""
+            if module_name == missing or module_name.startswith(missing + "."):
+                continue  # not a module: a shorter prefix is, and the rest are attributes
+            if missing.split(".")[0] in FRAMEWORKS:
+                return "skip"
+            raise
+        for i, attr in enumerate(parts[cut:], cut):
+            if not hasattr(value, attr):
+                return f"{'.'.join(parts[:i])} has no {attr!r}"
+            value = getattr(value, attr)
+        return None
+    return f"no module {parts[0]!r}"
+
+
+def test_cited_names_exist():
+    """Every ``dlm_kernels.<dotted>`` name in the comments, docstrings and documents is a
+    module of the package or an attribute of one: a module moved or renamed takes its
+    citations with it."""
+    bad = []
+    for path in text_files():
+        for line, name in cited_names(path):
+            why = resolve(name)
+            if why not in (None, "skip"):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {name} ({why})")
+    assert not bad, "names the text cites that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_citation_reader_reads_prose_only(tmp_path):
+    """Comments and docstrings are read, code is not: a custom op's namespace
+    (``torch.ops.dlm_kernels.x``) and a string the code uses are not citations."""
+    source = ('"""See dlm_kernels.a.b."""\n'
+              "x = torch.ops.dlm_kernels.op(1)  # dlm_kernels.c\n"
+              "y = 'dlm_kernels.not_prose'\n"
+              "def f():\n    \"\"\"Uses\n    dlm_kernels.d.e (x).\"\"\"\n")
+    (tmp_path / "m.py").write_text(source)
+    (tmp_path / "m.md").write_text("text\n`dlm_kernels.f` and torch.ops.dlm_kernels.g.\n")
+    assert cited_names(tmp_path / "m.py") == [(2, "dlm_kernels.c"), (1, "dlm_kernels.a.b"),
+                                              (6, "dlm_kernels.d.e")]
+    assert cited_names(tmp_path / "m.md") == [(2, "dlm_kernels.f")]
+    assert resolve("dlm_kernels.testing.TOLERANCES") is None
+    assert resolve("dlm_kernels.kernels.layout.ROW_STATS") is None
+    assert resolve("dlm_kernels.testing.NO_SUCH") == "dlm_kernels.testing has no 'NO_SUCH'"
+    assert resolve("dlm_kernels._no_such_module.x") == "dlm_kernels has no '_no_such_module'"
