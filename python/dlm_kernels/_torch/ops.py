@@ -1,4 +1,4 @@
-"""The array-namespace adapter of the torch front end (see ``dlm_kernels.token_stats.math``)."""
+"""The array-namespace adapter of the torch front end (see ``dlm_kernels.token_stats.formulas``)."""
 
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import head as base
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from .head import HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, DenseLogits, row_chunk_for
 from .._rows import Rows
-from ..token_stats.math import Stats
+from ..token_stats.formulas import Stats
 from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
 from .._dispatch import FUSED_HEAD, registry

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from . import head as base
 from .head import VOCAB_MAJOR, row_chunk_for, row_chunks
 from .._rows import Rows
-from ..token_stats import math as stats_math
-from ..token_stats.math import Stats
+from ..token_stats import formulas as stats_math
+from ..token_stats.formulas import Stats
 from .._torch.buffers import empty
 from .._torch.first_order import first_order_only
 from .._torch.ops import TorchOps

@@ -7,7 +7,7 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
   (m, a, b)      the token statistics' own streaming state of the logits z at T_s (m the
                  largest z, a = Σ e^x, b = Σ e^x·x with x = (z - m)/T_s), formed and merged by
-                 the token-statistics arithmetic (``token_stats.math``: ``chunk_partial``,
+                 the token-statistics arithmetic (``token_stats.formulas``: ``chunk_partial``,
                  ``merge``) or by the very kernels of the backend's token statistics
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
   (gv, gi, gz)   the largest sd + g with its id and its logit z, g the Gumbel noise of the
@@ -53,7 +53,7 @@ from .._config import make_config
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from ..token_stats.lowering import Lowered, lower
 
 MASK32 = 0xFFFFFFFF
@@ -261,7 +261,7 @@ def exponents(xp, z, z1, cfg):
 class StreamState(NamedTuple):
     """One row's stream over the columns seen (the layout of the kernels' split buffers,
     ``kernels.layout.SAMPLE_STATE``). m, a, b are the token statistics' streaming state of
-    the logits at T_s (``token_stats.math.State``; None where a backend's token-statistics
+    the logits at T_s (``token_stats.formulas.State``; None where a backend's token-statistics
     kernels hold them instead); the draw's fields are in units of s. Where the framework code
     forms them, v1 is a maximum of s (a reduction, never a gather of a scaled chunk) and v2
     is the largest s plus a difference of logits (``exponents``), so a tie with the largest
@@ -287,16 +287,16 @@ def _safe(xp, v1, x):
 
 
 def stats_partial(xp, z, cols, cfg):
-    """The token-statistics State (``token_stats.math.State``: m, a, b and fields the step
+    """The token-statistics State (``token_stats.formulas.State``: m, a, b and fields the step
     does not read) of one chunk z [N, C] (float32, guided, suppressed ids and columns of
-    other chunks at -inf) of global column ids cols [C]: ``token_stats.math.chunk_partial``
+    other chunks at -inf) of global column ids cols [C]: ``token_stats.formulas.chunk_partial``
     itself."""
     return stats_math.chunk_partial(xp, Rows(z), cols, None, stats_lowered(cfg))
 
 
 def merge_stats(xp, x, y, cfg):
     """The token-statistics State of the columns of x followed by those of y (States):
-    ``token_stats.math.merge`` itself, as the token statistics' chunk loops merge."""
+    ``token_stats.formulas.merge`` itself, as the token statistics' chunk loops merge."""
     return stats_math.merge(xp, x, y, stats_lowered(cfg))
 
 
@@ -313,8 +313,8 @@ def stats_target(st, cfg):
 
 
 def stream_stats(xp, st, cfg):
-    """The token statistics (``token_stats.math.Stats``) of a stream's merged (m, a, b), the
-    target ``stats_target``: ``token_stats.math.finalize`` itself, with the target's logit
+    """The token statistics (``token_stats.formulas.Stats``) of a stream's merged (m, a, b), the
+    target ``stats_target``: ``token_stats.formulas.finalize`` itself, with the target's logit
     the drawn token's gz (the largest logit m at T = 0, where the token is its argmax, and
     with top_k, whose logp is not read)."""
     one = xp.zeros_like(st.a) + 1.0
@@ -442,7 +442,7 @@ def merge_splits(xp, state, ids, top_v, top_i, cfg, k):
 
 def finalize(xp, st, stats, keys, cfg):
     """Sample of [N] fields from the merged state and the token statistics ``stats`` (a
-    ``token_stats.math.Stats`` of the rows with ``stats_target`` as the target: the
+    ``token_stats.formulas.Stats`` of the rows with ``stats_target`` as the target: the
     backend's token-statistics arithmetic, so logp and entropy are that arithmetic's, bit
     for bit). Log-probabilities are taken relative to the row's largest logit m, (z - m)/T_s
     - la (la the log of the sum relative to m): at a small temperature a normaliser
@@ -505,7 +505,7 @@ def no_draw_where(xp, sample, bad):
 def reference_sample(xp, z, zu, keys, suppress, cfg):
     """The whole row as one chunk (the reference backend: [N, K] float32 materialised); the
     drawn token's logp and the entropy are those of the reference token statistics
-    (``token_stats.math.reference_stats``, which the reference backend of ``token_stats``
+    (``token_stats.formulas.reference_stats``, which the reference backend of ``token_stats``
     computes) of the same float32 logits, the rest the stream's."""
     cols = xp.arange(z.shape[1], z)
     zs, s, sd = scaled_logits(xp, z, zu, cols, suppress, cfg)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._dispatch import TOKEN_STATS, registry
-from . import math as stats_math
+from . import formulas as stats_math
 from .op import TokenStatsFrontEnd
 from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
@@ -44,7 +44,8 @@ def _token_stats_vjp(impl, cfg, rows):
 
 def _token_stats_fwd(impl, cfg, rows):
     stats = first_order(impl.name, lambda rows: impl.forward(rows, cfg), rows)
-    # Residuals: the row bundle plus seven [N] float32 row statistics, never [N, K].
+    # Residuals: the row bundle plus the row statistics (one [N] float32 array per field of
+    # ROW_STATS, kernels/layout.py), never [N, K].
     return tuple(stats[:4]), (rows, stats)
 
 

@@ -108,7 +108,7 @@ class ReferenceBackend(BackendBase):
         # materialised in float32 (``LogitsSource.reference_array``: the reference is the
         # oracle's twin, not a lean path: its gradients are the float32 autodiff of
         # hidden @ weight, rounded once)
-        from .math import reference_stats
+        from .formulas import reference_stats
 
         return reference_stats(self.xp, rows, cfg)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .._dispatch import TOKEN_STATS, registry
 from .op import TokenStatsFrontEnd
 from .._rows import Rows
-from .math import Stats
+from .formulas import Stats
 from .._torch.first_order import first_order_only
 from ..linear_head.torch_head import apply_head
 from .._torch.ops import TorchOps
