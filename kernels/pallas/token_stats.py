@@ -47,7 +47,7 @@ per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels.token_stats.
 column is then 0). Every exponent is a difference of logits scaled afterwards, (r - m)/T,
 with m the running maximum of the logits themselves (docs/design.md §2): the forward keeps
 m in logit units, and the backward forms p = e^{(r - m)/T}·e^{-la} from the saved m and
-log-sum la, exact at any temperature down to 2^-102 (``MIN_TEMPERATURE``).
+log-sum la, exact at any temperature down to 2^-102 (``FLOAT32_MIN_TEMPERATURE``).
 
 Label smoothing and z-loss (docs/design.md §2): with ``smoothing`` the forward keeps one
 more running sum, Σ r over the valid columns, and writes it after ROW_STATS (or, for a

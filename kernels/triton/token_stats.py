@@ -48,7 +48,7 @@ m the running maximum of the logits r themselves (docs/design.md §2), never r·
 maximum or lse of size |r|/T; the kernels keep m in logit units and store it so, with the
 log of the sum relative to it, and the gradient pass forms log p = (r - m)/T - la from them.
 So the base-2 scale log2(e)/T multiplies a difference, exact at any T down to 2^-102
-(``MIN_TEMPERATURE``; a maximum or lse of size |r|/T would carry an absolute error of an
+(``FLOAT32_MIN_TEMPERATURE``; a maximum or lse of size |r|/T would carry an absolute error of an
 ulp of it, about 60 at |r| = 10, T = 1e-8).
 """
 

@@ -62,10 +62,12 @@ MIX_STEPS = ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None))
 _STEP_SALT, _ROW_SALT = 0x9E3779B9, 0x85EBCA6B
 MAX_TOP_K = 64
 _F32_MAX = 3.4028234663852886e38
-# The smallest temperature above 0 (docs/design.md §3): s = z / T is float32, and every
+# The sampler's smallest temperature above 0, for its temperature and stats_temperature
+# (docs/design.md §3; the token statistics' own floor, 2^-102, is _config's
+# FLOAT32_MIN_TEMPERATURE, far below it): s = z / T is float32, and every
 # decision reads s + g rounded to an ulp of |s| (2^-23·|z| / T); at T >= 1e-3 that is below
 # 2^-7 nats for logits |z| < 2^6, and below it T = 0 (greedy) is the limit to use.
-MIN_TEMPERATURE = 1e-3
+MIN_SAMPLING_TEMPERATURE = 1e-3
 
 
 class _SampleFields(NamedTuple):
@@ -547,10 +549,11 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
                          f"{shape_str(logits.shape)}")
     t = as_number(temperature)
-    if t is None or not (t == 0.0 or MIN_TEMPERATURE <= t <= _F32_MAX):
+    t_min = MIN_SAMPLING_TEMPERATURE
+    if t is None or not (t == 0.0 or t_min <= t <= _F32_MAX):
         raise ValueError(
-            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got "
-            f"{plain(temperature)} (s = z / T is float32: below {MIN_TEMPERATURE} its "
+            f"temperature must be 0 (greedy) or in [{t_min}, {_F32_MAX:.7g}]; got "
+            f"{plain(temperature)} (s = z / T is float32: below {t_min} its "
             f"rounding swamps the noise, and temperature=0 is the exact T -> 0 limit)")
     k = None if top_k is None else as_number(top_k, integer=True)
     if top_k is not None and (k is None or not 1 <= k <= MAX_TOP_K):
@@ -569,9 +572,9 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
     if chunk_size is not None and (chunk is None or chunk < 1):
         raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
     ts = None if stats_temperature is None else as_number(stats_temperature)
-    if stats_temperature is not None and (ts is None or not MIN_TEMPERATURE <= ts <= _F32_MAX):
+    if stats_temperature is not None and (ts is None or not t_min <= ts <= _F32_MAX):
         raise ValueError(f"stats_temperature must be None (the draw's temperature) or in "
-                         f"[{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got {plain(stats_temperature)}")
+                         f"[{t_min}, {_F32_MAX:.7g}]; got {plain(stats_temperature)}")
     if t == 0.0 and ts not in (None, 1.0):
         raise ValueError(f"stats_temperature must be None or 1 at temperature=0 (a greedy draw "
                          f"takes the statistics of softmax(z)); got {plain(stats_temperature)}")
@@ -668,7 +671,7 @@ def seed_argument(xp, name, value, lead):
     return number
 
 
-def _per_sequence(xp, name, value, b, integral):
+def _per_sequence_with_host(xp, name, value, b, integral):
     """A per-sequence argument of commit_tokens: a number (Python or NumPy, or a 0-d array of
     another framework), or an array of shape [] or [B]; (value ready to broadcast against
     [B, L], its values to check: the Python number itself, the array's host values, or None
@@ -717,13 +720,13 @@ def commit_arguments(xp, canvas, sample, k, threshold, budget):
                          f"give Sample(..., vocab_size=K) or use an int32 canvas")
     b = canvas.shape[0]
     if k is not None:
-        k, host = _per_sequence(xp, "k", k, b, integral=True)
+        k, host = _per_sequence_with_host(xp, "k", k, b, integral=True)
         if host is not None:
             _raise_at("k", host < 0, host, ">= 0 (positions to commit per sequence)")
     out = [k]
     for name, value in (("threshold", threshold), ("budget", budget)):
         if value is not None:
-            value, host = _per_sequence(xp, name, value, b, integral=False)
+            value, host = _per_sequence_with_host(xp, name, value, b, integral=False)
             if host is not None:
                 _raise_at(name, host != host, host, "a number (not NaN)")
         out.append(value)
