@@ -543,7 +543,7 @@ class ReferenceSampler:
 
 def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale, chunk_size,
                        stats_temperature=None):
-    require_logits(xp, "logits", logits)
+    require_logits(xp, "logits", as_logits(logits))
     require_float(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
@@ -560,7 +560,7 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
         raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}] (a running top-k "
                          f"per row is merged in the one pass); got {plain(top_k)}")
     if uncond_logits is not None:
-        require_logits(xp, "uncond_logits", uncond_logits)
+        require_logits(xp, "uncond_logits", as_logits(uncond_logits))
         require_float(xp, "uncond_logits", uncond_logits)
         require_shape("uncond_logits", uncond_logits, logits.shape, "logits.shape")
     c = as_number(cfg_scale)
