@@ -44,7 +44,7 @@ def detect():
     """The machine and versions a report describes (device, CUDA, frameworks, date, argv)."""
     torch, jax = try_import("torch"), try_import("jax")
     cuda = bool(torch is not None and torch.cuda.is_available())
-    if cuda:
+    if torch is not None and cuda:
         device = torch.cuda.get_device_name()
     else:
         model = platform.processor() or "cpu"

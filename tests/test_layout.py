@@ -330,13 +330,17 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 #: each framework's ops adapter, linear head path and token-statistics VJP; bench's cases /
 #: memory and runner / linear_head / sampling)
 MAX_CYCLES = 0
-#: imports of the package's own modules made inside a function (47), each deliberate: the
-#: package root imports a front end, and the head module, only when backend_for is called
-#: (4: ``import dlm_kernels`` stays light and imports no framework), ``dlm_kernels.testing``
-#: a framework's plumbing only when its helper is asked for (2), and the benchmark a front
-#: end, a peer, the memory probes or a sub-benchmark only for the cases that run (41). The
-#: number can only go down.
-MAX_IN_FUNCTION_IMPORTS = 47
+#: the front ends: a module that serves both frameworks imports one inside the function that
+#: needs it, so that the other framework need not be installed (the package root's
+#: backend_for, the benchmark's cases); those imports are listed, not counted
+FRONT_ENDS = ("dlm_kernels.torch", "dlm_kernels.jax")
+#: the other imports of the package's own modules made inside a function (31 of 47), each
+#: deliberate: the package root imports the head module only when backend_for is called
+#: (``import dlm_kernels`` stays light), ``dlm_kernels.testing`` a framework's plumbing only
+#: when its helper is asked for (2), and the benchmark the memory probes, the Triton
+#: launchers, the upstream losses, the testing helpers or a sub-benchmark only for the
+#: cases that run (28). The number can only go down.
+MAX_IN_FUNCTION_IMPORTS = 31
 
 
 def test_no_import_cycles():
@@ -351,8 +355,10 @@ def test_in_function_imports_only_go_down():
     """An import inside a function hides an edge of the graph from a reader (it is counted
     in the cycles above all the same); the ones left are listed by kind above."""
     _, inside = import_graph(package_modules())
-    listing = "\n".join(f"{m}:{line} imports {t}" for m, line, t in inside)
-    assert len(inside) <= MAX_IN_FUNCTION_IMPORTS, f"{len(inside)} in-function imports:\n{listing}"
+    counted = [(m, line, t) for m, line, t in inside if t not in FRONT_ENDS]
+    listing = "\n".join(f"{m}:{line} imports {t}" for m, line, t in counted)
+    assert len(counted) <= MAX_IN_FUNCTION_IMPORTS, (
+        f"{len(counted)} in-function imports (besides the front ends'):\n{listing}")
 
 
 def test_the_import_graph_sees_every_form(tmp_path):
