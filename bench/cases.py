@@ -203,11 +203,6 @@ class TorchCase:
     def release(self):
         self._graphs = {}
 
-    def cuda_peak_bytes(self):
-        from .memory import cuda_peak_delta
-
-        return cuda_peak_delta(lambda: self.fwdbwd(0))
-
 
 # -- JAX ---------------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ import sys
 
 import numpy as np
 
-from .cli import add_common_args, write_outputs
+from .cli import add_common_args, detect, write_outputs
 from .timing import measure
 
 VARIANTS_TORCH = ("ours-ce", "ours-policy", "unfused", "torch.linear_ce", "reference+compile",
@@ -457,8 +457,6 @@ def run(n, d, k, dtype, frameworks=("torch", "jax"), reps=5, cuda=False,
 
 
 def _device(cuda):
-    from .runner import detect
-
     return detect()["device"]
 
 

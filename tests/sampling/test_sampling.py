@@ -376,19 +376,19 @@ class SamplingSuite:
             assert not np.any(new == -1), f"{case}: -1 written into the canvas"
 
     def test_tiny_temperatures(self, rng):
-        """Down to MIN_TEMPERATURE the draw is right: the argmax where one logit leads (the
+        """Down to MIN_SAMPLING_TEMPERATURE the draw is right: the argmax where one logit leads (the
         T -> 0 limit), one of the tied ids where several share the maximum, and every
         statistic to float32 accuracy against the float64 oracle (tied rows: log-probability
         -log 2 or -log 3, which a normaliser m + log a rounded at m = z / T would lose).
         Below it, temperature raises; 0 is greedy."""
-        from dlm_kernels.sampling.core import MIN_TEMPERATURE
+        from dlm_kernels.sampling.core import MIN_SAMPLING_TEMPERATURE
 
         z = rng.uniform(-3.0, 3.0, size=(16, 301)).astype(np.float32)
         z[:4, [3, 250]] = 4.5  # two tied maxima: s = 4.5 / T
         z[4:6, [0, 64, 300]] = 4.5  # three, one in each end block
         lead = rng.integers(0, 301, size=10)
         z[np.arange(6, 16), lead] = 4.0  # one leader, 1000 nats above the rest at T = 1e-3
-        t = MIN_TEMPERATURE
+        t = MIN_SAMPLING_TEMPERATURE
         seed = int(rng.integers(0, 2**31))
         # under jax.jit as well: XLA on CPU recomputes z / T inside each fusion and contracts
         # it with a subtraction, but every exponent is a logit difference (z - z_max) / T

@@ -213,7 +213,7 @@ def token_stats(
         value is not applied here). Inactive rows read nothing that can leak: their outputs
         and gradients are exact zeros. None = every row active.
       temperature: T of p = softmax(s), s = (cap(z) + d·[k == x]) / T; at least
-        ``MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
+        ``FLOAT32_MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
         exponent is a logit difference (r - m) scaled by 1/T afterwards (docs/design.md §2),
         float32-exact at any T from there up. Results whose size passes the float32 range
         (|cap(z)| / T past 3.4e38) overflow to ±inf.
