@@ -26,6 +26,25 @@ class SftInputs(NamedTuple):
     loss_mask: Any  # [B, L] float32 ones
 
 
+class PolicyInputs(NamedTuple):
+    """One RL batch beside the logits [B, L, K]: the scored tokens and what the rollout saw
+    (a pytree under ``jax.jit``)."""
+
+    batch: Any  # DiffusionTokenBatch: target ids [B, L], the completion mask as loss weights
+    old_logps: Any  # [B, L] float32 log-probs of the targets under the rollout policy
+    advantages: Any  # [B] float32
+
+
+#: the GRPO loss timed as "policy": TRL GRPOTrainer's default loss type, its default clip
+POLICY_LOSS_TYPE, POLICY_EPSILON = "dapo", 0.2
+
+
+def policy_inputs(batch, logps, noise, advantages):
+    """``PolicyInputs`` whose old log-probs are the current ones moved by ``noise`` (so some
+    ratios fall outside the clip range, as after a few optimizer steps)."""
+    return PolicyInputs(batch=batch, old_logps=logps + noise, advantages=advantages)
+
+
 def case_bytes(objective, n, k, dtype, rotate):
     """Estimated peak bytes of one case with ``rotate`` input sets: each set's logits (and
     teacher), the gradient, and per set the graph the separate backward timing holds, at the
@@ -57,7 +76,8 @@ def rotate_sets(objective, n, k, dtype, budget_bytes):
 
 def objective_loss(dk, objective, z, batch, backend):
     """The scalar loss of one benchmarked objective through front end dk (torch or JAX):
-    ce = weighted CE; policy = log-probs + entropy (RL scoring with gradients);
+    ce = weighted CE; policy = TRL's GRPO loss (``policy_loss``, loss type dapo, off-policy
+    ratios, the entropy metric from the same pass);
     opd = on-policy distillation, T = 2 soft KL plus a 0.5-weighted hard CE;
     sft = the Megatron-Bridge SFT loss, variant reweighted-loo-ce, summed over the batch."""
     if objective == "sft":
@@ -67,9 +87,9 @@ def objective_loss(dk, objective, z, batch, backend):
     if objective == "ce":
         return dk.weighted_cross_entropy(z, batch, backend=backend).compute()
     if objective == "policy":
-        lp, ent = dk.per_token_logps(z, batch, stop_gradient=False, return_entropy=True,
-                                    backend=backend)
-        return lp.sum() + 0.01 * ent.sum()
+        return dk.policy_loss(z, batch.batch, old_logps=batch.old_logps,
+                              advantages=batch.advantages, loss_type=POLICY_LOSS_TYPE,
+                              epsilon=POLICY_EPSILON, backend=backend).loss
     total, _ = dk.opd_loss(z, batch, temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.5,
                           backend=backend)
     return total.compute()
@@ -128,6 +148,11 @@ class TorchCase:
                 batch = SftInputs(x0=y, xt=ids(), t=t, loss_mask=w)
             if u is not None:
                 batch = dk.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=u)
+            if objective == "policy":
+                logps = dk.per_token_logps(z.detach(), batch)  # [1, N]
+                noise = 0.3 * torch.randn(logps.shape, generator=gen, device=self.device)
+                adv = torch.randn((1,), generator=gen, device=self.device)  # [B]
+                batch = policy_inputs(batch, logps, noise, adv)
             self.sets.append((z, batch))
 
     def _make_loss(self):
@@ -178,11 +203,6 @@ class TorchCase:
     def release(self):
         self._graphs = {}
 
-    def cuda_peak_bytes(self):
-        from .memory import cuda_peak_delta
-
-        return cuda_peak_delta(lambda: self.fwdbwd(0))
-
 
 # -- JAX ---------------------------------------------------------------------------------------
 
@@ -203,7 +223,7 @@ class JaxCase:
 
         self.jax, self.objective, self.variant = jax, objective, variant
         jdtype = getattr(jnp, dtype)
-        keys = iter(jax.random.split(jax.random.key(seed), 4 * rotate))  # drawn on the device
+        keys = iter(jax.random.split(jax.random.key(seed), 6 * rotate))  # drawn on the device
         normal = lambda: (jax.random.normal(next(keys), (1, n, k), jnp.float32) * 3).astype(jdtype)
         ids = lambda: jax.random.randint(next(keys), (1, n), 0, k, jnp.int32)  # [1, N]
         self.rotate, self.sets = (rotate, []) if sets is None else (len(sets), sets)
@@ -217,6 +237,10 @@ class JaxCase:
                 b = SftInputs(x0=y, xt=ids(), t=t, loss_mask=b.loss_weights)
             if objective == "opd":
                 b = dk.DiffusionDistillationBatch.create(student_batch=b, teacher_logits=normal())
+            if objective == "policy":
+                logps = dk.per_token_logps(z, b)  # [1, N]
+                noise = 0.3 * jax.random.normal(next(keys), logps.shape, jnp.float32)
+                b = policy_inputs(b, logps, noise, jax.random.normal(next(keys), (1,), jnp.float32))
             self.sets.append((z, b))
 
         def loss(z, b):

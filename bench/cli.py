@@ -1,10 +1,18 @@
 """Command-line pieces shared by the benchmark modules that run on their own
-(``bench.linear_head``, ``bench.sampling``)."""
+(``bench.linear_head``, ``bench.sampling``) and the main job (``bench.runner``): their
+arguments, their outputs, and the machine a report describes (``detect``)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
+import importlib.metadata
 import json
+import os
+import platform
+import sys
+
+import numpy as np
 
 
 def add_common_args(parser):
@@ -22,3 +30,40 @@ def write_outputs(args, report, table):
         if path:
             with open(path, "w") as f:
                 f.write(text)
+
+
+def try_import(name):
+    """The module ``name``, or None where it does not import."""
+    try:
+        return __import__(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def detect():
+    """The machine and versions a report describes (device, CUDA, frameworks, date, argv)."""
+    torch, jax = try_import("torch"), try_import("jax")
+    cuda = bool(torch is not None and torch.cuda.is_available())
+    if torch is not None and cuda:
+        device = torch.cuda.get_device_name()
+    else:
+        model = platform.processor() or "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        device = f"{model} ({os.cpu_count()} cores)"
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    # Read from the installed metadata, not by importing: importing jax_triton blanks
+    # TRITON_CACHE_DIR for the whole process (dlm_kernels.jax undoes that when it loads it), and
+    # every later Triton compile in this process, torch's kernels too, would then fail.
+    for name in ("torch", "jax", "jaxlib", "triton", "liger_kernel", "jax_triton"):
+        try:
+            versions[name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(device=device, cuda=cuda, torch=torch is not None, jax=jax is not None,
+                jax_backend=jax.default_backend() if jax is not None else None,
+                versions=versions, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                argv=sys.argv[1:])

@@ -3,11 +3,16 @@
     python -m bench.linear_head                       # this device's default shape
     python -m bench.linear_head --n 4096 --d 256 --k 32768 --dtype float32
 
-Every case computes the summed cross entropy of ``hidden [N, D] @ weight`` (K columns)
-and its gradients with respect to hidden and weight, side by side in one run:
+Every case computes a loss of ``hidden [N, D] @ weight`` (K columns; the summed cross
+entropy unless named otherwise) and its gradients with respect to hidden and weight, side by
+side in one run:
 
   ours (ce)         LinearHead + weighted_cross_entropy: gradient in the forward (3 matmuls)
   ours (policy)     LinearHead + per_token_logps with entropy: recompute (4 matmuls)
+  ours (grpo)       LinearHead + policy_loss (TRL's GRPO loss, type dapo, off-policy ratios)
+  unfused (grpo)    logits = hidden @ weight.T, then policy_loss on them
+  liger (grpo)      Liger-Kernel's LigerFusedLinearGRPOLoss, the same loss (its torch.compile'd
+                    chunks on CUDA, eager chunks elsewhere)
   unfused           logits = hidden @ weight.T, then our fused loss (3 matmuls, [N, K] logits
                     and their gradient in memory)
   torch.linear_ce   torch.nn.functional.linear_cross_entropy with its chunked options
@@ -33,11 +38,15 @@ import sys
 
 import numpy as np
 
-from .cli import add_common_args, write_outputs
+from .cli import add_common_args, detect, write_outputs
 from .timing import measure
 
 VARIANTS_TORCH = ("ours-ce", "ours-policy", "unfused", "torch.linear_ce", "reference+compile",
-                  "liger", "cce")
+                  "liger", "cce", "ours-grpo", "unfused-grpo", "liger-grpo")
+GRPO_VARIANTS = ("ours-grpo", "unfused-grpo", "liger-grpo")
+#: Liger's published fused-linear GRPO shape (B 16 x T 1024 rows, H 4096, V 128256), run by
+#: bench/gpu_check.sh with the GRPO variants
+GRPO_GPU_SHAPE = dict(n=16 * 1024, d=4096, k=128256, dtype="bfloat16")
 VARIANTS_JAX = ("ours-ce", "ours-policy", "unfused", "tokamax")
 CPU_SHAPE = dict(n=4096, d=256, k=32768, dtype="float32")  # the targets' shape
 CPU_MAIN_SHAPE = dict(n=1024, d=128, k=8192, dtype="float32")  # inside python -m bench --full
@@ -85,8 +94,21 @@ class TorchHeadCase:
             h = torch.randn((1, n, d), generator=gen, device=self.device).to(tdtype)
             w = (torch.randn((k, d), generator=gen, device=self.device) * (3 / d ** 0.5)).to(tdtype)
             y = torch.randint(0, k, (1, n), generator=gen, device=self.device)
-            self.sets.append((h.requires_grad_(True), w.requires_grad_(True), y))
+            self.sets.append((h.requires_grad_(True), w.requires_grad_(True), y,
+                              self._rollout(h, w, y, gen) if variant in GRPO_VARIANTS else None))
         self._loss = self._make_loss()
+
+    def _rollout(self, h, w, y, gen):
+        """(old log-probs [1, N], advantages [1]) of one GRPO set: the current log-probs
+        moved by noise, so that some ratios fall outside the clip range."""
+        import dlm_kernels.torch as dk
+
+        torch = self.torch
+        batch = dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
+                                              loss_weights=torch.ones(y.shape, device=y.device))
+        old = dk.per_token_logps(dk.LinearHead(h.detach(), w.detach()), batch).float()
+        old = old + 0.3 * torch.randn(old.shape, generator=gen, device=self.device)
+        return old, torch.randn((1,), generator=gen, device=self.device)
         self._graphs = {}
 
     def _make_loss(self):
@@ -99,23 +121,37 @@ class TorchHeadCase:
             return dk.DiffusionTokenBatch.create(model_inputs=y, target_ids=y,
                                                  loss_weights=torch.ones(y.shape, device=y.device))
 
+        if variant in ("ours-grpo", "unfused-grpo"):
+            def grpo(h, w, y, rl):
+                z = dk.LinearHead(h, w) if variant == "ours-grpo" else h @ w.T
+                return dk.policy_loss(z, batch(y), old_logps=rl[0], advantages=rl[1],
+                                      loss_type="dapo", epsilon=0.2).loss
+            return grpo
+        if variant == "liger-grpo":
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo",
+                                            epsilon_low=0.2, epsilon_high=0.2,
+                                            compiled=self.device.type == "cuda")
+            return lambda h, w, y, rl: loss(h, w, y, torch.ones(y.shape, device=y.device), rl[1],
+                                            old_per_token_logps=rl[0])[0]
         if variant == "ours-ce":
-            return lambda h, w, y: dk.weighted_cross_entropy(dk.LinearHead(h, w), batch(y)).unreduced_sum
+            return lambda h, w, y, _: dk.weighted_cross_entropy(dk.LinearHead(h, w), batch(y)).unreduced_sum
         if variant == "ours-policy":
-            def policy(h, w, y):
+            def policy(h, w, y, _):
                 lp, ent = dk.per_token_logps(dk.LinearHead(h, w), batch(y), stop_gradient=False,
                                              return_entropy=True)
                 return lp.sum() + 0.01 * ent.sum()
             return policy
         if variant == "unfused":
-            return lambda h, w, y: dk.weighted_cross_entropy(h @ w.T, batch(y)).unreduced_sum
+            return lambda h, w, y, _: dk.weighted_cross_entropy(h @ w.T, batch(y)).unreduced_sum
         if variant == "torch.linear_ce":
             options = torch.nn.LinearCrossEntropyOptions(allow_retain_graph=True)
-            return lambda h, w, y: F.linear_cross_entropy(h[0], w, y[0], reduction="sum",
+            return lambda h, w, y, _: F.linear_cross_entropy(h[0], w, y[0], reduction="sum",
                                                           options=options)
         if variant == "reference+compile":
             torch._dynamo.reset()
-            return torch.compile(lambda h, w, y: F.cross_entropy(
+            return torch.compile(lambda h, w, y, _: F.cross_entropy(
                 (h[0] @ w.T).float(), y[0], reduction="sum"), dynamic=False)
         if variant == "liger":
             if self.device.type != "cuda":
@@ -123,35 +159,34 @@ class TorchHeadCase:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
-            return lambda h, w, y: loss(w, h[0], y[0])
+            return lambda h, w, y, _: loss(w, h[0], y[0])
         if variant == "cce":
             if self.device.type != "cuda":
                 raise Skipped("Cut Cross-Entropy's kernels need a CUDA device")
             from cut_cross_entropy import linear_cross_entropy
 
-            return lambda h, w, y: linear_cross_entropy(h[0], w, y[0], reduction="sum")
+            return lambda h, w, y, _: linear_cross_entropy(h[0], w, y[0], reduction="sum")
         raise ValueError(f"unknown variant {variant!r}")
 
     def fwd(self, i):
-        h, w, y = self.sets[i % 2]
-        return self._loss(h, w, y)
+        return self._loss(*self.sets[i % 2])
 
     def fwdbwd(self, i):
-        h, w, y = self.sets[i % 2]
-        return self.torch.autograd.grad(self._loss(h, w, y), (h, w))
+        h, w = self.sets[i % 2][:2]
+        return self.torch.autograd.grad(self._loss(*self.sets[i % 2]), (h, w))
 
     def prepare_bwd(self):
         self._graphs = {i: self.fwd(i) for i in range(2)}
 
     def bwd(self, i):
-        h, w, _ = self.sets[i % 2]
+        h, w = self.sets[i % 2][:2]
         return self.torch.autograd.grad(self._graphs[i % 2], (h, w), retain_graph=True)
 
     def release(self):
         self._graphs = {}
 
     def grad_bytes(self):
-        h, w, _ = self.sets[0]
+        h, w = self.sets[0][:2]
         return h.numel() * h.element_size() + w.numel() * w.element_size()
 
     def cuda_peak_bytes(self):
@@ -422,8 +457,6 @@ def run(n, d, k, dtype, frameworks=("torch", "jax"), reps=5, cuda=False,
 
 
 def _device(cuda):
-    from .runner import detect
-
     return detect()["device"]
 
 
@@ -475,6 +508,7 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="float32 or bfloat16")
     p.add_argument("--frameworks", default="torch,jax", help="default torch,jax")
     p.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    p.add_argument("--no-scaling", action="store_true", help="skip the memory-scaling row at 2N")
     add_common_args(p)
     args = p.parse_args(argv)
     try:
@@ -490,7 +524,8 @@ def main(argv=None):
     if args.probe:
         return _probe(args.probe, **shape)
     report = run(**shape, frameworks=tuple(args.frameworks.split(",")), reps=args.reps, cuda=cuda,
-                 variants=args.variants.split(",") if args.variants else None)
+                 variants=args.variants.split(",") if args.variants else None,
+                 scaling=not args.no_scaling)
     write_outputs(args, report, markdown(report))
     if not all(c["ok"] for c in report["parity"]):
         print("linear head parity FAILED", file=sys.stderr)

@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime as _dt
 import gc
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -47,51 +44,16 @@ from typing import NamedTuple
 import numpy as np
 
 from . import shapes
+from .cli import detect, try_import
 from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets, upstream_bytes
-from .memory import cpu_peak_bytes, meminfo_bytes, package_cwd
+from .memory import cpu_peak_bytes, cuda_peak_delta, meminfo_bytes, package_cwd
 from .plot import PEER_NAMES, plot
 from .progress import (Progress, clock, load_line, ratio_words, spread_verdict, summary,
                        target_summary)
 from .timing import copy_bandwidth, copy_bandwidth_jax, error_line, measure, measure_interleaved
 
 
-
 # -- environment ------------------------------------------------------------------------------
-
-def _try_import(name):
-    try:
-        return __import__(name)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def detect():
-    torch, jax = _try_import("torch"), _try_import("jax")
-    cuda = bool(torch is not None and torch.cuda.is_available())
-    if cuda:
-        device = torch.cuda.get_device_name()
-    else:
-        model = platform.processor() or "cpu"
-        try:
-            with open("/proc/cpuinfo") as f:
-                model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        device = f"{model} ({os.cpu_count()} cores)"
-    versions = {"python": platform.python_version(), "numpy": np.__version__}
-    # Read from the installed metadata, not by importing: importing jax_triton blanks
-    # TRITON_CACHE_DIR for the whole process (dlm_kernels.jax undoes that when it loads it), and
-    # every later Triton compile in this process, torch's kernels too, would then fail.
-    for name in ("torch", "jax", "jaxlib", "triton", "liger_kernel", "jax_triton"):
-        try:
-            versions[name] = importlib.metadata.version(name.replace("_", "-"))
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return dict(device=device, cuda=cuda, torch=torch is not None, jax=jax is not None,
-                jax_backend=jax.default_backend() if jax is not None else None,
-                versions=versions, date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                argv=sys.argv[1:])
-
 
 def share_gpu_with_torch(environ):
     """torch and JAX share one GPU in this process. At its first operation (detect() asks for
@@ -152,7 +114,7 @@ def variants(env, framework, objective, smoke=False):
         baselines = ["reference", "upstream"] + ([] if smoke else ["upstream+compile"])
         if env["cuda"]:
             baselines.append("reference+compile")
-            if objective == "ce" and _try_import("liger_kernel") is not None:
+            if objective == "ce" and try_import("liger_kernel") is not None:
                 baselines.append("liger")
         return native, baselines
     from dlm_kernels.token_stats.jax_vjp import REGISTRY as JAX_REGISTRY
@@ -168,7 +130,7 @@ def missing_peers(env, smoke=False):
     if not env["cuda"]:
         lines.append("Liger, Cut Cross-Entropy: GPU kernels, not timed on a CPU "
                      "(bench/gpu_check.sh)")
-    elif _try_import("liger_kernel") is None:
+    elif try_import("liger_kernel") is None:
         lines.append("Liger: not installed")
     return lines
 
@@ -315,7 +277,7 @@ def _timings(env, fw, cases, reps):
 def _peak(env, fw, case, objective, variant, n, k, dtype):
     """(peak bytes beyond the inputs, what the number is) of one forward+backward."""
     if fw == "torch" and env["cuda"]:
-        return case.cuda_peak_bytes(), "cuda max_memory_allocated delta"
+        return cuda_peak_delta(lambda: case.fwdbwd(0)), "cuda max_memory_allocated delta"
     if fw == "torch":
         return (cpu_peak_bytes(objective, variant, n, k, dtype),
                 "VmHWM delta (own process, bench/memory.py)")

@@ -35,7 +35,7 @@ import argparse
 import datetime as _dt
 import gc
 
-from .cli import add_common_args, write_outputs
+from .cli import add_common_args, detect, write_outputs
 from .progress import ratio_words
 from .timing import copy_bandwidth, measure
 
@@ -230,8 +230,6 @@ def run(shapes, reps=5, cuda=False, variants=VARIANTS, progress=lambda s: print(
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             results.append(row)
             progress(_line(row))
-    from .runner import detect
-
     return dict(device=detect()["device"], date=_dt.date.today().isoformat(),
                 copy_gbps=copy_gbps, results=results)
 

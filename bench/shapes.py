@@ -33,7 +33,7 @@ SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
 CPU_TARGET_SHAPES = [(f"cpu-N4096-K{k // 1024}k" + ("-bf16" if dtype == "bfloat16" else ""),
                       4096, k, dtype)
                      for k in (32768, 131072) for dtype in ("float32", "bfloat16")]
-CPU_TARGET_OBJECTIVES = ("ce", "sft", "opd")
+CPU_TARGET_OBJECTIVES = ("ce", "sft", "policy", "opd")
 CPU_TARGET_VARIANTS = {"torch": ("chunked", "upstream", "upstream+compile"),
                        "jax": ("chunked", "upstream")}
 # with --busy-core, these cases once more beside a busy loop (the label gains "-busy")

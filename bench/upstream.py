@@ -1,8 +1,11 @@
 """The losses a user would run instead of ours: each objective written materialised, as the
 upstream trainers write it (plain framework ops over [N, K] float32 logits).
 
-ce: ``F.cross_entropy`` / jitted ``jax.nn.log_softmax`` CE; policy: log-softmax, the
-target's log-probability and the entropy; opd: the Tunix-style distillation loss,
+ce: ``F.cross_entropy`` / jitted ``jax.nn.log_softmax`` CE; policy: TRL GRPOTrainer's loss
+as it writes it: a log-softmax, the target's log-probability, the clipped importance ratio
+against the rollout's log-probs, and the DAPO normaliser (masked sum over the mask's sum);
+it skips the entropy TRL logs, which ours returns from the same pass (the comparison
+favours the upstream); opd: the Tunix-style distillation loss,
 T²·KL(softmax(u/T) ‖ softmax(z/T)) plus the weighted T = 1 CE; sft: the Megatron-Bridge
 DiffusionGemma SFT loss, variant reweighted-loo-ce, as it writes it: the LOO shift
 delta = log1p(K·alpha / max(1 - alpha, EPS)) added through ``one_hot(xt, K) * delta`` to the
@@ -14,12 +17,14 @@ alpha = 1 - t. The benchmark's weights are all 1, so each is the same loss as
 from __future__ import annotations
 
 T_OPD, HARD_OPD = 2.0, 0.5  # bench.cases.objective_loss's opd
+EPS_CLIP = 0.2  # bench.cases.POLICY_EPSILON
 EPS = 1e-12  # the schedule's clamp (dlm_kernels._schedule.EPS)
 
 
 def _targets(objective, batch):
     """[N] target ids (a distillation batch holds them in its student batch)."""
-    student = batch.student_batch if objective == "opd" else batch
+    student = {"opd": lambda: batch.student_batch, "policy": lambda: batch.batch}.get(
+        objective, lambda: batch)()
     return student.target_ids.reshape(-1)
 
 
@@ -66,9 +71,14 @@ def torch_loss(objective, z, batch):
     if objective == "ce":
         return F.cross_entropy(zf, y)
     if objective == "policy":
-        logp = F.log_softmax(zf, -1)  # [N, K]
-        entropy = -(logp.exp() * logp).sum(-1)
-        return logp.gather(-1, y[:, None]).sum() + 0.01 * entropy.sum()
+        import torch
+
+        logp = F.log_softmax(zf, -1).gather(-1, y[:, None])[:, 0]  # [N]
+        mask = batch.batch.loss_weights.reshape(-1)
+        adv = batch.advantages.reshape(-1, 1).expand(z.shape[:-1]).reshape(-1)  # [N]
+        ratio = torch.exp(logp - batch.old_logps.reshape(-1))
+        per_token = -torch.min(ratio * adv, ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP) * adv)
+        return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
     u = batch.teacher_logits.reshape(-1, k).float()
     lp_s, lp_t = F.log_softmax(zf / T_OPD, -1), F.log_softmax(u / T_OPD, -1)
     kl = (lp_t.exp() * (lp_t - lp_s)).sum(-1)
@@ -88,9 +98,12 @@ def jax_loss(objective, z, batch):
     if objective == "ce":
         return -pick(jax.nn.log_softmax(zf, -1)).mean()
     if objective == "policy":
-        logp = jax.nn.log_softmax(zf, -1)
-        entropy = -(jnp.exp(logp) * logp).sum(-1)
-        return pick(logp).sum() + 0.01 * entropy.sum()
+        logp = pick(jax.nn.log_softmax(zf, -1))  # [N]
+        mask = batch.batch.loss_weights.reshape(-1)
+        adv = jnp.broadcast_to(batch.advantages[:, None], z.shape[:-1]).reshape(-1)  # [N]
+        ratio = jnp.exp(logp - batch.old_logps.reshape(-1))
+        per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - EPS_CLIP, 1 + EPS_CLIP) * adv)
+        return (per_token * mask).sum() / jnp.maximum(mask.sum(), 1.0)
     u = batch.teacher_logits.reshape(-1, k).astype(jnp.float32)
     lp_s = jax.nn.log_softmax(zf / T_OPD, -1)
     lp_t = jax.lax.stop_gradient(jax.nn.log_softmax(u / T_OPD, -1))

@@ -1,7 +1,7 @@
 """Buffer layouts shared by the kernels and the host code that allocates and reads them.
 
 Defined once here; the Triton and Pallas kernels index their buffers with these positions and
-the host code (``dlm_kernels._stats_math.State`` / ``Stats``, the launchers) sizes and reads
+the host (``dlm_kernels.token_stats.formulas.State`` / ``Stats``, the launchers) sizes and reads
 the same buffers from them, so no buffer size or row index is written as a bare number.
 
 PARTIAL_STATE: the streaming state of one row over a block of columns (docs/design.md §2), one
@@ -9,7 +9,7 @@ PARTIAL_STATE: the streaming state of one row over a block of columns (docs/desi
   Σ e^x·x (entropy), Σ e^{x'} for the separate CE temperature (x' = (r - m)/T_ce); the
   teacher's running max mu of its logits u, with x_u = (u - mu)/T_kl: Σ e^{x_u},
   Σ e^{x_u}·y and Σ e^{x_u}·psi(y) with y = x_u - x and psi(y) = y - 1 + e^{-y} >= 0 (the
-  KL's terms without cancellation: dlm_kernels._stats_math); last, with label smoothing only,
+  KL's cancellation-free terms: dlm_kernels.token_stats.formulas); last, with label smoothing only,
   Σ r over the valid columns (logit units: merged by a plain sum).
   Triton's partial buffer is [len(PARTIAL_STATE), S, N] (S vocabulary splits; its last row,
   ``sr``, only allocated with label smoothing); Pallas's partial output is

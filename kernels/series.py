@@ -1,5 +1,5 @@
 """The short series of the KL's cancellation-free form (docs/design.md §2, "The KL"), shared
-by the Triton and Pallas kernels and the host's math (``dlm_kernels._stats_math``), so that
+by the Triton and Pallas kernels and the host's math (``dlm_kernels.token_stats.formulas``), so that
 every backend evaluates the same polynomial.
 
 psi(y) = y - 1 + e^{-y} >= 0 (a second-order quantity: y²/2 - y³/6 + ...). Formed as written

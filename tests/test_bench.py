@@ -76,6 +76,32 @@ def test_bench_runs_installed_from_any_directory(tmp_path):
     assert "(default: None)" not in text and "(default: True)" not in text, out
 
 
+def test_grpo_head_variants_are_one_loss(monkeypatch):
+    """The linear-head benchmark's GRPO variants (ours from a LinearHead, ours on materialised
+    logits, Liger's fused linear GRPO) time one loss: the same value and (dH, dW) on the same
+    inputs, at an awkward shape with ratios outside the clip range."""
+    import pytest
+
+    pytest.importorskip("liger_kernel.chunked_loss")
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.linear_head import GRPO_VARIANTS, TorchHeadCase
+
+    out = {}
+    for variant in GRPO_VARIANTS:
+        case = TorchHeadCase(variant, 37, 19, 301, "float32", "cpu")
+        value = case.fwd(0)
+        out[variant] = [value.detach().double().numpy()] + [
+            g.double().numpy() for g in case.fwdbwd(0)]
+    old, _ = case.sets[0][3]
+    h, w, y = case.sets[0][:3]
+    logp = (h[0] @ w.T).log_softmax(-1).gather(-1, y[0, :, None])[:, 0]  # [N]
+    ratio = (logp - old[0]).exp()
+    assert ((ratio - 1).abs() > 0.2).any(), "no ratio outside the clip range"
+    for variant in GRPO_VARIANTS[1:]:
+        for name, got, want in zip(("loss", "dH", "dW"), out[variant], out["ours-grpo"]):
+            assert_close(got, want, "float32", f"{variant} {name}")
+
+
 def test_linear_head_bench(monkeypatch):
     """The linear-head cases (what python -m bench appends to its grid): parity first, then the
     fused head beside the unfused pipeline in both frameworks, with a 2N scaling row."""

@@ -100,7 +100,7 @@ def test_op_packages_import_no_framework():
     """token_stats/, linear_head/, sampling/ (and the package root) are framework-neutral: a
     framework comes in only with a module of it (torch_*.py, jax_*.py) or a front end."""
     code = ("import sys, dlm_kernels.token_stats, dlm_kernels.linear_head, dlm_kernels.sampling, "
-            "dlm_kernels.linear_head.head, dlm_kernels.sampling.core, dlm_kernels.token_stats.math; "
+            "dlm_kernels.linear_head.head, dlm_kernels.sampling.core, dlm_kernels.token_stats.formulas; "
             "seen = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')); "
             "assert not seen, seen")
     subprocess.run([sys.executable, "-c", code], check=True)

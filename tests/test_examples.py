@@ -1,7 +1,8 @@
 """The framework-habit examples at tiny sizes: the Flax NNX + optax training step with a tied
 ``LinearHead`` (skipped without flax and optax: ``pip install -e ".[examples]"``), the GRPO
-steps (torch; JAX with optax), and the Megatron-Core layout example under torchrun with gloo
-ranks."""
+steps (torch; JAX with optax), the Megatron-Core layout example under torchrun with gloo
+ranks, and transformers' DiffusionGemma trained under the patch (skipped without
+transformers)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,15 @@ def test_grpo_step_examples(name):
     assert log[0]["kl"] == 0.0, log[0]
     assert all(e["clip_ratio"] == 0.0 for e in log if e["iteration"] == 0), log
     assert log[-1]["reward"] > log[0]["reward"], [e["reward"] for e in log]
+
+
+def test_diffusion_gemma_train_example():
+    """transformers' DiffusionGemma under apply_dlm_kernels_to_diffusion_gemma (skipped
+    without transformers): the fused loss trains the tiny model (it falls over 8 steps), the
+    logits are never formed in training, and generate runs the fused denoising step."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    log = _load("diffusion_gemma_train").main(steps=8, batch=4)
+    train, generated = log[:-1], log[-1]
+    assert all(np.isfinite(e["loss"]) and not e["logits_formed"] for e in train), train
+    assert train[-1]["loss"] < train[0]["loss"], [e["loss"] for e in train]
+    assert generated["generated"].shape[1] >= 8 + 16, generated["generated"].shape

@@ -1,13 +1,22 @@
-"""The suite's layout: no test file imports another test file (shared suites and input
-builders live in non-test modules: ``token_stats/suite.py``, ``objectives/suite.py``, ...),
-and pytest's conftest parametrises nothing behind a reader's back."""
+"""The layout of the suite and of the package: no test file imports another test file
+(shared suites and input builders live in non-test modules: ``token_stats/suite.py``,
+``objectives/suite.py``, ...), pytest's conftest parametrises nothing behind a reader's back,
+every ``dlm_kernels.<name>`` the comments, docstrings and documents cite exists, and the
+package's imports form no cycle."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import io
 import pathlib
+import re
+import tokenize
+
+import pytest
 
 TESTS = pathlib.Path(__file__).parent
+ROOT = TESTS.parent
 
 
 def names_of_test_modules(path: pathlib.Path) -> set[str]:
@@ -89,3 +98,289 @@ def test_no_test_monkeypatches_a_torch_configuration():
                     and ast.unparse(node.args[0]).endswith(".config")):
                 found.append(f"{path.relative_to(TESTS)}:{node.lineno}")
     assert not found, "use the torch_config fixture: " + ", ".join(found)
+
+
+# -- names the text cites ------------------------------------------------------------------
+
+#: where comments, docstrings and documents cite the package's names
+TEXT_ROOTS = ("python", "kernels", "bench", "docs", "examples", "README.md")
+#: a dotted name of the package (not ``torch.ops.dlm_kernels.<op>``, a custom op's namespace)
+DOTTED = re.compile(r"(?<![\w.])dlm_kernels(?:\.[A-Za-z_]\w*)+")
+#: the optional frameworks: a name whose module needs a missing one is not checked here
+FRAMEWORKS = {"torch", "jax", "jaxlib", "triton", "jax_triton"}
+
+
+def text_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """The .py and .md files under ``TEXT_ROOTS``, each once (not again through the links
+    ``python/dlm_kernels/kernels`` and ``python/dlm_kernels/bench``)."""
+    found = []
+    for name in TEXT_ROOTS:
+        top = root / name
+        paths = [top] if top.is_file() else sorted(top.rglob("*"))
+        found += [p for p in paths if p.suffix in (".py", ".md") and p.is_file()
+                  and not any(q.is_symlink() for q in p.relative_to(root).parents
+                              if str(q) != "." and (root / q).is_symlink())]
+    return found
+
+
+def prose_of_python(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every string that stands as a statement (docstrings,
+    attribute docstrings) of a Python source: what a reader reads, not what the code runs."""
+    out = [(tok.start[0], tok.string)
+           for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            out.append((node.lineno, node.value.value))
+    return out
+
+
+def cited_names(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, name) of every ``dlm_kernels.<dotted>`` name in a file's prose (a Python
+    file's comments and docstrings, a Markdown file's whole text)."""
+    text = path.read_text()
+    parts = prose_of_python(text) if path.suffix == ".py" else [(1, text)]
+    return [(line + part[:m.start()].count("\n"), m.group())
+            for line, part in parts for m in DOTTED.finditer(part)]
+
+
+def resolve(name: str) -> str | None:
+    """None where ``name`` is a module of the package or an attribute of one (the longest
+    prefix that is a module imported, the rest read with getattr), else what is missing;
+    "skip" where the module needs a framework that is not installed."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            value = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            missing = err.name or ""
+            if module_name == missing or module_name.startswith(missing + "."):
+                continue  # not a module: a shorter prefix is, and the rest are attributes
+            if missing.split(".")[0] in FRAMEWORKS:
+                return "skip"
+            raise
+        for i, attr in enumerate(parts[cut:], cut):
+            if not hasattr(value, attr):
+                return f"{'.'.join(parts[:i])} has no {attr!r}"
+            value = getattr(value, attr)
+        return None
+    return f"no module {parts[0]!r}"
+
+
+def test_cited_names_exist():
+    """Every ``dlm_kernels.<dotted>`` name in the comments, docstrings and documents is a
+    module of the package or an attribute of one: a module moved or renamed takes its
+    citations with it."""
+    bad = []
+    for path in text_files():
+        for line, name in cited_names(path):
+            why = resolve(name)
+            if why not in (None, "skip"):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {name} ({why})")
+    assert not bad, "names the text cites that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_citation_reader_reads_prose_only(tmp_path):
+    """Comments and docstrings are read, code is not: a custom op's namespace
+    (``torch.ops.dlm_kernels.x``) and a string the code uses are not citations."""
+    source = ('"""See dlm_kernels.a.b."""\n'
+              "x = torch.ops.dlm_kernels.op(1)  # dlm_kernels.c\n"
+              "y = 'dlm_kernels.not_prose'\n"
+              "def f():\n    \"\"\"Uses\n    dlm_kernels.d.e (x).\"\"\"\n")
+    (tmp_path / "m.py").write_text(source)
+    (tmp_path / "m.md").write_text("text\n`dlm_kernels.f` and torch.ops.dlm_kernels.g.\n")
+    assert cited_names(tmp_path / "m.py") == [(2, "dlm_kernels.c"), (1, "dlm_kernels.a.b"),
+                                              (6, "dlm_kernels.d.e")]
+    assert cited_names(tmp_path / "m.md") == [(2, "dlm_kernels.f")]
+    assert resolve("dlm_kernels.testing.TOLERANCES") is None
+    assert resolve("dlm_kernels.kernels.layout.ROW_STATS") is None
+    assert resolve("dlm_kernels.testing.NO_SUCH") == "dlm_kernels.testing has no 'NO_SUCH'"
+    assert resolve("dlm_kernels._no_such_module.x") == "dlm_kernels has no '_no_such_module'"
+
+
+# -- the package's imports ------------------------------------------------------------------
+
+#: the package's source trees by dotted prefix: kernels/ and bench/ join it through the
+#: links python/dlm_kernels/kernels and python/dlm_kernels/bench (also importable as the
+#: top-level ``kernels`` and ``bench`` from the repository root)
+TREES = {"dlm_kernels": "python/dlm_kernels", "dlm_kernels.kernels": "kernels",
+         "dlm_kernels.bench": "bench"}
+
+
+def package_modules(root: pathlib.Path = ROOT, trees: dict[str, str] = TREES
+                    ) -> dict[str, pathlib.Path]:
+    """{dotted name: file} of every module of the package (a folder's ``__init__.py`` under
+    the folder's name), each once."""
+    modules = {}
+    for prefix, folder in trees.items():
+        top = root / folder
+        for path in sorted(top.rglob("*.py")):
+            parts = path.relative_to(top).with_suffix("").parts
+            if any((top / pathlib.Path(*parts[:i])).is_symlink() for i in range(1, len(parts))):
+                continue  # a link to another tree, listed under its own prefix
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((prefix, *parts))] = path
+    return modules
+
+
+def _imports(tree: ast.AST):
+    """(node, in_function) of every import statement, those under ``if TYPE_CHECKING:`` left
+    out (they never run)."""
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                children = child.orelse
+            else:
+                children = [child]
+            for c in children:
+                if isinstance(c, (ast.Import, ast.ImportFrom)):
+                    yield c, in_function
+                yield from visit(c, in_function or isinstance(
+                    c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+    yield from visit(tree, False)
+
+
+def import_graph(modules: dict[str, pathlib.Path], top: str = "dlm_kernels"):
+    """({module: modules it imports}, [(module, line, imported module)] of the imports made
+    inside a function) over the package's own modules. ``from a import b`` imports ``a.b``
+    where that is a module, else ``a``; ``kernels.x`` and ``bench.x`` are the package's
+    ``dlm_kernels.kernels.x`` and ``dlm_kernels.bench.x``. Importing ``a.b.c`` runs the
+    ``__init__`` of ``a`` and ``a.b`` too, so each is an edge unless it encloses the
+    importer (a package is being imported already when one of its modules runs)."""
+    aliases = {prefix.rpartition(".")[2]: prefix for prefix in TREES if prefix != top}
+
+    def owner(name):  # the longest prefix of ``name`` that is a module of the package
+        first, _, rest = name.partition(".")
+        if first in aliases:
+            name = aliases[first] + ("." + rest if rest else "")
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = {name: set() for name in modules}
+    inside = []
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node, in_function in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{alias.name}" if owner(f"{base}.{alias.name}")
+                         == f"{base}.{alias.name}" else base for alias in node.names]
+            for target in {owner(n) for n in names if n.split(".")[0] in (top, *aliases)}:
+                if not target:
+                    continue
+                if in_function:
+                    inside.append((module, node.lineno, target))
+                chain = [target]
+                while "." in chain[-1]:
+                    chain.append(chain[-1].rpartition(".")[0])
+                edges[module].update(t for t in chain if t in modules and t != module
+                                     and not module.startswith(t + "."))
+    return edges, inside
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: every strongly connected component of more than one module
+    (Tarjan's algorithm, iterative), each sorted, the list sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(edges[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+#: the import cycles left: none (there were 5: _checks / _config / linear_head.head;
+#: each framework's ops adapter, linear head path and token-statistics VJP; bench's cases /
+#: memory and runner / linear_head / sampling)
+MAX_CYCLES = 0
+#: the front ends: a module that serves both frameworks imports one inside the function that
+#: needs it, so that the other framework need not be installed (the package root's
+#: backend_for, the benchmark's cases); those imports are listed, not counted
+FRONT_ENDS = ("dlm_kernels.torch", "dlm_kernels.jax")
+#: the other imports of the package's own modules made inside a function (31 of 47), each
+#: deliberate: the package root imports the head module only when backend_for is called
+#: (``import dlm_kernels`` stays light), ``dlm_kernels.testing`` a framework's plumbing only
+#: when its helper is asked for (2), and the benchmark the memory probes, the Triton
+#: launchers, the upstream losses, the testing helpers or a sub-benchmark only for the
+#: cases that run (28). The number can only go down.
+MAX_IN_FUNCTION_IMPORTS = 31
+
+
+def test_no_import_cycles():
+    """No module of the package imports, directly or through others (function bodies
+    included), a module that imports it back: the layers of docs/design.md §6 hold."""
+    found = cycles(import_graph(package_modules())[0])
+    assert len(found) <= MAX_CYCLES, "import cycles (each a set of modules that import each\n" \
+        "other, directly or not):\n" + "\n".join(", ".join(c) for c in found)
+
+
+def test_in_function_imports_only_go_down():
+    """An import inside a function hides an edge of the graph from a reader (it is counted
+    in the cycles above all the same); the ones left are listed by kind above."""
+    _, inside = import_graph(package_modules())
+    counted = [(m, line, t) for m, line, t in inside if t not in FRONT_ENDS]
+    listing = "\n".join(f"{m}:{line} imports {t}" for m, line, t in counted)
+    assert len(counted) <= MAX_IN_FUNCTION_IMPORTS, (
+        f"{len(counted)} in-function imports (besides the front ends'):\n{listing}")
+
+
+def test_the_import_graph_sees_every_form(tmp_path):
+    """Absolute, relative, from-package and in-function imports; a package's ``__init__``
+    imported on the way; TYPE_CHECKING imports left out; a cycle through a function found."""
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    files = {"__init__.py": "",
+             "a.py": "from . import b\nfrom typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from .c import X\n",
+             "b.py": "def f():\n    from .sub.d import Y\n",
+             "c.py": "import p.sub\n",
+             "sub/__init__.py": "from .d import Y\n",
+             "sub/d.py": "from ..a import Z\n"}
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    modules = package_modules(tmp_path, {"p": "p"})
+    edges, inside = import_graph(modules, top="p")
+    assert edges["p.a"] == {"p.b"}
+    assert edges["p.b"] == {"p.sub.d", "p.sub"}
+    assert edges["p.c"] == {"p.sub"}
+    assert edges["p.sub"] == {"p.sub.d"}  # its own module; p.sub encloses it: no edge back
+    assert edges["p.sub.d"] == {"p.a"}
+    assert inside == [("p.b", 2, "p.sub.d")]
+    assert cycles(edges) == [["p.a", "p.b", "p.sub", "p.sub.d"]]

@@ -125,7 +125,7 @@ def _lowered_once(monkeypatch):
 
 
 def _stats_math_spies(monkeypatch, seen):
-    import dlm_kernels.token_stats.math as stats_math
+    import dlm_kernels.token_stats.formulas as stats_math
 
     for name, at in (("reference_stats", 2), ("chunk_partial", 4), ("chunk_grads", 5),
                      ("finalize", 5)):
@@ -203,9 +203,9 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
 
 
 def _host_gathers(monkeypatch):
-    """The calls of the host's target-logit gathers (``token_stats.math.target_logit``, and
+    """The calls of the host's target-logit gathers (``token_stats.formulas.target_logit``, and
     ``target_column``, which a gather of a head's weight rows starts from), as a list."""
-    import dlm_kernels.token_stats.math as stats_math
+    import dlm_kernels.token_stats.formulas as stats_math
 
     seen = []
     for name in ("target_logit", "target_column"):

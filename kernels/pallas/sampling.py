@@ -1,4 +1,4 @@
-"""Pallas (Mosaic TPU) kernel of the denoising step's draw (``dlm_kernels._sampling``): one
+"""Pallas (Mosaic TPU) kernel of the denoising step's draw (``dlm_kernels.sampling.core``): one
 streaming read of each row's logits.
 
 Grid (cdiv(N, BN), cdiv(K, BK)) with dimension semantics ("parallel", "arbitrary"), blocks
@@ -52,7 +52,7 @@ def _shr(x, s):
 
 
 def _mix(x):
-    """lowbias32 of int32-held 32-bit patterns (_sampling.mix)."""
+    """lowbias32 of int32-held 32-bit patterns (sampling.core.mix)."""
     x = x ^ _shr(x, 16)
     x = x * jnp.int32(_M1)
     x = x ^ _shr(x, 15)

@@ -42,19 +42,19 @@ compare of the lane ids with the target, a select and a sum per element (the onl
 operations beyond the online logsumexp in a whole block); a vocabulary shard leaves it to
 the caller, which gathers one target logit per row on every backend (``forward_partial``),
 to merge across shards. The gradient gathers its
-per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels._stats_math``). With
+per-row factors first (the form of ``chunk_grads`` in ``dlm_kernels.token_stats.formulas``). With
 ``entropy=False`` the entropy's running sum and its gradient term are left out (the entropy
 column is then 0). Every exponent is a difference of logits scaled afterwards, (r - m)/T,
 with m the running maximum of the logits themselves (docs/design.md §2): the forward keeps
 m in logit units, and the backward forms p = e^{(r - m)/T}·e^{-la} from the saved m and
-log-sum la, exact at any temperature down to 2^-102 (``MIN_TEMPERATURE``).
+log-sum la, exact at any temperature down to 2^-102 (``FLOAT32_MIN_TEMPERATURE``).
 
 Label smoothing and z-loss (docs/design.md §2): with ``smoothing`` the forward keeps one
 more running sum, Σ r over the valid columns, and writes it after ROW_STATS (or, for a
 shard, as PARTIAL_STATE's ``sr``); the caller forms the CE term from it
-(``_stats_math.ce_objective``). With ``ce_terms`` the backward reads the CE term's per-row
+(``token_stats.formulas.ce_objective``). With ``ce_terms`` the backward reads the CE term's per-row
 coefficients (g_y, g_u, g_p) from three more packed float columns (F_GY, F_GU, F_GP;
-``_stats_math.ce_coefficients``) in place of g_lp.
+``token_stats.formulas.ce_coefficients``) in place of g_lp.
 
 TPU notes: target and shift columns are compared against an ``iota`` (``one_hot`` has failed
 to lower on TPU v4); per-row scalars are (BN, 1) slices of the packed blocks.
@@ -106,7 +106,7 @@ def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
 
 
 def _cap(z, softcap, has_softcap):
-    """c·tanh(z/c), as the host computes it (``_stats_math.softcap``, kernels/softcap.py):
+    """c·tanh(z/c), as the host computes it (``token_stats.formulas.softcap``, kernels/softcap.py):
     below the series bound z·(1 + u·Q(u)), u = (z/c)², so z itself where z/c underflows;
     z without a cap (``has_softcap`` False: ``softcap`` is the host's stand-in, unread)."""
     if not has_softcap:
@@ -199,7 +199,7 @@ def _psi_series(y):
 def _teacher_terms(xu, xs, e, eu):
     """This block's (cu, fu) terms summed over its columns, (BN, 1) each: e^{x_u}·y and
     e^{x_u}·psi(y) with y = x_u - x (the series where |y| is small, where
-    e^{x_u}·y - e^{x_u} + e^x cancels; dlm_kernels._stats_math.teacher_sums)."""
+    e^{x_u}·y - e^{x_u} + e^x cancels; dlm_kernels.token_stats.formulas.teacher_sums)."""
     y = xu - xs
     ct = jnp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
     fk = jnp.where(jnp.abs(y) < PSI_SMALL, ct * y * _psi_series(y), ct + (e - eu))
@@ -207,7 +207,7 @@ def _teacher_terms(xu, xs, e, eu):
 
 
 def _teacher_at(a_old, au_old, cu, fu, f, g, h):
-    """Running (cu, fu) re-expressed at new maxima (dlm_kernels._stats_math.teacher_at): the
+    """Running (cu, fu) at new maxima (dlm_kernels.token_stats.formulas.teacher_at): the
     student's exponents moved by δ (f = e^δ), the teacher's by δ_u (g = e^{δ_u}), and
     y = x_u - x by -h, h = δ - δ_u."""
     live = g > 0
@@ -224,7 +224,7 @@ def _psi(y):
 
 
 def _kl(a, au, cu, fu):
-    """KL(q || p) >= 0 from a row's sums (dlm_kernels._stats_math.kl_divergence)."""
+    """KL(q || p) >= 0 from a row's sums (dlm_kernels.token_stats.formulas.kl_divergence)."""
     e_far = jnp.log(au) - jnp.log(a)
     v = (cu - fu) / a
     near = (jnp.abs(e_far) <= 1.0) & (jnp.abs(v) < 2.0)
@@ -409,7 +409,7 @@ def grad_tile(z, load_u, ints, f, *, kb, vocab, bk, inv_t, inv_t_ce, inv_t_kl, s
     iota = jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)
     cols = kb * bk + iota + offset if has_shift or padded else None
     # Per-row factors first, so each element costs as few vector operations as the math
-    # allows (chunk_grads in _stats_math has the same form):
+    # allows (chunk_grads in token_stats.formulas has the same form):
     #   dr = p·coef + (g_kl/T)·(p - q) - (g_lp/T_ce)·p' + [k == y]·g_lp/T_ce
     # with p = e^x·e^{-la}, x = (r - m)/T: the row factor e^{-la} joins coef
     g_y = g_p = g_lp * inv_t_ce

@@ -1,4 +1,4 @@
-"""Triton kernel of the denoising step's draw (``dlm_kernels._sampling``): one streaming read
+"""Triton kernel of the denoising step's draw (``dlm_kernels.sampling.core``): one streaming read
 of each row's logits, no host code.
 
   sample_partial_kernel  grid (N, S): row n, vocabulary split s. One pass over its columns in
@@ -48,7 +48,7 @@ POS_INF = tl.constexpr(float("inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 G_BOUND = tl.constexpr(17.0)  # > the largest Gumbel noise, -log(-log(1 - 2^-24)) = 16.64
 BIG_ID = tl.constexpr(2**31 - 1)
-M1 = tl.constexpr(0x7FEB352D)  # lowbias32 multipliers (_sampling.MIX_STEPS)
+M1 = tl.constexpr(0x7FEB352D)  # lowbias32 multipliers (sampling.core.MIX_STEPS)
 M2 = tl.constexpr(0x846CA68B)
 
 F_M, F_A, F_B, F_V1, F_V2, F_GV, F_GZ = (tl.constexpr(SAMPLE_STATE.index(f))
@@ -58,7 +58,7 @@ I_I1, I_GI = (tl.constexpr(SAMPLE_IDS.index(f)) for f in ("i1", "gi"))
 
 @triton.jit
 def _mix(x):
-    """lowbias32 of uint32 x (logical shifts, products modulo 2^32): _sampling.mix."""
+    """lowbias32 of uint32 x (logical shifts, products modulo 2^32): sampling.core.mix."""
     x = x ^ (x >> 16)
     x = x * tl.full(x.shape, M1, tl.uint32)
     x = x ^ (x >> 15)
@@ -69,7 +69,7 @@ def _mix(x):
 @triton.jit
 def _gumbel(key, cols):
     """float32 Gumbel noise of global columns cols (int32) in the row keyed by key (uint32):
-    _sampling.gumbel, u = ((h >> 9) + 1/2)·2^-23."""
+    sampling.core.gumbel, u = ((h >> 9) + 1/2)·2^-23."""
     h = _mix(key ^ _mix(cols.to(tl.uint32)))
     u = ((h >> 9).to(tl.float32) + 0.5) * 0.00000011920928955078125  # 2^-23
     return -tl.log(-tl.log(u))

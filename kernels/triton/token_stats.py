@@ -15,11 +15,11 @@ Three kernels, no host code:
                          With CE_TERMS (label smoothing or z-loss) the logp cotangent arrives
                          as three per-row coefficients (g_y, g_u, g_p) = g_lp_ptr[3, N] of the
                          CE gradient g_y·[k == y] + g_u·[k valid] - g_p·p'_k
-                         (``dlm_kernels._stats_math.ce_coefficients``).
+                         (``dlm_kernels.token_stats.formulas.ce_coefficients``).
 
 The finalize kernel's logp is the target's log-probability; label smoothing and z-loss turn
 it into the CE training term on the host, from the row statistics and the merged Σ r (O(N),
-``_stats_math.ce_objective``), as every backend does.
+``token_stats.formulas.ce_objective``), as every backend does.
 
 Bytes per row (K columns, E bytes per logit): the partial pass reads K·E (plus K·E of teacher
 logits); the finalize pass reads 8·S·4 + E and writes 40; the gradient pass reads K·E and
@@ -48,7 +48,7 @@ m the running maximum of the logits r themselves (docs/design.md §2), never r·
 maximum or lse of size |r|/T; the kernels keep m in logit units and store it so, with the
 log of the sum relative to it, and the gradient pass forms log p = (r - m)/T - la from them.
 So the base-2 scale log2(e)/T multiplies a difference, exact at any T down to 2^-102
-(``MIN_TEMPERATURE``; a maximum or lse of size |r|/T would carry an absolute error of an
+(``FLOAT32_MIN_TEMPERATURE``; a maximum or lse of size |r|/T would carry an absolute error of an
 ulp of it, about 60 at |r| = 10, T = 1e-8).
 """
 
@@ -128,7 +128,7 @@ def _sech2(x):
 
 @triton.jit
 def _cap(z, softcap, inv_c):
-    """c·tanh(z/c) (inv_c = 1/c), as the host computes it (``_stats_math.softcap``): below
+    """c·tanh(z/c) (inv_c = 1/c), as the host computes it (``token_stats.formulas.softcap``): below
     the series bound z·(1 + u·Q(u)), so z itself to float32 where z/c underflows."""
     x = z * inv_c
     u = x * x
@@ -150,7 +150,7 @@ def _psi(y):
 @triton.jit
 def _teacher_at(a, au, cu, fu, f, g, h):
     """Teacher sums (cu, fu) of parts (lanes, splits) re-expressed at new maxima, natural
-    units (dlm_kernels._stats_math.teacher_at): the student's exponents moved by δ
+    units (dlm_kernels.token_stats.formulas.teacher_at): the student's exponents moved by δ
     (f = e^δ), the teacher's by δ_u (g = e^{δ_u}), and y = x_u - x by -h, h = δ - δ_u. A
     part with g = 0 adds no teacher mass, one with f = 0 its teacher's mass where the
     student's probability is 0."""
@@ -172,7 +172,7 @@ def _log1p(x):
 
 @triton.jit
 def _kl(a, au, cu, fu):
-    """KL(q || p) >= 0 from a row's merged sums (dlm_kernels._stats_math.kl_divergence)."""
+    """KL(q || p) >= 0 from a row's merged sums (dlm_kernels.token_stats.formulas.kl_divergence)."""
     e_far = tl.log(au) - tl.log(a)
     v = (cu - fu) / a
     near = (tl.abs(e_far) <= 1.0) & (tl.abs(v) < 2.0)
@@ -338,7 +338,7 @@ def _fold_block(z_row, u_row, cols, k_valid, col_offset, x, d, c_t, c_ce, c_kl,
         eu = tl.exp2(xu)
         g = tl.exp2(shift_u * c_kl)
         # the old (cu, fu) at the new maxima (y = x_u - x moves by δ_u - δ, natural units),
-        # then this block's terms (_stats_math.teacher_sums): y2 = xu - xs in base 2;
+        # then this block's terms (token_stats.formulas.teacher_sums): y2 = xu - xs in base 2;
         # e^{x_u}·psi(y) by its series where |y| is small
         h = (shift * c_t - shift_u * c_kl) * LN2
         cu, fu = _teacher_at(a_old, au, cu, fu, f, g, h)

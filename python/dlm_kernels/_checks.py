@@ -213,15 +213,16 @@ def require_instance(name, value, cls):
     raise TypeError(f"{name} must be a {cls.__name__}; got {got.__name__}")
 
 
-def require_logits(xp, name, x):
-    """A logits array, or a ``LinearHead`` standing for one (its parts checked)."""
-    from .linear_head.head import as_logits
-
-    as_logits(x).check(xp, name)
+def require_logits(xp, name, source):
+    """A logits argument, given as its source (``linear_head.head.as_logits`` of it: an array
+    or a ``LinearHead``, its parts checked). The checks that take logits read only the
+    ``LogitsSource`` protocol; their callers resolve the argument, so this module imports
+    nothing above it."""
+    source.check(xp, name)
 
 
 def require_rank(xp, name, x, rank, layout, logits=False):
-    """x an array of rank ``rank`` (``logits``: an array or a LinearHead)."""
+    """x an array of rank ``rank`` (``logits``: x is a logits source, ``require_logits``)."""
     (require_logits if logits else require_array)(xp, name, x)
     if len(x.shape) != rank:
         raise ValueError(f"{name} must have shape {layout}; got {shape_str(x.shape)}")
@@ -354,7 +355,8 @@ def check_active_targets(xp, target_ids, loss_weights, vocab_size=None, allow_sy
 # -- the token-statistics primitive ------------------------------------------------
 
 def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_logits):
-    """Static checks of ``token_stats`` arguments (leading dims ``...`` = rows)."""
+    """Static checks of ``token_stats`` arguments (leading dims ``...`` = rows; ``logits``
+    and ``teacher_logits`` as sources, ``require_logits``)."""
     require_logits(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got {shape_str(logits.shape)}")
@@ -436,8 +438,8 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allo
 
 
 def check_logits_for_batch(xp, name, logits, batch_shape):
-    """Logits [B, L, K] for a batch of shape ``batch_shape``, in Tunix's words and order
-    (rank, alignment, a non-empty vocabulary, a floating dtype)."""
+    """Logits [B, L, K] (a source, ``require_logits``) for a batch of shape ``batch_shape``,
+    in Tunix's words and order (rank, alignment, a non-empty vocabulary, a floating dtype)."""
     require_rank(xp, name, logits, 3, "[batch, length, vocab]", logits=True)
     if tuple(logits.shape[:2]) != tuple(batch_shape):
         raise ValueError(
@@ -451,11 +453,9 @@ def check_logits_for_batch(xp, name, logits, batch_shape):
 
 
 def check_teacher_values(xp, teacher_logits, loss_weights):
-    """Teacher logits (an array or a LinearHead) must be finite at active positions
+    """Teacher logits (a source, ``require_logits``) must be finite at active positions
     (``LogitsSource.check_finite``: a head's are never built, nothing to read)."""
-    from .linear_head.head import as_logits
-
-    as_logits(teacher_logits).check_finite(xp, "teacher_logits", loss_weights)
+    teacher_logits.check_finite(xp, "teacher_logits", loss_weights)
 
 
 def require_finite_at_active(xp, name, logits, weights):

@@ -11,20 +11,22 @@ from typing import Optional
 from ._checks import flag, number, plain
 
 
-# The smallest temperature accepted, 2^-102 (about 2e-31). Every backend forms its exponents
+# The smallest temperature of the token statistics and the objectives (temperature,
+# ce_temperature, teacher_temperature), 2^-102 (about 2e-31): the floor float32 sets, not the
+# sampler's (sampling.core.MIN_SAMPLING_TEMPERATURE). Every backend forms its exponents
 # as differences of logits scaled afterwards, (r - m)·(1/T) (docs/design.md §2): 1/T must be
 # a finite float32, and a difference of 2^-24·T (the float32 resolution of a scaled logit of
 # unit size) must be a normal float32 number, 2^-126 or more, since GPUs, TPUs and XLA's CPU
 # backend flush subnormal results to zero. Below it a temperature is a ValueError that names
 # the argument.
-MIN_TEMPERATURE = 2.0 ** -102
+FLOAT32_MIN_TEMPERATURE = 2.0 ** -102
 
 
 def check_temperature(name: str, value, *, allow_none: bool = False) -> Optional[float]:
-    """A temperature: a finite positive Python scalar of at least MIN_TEMPERATURE."""
+    """A temperature: a finite positive Python scalar of at least FLOAT32_MIN_TEMPERATURE."""
     value = check_positive_float(name, value, allow_none=allow_none)
-    if value is not None and value < MIN_TEMPERATURE:
-        raise ValueError(f"{name} must be at least {MIN_TEMPERATURE!r} (2^-102: smaller "
+    if value is not None and value < FLOAT32_MIN_TEMPERATURE:
+        raise ValueError(f"{name} must be at least {FLOAT32_MIN_TEMPERATURE!r} (2^-102: smaller "
                          f"temperatures resolve logits closer than float32 keeps them); "
                          f"got {plain(value)}")
     return value
@@ -101,7 +103,7 @@ class StatsConfig:
     place, ``token_stats.lowering.lower``; the backends read that, never this.
 
     temperature:       T of the student distribution p = softmax(s), s = r / T (entropy, KL);
-                       every temperature is at least MIN_TEMPERATURE.
+                       every temperature is at least FLOAT32_MIN_TEMPERATURE.
     ce_temperature:    temperature of the ``logp`` term; equal to ``temperature`` by default.
     teacher_temperature: T_kl of the teacher distribution q = softmax(u / T_kl).
     softcap:           c in cap(z) = c * tanh(z / c); None for no cap.

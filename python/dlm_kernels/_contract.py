@@ -8,6 +8,7 @@ methods call the functions here with the framework's ops adapter.
 from __future__ import annotations
 
 from . import _checks as checks
+from .linear_head.head import as_logits
 
 
 def weighted_mean(xp, unreduced_sum, denominator):
@@ -42,7 +43,7 @@ def validate_distillation_batch(xp, batch, token_batch, vocab_extent):
     checks.require_instance("student_batch", batch.student_batch, token_batch)
     batch.student_batch.validate()
     student = batch.student_batch
-    checks.check_logits_for_batch(xp, "teacher_logits", batch.teacher_logits,
+    checks.check_logits_for_batch(xp, "teacher_logits", as_logits(batch.teacher_logits),
                                   student.target_ids.shape)
     checks.check_active_targets(xp, student.target_ids, student.loss_weights,
                                 vocab_extent(batch.teacher_logits), allow_sync=True)

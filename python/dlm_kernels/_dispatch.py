@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the protocol's types; the modules that define them import t
     from ._rows import Rows
     from .linear_head.head import HeadPlan
     from .sampling.core import Sample, SampleConfig
-    from .token_stats.math import State, Stats
+    from .token_stats.formulas import State, Stats
 
 logger = logging.getLogger("dlm_kernels")
 
@@ -63,7 +63,7 @@ class Backend(Protocol):
     """One framework's implementation of the token-statistics primitive, in full (``rows``:
     the row bundle of ``_rows.Rows``; ``cfg``: the call lowered once by the front end,
     ``token_stats.lowering.Lowered``, the only place its flags and constants come from; ``Stats``,
-    ``State``: ``token_stats.math``). What an implementation offers is declared, never
+    ``State``: ``token_stats.formulas``). What an implementation offers is declared, never
     probed, and the registry checks the declaration when it takes one (``missing_methods``):
 
     custom_vjp False: ``compute`` only, differentiated by the framework's autodiff.

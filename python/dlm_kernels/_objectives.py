@@ -169,7 +169,7 @@ class Objectives:
         shift inside the fused primitive instead.
         """
         xp = self.xp
-        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
+        checks.require_rank(xp, "logits", as_logits(logits), 3, "[B, L, K]", logits=True)
         checks.require_float(xp, "logits", logits)
         logits = as_logits(logits).dense(xp)  # the output is the [B, L, K] array itself
         checks.require_array(xp, "xt", xt)
@@ -194,7 +194,7 @@ class Objectives:
         variant = normalize_variant(variant)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
                                     allow_none=True)
-        checks.require_rank(xp, "logits", logits, 3, "[B, L, K]", logits=True)
+        checks.require_rank(xp, "logits", as_logits(logits), 3, "[B, L, K]", logits=True)
         checks.require_float(xp, "logits", logits)
         vocab_size, extent = self._check_vocab_size(vocab_size, logits)
         bl = tuple(logits.shape[:2])
@@ -300,7 +300,7 @@ class Objectives:
         the arrays are concrete host arrays (no device sync, except inside ``sync_checks()``:
         elsewhere an out-of-range active target shows as a NaN log-prob)."""
         checks.require_instance("batch", batch, self.DiffusionTokenBatch)
-        checks.check_logits_for_batch(self.xp, name, logits, batch.target_ids.shape)
+        checks.check_logits_for_batch(self.xp, name, as_logits(logits), batch.target_ids.shape)
         checks.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
                                    self.vocab_extent(logits), allow_sync=False)
         return logits
@@ -381,7 +381,8 @@ class Objectives:
         ce_options = _ce_options(label_smoothing, z_loss_weight)
         checks.require_instance("batch", batch, self.DiffusionDistillationBatch)
         student = batch.student_batch
-        checks.check_logits_for_batch(xp, "student_logits", student_logits, student.target_ids.shape)
+        checks.check_logits_for_batch(xp, "student_logits", as_logits(student_logits),
+                                      student.target_ids.shape)
         teacher = None
         if soft_w > 0.0:
             teacher = batch.teacher_logits
@@ -390,7 +391,7 @@ class Objectives:
                     f"student and teacher logits must have identical shapes; got "
                     f"student_logits {shape_str(student_logits.shape)} and teacher_logits "
                     f"{shape_str(teacher.shape)}")
-            checks.check_teacher_values(xp, teacher, student.loss_weights)
+            checks.check_teacher_values(xp, as_logits(teacher), student.loss_weights)
         checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
                                    self.vocab_extent(student_logits) if hard_w > 0.0 else None,
                                    allow_sync=False)

@@ -19,7 +19,7 @@ import pytest
 import oracle
 from harness import assert_close, cases, framework
 from dlm_kernels.testing import CANCELLATION_ULP, TOLERANCES, cancellation_scale
-from sampling.test_sampling import oracle as sampling_oracle
+from sampling.draw_oracle import oracle as sampling_oracle
 
 from .suite import UNIT_ROUNDOFF, HeadProblem, _from_kd, _weight, dyadic, matmul_slack
 
@@ -298,9 +298,9 @@ class SoftcapSuite:
         head = fw.api.LinearHead(fw.array(h, dtype), wl, softcap=CAP, row_chunk=4)
         # the capped logits as every backend's kernels see them: float32 c·tanh(z / c) of
         # the exact z, by the package's softcap (its documented float32 formula)
-        from dlm_kernels.token_stats import math as stats_math
+        from dlm_kernels.token_stats import formulas
 
-        zc32 = fw.numpy(stats_math.softcap(_xp(self.FW), fw.array(z, "float32"), CAP))
+        zc32 = fw.numpy(formulas.softcap(_xp(self.FW), fw.array(z, "float32"), CAP))
         return h, w, z, head, zc32
 
     @pytest.mark.parametrize("temperature,top_k", [(0.7, None), (0.0, None), (1.3, 5)])

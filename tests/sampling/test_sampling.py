@@ -14,13 +14,13 @@ import pytest
 
 from harness import assert_close, cases, framework
 
+from .draw_oracle import oracle
+
 
 def interpret_mode():
     from dlm_kernels._jax.pallas import interpret_mode as pallas_interpret
 
     return pallas_interpret()
-
-M32 = np.uint64(0xFFFFFFFF)
 
 
 def _on_gpu():
@@ -30,71 +30,6 @@ def _on_gpu():
         return torch.cuda.is_available()
     except ImportError:  # pragma: no cover
         return False
-
-
-def _mix(x):  # lowbias32 on uint64 holding 32-bit values
-    x = x & M32
-    x ^= x >> np.uint64(16)
-    x = (x * np.uint64(0x7FEB352D)) & M32
-    x ^= x >> np.uint64(15)
-    x = (x * np.uint64(0x846CA68B)) & M32
-    return x ^ (x >> np.uint64(16))
-
-
-def oracle_keys(seed, step, n):
-    """[N] row keys (docs/design.md §3): one seed keys the flattened row index; [B] seeds
-    key (seed_b, position p inside the sequence) for row b·P + p."""
-    u64 = lambda v: np.asarray(v, np.int64).astype(np.uint64) & M32
-    salt = _mix(u64(step) ^ np.uint64(0x9E3779B9))
-    if np.ndim(seed) == 0:
-        return _mix(u64(np.arange(n)) ^ np.uint64(0x85EBCA6B) ^ _mix(u64(seed) ^ salt))
-    base = _mix(u64(seed) ^ salt)  # [B]
-    pos = u64(np.arange(n // len(seed)))
-    return _mix(pos[None, :] ^ np.uint64(0x85EBCA6B) ^ base[:, None]).reshape(-1)
-
-
-def oracle_noise(seed, step, n, cols):
-    """[N, C] (or [N, k] for per-row cols) Gumbel noise, float64 from the uniform (whose 2^23
-    values are exact in float32, so the backends see the same u)."""
-    u64 = lambda v: np.asarray(v, np.int64).astype(np.uint64) & M32
-    keys = oracle_keys(seed, step, n)
-    cols = np.asarray(cols)
-    ck = _mix(u64(cols))
-    h = _mix(keys[:, None] ^ (ck[None, :] if cols.ndim == 1 else ck))
-    u = ((h >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0 ** -23  # exact in float32
-    return -np.log(-np.log(u))
-
-
-def oracle(z, *, temperature, seed=0, step=0, top_k=None, suppress=None, zu=None, cfg_scale=0.0):
-    """(token, logp, argmax, top1, top2, entropy) float64 / int, rows flattened."""
-    z = np.asarray(z, np.float64)
-    if zu is not None:
-        z = zu + (cfg_scale + 1.0) * (z - zu)
-    n, k = z.shape
-    if suppress is not None:
-        z = z.copy()
-        z[:, np.asarray(suppress)] = -np.inf
-    s = z if temperature == 0 else z / temperature
-    order = np.argsort(-s, axis=1, kind="stable")  # descending, ties: lowest id first
-    if top_k is not None:
-        keep = np.zeros_like(s, bool)
-        np.put_along_axis(keep, order[:, :top_k], True, axis=1)
-        s = np.where(keep, s, -np.inf)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m = s.max(1)
-        lse = m + np.log(np.exp(s - m[:, None]).sum(1))
-        logq = s - lse[:, None]
-        q = np.exp(logq)
-        entropy = -np.where(q > 0, q * logq, 0.0).sum(1)
-    argmax = order[:, 0]
-    top1 = logq[np.arange(n), argmax]
-    top2 = logq[np.arange(n), order[:, 1]] if k > 1 else np.full(n, -np.inf)
-    if temperature == 0:
-        token = argmax
-    else:
-        key = s + oracle_noise(seed, step, n, np.arange(k))
-        token = np.argmax(key, axis=1)  # first maximum
-    return token, logq[np.arange(n), token], argmax, top1, top2, entropy
 
 
 class SamplingSuite:
@@ -376,19 +311,19 @@ class SamplingSuite:
             assert not np.any(new == -1), f"{case}: -1 written into the canvas"
 
     def test_tiny_temperatures(self, rng):
-        """Down to MIN_TEMPERATURE the draw is right: the argmax where one logit leads (the
+        """Down to MIN_SAMPLING_TEMPERATURE the draw is right: the argmax where one logit leads (the
         T -> 0 limit), one of the tied ids where several share the maximum, and every
         statistic to float32 accuracy against the float64 oracle (tied rows: log-probability
         -log 2 or -log 3, which a normaliser m + log a rounded at m = z / T would lose).
         Below it, temperature raises; 0 is greedy."""
-        from dlm_kernels.sampling.core import MIN_TEMPERATURE
+        from dlm_kernels.sampling.core import MIN_SAMPLING_TEMPERATURE
 
         z = rng.uniform(-3.0, 3.0, size=(16, 301)).astype(np.float32)
         z[:4, [3, 250]] = 4.5  # two tied maxima: s = 4.5 / T
         z[4:6, [0, 64, 300]] = 4.5  # three, one in each end block
         lead = rng.integers(0, 301, size=10)
         z[np.arange(6, 16), lead] = 4.0  # one leader, 1000 nats above the rest at T = 1e-3
-        t = MIN_TEMPERATURE
+        t = MIN_SAMPLING_TEMPERATURE
         seed = int(rng.integers(0, 2**31))
         # under jax.jit as well: XLA on CPU recomputes z / T inside each fusion and contracts
         # it with a subtraction, but every exponent is a logit difference (z - z_max) / T
@@ -766,6 +701,69 @@ def test_inclusive_threshold(rng, name):
         assert np.array_equal(got[True], masked[row] & (conf[row] >= th)), row
     with pytest.raises(TypeError, match=r"inclusive must be True or False; got 1"):
         api.commit_tokens(canvas, s, m, rule="threshold", threshold=0.5, inclusive=1)
+
+
+def _exclusive_budget_oracle(entropy, eligible, budget):
+    """DiffusionGemma's acceptance (transformers' EntropyBoundSampler.accept_canvas) over the
+    eligible positions: sort by entropy (ties: the lower position), a float32 running sum,
+    less each position's own entropy, <= budget; at least the lowest entropy."""
+    out = np.zeros(entropy.shape, bool)
+    for i in range(entropy.shape[0]):
+        idx = np.flatnonzero(eligible[i])
+        if idx.size == 0:
+            continue
+        order = idx[np.argsort(entropy[i, idx], kind="stable")]
+        e = entropy[i, order].astype(np.float32)
+        run = np.zeros_like(e)
+        acc = np.float32(0.0)
+        for j, v in enumerate(e):  # one float32 rounding per step, in order
+            acc = np.float32(acc + v)
+            run[j] = acc
+        before = (run - e).astype(np.float32)
+        b = budget[i] if np.ndim(budget) else budget
+        chosen = order[before <= np.float32(b)]
+        out[i, chosen if chosen.size else order[:1]] = True
+    return out
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_exclusive_entropy_budget(rng, name):
+    """rule="entropy_budget" with exclusive=True commits the k lowest entropies whose k - 1
+    lowest sum to at most the budget (DiffusionGemma's sampler in transformers), the running
+    sum less each one's own in float32: a budget sitting exactly on that value for the third
+    commits three, the default (the whole sum, its own included) at most two. exclusive
+    must be a bool and applies to rule="entropy_budget" only."""
+    fw = framework(name)
+    api = fw.api
+    s, masked, sample = _commit_case(rng, fw)
+    masked[:, :3] = True
+    ent = sample[5].astype(np.float32)
+    canvas, m = fw.array(np.zeros((4, 12), np.int32)), fw.array(masked)
+    budgets = []
+    for row in range(4):  # the budget on the exclusive sum of the row's third-lowest masked
+        order = np.flatnonzero(masked[row])[np.argsort(ent[row][masked[row]], kind="stable")]
+        e = ent[row, order]
+        run = np.cumsum(e, dtype=np.float32)  # float32 sequential, as torch.cumsum on CPU
+        budgets.append(float(np.float32(run[2] - e[2])))
+    budgets = np.array(budgets, np.float32)
+    for budget in (budgets, float(budgets[0]), 1e-30, 1.5):
+        arg = fw.array(budget) if np.ndim(budget) else budget
+        got = np.asarray(fw.numpy(api.commit_tokens(canvas, s, m, rule="entropy_budget",
+                                                    budget=arg, exclusive=True)[1]))
+        want = _exclusive_budget_oracle(ent, masked, budget)
+        assert np.array_equal(got, want), (budget, np.argwhere(got != want)[:1], got, want)
+        default = np.asarray(fw.numpy(api.commit_tokens(canvas, s, m, rule="entropy_budget",
+                                                        budget=arg)[1]))
+        assert (got | default).sum() == got.sum(), "exclusive commits a superset"
+        if budget is budgets:
+            assert (got.sum(1) == 3).all(), got.sum(1)
+            # the default's sum through the second, run[1], may round a hair above run[2] - e[2]
+            assert ((default.sum(1) >= 1) & (default.sum(1) <= 2)).all(), default.sum(1)
+    with pytest.raises(TypeError, match=r"exclusive must be True or False; got 1"):
+        api.commit_tokens(canvas, s, m, rule="entropy_budget", budget=0.5, exclusive=1)
+    with pytest.raises(ValueError, match=r"exclusive=True applies to rule='entropy_budget' "
+                                         r"only; got rule='topk'"):
+        api.commit_tokens(canvas, s, m, rule="topk", k=1, exclusive=True)
 
 
 @pytest.mark.parametrize("name", ["torch", "jax"])

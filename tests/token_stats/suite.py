@@ -423,12 +423,13 @@ class TokenStatsSuite:
             self.check(case, rng, "float32", chunk_size, stats_slack=slack)
 
     def test_minimum_temperature(self, rng):
-        """At the smallest temperature accepted (``MIN_TEMPERATURE`` = 2^-102), logits of size
-        T (gaps between them of 2^-109 and less, none subnormal) give the oracle's statistics
-        and gradients; every temperature argument below it is a ValueError that names it."""
-        from dlm_kernels._config import MIN_TEMPERATURE
+        """At the smallest temperature accepted (``FLOAT32_MIN_TEMPERATURE`` = 2^-102),
+        logits of size T (gaps between them of 2^-109 and less, none subnormal) give the
+        oracle's statistics and gradients; every temperature argument below it is a ValueError
+        that names it."""
+        from dlm_kernels._config import FLOAT32_MIN_TEMPERATURE
 
-        t = MIN_TEMPERATURE
+        t = FLOAT32_MIN_TEMPERATURE
         feat = dict(temperature=t, ce_temperature=1.5 * t, teacher_temperature=1.25 * t,
                     shift=True, teacher=True, teacher_grad=True)
         case = make_case(self.fw, rng, (4, 3), 301, "float32", feat, scale=t)

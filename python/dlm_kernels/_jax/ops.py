@@ -1,4 +1,4 @@
-"""The array-namespace adapter of the JAX front end (see ``dlm_kernels.token_stats.math``)."""
+"""The array-namespace adapter of the JAX front end (see ``dlm_kernels.token_stats.formulas``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX
+from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX, VOCAB_MAJOR
+from ..token_stats import formulas
 
 
 class JaxOps:
@@ -85,26 +86,39 @@ class JaxOps:
         return jax.lax.pvary(x, axes)  # jax < 0.10
 
     @staticmethod
-    def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
-        from ..linear_head.jax_head import head_logits
+    def softcap(z, c):
+        """cap(z) = c·tanh(z / c) of float32 z, the kernels' formula
+        (``token_stats.formulas.softcap``): a LinearHead's softcap where its logits are formed
+        (``LinearHead.capped``)."""
+        return formulas.softcap(JaxOps, z, c)
 
-        return head_logits(head)
+    @staticmethod
+    def head_logits(head):
+        """The logits [..., K] of a LinearHead over [..., D] hidden states, in the head's
+        dtype, differentiable."""
+        if head.weight_layout == VOCAB_MAJOR:
+            z = jnp.einsum("...d,kd->...k", head.hidden, head.weight)
+        else:
+            z = jnp.einsum("...d,dk->...k", head.hidden, head.weight)
+        return z if head.bias is None else z + head.bias
 
     # the head path's schedule (``linear_head.jax_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for
     head_chunk_bytes_cpu = HEAD_CHUNK_BYTES_CPU_JAX
 
     @staticmethod
-    def head_token_chunks(n, r):
-        from ..linear_head.jax_head import token_chunks
-
-        return token_chunks(n, r)
+    def head_token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
+        """[(start, stop, first)]: the head path's token chunks of R rows over N rows
+        (``_Sweep``), rows [start, stop) formed and [first, stop) not in an earlier chunk:
+        every chunk R rows, the last starting at N - R. The denoising step takes a head's
+        rows so too."""
+        starts = [(i * r, min(i * r, n - r)) for i in range(-(-n // r))]
+        return [(start, start + r, first) for first, start in starts]
 
     @staticmethod
-    def head_vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab):
-        from ..linear_head.jax_head import vocab_chunk
-
-        return vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab)
+    def head_vocab_chunk(impl_name: str, on_cpu: bool, chunk_size, r: int, vocab: int):
+        """The chunk_size the head path asks a backend for: the call's."""
+        return chunk_size
 
     # -- the denoising step (32-bit hashes as uint32; rows of ids) --------------
     @staticmethod

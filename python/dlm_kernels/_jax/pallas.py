@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from .._env import PALLAS_INTERPRET_ENV
 from ..kernels.layout import ROW_STATS
 from ..kernels.pallas import token_stats as kernels

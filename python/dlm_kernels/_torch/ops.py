@@ -1,11 +1,13 @@
-"""The array-namespace adapter of the torch front end (see ``dlm_kernels.token_stats.math``)."""
+"""The array-namespace adapter of the torch front end (see ``dlm_kernels.token_stats.formulas``)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from ..linear_head.head import HEAD_CHUNK_BYTES_CPU
+from ..linear_head.head import HEAD_CHUNK_BYTES_CPU, VOCAB_MAJOR, head_vocab_chunk, row_chunks
+from ..token_stats import formulas
 
 
 def signed32(c: int) -> int:
@@ -72,26 +74,41 @@ class TorchOps:
         return x.detach()
 
     @staticmethod
-    def head_logits(head):  # a LinearHead [..., D] -> its logits [..., K], differentiable
-        from ..linear_head.torch_head import head_logits
+    def softcap(z, c):
+        """cap(z) = c·tanh(z / c) of float32 z, the kernels' formula
+        (``token_stats.formulas.softcap``): a LinearHead's softcap where its logits are formed
+        (``LinearHead.capped``)."""
+        return formulas.softcap(TorchOps, z, c)
 
-        return head_logits(head)
+    @staticmethod
+    def head_logits(head):
+        """The logits [..., K] of a LinearHead over [..., D] hidden states, in the head's
+        dtype (the matmul accumulates in float32), differentiable."""
+        h, w, b = head.hidden, head.weight, head.bias
+        if head.weight_layout == VOCAB_MAJOR:
+            return F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
+        z = h @ w  # [.., D] x [D, K]
+        return z if b is None else z + b
 
     # the head path's schedule (``linear_head.torch_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for
     head_chunk_bytes_cpu = HEAD_CHUNK_BYTES_CPU
 
     @staticmethod
-    def head_token_chunks(n, r):
-        from ..linear_head.torch_head import token_chunks
-
-        return token_chunks(n, r)
+    def head_token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
+        """[(start, stop, first)]: the head path's token chunks of R rows over N rows, rows
+        [start, stop) formed and [first, stop) not in an earlier chunk (torch: a ragged last
+        chunk, first = start). The denoising step takes a head's rows so too."""
+        return [(r0, r1, r0) for r0, r1 in row_chunks(n, r)]
 
     @staticmethod
-    def head_vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab):
-        from ..linear_head.torch_head import vocab_chunk
-
-        return vocab_chunk(impl_name, on_cpu, chunk_size, r, vocab)
+    def head_vocab_chunk(impl_name: str, on_cpu: bool, chunk_size, r: int, vocab: int):
+        """The chunk_size the head path asks a backend for over a token chunk of R rows: on a
+        CPU the chunked backend's vocabulary chunks sized for R rows (``head_vocab_chunk``)
+        unless the call gives one. The denoising step asks its sampler so too."""
+        if on_cpu and impl_name == "chunked" and chunk_size is None:
+            return head_vocab_chunk(r, vocab)
+        return chunk_size
 
     # -- the denoising step (32-bit hashes) ---------------------------------------
     # Eager: int32 bit patterns, whose products wrap modulo 2^32 in torch's kernels (a CPU

@@ -440,14 +440,12 @@ class LinearHead(LogitsSource[A]):
 
     def capped(self, xp: Any, z: A) -> A:
         """cap(z) of logits z this head formed: float32 c·tanh(z / c) computed as every
-        backend's kernels compute the softcap (``token_stats.math.softcap``), so a sampler or
-        teacher reading these logits sees the values the student's kernels cap to; z itself
-        without a softcap."""
+        backend's kernels compute the softcap (``xp.softcap``: ``token_stats.formulas``'),
+        so a sampler or teacher reading these logits sees the values the student's kernels
+        cap to; z itself without a softcap."""
         if self.softcap is None:
             return z
-        from ..token_stats.math import softcap as cap
-
-        return cap(xp, xp.f32(z), self.softcap)
+        return xp.softcap(xp.f32(z), self.softcap)
 
     def map_arrays(self, fn: Callable[[A], A]) -> LinearHead[A]:
         """fn applied to hidden, weight and bias (e.g. a stop-gradient)."""

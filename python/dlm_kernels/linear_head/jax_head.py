@@ -21,12 +21,13 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import head as base
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from .head import HEAD_CHUNK_BYTES_CPU_JAX, HIDDEN_MAJOR, VOCAB_MAJOR, DenseLogits, row_chunk_for
 from .._rows import Rows
-from ..token_stats.math import Stats
+from ..token_stats.formulas import Stats
 from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
+from .._jax.vocab_parallel import vocab_parallel_stats
 from .._dispatch import FUSED_HEAD, registry
 
 #: kernels that run a whole head, by backend name (``linear_head.jax_pallas``)
@@ -66,15 +67,6 @@ jax.tree_util.register_pytree_node(DenseLogits, lambda x: ((x.array,), None),
                                    lambda _, children: DenseLogits(children[0]))
 
 
-def head_logits(head):
-    """The logits [..., K] of a head over [..., D] hidden states, in the head's dtype."""
-    if head.weight_layout == VOCAB_MAJOR:
-        z = jnp.einsum("...d,kd->...k", head.hidden, head.weight)
-    else:
-        z = jnp.einsum("...d,dk->...k", head.hidden, head.weight)
-    return z if head.bias is None else z + head.bias
-
-
 def _dot_f32(a, b):  # a @ b accumulated and returned in float32 (float64 stays float64)
     out = jnp.promote_types(a.dtype, jnp.float32)
     return jnp.matmul(a, b, preferred_element_type=out)
@@ -84,17 +76,9 @@ def _acc_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
-    """[(start, stop, first)]: the head path's token chunks of R rows over N rows (``_Sweep``),
-    rows [start, stop) formed and [first, stop) not in an earlier chunk: every chunk R rows,
-    the last starting at N - R. The denoising step takes a head's rows so too."""
-    starts = [(i * r, min(i * r, n - r)) for i in range(-(-n // r))]
-    return [(start, start + r, first) for first, start in starts]
-
-
-def vocab_chunk(impl_name: str, on_cpu: bool, chunk_size, r: int, vocab: int):
-    """The chunk_size the head path asks a backend for: the call's."""
-    return chunk_size
+# The head path's token chunks, its vocabulary chunk and a head's logits are the ops
+# adapter's (JaxOps.head_token_chunks, head_vocab_chunk, head_logits), which the
+# framework-neutral code (linear_head.head, the sampler) calls too.
 
 
 def _slice(a, start, r):
@@ -141,7 +125,7 @@ class _HeadPart:
         dh, dw, db = acc
         w, h = x.weight, _slice(x.hidden, start, r)
         major = x.weight_layout == VOCAB_MAJOR
-        g = _through_cap(x, g, lambda: head_logits(x.without_softcap().replace(hidden=h)))
+        g = _through_cap(x, g, lambda: JaxOps.head_logits(x.without_softcap().replace(hidden=h)))
         # [R, K] x [K, D] -> dH rows; [K, R] x [R, D] (or [D, R] x [R, K]) -> dW: R·K·D each
         dh = _put(dh, start, _dot_f32(g, w if major else w.T), fresh)
         dw = dw + (_dot_f32(g.T, h) if major else _dot_f32(h.T, g))
@@ -207,8 +191,6 @@ class _Sweep:
     def _stats(self, rc):
         if self.axis is None:
             return self.impl.forward(rc, self.cfg)
-        from ..token_stats.jax_vjp import vocab_parallel_stats
-
         return vocab_parallel_stats(rc, self.impl, self.cfg, self.axis)[0]
 
     def _zero_grads(self):
@@ -277,7 +259,7 @@ class _Sweep:
                 start = jnp.minimum(i * r, n - r)
                 fresh = start + jnp.arange(r) >= i * r  # rows no earlier chunk covered
                 h = _slice(z.hidden, start, r)  # [R, D]
-                logits = head_logits(z.replace(hidden=h, weight=w_b, bias=b_b))  # [R, K_b]
+                logits = JaxOps.head_logits(z.replace(hidden=h, weight=w_b, bias=b_b))  # [R, K_b]
                 rc = Rows(logits, teacher_chunk(start), sl(rows.targets, start),
                           sl(rows.active, start) & fresh, sl(rows.shift_ids, start),
                           sl(rows.shift, start))

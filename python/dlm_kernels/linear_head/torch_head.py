@@ -7,16 +7,16 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 
 from . import head as base
 from .head import VOCAB_MAJOR, row_chunk_for, row_chunks
 from .._rows import Rows
-from ..token_stats import math as stats_math
-from ..token_stats.math import Stats
+from ..token_stats import formulas as stats_math
+from ..token_stats.formulas import Stats
 from .._torch.buffers import empty
 from .._torch.first_order import first_order_only
 from .._torch.ops import TorchOps
+from .._torch.vocab_parallel import vocab_parallel_stats
 
 
 class LinearHead(base.LinearHead[torch.Tensor]):
@@ -30,30 +30,9 @@ class LinearHead(base.LinearHead[torch.Tensor]):
     DEFAULT_LAYOUT: str = VOCAB_MAJOR  # nn.Linear.weight / nn.Embedding.weight: [K, D]
 
 
-def token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
-    """[(start, stop, first)]: the head path's token chunks of R rows over N rows, rows
-    [start, stop) formed and [first, stop) not in an earlier chunk (torch: a ragged last
-    chunk, first = start). The denoising step takes a head's rows so too."""
-    return [(r0, r1, r0) for r0, r1 in row_chunks(n, r)]
-
-
-def vocab_chunk(impl_name: str, on_cpu: bool, chunk_size, r: int, vocab: int):
-    """The chunk_size the head path asks a backend for over a token chunk of R rows: on a
-    CPU the chunked backend's vocabulary chunks sized for R rows (``head_vocab_chunk``)
-    unless the call gives one. The denoising step asks its sampler so too."""
-    if on_cpu and impl_name == "chunked" and chunk_size is None:
-        return base.head_vocab_chunk(r, vocab)
-    return chunk_size
-
-
-def head_logits(head):
-    """The logits [..., K] of a head over [..., D] hidden states, in the head's dtype (the
-    matmul accumulates in float32)."""
-    h, w, b = head.hidden, head.weight, head.bias
-    if head.weight_layout == VOCAB_MAJOR:
-        return F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
-    z = h @ w  # [.., D] x [D, K]
-    return z if b is None else z + b
+# The head path's token chunks, its vocabulary chunk and a head's logits are the ops
+# adapter's (TorchOps.head_token_chunks, head_vocab_chunk, head_logits), which the
+# framework-neutral code (linear_head.head, the sampler) calls too.
 
 
 def _mm_f32(a, b, out, accumulate):
@@ -96,7 +75,7 @@ class _HeadGrads:
         w, h = head.weight, head.hidden[r0:r1]
         major = head.weight_layout == VOCAB_MAJOR
         if head.softcap is not None:  # a teacher head's cap, applied where its chunk formed
-            raw = head_logits(head.without_softcap().replace(hidden=h))  # z again: [R, K]
+            raw = TorchOps.head_logits(head.without_softcap().replace(hidden=h))  # [R, K]
             dz = (dz.float() * stats_math.softcap_slope(TorchOps, raw.float(), head.softcap)
                   ).to(head.dtype)
         if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds, into dH's rows
@@ -231,8 +210,8 @@ class _Sweep:
         like = z.device_array
         on_cpu = like.device.type == "cpu"
         self.r = row_chunk_for(n, k, like.element_size(), on_cpu, z.row_chunk)
-        self.cfg = cfg._replace(chunk_size=vocab_chunk(impl.name, on_cpu, cfg.chunk_size,
-                                                       self.r, k))
+        self.cfg = cfg._replace(chunk_size=TorchOps.head_vocab_chunk(
+            impl.name, on_cpu, cfg.chunk_size, self.r, k))
 
     def _chunk(self, r0, r1, cols=None):
         take = lambda a: a[r0:r1]
@@ -280,9 +259,7 @@ class _Sweep:
     def _stats(self, rc):
         if self.group is None:
             return self.impl.forward(rc, self.cfg), 0
-        from ..token_stats.torch_vjp import _vocab_parallel_stats
-
-        return _vocab_parallel_stats(rc, self.impl, self.cfg, self.group)
+        return vocab_parallel_stats(rc, self.impl, self.cfg, self.group)
 
     def run(self, stats=None, grads=None, need=None):
         """-> (Stats, gradients or None). ``grads``: 4 [N] float32 cotangents of (lse, logp,

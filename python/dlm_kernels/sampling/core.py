@@ -7,7 +7,7 @@ suppressed ids set to -inf) and s = z / T (s = z at T = 0), the stream keeps:
 
   (m, a, b)      the token statistics' own streaming state of the logits z at T_s (m the
                  largest z, a = Σ e^x, b = Σ e^x·x with x = (z - m)/T_s), formed and merged by
-                 the token-statistics arithmetic (``token_stats.math``: ``chunk_partial``,
+                 the token-statistics arithmetic (``token_stats.formulas``: ``chunk_partial``,
                  ``merge``) or by the very kernels of the backend's token statistics
   (v1, i1, v2)   the largest s with its id (ties: the lowest id) and the runner-up value
   (gv, gi, gz)   the largest sd + g with its id and its logit z, g the Gumbel noise of the
@@ -53,7 +53,7 @@ from .._config import make_config
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from ..token_stats.lowering import Lowered, lower
 
 MASK32 = 0xFFFFFFFF
@@ -62,10 +62,12 @@ MIX_STEPS = ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None))
 _STEP_SALT, _ROW_SALT = 0x9E3779B9, 0x85EBCA6B
 MAX_TOP_K = 64
 _F32_MAX = 3.4028234663852886e38
-# The smallest temperature above 0 (docs/design.md §3): s = z / T is float32, and every
+# The sampler's smallest temperature above 0, for its temperature and stats_temperature
+# (docs/design.md §3; the token statistics' own floor, 2^-102, is _config's
+# FLOAT32_MIN_TEMPERATURE, far below it): s = z / T is float32, and every
 # decision reads s + g rounded to an ulp of |s| (2^-23·|z| / T); at T >= 1e-3 that is below
 # 2^-7 nats for logits |z| < 2^6, and below it T = 0 (greedy) is the limit to use.
-MIN_TEMPERATURE = 1e-3
+MIN_SAMPLING_TEMPERATURE = 1e-3
 
 
 class _SampleFields(NamedTuple):
@@ -261,7 +263,7 @@ def exponents(xp, z, z1, cfg):
 class StreamState(NamedTuple):
     """One row's stream over the columns seen (the layout of the kernels' split buffers,
     ``kernels.layout.SAMPLE_STATE``). m, a, b are the token statistics' streaming state of
-    the logits at T_s (``token_stats.math.State``; None where a backend's token-statistics
+    the logits at T_s (``token_stats.formulas.State``; None where a backend's token-statistics
     kernels hold them instead); the draw's fields are in units of s. Where the framework code
     forms them, v1 is a maximum of s (a reduction, never a gather of a scaled chunk) and v2
     is the largest s plus a difference of logits (``exponents``), so a tie with the largest
@@ -287,16 +289,16 @@ def _safe(xp, v1, x):
 
 
 def stats_partial(xp, z, cols, cfg):
-    """The token-statistics State (``token_stats.math.State``: m, a, b and fields the step
+    """The token-statistics State (``token_stats.formulas.State``: m, a, b and fields the step
     does not read) of one chunk z [N, C] (float32, guided, suppressed ids and columns of
-    other chunks at -inf) of global column ids cols [C]: ``token_stats.math.chunk_partial``
+    other chunks at -inf) of global column ids cols [C]: ``token_stats.formulas.chunk_partial``
     itself."""
     return stats_math.chunk_partial(xp, Rows(z), cols, None, stats_lowered(cfg))
 
 
 def merge_stats(xp, x, y, cfg):
     """The token-statistics State of the columns of x followed by those of y (States):
-    ``token_stats.math.merge`` itself, as the token statistics' chunk loops merge."""
+    ``token_stats.formulas.merge`` itself, as the token statistics' chunk loops merge."""
     return stats_math.merge(xp, x, y, stats_lowered(cfg))
 
 
@@ -313,8 +315,8 @@ def stats_target(st, cfg):
 
 
 def stream_stats(xp, st, cfg):
-    """The token statistics (``token_stats.math.Stats``) of a stream's merged (m, a, b), the
-    target ``stats_target``: ``token_stats.math.finalize`` itself, with the target's logit
+    """The token statistics (``token_stats.formulas.Stats``) of a stream's merged (m, a, b), the
+    target ``stats_target``: ``token_stats.formulas.finalize`` itself, with the target's logit
     the drawn token's gz (the largest logit m at T = 0, where the token is its argmax, and
     with top_k, whose logp is not read)."""
     one = xp.zeros_like(st.a) + 1.0
@@ -442,7 +444,7 @@ def merge_splits(xp, state, ids, top_v, top_i, cfg, k):
 
 def finalize(xp, st, stats, keys, cfg):
     """Sample of [N] fields from the merged state and the token statistics ``stats`` (a
-    ``token_stats.math.Stats`` of the rows with ``stats_target`` as the target: the
+    ``token_stats.formulas.Stats`` of the rows with ``stats_target`` as the target: the
     backend's token-statistics arithmetic, so logp and entropy are that arithmetic's, bit
     for bit). Log-probabilities are taken relative to the row's largest logit m, (z - m)/T_s
     - la (la the log of the sum relative to m): at a small temperature a normaliser
@@ -505,7 +507,7 @@ def no_draw_where(xp, sample, bad):
 def reference_sample(xp, z, zu, keys, suppress, cfg):
     """The whole row as one chunk (the reference backend: [N, K] float32 materialised); the
     drawn token's logp and the entropy are those of the reference token statistics
-    (``token_stats.math.reference_stats``, which the reference backend of ``token_stats``
+    (``token_stats.formulas.reference_stats``, which the reference backend of ``token_stats``
     computes) of the same float32 logits, the rest the stream's."""
     cols = xp.arange(z.shape[1], z)
     zs, s, sd = scaled_logits(xp, z, zu, cols, suppress, cfg)
@@ -541,23 +543,24 @@ class ReferenceSampler:
 
 def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale, chunk_size,
                        stats_temperature=None):
-    require_logits(xp, "logits", logits)
+    require_logits(xp, "logits", as_logits(logits))
     require_float(xp, "logits", logits)
     if len(logits.shape) < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., K] with K >= 1; got "
                          f"{shape_str(logits.shape)}")
     t = as_number(temperature)
-    if t is None or not (t == 0.0 or MIN_TEMPERATURE <= t <= _F32_MAX):
+    t_min = MIN_SAMPLING_TEMPERATURE
+    if t is None or not (t == 0.0 or t_min <= t <= _F32_MAX):
         raise ValueError(
-            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got "
-            f"{plain(temperature)} (s = z / T is float32: below {MIN_TEMPERATURE} its "
+            f"temperature must be 0 (greedy) or in [{t_min}, {_F32_MAX:.7g}]; got "
+            f"{plain(temperature)} (s = z / T is float32: below {t_min} its "
             f"rounding swamps the noise, and temperature=0 is the exact T -> 0 limit)")
     k = None if top_k is None else as_number(top_k, integer=True)
     if top_k is not None and (k is None or not 1 <= k <= MAX_TOP_K):
         raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}] (a running top-k "
                          f"per row is merged in the one pass); got {plain(top_k)}")
     if uncond_logits is not None:
-        require_logits(xp, "uncond_logits", uncond_logits)
+        require_logits(xp, "uncond_logits", as_logits(uncond_logits))
         require_float(xp, "uncond_logits", uncond_logits)
         require_shape("uncond_logits", uncond_logits, logits.shape, "logits.shape")
     c = as_number(cfg_scale)
@@ -569,9 +572,9 @@ def make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
     if chunk_size is not None and (chunk is None or chunk < 1):
         raise ValueError(f"chunk_size must be a positive int or None; got {plain(chunk_size)}")
     ts = None if stats_temperature is None else as_number(stats_temperature)
-    if stats_temperature is not None and (ts is None or not MIN_TEMPERATURE <= ts <= _F32_MAX):
+    if stats_temperature is not None and (ts is None or not t_min <= ts <= _F32_MAX):
         raise ValueError(f"stats_temperature must be None (the draw's temperature) or in "
-                         f"[{MIN_TEMPERATURE}, {_F32_MAX:.7g}]; got {plain(stats_temperature)}")
+                         f"[{t_min}, {_F32_MAX:.7g}]; got {plain(stats_temperature)}")
     if t == 0.0 and ts not in (None, 1.0):
         raise ValueError(f"stats_temperature must be None or 1 at temperature=0 (a greedy draw "
                          f"takes the statistics of softmax(z)); got {plain(stats_temperature)}")
@@ -668,7 +671,7 @@ def seed_argument(xp, name, value, lead):
     return number
 
 
-def _per_sequence(xp, name, value, b, integral):
+def _per_sequence_with_host(xp, name, value, b, integral):
     """A per-sequence argument of commit_tokens: a number (Python or NumPy, or a 0-d array of
     another framework), or an array of shape [] or [B]; (value ready to broadcast against
     [B, L], its values to check: the Python number itself, the array's host values, or None
@@ -717,13 +720,13 @@ def commit_arguments(xp, canvas, sample, k, threshold, budget):
                          f"give Sample(..., vocab_size=K) or use an int32 canvas")
     b = canvas.shape[0]
     if k is not None:
-        k, host = _per_sequence(xp, "k", k, b, integral=True)
+        k, host = _per_sequence_with_host(xp, "k", k, b, integral=True)
         if host is not None:
             _raise_at("k", host < 0, host, ">= 0 (positions to commit per sequence)")
     out = [k]
     for name, value in (("threshold", threshold), ("budget", budget)):
         if value is not None:
-            value, host = _per_sequence(xp, name, value, b, integral=False)
+            value, host = _per_sequence_with_host(xp, name, value, b, integral=False)
             if host is not None:
                 _raise_at(name, host != host, host, "a number (not NaN)")
         out.append(value)
@@ -768,7 +771,8 @@ def _unless_nan(xp, commit, value):
     return commit & (value == value) if xp.is_array(value) else commit
 
 
-def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclusive=False):
+def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclusive=False,
+                     exclusive=False):
     """[B, L] bool: the masked positions the rule commits (see ``commit_tokens``); a row with
     no valid draw (token -1) is never one of them, nor ranked above one that is."""
     eligible = masked & (sample.token >= 0)
@@ -789,8 +793,12 @@ def commit_positions(xp, sample, masked, rule, k, threshold, budget, kind, inclu
         ent = xp.where(eligible, sample.entropy, float("inf"))
         order = xp.argsort_desc(-ent)  # ascending entropy, ties: the lower position
         rank = xp.scatter_rank(order)
-        sorted_ent = xp.take_rows(ent, order)
-        within = xp.cumsum(xp.where(sorted_ent < float("inf"), sorted_ent, 0.0)) <= budget
+        sorted_ent = xp.where(xp.take_rows(ent, order) < float("inf"),
+                              xp.take_rows(ent, order), 0.0)
+        total = xp.cumsum(sorted_ent)
+        if exclusive:  # the entropies ranked before each position: the running sum less its
+            total = total - sorted_ent  # own, formed as DiffusionGemma's sampler forms it
+        within = total <= budget
         keep = xp.take_rows(within, rank)  # back in position order
         commit = _at_least_one(xp, eligible & keep, -sample.entropy, eligible)
         return _unless_nan(xp, commit, budget)
@@ -858,7 +866,8 @@ def make_sampling_api(xp, registry):
         return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)
 
     def commit_tokens(canvas, sample, masked, *, rule="topk", k=None, threshold=None,
-                      budget=None, confidence="probability", inclusive=False):
+                      budget=None, confidence="probability", inclusive=False,
+                      exclusive=False):
         require_array(xp, "canvas", canvas)
         require_int(xp, "canvas", canvas)
         if len(canvas.shape) != 2:
@@ -872,10 +881,14 @@ def make_sampling_api(xp, registry):
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}; got {confidence!r}")
         inclusive = flag("inclusive", inclusive)
+        exclusive = flag("exclusive", exclusive)
+        if exclusive and rule != "entropy_budget":
+            raise ValueError(f"exclusive=True applies to rule='entropy_budget' only; got "
+                             f"rule={rule!r}")
         k, threshold, budget = commit_arguments(xp, canvas, sample, k, threshold, budget)
         masked = masked != 0
         commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence,
-                                  inclusive)
+                                  inclusive, exclusive)
         return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit
 
     return sample_tokens, commit_tokens

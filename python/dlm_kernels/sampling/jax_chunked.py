@@ -2,7 +2,7 @@
 ``lax.fori_loop`` (chunks taken with ``lax.dynamic_slice``; the clamped last chunk masks the
 columns an earlier one saw to -inf), live temporaries a few [N, C] chunks. The chunks are
 those of the chunked token statistics (``token_stats.jax_chunked.vocab_chunk``) and each
-chunk's statistics are ``token_stats.math.chunk_partial``, merged by its ``merge`` in the same
+chunk's statistics are ``token_stats.formulas.chunk_partial``, merged by its ``merge`` in the same
 order, so the drawn token's logp and the entropy are ``per_token_logps``'s bits
 (docs/design.md §3, "Rollout = trainer")."""
 

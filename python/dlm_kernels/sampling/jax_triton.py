@@ -20,7 +20,7 @@ from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
 from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._jax.ops import JaxOps
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from ..token_stats.jax_triton import (_launch, _num_sms, _rows_vmappable, finalize,
                                       unsupported_reason)
 
@@ -81,7 +81,7 @@ def sample(z, zu, keys, suppress, cfg):
 
 
 def _row_stats(z, zu, state, st, cfg, low):
-    """The token statistics (``token_stats.math.Stats``) of the splits' statistics state[:3]
+    """The token statistics (``token_stats.formulas.Stats``) of the splits' statistics state[:3]
     with ``stats_target`` as the target: the token statistics' finalize kernel, as
     ``per_token_logps`` runs it (the torch twin: ``sampling.torch_triton._row_stats``)."""
     n = z.shape[0]

@@ -14,7 +14,7 @@ The noise is the same integers as ``sampling.core.gumbel``, computed in place in
 itself, exact int64 arithmetic: ``TorchOps.u32``), so every backend draws the same tokens.
 
 The statistics (logp, entropy) are the token statistics' (docs/design.md §3, "Rollout =
-trainer"): ``token_stats.math.chunk_partial`` of each chunk of pass 1, merged chunk after
+trainer"): ``token_stats.formulas.chunk_partial`` of each chunk of pass 1, merged chunk after
 chunk by its ``merge``, the chunks the token statistics' forward streams
 (``token_stats.torch_chunked.forward_chunks``) where it streams whole rows in one chunk loop
 (an accelerator, tracing); where it does not (CPU row blocks, compiled tiles), on plain logits

@@ -17,7 +17,7 @@ from ..kernels.triton import token_stats as kernels
 from .._torch.buffers import empty as _empty
 from .._torch.ops import TorchOps
 from .._torch.triton import _unit_col, plan, unsupported_reason
-from ..token_stats import math as stats_math
+from ..token_stats import formulas as stats_math
 from ..token_stats import torch_triton as _stats  # noqa: F401  (registers the finalize op)
 
 Tensor = torch.Tensor
@@ -86,7 +86,7 @@ def sample(z, zu, keys, suppress, cfg):
 
 
 def _row_stats(z, zu, state, st, cfg, low):
-    """The token statistics (``token_stats.math.Stats``) of the splits' statistics state[:3]
+    """The token statistics (``token_stats.formulas.Stats``) of the splits' statistics state[:3]
     with ``stats_target`` as the target: the token statistics' finalize kernel, as
     ``per_token_logps`` runs it. With guidance the kernel's target logit would be the
     conditional one: logp is then formed from the guided logit gz the kernel kept."""

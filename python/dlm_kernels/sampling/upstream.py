@@ -19,7 +19,7 @@ from .._checks import (OutOfRangeError, as_number, flag, plain, require_array, r
 from ..linear_head.head import as_logits
 from .core import (_flat_rows, commit_arguments, gumbel, make_sample_config,
                    position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
-                   _commit_topk, _per_sequence, _unless_nan)
+                   _commit_topk, _per_sequence_with_host, _unless_nan)
 
 REMASKING = ("low_confidence", "random")
 
@@ -110,7 +110,8 @@ def make_step_api(xp, sample_tokens):
                                  "ints) when threshold is None")
             if xp.is_array(k) and tuple(k.shape) == (x.shape[0], 1):
                 k = k.reshape(-1)
-            _, host = _per_sequence(xp, "num_transfer_tokens", k, x.shape[0], integral=True)
+            _, host = _per_sequence_with_host(xp, "num_transfer_tokens", k, x.shape[0],
+                                              integral=True)
             _at_most_length(host, x.shape[1])
         else:
             k = None  # upstream commits every masked position at or above the threshold

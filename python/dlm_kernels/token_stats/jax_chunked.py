@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .._config import budget_chunk_for
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._jax.ops import JaxOps as xp

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .._dispatch import BackendBase, Capabilities
 from ..kernels.pallas import token_stats as kernels
 from .._jax.batching import fold_vmap_into_rows

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .._dispatch import BackendBase, Capabilities
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels

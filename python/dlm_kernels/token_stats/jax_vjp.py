@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from .._dispatch import TOKEN_STATS, registry
-from . import math as stats_math
+from . import formulas as stats_math
 from .op import TokenStatsFrontEnd
 from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
 from .._jax.ops import JaxOps
+from .._jax.vocab_parallel import vocab_parallel_stats
 
 #: every row of the backend table (_dispatch.BACKENDS) with a JAX module
 REGISTRY = registry(TOKEN_STATS, "jax")
@@ -44,7 +45,8 @@ def _token_stats_vjp(impl, cfg, rows):
 
 def _token_stats_fwd(impl, cfg, rows):
     stats = first_order(impl.name, lambda rows: impl.forward(rows, cfg), rows)
-    # Residuals: the row bundle plus seven [N] float32 row statistics, never [N, K].
+    # Residuals: the row bundle plus the row statistics (one [N] float32 array per field of
+    # ROW_STATS, kernels/layout.py), never [N, K].
     return tuple(stats[:4]), (rows, stats)
 
 
@@ -66,16 +68,6 @@ def _vocab_parallel_vjp(impl, cfg, axis, rows):
 def _vocab_parallel_fwd(impl, cfg, axis, rows):
     return first_order(impl.name, lambda rows: _vocab_parallel_forward(impl, cfg, axis, rows),
                        rows)
-
-
-def vocab_parallel_stats(rows, impl, cfg, axis):
-    """``stats_math.shard_stats`` over the mesh axis ``axis``: rows.logits is this device's
-    vocabulary shard [N, K_local]. Returns (Stats, column offset)."""
-    offset = jax.lax.axis_index(axis) * rows.logits.shape[1]
-    stats = stats_math.shard_stats(JaxOps, impl, rows, cfg, offset,
-                                   lambda v: jax.lax.pmax(v, axis),
-                                   lambda v: jax.lax.psum(v, axis))
-    return stats, offset
 
 
 def _vocab_parallel_forward(impl, cfg, axis, rows):

@@ -39,6 +39,7 @@ from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailabl
                          Capabilities, logger)
 from .._rows import Rows
 from ..linear_head.head import as_logits, planned_total, resolve_softcap, weighting_term
+from . import formulas as stats_math
 from .lowering import lower
 
 
@@ -108,9 +109,7 @@ class ReferenceBackend(BackendBase):
         # materialised in float32 (``LogitsSource.reference_array``: the reference is the
         # oracle's twin, not a lean path: its gradients are the float32 autodiff of
         # hidden @ weight, rounded once)
-        from .math import reference_stats
-
-        return reference_stats(self.xp, rows, cfg)
+        return stats_math.reference_stats(self.xp, rows, cfg)
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):

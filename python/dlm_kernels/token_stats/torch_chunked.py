@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import math as stats_math
+from . import formulas as stats_math
 from ..kernels.series import PSI_COEFFS, PSI_SMALL
 from .._config import CHUNK_BYTES_CPU, chunk_size_for, rows_per_block
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities

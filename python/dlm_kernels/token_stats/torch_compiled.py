@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .lowering import Lowered
 from .._rows import Rows
 from .._torch.ops import TorchOps as xp

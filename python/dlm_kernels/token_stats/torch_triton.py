@@ -15,12 +15,12 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import triton
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .._dispatch import BackendBase, Capabilities
 from .lowering import Lowered
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels
-from .math import Stats
+from .formulas import Stats
 from .._torch.buffers import empty as _empty
 from .._torch.ops import TorchOps
 from .._torch.triton import _unit_col, plan, unsupported_reason

@@ -5,36 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from . import math as stats_math
+from . import formulas as stats_math
 from .._dispatch import TOKEN_STATS, registry
 from .op import TokenStatsFrontEnd
 from .._rows import Rows
-from .math import Stats
+from .formulas import Stats
 from .._torch.first_order import first_order_only
 from ..linear_head.torch_head import apply_head
 from .._torch.ops import TorchOps
+from .._torch.vocab_parallel import vocab_parallel_stats
 
 #: every row of the backend table (_dispatch.BACKENDS) with a torch module
 REGISTRY = registry(TOKEN_STATS, "torch")
-
-
-def _vocab_parallel_stats(rows, impl, cfg, group):
-    """``stats_math.shard_stats`` over a process group: rows.logits is rank r's shard of
-    columns [r·K_local, (r+1)·K_local); two all-reduces of per-row floats (MAX of 2, SUM of
-    8: 40 bytes per row). Returns (Stats, column offset)."""
-    import torch.distributed as dist
-
-    def reduce(op):
-        def run(values):
-            packed = torch.stack(values)  # [F, N] f32: one all-reduce
-            dist.all_reduce(packed, op=op, group=group)
-            return list(packed.unbind(0))
-        return run
-
-    offset = dist.get_rank(group) * rows.logits.shape[1]
-    stats = stats_math.shard_stats(TorchOps, impl, rows, cfg, offset,
-                                   reduce(dist.ReduceOp.MAX), reduce(dist.ReduceOp.SUM))
-    return stats, offset
 
 
 _N_FIELDS = len(Rows._fields)
@@ -52,7 +34,7 @@ class _TokenStatsFunction(torch.autograd.Function):
         if group is None:
             stats = impl.forward(rows, cfg)
         else:
-            stats, offset = _vocab_parallel_stats(rows, impl, cfg, group)
+            stats, offset = vocab_parallel_stats(rows, impl, cfg, group)
             ctx.backward_kw["offset"] = offset
         ctx.save_for_backward(*rows, *stats)
         ctx.impl, ctx.cfg, ctx.group = impl, cfg, group

@@ -195,7 +195,7 @@ def token_stats(
         value is not applied here). Inactive rows read nothing that can leak: their outputs
         and gradients are exact zeros. None = every row active.
       temperature: T of p = softmax(s), s = (cap(z) + d·[k == x]) / T; at least
-        ``MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
+        ``FLOAT32_MIN_TEMPERATURE`` = 2^-102 (about 2e-31), below which it is a ValueError: every
         exponent is a logit difference (r - m) scaled by 1/T afterwards (docs/design.md §2),
         float32-exact at any T from there up. Results whose size passes the float32 range
         (|cap(z)| / T past 3.4e38) overflow to ±inf.
@@ -638,6 +638,7 @@ def commit_tokens(
     budget: float | torch.Tensor | None = None,
     confidence: str = "probability",
     inclusive: bool = False,
+    exclusive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Commit the surest masked positions of a canvas: ([B, L] new canvas, [B, L] bool
     committed).
@@ -659,6 +660,12 @@ def commit_tokens(
       inclusive: rule="threshold" commits confidence >= ``threshold`` (as the
         ``get_transfer_index`` of Fast-dLLM and Megatron-Bridge do) rather than the default
         confidence > ``threshold``.
+      exclusive: rule="entropy_budget" commits a position when the entropies ranked before
+        it (not its own) sum to at most ``budget``: the k lowest entropies with
+        H_1 + ... + H_(k-1) <= budget, one position more than the default where it fits.
+        This is the acceptance of DiffusionGemma's ``EntropyBoundSampler`` in transformers
+        (its running sum less each position's own entropy, formed the same way in float32),
+        given the same entropies. Only with rule="entropy_budget" (else a ValueError).
     Defaults against upstream: rule="topk" with confidence="probability" is LLaDA's
     low-confidence remasking when the Sample's statistics are at temperature 1
     (``sample_tokens(..., stats_temperature=1.0)``, or temperature=0); Fast-dLLM's and
@@ -668,7 +675,8 @@ def commit_tokens(
     A row with no valid draw (token -1) is never committed and never ranks above a valid one.
     """
     return _commit_tokens(canvas, sample, masked, rule=rule, k=k, threshold=threshold,
-                          budget=budget, confidence=confidence, inclusive=inclusive)
+                          budget=budget, confidence=confidence, inclusive=inclusive,
+                          exclusive=exclusive)
 
 
 # -- the upstream denoising step (LLaDA, Fast-dLLM, Megatron-Bridge) ---------------------------

@@ -1,0 +1,325 @@
+"""transformers' DiffusionGemma (``DiffusionGemmaForBlockDiffusion``) on dlm-kernels.
+
+transformers' forward returns the capped logits ``c·tanh(lm_head(h) / c)`` (float32, c =
+``final_logit_softcapping``, 30) of every canvas position and no loss; its denoising step
+softmaxes them, draws with ``torch.multinomial``, takes the argmax and the entropies
+(``torch.distributions.Categorical``) as separate [B, L, V] passes. The patch replaces:
+
+- the forward (``fused_linear_loss``): it takes ``labels`` (the clean canvas x0, [B, L];
+  -100 = unsupervised; no shift: position l predicts ``labels[:, l]``) and returns ``loss``,
+  the token-mean cross-entropy of the capped logits, computed from the final hidden states and
+  the tied head in vocabulary chunks (``LinearHead``): the [B, L, V] logits are never formed
+  when ``skip_logits`` (default: in training, when labels are given), and ``logits`` is None.
+  ``variant`` / ``diffusion_t`` / ``loss_mask`` give the Megatron-Bridge SFT variants
+  (``diffusion_sft_loss``), ``encoder_labels`` the encoder's next-token loss.
+- the denoising step's draw, argmax and entropy-bound acceptance (``fused_sampling``): one
+  ``sample_tokens`` pass over the processed logits, and ``commit_tokens(rule=
+  "entropy_budget", exclusive=True)``, the sampler's own acceptance rule.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from ... import torch as dk
+
+IGNORE_INDEX = -100
+"""The label of an unsupervised position (transformers' and torch's ``ignore_index``)."""
+
+HEAD_ROW_CHUNK: int | None = None
+"""Rows (canvas positions) per token chunk of the fused head's logits, [R, V] at a time; None:
+the package's default (``LinearHead``'s ``row_chunk``)."""
+
+_ORIGINAL = "_dlm_kernels_original_"  # prefix of the attributes keeping the replaced methods
+
+
+def _capped_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 cap: float | None) -> tuple[dk.LinearHead, Any]:
+    """(logits, objectives): the logits ``cap(hidden @ weight.T + bias)`` as a LinearHead with
+    the model's softcap (never formed whole), and the objectives to read them with
+    (``dlm_kernels.torch``'s ``weighted_cross_entropy`` and ``diffusion_sft_loss``)."""
+    return dk.LinearHead(hidden, weight, bias, softcap=cap, row_chunk=HEAD_ROW_CHUNK), dk
+
+
+def _token_mean_ce(objectives: Any, head: dk.LinearHead, labels: torch.Tensor,
+                   weights: torch.Tensor | None,
+                   num_items_in_batch: torch.Tensor | int | float | None) -> torch.Tensor:
+    """Σ w·CE / Σ w over the positions whose label is not IGNORE_INDEX (w = 1, or
+    ``weights``), or Σ w·CE / ``num_items_in_batch`` when given; 0 (and a zero gradient)
+    where nothing is supervised."""
+    active = labels != IGNORE_INDEX
+    w = active.to(torch.float32) if weights is None else torch.where(
+        active, weights.to(torch.float32), 0.0)
+    targets = torch.where(active, labels, 0)
+    batch = dk.DiffusionTokenBatch(model_inputs=targets, target_ids=targets, loss_weights=w)
+    total = objectives.weighted_cross_entropy(head, batch)
+    if num_items_in_batch is not None:
+        den = torch.as_tensor(num_items_in_batch, dtype=torch.float32,
+                              device=total.unreduced_sum.device)
+        total = total.replace(denominator=den)
+    return total.compute()
+
+
+def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids; got {labels.dtype}")
+    if tuple(labels.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)} (the hidden states' [B, L]); "
+                         f"got {list(labels.shape)}")
+
+
+def _diffusion_loss(self: Any, hidden: torch.Tensor, labels: torch.Tensor,
+                    decoder_input_ids: torch.Tensor | None, num_items_in_batch: Any,
+                    variant: str | None, diffusion_t: Any, loss_mask: torch.Tensor | None,
+                    diffusion_weight_clip: float | None) -> torch.Tensor:
+    """The canvas loss from the decoder's final hidden states (see ``_forward``)."""
+    _check_labels("labels", labels, tuple(hidden.shape[:2]))
+    head, objectives = _capped_head(hidden, self.lm_head.weight, self.lm_head.bias,
+                                    self.final_logit_softcapping)
+    if variant is None:
+        if diffusion_t is not None:
+            raise ValueError("diffusion_t is given but variant is None: name the SFT variant "
+                             f"(one of {dk.VARIANTS})")
+        return _token_mean_ce(objectives, head, labels, loss_mask, num_items_in_batch)
+    if diffusion_t is None:
+        raise ValueError(f"variant={variant!r} needs diffusion_t (the diffusion time t, [B] "
+                         "or one number in [0, 1])")
+    if num_items_in_batch is not None:
+        raise ValueError("num_items_in_batch applies to the token-mean loss (variant=None); "
+                         "the SFT variants normalise each sequence by its own loss mask")
+    if decoder_input_ids is None:
+        raise ValueError(f"variant={variant!r} needs decoder_input_ids (the noisy canvas xt)")
+    active = labels != IGNORE_INDEX
+    mask = active.to(torch.float32) if loss_mask is None else torch.where(
+        active, loss_mask.to(torch.float32), 0.0)
+    per_sequence = objectives.diffusion_sft_loss(
+        head, torch.where(active, labels, 0), decoder_input_ids, diffusion_t, mask,
+        variant=variant, vocab_size=self.config.text_config.vocab_size,
+        diffusion_weight_clip=diffusion_weight_clip)
+    return per_sequence.mean()
+
+
+def _encoder_loss(self: Any, hidden: torch.Tensor | None,
+                  encoder_labels: torch.Tensor) -> torch.Tensor:
+    """Next-token CE of the encoder: position s predicts ``encoder_labels[:, s + 1]``, the
+    token mean over the supervised ones, through the same capped tied head."""
+    if hidden is None:
+        raise ValueError("encoder_labels needs the encoder's hidden states: pass input_ids "
+                         "(the prompt), not only past_key_values")
+    _check_labels("encoder_labels", encoder_labels, tuple(hidden.shape[:2]))
+    head, objectives = _capped_head(hidden[:, :-1], self.lm_head.weight, self.lm_head.bias,
+                                    self.final_logit_softcapping)
+    return _token_mean_ce(objectives, head, encoder_labels[:, 1:], None, None)
+
+
+def _forward(
+    self: Any,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | dict | None = None,
+    past_key_values: Any = None,
+    position_ids: torch.LongTensor | None = None,
+    decoder_input_ids: torch.LongTensor | None = None,
+    self_conditioning_logits: torch.Tensor | None = None,
+    self_conditioning_mask: torch.BoolTensor | None = None,
+    decoder_attention_mask: torch.Tensor | dict | None = None,
+    decoder_position_ids: torch.LongTensor | None = None,
+    mm_encoder_outputs: dict | None = None,
+    labels: torch.LongTensor | None = None,
+    encoder_labels: torch.LongTensor | None = None,
+    skip_logits: bool | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    variant: str | None = None,
+    diffusion_t: torch.Tensor | float | None = None,
+    loss_mask: torch.Tensor | None = None,
+    diffusion_weight_clip: float | None = None,
+    return_dict: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """transformers' DiffusionGemmaForBlockDiffusion.forward with a fused loss.
+
+    Beyond transformers' arguments:
+      labels: [B, L] the clean canvas x0 for the decoder's canvas ([B, L] of
+        decoder_input_ids); IGNORE_INDEX (-100) marks an unsupervised position. No shift.
+        ``loss`` is the token mean of the cross-entropy of the capped float32 logits over the
+        supervised positions (weighted by ``loss_mask`` when given), or with ``variant``
+        the batch mean of ``diffusion_sft_loss`` (Megatron-Bridge's SFT variants, x0 =
+        labels, xt = decoder_input_ids, t = diffusion_t, loss_mask: the positions with a
+        label, times ``loss_mask`` when given).
+      encoder_labels: [B, S] for the prompt (``input_ids``): adds the encoder's next-token
+        cross-entropy (token mean, position s predicts encoder_labels[:, s + 1], -100
+        unsupervised) to ``loss``, through the same capped tied head.
+      skip_logits: leave ``logits`` None (never form them). Default: in training mode when
+        labels or encoder_labels are given; True without either is a ValueError.
+      num_items_in_batch: the token-mean loss's denominator instead of this batch's count of
+        supervised canvas positions (transformers' Trainer passes it under gradient
+        accumulation); it normalises the canvas term only.
+    A batch with no supervised position has loss 0 and a zero gradient.
+    """
+    config = self.config
+    return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
+    wants_loss = labels is not None or encoder_labels is not None
+    if skip_logits is None:
+        skip_logits = self.training and wants_loss
+    if skip_logits and not wants_loss:
+        raise ValueError("skip_logits=True needs labels or encoder_labels: without a loss "
+                         "nothing would be returned")
+    model_outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+        decoder_input_ids=decoder_input_ids,
+        self_conditioning_logits=self_conditioning_logits,
+        self_conditioning_mask=self_conditioning_mask,
+        decoder_attention_mask=decoder_attention_mask,
+        decoder_position_ids=decoder_position_ids,
+        mm_encoder_outputs=mm_encoder_outputs,
+        **kwargs,
+    )
+    hidden = model_outputs.last_hidden_state
+    loss = None
+    if labels is not None:
+        loss = _diffusion_loss(self, hidden, labels, decoder_input_ids, num_items_in_batch,
+                               variant, diffusion_t, loss_mask, diffusion_weight_clip)
+    elif any(v is not None for v in (variant, diffusion_t, loss_mask, num_items_in_batch)):
+        raise ValueError("variant, diffusion_t, loss_mask and num_items_in_batch shape the "
+                         "canvas loss: they need labels")
+    if encoder_labels is not None:
+        enc = _encoder_loss(self, model_outputs.encoder_last_hidden_state, encoder_labels)
+        loss = enc if loss is None else loss + enc
+    logits = None
+    if not skip_logits:  # transformers' own logits, as its forward forms them
+        logits = self.lm_head(hidden).to(torch.float32)
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+    output_class = type(self)._dlm_kernels_output_class
+    fields = set(output_class.__dataclass_fields__)
+    # everything the model returns that the output has a field for (hidden states,
+    # attentions, the cache, the encoder's last hidden state, router outputs where recorded)
+    passed = {k: v for k, v in model_outputs.items()
+              if k in fields and k not in ("loss", "logits", "last_hidden_state")}
+    out = output_class(loss=loss, logits=logits, **passed)
+    return out if return_dict else out.to_tuple()
+
+
+def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tensor,
+                    argmax_canvas: torch.Tensor, input_ids: torch.LongTensor,
+                    decoder_position_ids: torch.LongTensor,
+                    self_conditioning_logits: torch.Tensor | None, mask_mapping: Any,
+                    past_key_values: Any, finished_denoising: torch.Tensor, cur_step: int,
+                    sampler: Any, logits_processor: Any, diffusion_stopping_criteria: Any,
+                    **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+    """transformers' denoising step with one ``sample_tokens`` pass for the draw, the argmax
+    and the entropies, and ``commit_tokens(rule="entropy_budget", exclusive=True)`` for the
+    entropy-bound acceptance. The draw keys our counter-based noise on a seed taken from
+    torch's global generator (so ``torch.manual_seed`` repeats a generation) and the step:
+    equal to transformers' ``torch.multinomial`` draw in distribution, not in bits. A sampler
+    other than transformers' EntropyBoundSampler runs transformers' own step."""
+    modeling = type(self)._dlm_kernels_generation_module
+    if type(sampler) is not modeling.EntropyBoundSampler:
+        return getattr(type(self), _ORIGINAL + "_denoising_step")(
+            self, decoder_forward=decoder_forward, current_canvas=current_canvas,
+            argmax_canvas=argmax_canvas, input_ids=input_ids,
+            decoder_position_ids=decoder_position_ids,
+            self_conditioning_logits=self_conditioning_logits, mask_mapping=mask_mapping,
+            past_key_values=past_key_values, finished_denoising=finished_denoising,
+            cur_step=cur_step, sampler=sampler, logits_processor=logits_processor,
+            diffusion_stopping_criteria=diffusion_stopping_criteria, **model_kwargs)
+    step = int(cur_step)
+    cur_step_t = torch.tensor(step, device=current_canvas.device, dtype=torch.int32)
+    torch.compiler.cudagraph_mark_step_begin()  # as transformers' step (its compiled sampler)
+    decoder_outputs = decoder_forward(
+        decoder_input_ids=current_canvas,
+        self_conditioning_logits=self_conditioning_logits,
+        decoder_attention_mask=mask_mapping,
+        past_key_values=past_key_values,
+        decoder_position_ids=decoder_position_ids,
+        **model_kwargs,
+    )
+    processed_logits = logits_processor(input_ids, decoder_outputs.logits, cur_step=cur_step_t)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    sample = dk.sample_tokens(processed_logits, temperature=1.0, seed=seed, step=step)
+    new_argmax_canvas = sample.argmax.to(current_canvas.dtype)
+    everywhere = torch.ones_like(current_canvas, dtype=torch.bool)
+    accepted_canvas, accepted = dk.commit_tokens(
+        current_canvas, sample, everywhere, rule="entropy_budget",
+        budget=float(sampler.entropy_bound), exclusive=True)
+    sampler.accepted_token_mask = accepted
+    new_current_canvas = sampler.renoise_canvas(accepted_canvas, cur_step_t)
+
+    if diffusion_stopping_criteria is not None:  # as transformers' step
+        if finished_denoising.any():
+            new_argmax_canvas = torch.where(finished_denoising[:, None], argmax_canvas,
+                                            new_argmax_canvas)
+            new_current_canvas = torch.where(finished_denoising[:, None], current_canvas,
+                                             new_current_canvas)
+            processed_logits = torch.where(finished_denoising[:, None, None],
+                                           self_conditioning_logits, processed_logits)
+        finished_denoising |= diffusion_stopping_criteria(new_argmax_canvas, processed_logits)
+
+    embeddings_dtype = self.model.decoder.embed_tokens.weight.dtype
+    return (new_current_canvas, new_argmax_canvas, processed_logits.to(embeddings_dtype),
+            finished_denoising)
+
+
+def _replace(cls: type, target: Any, name: str, fn: Any) -> None:
+    """Set ``name`` to ``fn`` on the class ``cls`` (target None) or on the instance ``target``,
+    keeping the class's own method once under ``_ORIGINAL + name``."""
+    if not hasattr(cls, _ORIGINAL + name):
+        setattr(cls, _ORIGINAL + name, getattr(cls, name))
+    if target is None:
+        setattr(cls, name, fn)
+    else:
+        setattr(target, name, types.MethodType(fn, target))
+
+
+def apply_dlm_kernels_to_diffusion_gemma(
+    model: Any = None,
+    *,
+    fused_linear_loss: bool = True,
+    fused_sampling: bool = True,
+    fused_self_conditioning: bool = False,
+) -> None:
+    """Put dlm-kernels under transformers' DiffusionGemma (``DiffusionGemmaForBlockDiffusion``).
+
+    model: None patches the class (call it before the model is built, or for every model
+      already built that has no instance patch); a DiffusionGemmaForBlockDiffusion patches
+      that instance only.
+    fused_linear_loss: the forward takes ``labels`` and returns the loss from the hidden
+      states and the tied head without forming the logits (see ``_forward``'s docstring for
+      the arguments: labels, encoder_labels, skip_logits, num_items_in_batch, variant,
+      diffusion_t, loss_mask, diffusion_weight_clip).
+    fused_sampling: ``generate``'s denoising step draws, takes the argmax and the entropies in
+      one pass (``sample_tokens``) and accepts with ``commit_tokens(rule="entropy_budget",
+      exclusive=True)``.
+    fused_self_conditioning: not available yet (the self-conditioning signal
+      softmax(logits)·W streamed over the vocabulary); True is a NotImplementedError.
+    """
+    for name, value in (("fused_linear_loss", fused_linear_loss),
+                        ("fused_sampling", fused_sampling),
+                        ("fused_self_conditioning", fused_self_conditioning)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False; got {value!r}")
+    if fused_self_conditioning:
+        raise NotImplementedError("fused_self_conditioning=True: the fused self-conditioning "
+                                  "signal is not available yet; pass False")
+    from transformers.models.diffusion_gemma import generation_diffusion_gemma as generation
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as modeling
+
+    cls = modeling.DiffusionGemmaForBlockDiffusion
+    if model is not None and not isinstance(model, cls):
+        raise TypeError(f"model must be a DiffusionGemmaForBlockDiffusion (or None to patch the "
+                        f"class); got {type(model).__name__}")
+    cls._dlm_kernels_output_class = modeling.DiffusionGemmaBlockDiffusionOutputWithPast
+    cls._dlm_kernels_generation_module = generation
+    if fused_linear_loss:
+        _replace(cls, model, "forward", _forward)
+    if fused_sampling:
+        _replace(cls, model, "_denoising_step", _denoising_step)

@@ -1,0 +1,447 @@
+"""transformers' DiffusionGemma (``DiffusionGemmaForBlockDiffusion``) under
+``apply_dlm_kernels_to_diffusion_gemma``, on a tiny random model built here (2 layers, D 64,
+V 1024, 4 experts, canvas 16; no download), its tied table scaled so that the logits reach
+the softcap (30).
+
+The reference is the unpatched model: its capped logits fed to the float64 oracle's loss and
+gradient (``tests/oracle.py``), backpropagated through transformers' own float32 (or
+bfloat16) graph. The float64 truth is the same model in float64 (logits, cap and loss all in
+float64). Error model of a parameter's gradient: the patched one lies within the table's
+tolerance plus twice the reference's own distance from the truth (that parameter's largest),
+i.e. the fused loss's float32 rounding costs no more than transformers' float32 (bfloat16)
+training already does. Skipped where transformers (with DiffusionGemma: 5.23) is absent.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers.models.diffusion_gemma")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
+from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_generation  # noqa: E402
+
+import dlm_kernels.torch as dk  # noqa: E402
+import oracle  # noqa: E402
+from dlm_kernels.testing import TOLERANCES  # noqa: E402
+from dlm_kernels.torch.integrations import (MODEL_TYPE_TO_APPLY_FN, apply_dlm_kernels,  # noqa: E402
+                                            apply_dlm_kernels_to_diffusion_gemma)
+from dlm_kernels.torch.integrations import diffusion_gemma as integration  # noqa: E402
+from harness import assert_close  # noqa: E402
+
+B, S, L, D, V = 2, 5, 16, 64, 1024  # batch, prompt, canvas, width, vocabulary
+CAP = 30.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def unpatched_class(monkeypatch):
+    """The reference is transformers' class as it ships, whatever patched the class earlier
+    in the process (the README's block patches it); restored after each test."""
+    cls = DiffusionGemmaForBlockDiffusion
+    for name in ("forward", "_denoising_step"):
+        monkeypatch.setattr(cls, name, getattr(cls, integration._ORIGINAL + name,
+                                               getattr(cls, name)))
+
+
+def tiny_config() -> DiffusionGemmaConfig:
+    text = dict(vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=32,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=32, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=256)
+    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=16)
+    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=L,
+                                  boi_token_id=V - 3, eoi_token_id=V - 2, image_token_id=V - 1)
+    # the experts as plain matmuls (the grouped kernel takes no float64 for the truth)
+    config._experts_implementation = "eager"
+    config.text_config._experts_implementation = "eager"
+    return config
+
+
+def build(rng, dtype: str = "float32") -> DiffusionGemmaForBlockDiffusion:
+    """A random tiny model whose tied table is scaled so that |logits| reach the cap."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = DiffusionGemmaForBlockDiffusion(tiny_config())
+    with torch.no_grad():
+        model.lm_head.weight.mul_(150.0)
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
+    assert model.final_logit_softcapping == CAP
+    return model.to(DTYPES[dtype]).train()
+
+
+def make_inputs(rng, supervised: float = 0.7) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(model inputs, canvas labels x0 with -100 where unsupervised, encoder labels)."""
+    prompt = torch.from_numpy(rng.integers(0, V - 3, (B, S)))
+    canvas = torch.from_numpy(rng.integers(0, V, (B, L)))
+    labels = torch.from_numpy(rng.integers(0, V, (B, L)))
+    labels[torch.from_numpy(rng.uniform(size=(B, L)) > supervised)] = -100
+    encoder_labels = prompt.clone()
+    encoder_labels[:, :1] = -100
+    return dict(input_ids=prompt, decoder_input_ids=canvas), labels, encoder_labels
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
+
+
+def token_ce(z: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None,
+             den: float | None = None) -> tuple[float, np.ndarray]:
+    """(Σ w·CE / Σ w, d/dz) of the capped logits z [.., V] over the supervised positions."""
+    lead = z.shape[:-1]
+    z, y = z.reshape(-1, V), labels.reshape(-1)
+    active = y != -100
+    w = active.astype(np.float64) if weights is None else np.where(active, weights.reshape(-1), 0)
+    den = w.sum() if den is None else den
+    yy = np.where(active, y, 0)
+    _, logp, _, _ = oracle.token_stats(z, yy, active)
+    zeros = np.zeros(len(y))
+    dz, _ = oracle.token_stats_vjp(z, yy, active, (zeros, -w / den, zeros, zeros))
+    return float(-(w * logp).sum() / den), dz.reshape(*lead, V)
+
+
+def _capped(model, hidden: torch.Tensor, float64: bool) -> torch.Tensor:
+    """transformers' head: lm_head, to float32, the cap (the truth: all in float64)."""
+    z = model.lm_head(hidden)
+    z = z if float64 else z.float()
+    return torch.tanh(z / CAP) * CAP
+
+
+def reference(model, inputs: dict, loss_terms, float64: bool = False):
+    """(loss, {name: grad}) of ``model`` unpatched: its capped canvas and encoder logits
+    into ``loss_terms(zc, ze) -> (loss, dzc, dze)`` (float64 NumPy), the float64 cotangents
+    backpropagated through the model. ``float64``: a float64 copy, logits never float32."""
+    if float64:
+        model = copy.deepcopy(model).double()
+    model.zero_grad(set_to_none=True)
+    if float64:
+        out = model.model(**inputs)
+        zc = _capped(model, out.last_hidden_state, True)
+    else:
+        out = model(**inputs)  # transformers' own forward and capped logits
+        zc = out.logits
+    ze = _capped(model, out.encoder_last_hidden_state, float64)
+    loss, dzc, dze = loss_terms(_np(zc), _np(ze))
+    pairs = [(z, torch.from_numpy(g).to(z.dtype)) for z, g in ((zc, dzc), (ze, dze))
+             if g is not None]
+    torch.autograd.backward([z for z, _ in pairs], [g for _, g in pairs])
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_gradients(patched, ref_grads: dict, truth_grads: dict, dtype: str) -> None:
+    """Every parameter's gradient: within the table plus twice the reference's own largest
+    distance from the truth (module docstring); gradients exist where the reference's do."""
+    seen = 0
+    for name, p in patched.named_parameters():
+        ref, truth = ref_grads[name], truth_grads[name]
+        assert (p.grad is None) == (ref is None), (name, p.grad is None, ref is None)
+        if ref is None:
+            continue
+        slack = 2.0 * float(np.abs(_np(ref) - _np(truth)).max())
+        assert_close(_np(p.grad), _np(truth), dtype, name=f"d {name}", slack=slack)
+        seen += 1
+    assert seen > 40, seen  # the text stack's every parameter (the vision tower gets none)
+
+
+def run_patched(model, inputs: dict, **loss_args):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, **loss_args)
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loss_and_every_gradient_match_the_float64_reference(rng, dtype):
+    """The token-mean CE over the supervised canvas positions from the hidden states and the
+    tied head, logits None in training; loss within the float32 table of the oracle's on
+    transformers' own capped logits, every parameter's gradient within the error model."""
+    model = build(rng, dtype)
+    ref = copy.deepcopy(model)
+    inputs, labels, _ = make_inputs(rng)
+    terms = lambda zc, ze: (*token_ce(zc, labels.numpy()), None)
+    want, ref_grads = reference(ref, inputs, terms)
+    _, truth_grads = reference(ref, inputs, terms, float64=True)
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    out = run_patched(model, inputs, labels=labels)
+    assert out.logits is None
+    zc = _np(ref(**inputs).logits)
+    assert np.abs(zc).max() > 0.9 * CAP, np.abs(zc).max()  # the cap is exercised
+    assert out.loss.dtype == torch.float32 and out.loss.shape == ()
+    assert_close(_np(out.loss), want, "float32", name="loss")
+    check_gradients(model, ref_grads, truth_grads, dtype)
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an operation returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_logits_are_never_formed_in_training(rng, monkeypatch):
+    """With token chunks of 5 rows, no operation of the patched forward and backward returns
+    a tensor of the logits' size ([B, L, V] or [B·L, V]); transformers' forward does (the
+    detector sees it)."""
+    monkeypatch.setattr(integration, "HEAD_ROW_CHUNK", 5)
+    model = build(rng)
+    ref = copy.deepcopy(model)
+    inputs, labels, encoder_labels = make_inputs(rng)
+    whole = {(B, L, V), (B * L, V), (B, S, V), (B * (S - 1), V), (B, S - 1, V)}
+    with _Shapes() as seen:
+        ref(**inputs).logits.sum().backward()
+    assert (B, L, V) in seen.shapes
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    with _Shapes() as seen:
+        out = run_patched(model, inputs, labels=labels, encoder_labels=encoder_labels)
+    assert out.logits is None
+    assert not (seen.shapes & whole), sorted(seen.shapes & whole)
+    assert (5, V) in seen.shapes  # the head's chunks
+
+
+def test_eval_and_the_tuple_form(rng):
+    """Outside training (or skip_logits=False) the logits are transformers' own, bit for bit,
+    beside the loss; return_dict=False gives the tuple (loss first); without labels nothing
+    changes; skip_logits=True without labels is an error."""
+    model = build(rng)
+    ref = copy.deepcopy(model).eval()
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    model.eval()
+    inputs, labels, _ = make_inputs(rng)
+    with torch.no_grad():
+        want = ref(**inputs)
+        states = ref(**inputs, output_hidden_states=True, output_attentions=True)
+        passed = model(**inputs, labels=labels, output_hidden_states=True,
+                       output_attentions=True)
+        plain = model(**inputs)
+        both = model(**inputs, labels=labels)
+        tup = model(**inputs, labels=labels, return_dict=False)
+        kept = model.train()(**inputs, labels=labels, skip_logits=False)
+    for out in (plain, both, kept):
+        assert torch.equal(out.logits, want.logits)
+        assert torch.equal(out.encoder_last_hidden_state, want.encoder_last_hidden_state)
+    assert plain.loss is None and both.loss is not None
+    # what the model returns beside the logits passes through (router outputs too, where
+    # transformers records them; 5.23 returns none at this level)
+    assert set(passed.keys()) == set(states.keys()) | {"loss"}, (passed.keys(), states.keys())
+    for key in ("hidden_states", "attentions"):
+        assert all(torch.equal(a, b) for a, b in zip(passed[key], states[key])), key
+    assert torch.equal(kept.loss, both.loss)
+    assert isinstance(tup, tuple) and len(tup) == 4
+    assert torch.equal(tup[0], both.loss) and torch.equal(tup[1], want.logits)
+    with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+        model(**inputs, skip_logits=True)
+
+
+def test_num_items_in_batch_and_nothing_supervised(rng):
+    """num_items_in_batch replaces the count of supervised positions (Σ CE / n); loss_mask
+    without a variant weights the token mean (Σ w·CE / Σ w); a batch with no supervised
+    position has loss 0 and zero gradients."""
+    model = build(rng)
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    inputs, labels, _ = make_inputs(rng)
+    count = int((labels != -100).sum())
+    mean = run_patched(model, inputs, labels=labels).loss
+    summed = run_patched(model, inputs, labels=labels,
+                         num_items_in_batch=torch.tensor(3 * count)).loss
+    assert_close(_np(summed) * 3, _np(mean), "float32", name="loss with num_items_in_batch")
+    weights = torch.from_numpy(rng.uniform(0.5, 2.0, (B, L))).float()
+    weighted = run_patched(model, inputs, labels=labels, loss_mask=weights).loss
+    model.zero_grad(set_to_none=True)
+    zc = model.eval()(**inputs).logits
+    model.train()
+    want, _ = token_ce(_np(zc), labels.numpy(), weights.double().numpy())
+    assert_close(_np(weighted), want, "float32", name="loss with loss_mask as weights")
+    out = run_patched(model, inputs, labels=torch.full_like(labels, -100))
+    assert out.loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("variant", dk.VARIANTS)
+def test_sft_variants(rng, variant):
+    """variant / diffusion_t / loss_mask: the batch mean of Megatron-Bridge's SFT loss
+    (``diffusion_sft_loss``: x0 = labels, xt = decoder_input_ids) on the capped logits, against
+    the oracle's, and every parameter's gradient."""
+    model = build(rng)
+    ref = copy.deepcopy(model)
+    inputs, labels, _ = make_inputs(rng)
+    t = rng.uniform(0.05, 0.95, B)
+    mask = (rng.uniform(size=(B, L)) < 0.8) * (labels.numpy() != -100) * 1.0
+    x0, xt = np.where(labels.numpy() != -100, labels.numpy(), 0), inputs["decoder_input_ids"].numpy()
+
+    def terms(zc, ze):
+        loss = oracle.sft_loss(zc, x0, xt, t, mask, variant, V).mean()
+        dz = oracle.sft_loss_grad(zc, x0, xt, t, mask, variant, V, np.full(B, 1.0 / B))
+        return loss, dz, None
+
+    want, ref_grads = reference(ref, inputs, terms)
+    _, truth_grads = reference(ref, inputs, terms, float64=True)
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    out = run_patched(model, inputs, labels=labels, variant=variant,
+                      diffusion_t=torch.from_numpy(t).float(),
+                      loss_mask=torch.from_numpy(mask).float())
+    assert out.logits is None
+    assert_close(_np(out.loss), want, "float32", name=f"{variant} loss")
+    check_gradients(model, ref_grads, truth_grads, "float32")
+
+
+def test_encoder_labels(rng):
+    """encoder_labels adds the encoder's next-token CE (position s predicts label s + 1)
+    through the same capped tied head to the canvas loss; every gradient as above."""
+    model = build(rng)
+    ref = copy.deepcopy(model)
+    inputs, labels, encoder_labels = make_inputs(rng)
+
+    def terms(zc, ze):
+        canvas, dzc = token_ce(zc, labels.numpy())
+        enc, dze_head = token_ce(ze[:, :-1], encoder_labels.numpy()[:, 1:])
+        dze = np.zeros_like(ze)
+        dze[:, :-1] = dze_head
+        return canvas + enc, dzc, dze
+
+    want, ref_grads = reference(ref, inputs, terms)
+    _, truth_grads = reference(ref, inputs, terms, float64=True)
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    out = run_patched(model, inputs, labels=labels, encoder_labels=encoder_labels)
+    assert_close(_np(out.loss), want, "float32", name="canvas + encoder loss")
+    check_gradients(model, ref_grads, truth_grads, "float32")
+
+
+def test_class_patch_and_registry(rng, monkeypatch):
+    """model=None patches the class (models built afterwards compute the loss);
+    apply_dlm_kernels finds the patch by config.model_type; bad arguments name themselves."""
+    assert MODEL_TYPE_TO_APPLY_FN["diffusion_gemma"] is apply_dlm_kernels_to_diffusion_gemma
+    apply_dlm_kernels(model_type="diffusion_gemma")
+    model = build(rng)
+    inputs, labels, _ = make_inputs(rng)
+    assert model(**inputs, labels=labels).logits is None
+    apply_dlm_kernels(model)  # an instance, by its config.model_type
+    with pytest.raises(ValueError, match=r"no dlm-kernels patch for model_type 'llama'"):
+        apply_dlm_kernels(model_type="llama")
+    with pytest.raises(TypeError, match=r"model must be a DiffusionGemmaForBlockDiffusion"):
+        apply_dlm_kernels_to_diffusion_gemma(torch.nn.Linear(2, 2))
+    with pytest.raises(NotImplementedError, match="fused_self_conditioning"):
+        apply_dlm_kernels_to_diffusion_gemma(model, fused_self_conditioning=True)
+    with pytest.raises(TypeError, match=r"fused_sampling must be True or False; got 1"):
+        apply_dlm_kernels_to_diffusion_gemma(model, fused_sampling=1)
+    with pytest.raises(ValueError, match=r"labels must have shape \[2, 16\]"):
+        model(**inputs, labels=labels[:, :-1])
+    with pytest.raises(ValueError, match="needs diffusion_t"):
+        model(**inputs, labels=labels, variant="loo-ce")
+    with pytest.raises(ValueError, match="they need labels"):
+        model(**inputs, diffusion_t=0.5)
+
+
+# -- generation ----------------------------------------------------------------------------
+
+def _entropy_bound_acceptance(monkeypatch, entropy: torch.Tensor, bound: float) -> torch.Tensor:
+    """transformers' EntropyBoundSampler.accept_canvas's mask for these entropies: its own
+    sort, running sum and comparison, its Categorical handing it the entropies given."""
+
+    class Given:
+        def __init__(self, logits):
+            pass
+
+        def entropy(self):
+            return entropy
+
+    sampler = hf_generation.EntropyBoundSampler(
+        hf_generation.EntropyBoundSamplerConfig(entropy_bound=bound), entropy.shape[1], V, 1)
+    with monkeypatch.context() as m:
+        m.setattr(torch.distributions, "Categorical", Given)
+        canvas = torch.zeros(entropy.shape, dtype=torch.long)
+        sampler.accept_canvas(canvas, canvas + 1, torch.zeros(*entropy.shape, 2), 0)
+    return sampler.accepted_token_mask
+
+
+def test_exclusive_budget_is_the_entropy_bound_sampler(rng, monkeypatch):
+    """commit_tokens(rule="entropy_budget", exclusive=True) over every position accepts what
+    transformers' EntropyBoundSampler accepts for the same entropies, bit for bit, with bounds
+    that sit exactly on a running sum (the default rule accepts one fewer there)."""
+    n, l = 64, L
+    entropy = torch.from_numpy(rng.exponential(0.05, (n, l))).float()
+    sorted_e = torch.sort(entropy, dim=-1).values
+    on_sum = (torch.cumsum(sorted_e, -1) - sorted_e)[:, 3]  # the fourth's exclusive sum
+    canvas = torch.zeros(n, l, dtype=torch.long)
+    zeros = torch.zeros(n, l)
+    sample = dk.Sample(canvas + 1, zeros, canvas, zeros, zeros, entropy, vocab_size=V)
+    everywhere = torch.ones(n, l, dtype=torch.bool)
+    for bound in (0.1, 0.01, 1.0):
+        got = dk.commit_tokens(canvas, sample, everywhere, rule="entropy_budget",
+                               budget=bound, exclusive=True)[1]
+        assert torch.equal(got, _entropy_bound_acceptance(monkeypatch, entropy, bound)), bound
+    for row in range(4):  # per-row bounds on a running sum: exactly 4 accepted
+        bound = float(on_sum[row])
+        want = _entropy_bound_acceptance(monkeypatch, entropy[row:row + 1], bound)
+        got = dk.commit_tokens(canvas[:1], sample._replace(
+            **{f: getattr(sample, f)[row:row + 1] for f in sample._fields}), everywhere[:1],
+            rule="entropy_budget", budget=bound, exclusive=True)[1]
+        assert torch.equal(got, want) and int(got.sum()) >= 4, (row, got, want)
+
+
+def _step_inputs(model, rng):
+    """One denoising step's inputs after the prompt's encoding, as generate builds them."""
+    prompt = torch.from_numpy(rng.integers(0, V - 3, (B, S)))
+    enc = model.model.encoder(input_ids=prompt)
+    canvas = torch.from_numpy(rng.integers(0, V, (B, L)))
+    return dict(
+        decoder_forward=model.forward, current_canvas=canvas, argmax_canvas=canvas,
+        input_ids=prompt, decoder_position_ids=torch.arange(S, S + L)[None],
+        self_conditioning_logits=None, mask_mapping=None,
+        past_key_values=enc.past_key_values, finished_denoising=torch.zeros(B, dtype=torch.bool),
+        cur_step=3, logits_processor=lambda ids, scores, cur_step: scores / 0.05,
+        diffusion_stopping_criteria=None)
+
+
+def test_fused_denoising_step(rng):
+    """The patched step keeps transformers' argmax canvas and self-conditioning logits bit for
+    bit and its acceptance; accepted positions hold the fused draw, the others transformers'
+    renoising; generate runs, and torch.manual_seed repeats it."""
+    model = build(rng).eval()
+    ref = copy.deepcopy(model)
+    apply_dlm_kernels_to_diffusion_gemma(model)
+
+    def sampler():
+        return hf_generation.EntropyBoundSampler(
+            hf_generation.EntropyBoundSamplerConfig(entropy_bound=0.5), L, V, 4)
+
+    with torch.no_grad():
+        inputs = _step_inputs(ref, rng)
+        ours_sampler, ref_sampler = sampler(), sampler()
+        want = ref._denoising_step(sampler=ref_sampler, **inputs)
+        got = model._denoising_step(sampler=ours_sampler, **{**inputs,
+                                                            "decoder_forward": model.forward})
+    assert torch.equal(got[1], want[1])  # argmax canvas
+    assert torch.equal(got[2], want[2])  # self-conditioning logits
+    accepted = ours_sampler.accepted_token_mask
+    assert torch.equal(accepted, ref_sampler.accepted_token_mask)
+    assert (accepted.sum(1) >= 1).all() and (~accepted).any()
+    # accepted positions hold drawn tokens: valid ids, likely under the processed logits
+    logp = torch.log_softmax(want[2].float(), -1).gather(
+        -1, got[0].clamp(0, V - 1)[..., None])[..., 0]
+    assert ((got[0] >= 0) & (got[0] < V)).all()
+    assert (logp[accepted] > -20).all(), logp[accepted]
+    prompt = torch.from_numpy(rng.integers(0, V - 3, (1, S)))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            runs.append(model.generate(prompt, max_new_tokens=L, max_denoising_steps=3))
+    seq = runs[0] if isinstance(runs[0], torch.Tensor) else runs[0].sequences
+    seq2 = runs[1] if isinstance(runs[1], torch.Tensor) else runs[1].sequences
+    assert seq.shape[1] >= S + 1 and torch.equal(seq, seq2)
+    assert ((seq >= 0) & (seq < V)).all()
