@@ -46,8 +46,9 @@ class SoftcapSuite:
     FW = None
     BACKEND = None
     dtype = cases("float32", "bfloat16")
-    #: whether the backend's bitwise contracts hold by construction on this machine: the
-    #: framework-native backends cap with the very function the sampler's chunks use
+    #: whether the step's statistics equal token_stats' bit for bit: torch's framework-native
+    #: backends cap with the very function, op by op, that the sampler's chunks use (XLA
+    #: fuses the cap into different programs in the two calls: an ulp apart at times)
     NATIVE = False
     #: whether the sampler's tests run (a class of another gradient schedule: no)
     SAMPLER = True
@@ -437,12 +438,12 @@ class TestTorchTriton(SoftcapSuite):
 
 
 class TestJaxReference(SoftcapSuite):
-    FW, BACKEND, NATIVE = "jax", "reference", True
+    FW, BACKEND = "jax", "reference"
     dtype = cases("bfloat16")
 
 
 class TestJaxChunked(SoftcapSuite):
-    FW, BACKEND, NATIVE = "jax", "chunked", True
+    FW, BACKEND = "jax", "chunked"
 
 
 @pytest.mark.skipif(not _interpreted(), reason="the Triton kernels run on CPU only under "
