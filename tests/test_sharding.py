@@ -410,6 +410,27 @@ def _torch_rank(rank, world, backend, seed):
         assert_close(gw[: hi - lo].numpy(), r_gw[lo:hi].numpy(), "float32", "d weight")
     assert_exact_zero(gw[max(hi - lo, 0):].numpy(), "d weight of the padding rows")
 
+    # the same head with a final-logit softcap (|logits| up to 5 times it): each rank caps
+    # its own columns
+    hl = to(h).requires_grad_(True)
+    wl = to(wk[cols]).requires_grad_(True)
+    with D.vocab_parallel(dist.group.WORLD, vocab_size=K):
+        head = D.LinearHead(hl, wl, softcap=0.5, row_chunk=4)
+        value = sum(_objectives(D, head, to(y2), to(xt), to(t), to(m), backend=backend))
+    gh, gw = torch.autograd.grad(value, [hl, wl])
+    hr, wr = to(h).requires_grad_(True), to(wk[:K]).requires_grad_(True)
+    ref_terms = _objectives(D, D.LinearHead(hr, wr, softcap=0.5), to(y2), to(xt), to(t), to(m),
+                            backend="reference")
+    ref = sum(ref_terms)
+    r_gh, r_gw = torch.autograd.grad(ref, [hr, wr])
+    assert_close(value.item(), ref.item(), "float32", "capped head objectives",
+                 scale=_sum_scale(ref_terms))
+    assert_close(gh.numpy(), r_gh.numpy(), "float32", "d hidden (capped head)")
+    if hi > lo:
+        assert_close(gw[: hi - lo].numpy(), r_gw[lo:hi].numpy(), "float32",
+                     "d weight (capped head)")
+    assert_exact_zero(gw[max(hi - lo, 0):].numpy(), "d weight of the padding rows (capped)")
+
     # policy_loss from the same sharded logits: the loss and d logits of the unsharded one
     batch = D.DiffusionTokenBatch.create(model_inputs=to(y2), target_ids=to(y2),
                                          loss_weights=to(m))
@@ -490,10 +511,13 @@ def _objectives(D, head, y, xt, t, m, backend=None):
     return ce.unreduced_sum, (lp * m).sum(), (sft * (1.0 + t)).sum()
 
 
-def test_jax_linear_head_under_vocab_parallel():
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_jax_linear_head_under_vocab_parallel(softcap):
     """The unembedding sharded on K over "vocab" (hidden replicated, rows over "data"): the
     three objectives' values, d hidden (summed over the shards) and d weight (each shard its
-    own columns, exact zeros at the padding) equal the unsharded reference's."""
+    own columns, exact zeros at the padding) equal the unsharded reference's; also with a
+    head's final-logit softcap (|logits| up to 5 times it), which each shard applies to its
+    own columns."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
@@ -506,7 +530,7 @@ def test_jax_linear_head_under_vocab_parallel():
 
     def local(h, w, y, xt, t, m):
         with D.vocab_parallel("vocab", vocab_size=K):
-            head = D.LinearHead(h, w, weight_layout="KD", row_chunk=4)
+            head = D.LinearHead(h, w, softcap=softcap, weight_layout="KD", row_chunk=4)
             parts = _objectives(D, head, y, xt, t, m)
         return tuple(jax.lax.psum(v, "data") for v in parts)
 
@@ -517,13 +541,20 @@ def test_jax_linear_head_under_vocab_parallel():
     val, (gh, gw) = jax.jit(jax.value_and_grad(total, argnums=(0, 1)))(h, w)
 
     ref = lambda h, w: sum(_objectives(
-        D, D.LinearHead(h, w, weight_layout="KD"), jnp.asarray(y), jnp.asarray(xt),
-        jnp.asarray(t), jnp.asarray(m), backend="reference"))
+        D, D.LinearHead(h, w, softcap=softcap, weight_layout="KD"), jnp.asarray(y),
+        jnp.asarray(xt), jnp.asarray(t), jnp.asarray(m), backend="reference"))
     r_val, (r_gh, r_gw) = jax.value_and_grad(ref, argnums=(0, 1))(jnp.asarray(h),
                                                                   jnp.asarray(w[:K]))
-    r_terms = _objectives(D, D.LinearHead(jnp.asarray(h), jnp.asarray(w[:K]), weight_layout="KD"),
+    r_terms = _objectives(D, D.LinearHead(jnp.asarray(h), jnp.asarray(w[:K]), softcap=softcap,
+                                          weight_layout="KD"),
                           jnp.asarray(y), jnp.asarray(xt), jnp.asarray(t), jnp.asarray(m),
                           backend="reference")
+    if softcap is not None:  # the reference's capped model, not the uncapped one
+        plain = _objectives(D, D.LinearHead(jnp.asarray(h), jnp.asarray(w[:K]),
+                                            weight_layout="KD"),
+                            jnp.asarray(y), jnp.asarray(xt), jnp.asarray(t), jnp.asarray(m),
+                            backend="reference")
+        assert max(abs(float(a) - float(b)) for a, b in zip(plain, r_terms)) > 0.1
     assert_close(float(val), float(r_val), "float32", "objectives", scale=_sum_scale(r_terms))
     assert_close(np.asarray(gh), np.asarray(r_gh), "float32", "d hidden")
     assert_close(np.asarray(gw)[:K], np.asarray(r_gw), "float32", "d weight")

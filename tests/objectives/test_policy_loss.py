@@ -93,7 +93,8 @@ class Problem:
     weights with a sequence of zeros, advantages of both signs, old and reference log-probs
     around the policy's (-inf and NaN at inactive positions)."""
 
-    def __init__(self, rng, head=False, spread=0.5):
+    def __init__(self, rng, head=False, spread=0.5, softcap=None):
+        self.softcap = softcap  # the head's final-logit cap (the oracle's logits capped)
         self.w = rng.uniform(0.5, 2.0, (B, L))
         self.w[rng.uniform(size=(B, L)) < 0.3] = 0.0
         self.w[0, 0], self.w[-1] = 1.0, 0.0  # the last sequence has no active token
@@ -107,7 +108,8 @@ class Problem:
             z = rng.normal(size=(B * L, K)) * 3
             self.z = z.astype(np.float32).astype(np.float64)
             self.z[~self.active] = np.nan
-        _, lp, ent, _ = oracle.token_stats(self.z, self.y.reshape(-1), self.active, T=T)
+        _, lp, ent, _ = oracle.token_stats(self.z, self.y.reshape(-1), self.active, T=T,
+                                           softcap=softcap)
         self.lp, self.ent = lp.reshape(B, L), ent.reshape(B, L)
         act = self.w != 0
         noise = lambda s: rng.normal(size=(B, L)) * s
@@ -127,8 +129,9 @@ class Problem:
         zero = np.zeros(B * L)
         grads = (zero, g.reshape(-1), zero, zero)
         y = self.y.reshape(-1)
-        return (oracle.token_stats_vjp(self.z, y, self.active, grads, T=T)[0],
-                oracle.saved_lse_slack(self.z, y, self.active, grads, T=T))
+        kw = dict(T=T, softcap=self.softcap)
+        return (oracle.token_stats_vjp(self.z, y, self.active, grads, **kw)[0],
+                oracle.saved_lse_slack(self.z, y, self.active, grads, **kw))
 
 
 METRICS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy")
@@ -228,6 +231,34 @@ class PolicySuite:
                                    [np.float32(1.0)])
         e_loss, _, g = p.expected(dict(options, loss_type=loss_type))
         assert_close(loss, e_loss, "float32", "loss")
+        dz, slack = p.d_logits(g)
+        h2 = p.h.reshape(B * L, -1)
+        assert_close(dh.reshape(B * L, -1), dz @ p.wt, "float32", "d hidden",
+                     slack=matmul_slack(dz, slack, p.wt, "float32"))
+        assert_close(dw, dz.T @ h2, "float32", "d weight",
+                     slack=matmul_slack(dz.T, slack.T, h2, "float32"))
+
+    def test_capped_linear_head_gradients(self, rng, head_case):
+        """From LinearHead(hidden, weight, softcap=1/4), |logits| up to several times the
+        cap: the loss, TRL's metrics (the entropy of the capped model), d hidden and d weight
+        against the float64 oracle of the capped logits c·tanh(hidden @ weight.T / c)."""
+        loss_type, options = head_case
+        fw = self.fw
+        p = Problem(rng, head=True, softcap=0.25)
+        assert np.abs(p.z).max() >= 0.75, "the cap would not be active"
+        batch = self.batch(p)
+
+        def fn(h, wt):
+            head = fw.api.LinearHead(h, wt, softcap=0.25, weight_layout="KD")
+            out = self.call(head, batch, p, loss_type, options)
+            return out.loss, out.entropy
+
+        (loss, entropy), (dh, dw) = fw.vjp(fn, [fw.array(p.h, "float32"),
+                                               fw.array(p.wt, "float32")],
+                                          [np.float32(1.0), np.float32(0.0)])
+        e_loss, e_metrics, g = p.expected(dict(options, loss_type=loss_type))
+        assert_close(loss, e_loss, "float32", "loss")
+        assert_close(entropy, e_metrics["entropy"], "float32", "entropy metric")
         dz, slack = p.d_logits(g)
         h2 = p.h.reshape(B * L, -1)
         assert_close(dh.reshape(B * L, -1), dz @ p.wt, "float32", "d hidden",

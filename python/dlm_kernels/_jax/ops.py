@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX, VOCAB_MAJOR
+from ..token_stats import formulas
 
 
 class JaxOps:
@@ -83,6 +84,13 @@ class JaxOps:
         if hasattr(jax.lax, "pcast"):
             return jax.lax.pcast(x, axes, to="varying")
         return jax.lax.pvary(x, axes)  # jax < 0.10
+
+    @staticmethod
+    def softcap(z, c):
+        """cap(z) = c·tanh(z / c) of float32 z, the kernels' formula
+        (``token_stats.formulas.softcap``): a LinearHead's softcap where its logits are formed
+        (``LinearHead.capped``)."""
+        return formulas.softcap(JaxOps, z, c)
 
     @staticmethod
     def head_logits(head):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from ..linear_head.head import HEAD_CHUNK_BYTES_CPU, VOCAB_MAJOR, head_vocab_chunk, row_chunks
+from ..token_stats import formulas
 
 
 def signed32(c: int) -> int:
@@ -71,6 +72,13 @@ class TorchOps:
     @staticmethod
     def stop_gradient(x):
         return x.detach()
+
+    @staticmethod
+    def softcap(z, c):
+        """cap(z) = c·tanh(z / c) of float32 z, the kernels' formula
+        (``token_stats.formulas.softcap``): a LinearHead's softcap where its logits are formed
+        (``LinearHead.capped``)."""
+        return formulas.softcap(TorchOps, z, c)
 
     @staticmethod
     def head_logits(head):

@@ -221,7 +221,9 @@ def token_stats(
         minimum); a different value costs one more running sum in the same pass.
       softcap: c > 0 for cap(z) = c·tanh(z / c), or None. Any c > 0: for |z / c| below 0.625
         cap(z) is z·(1 + u·Q(u)), u = (z / c)², with a fitted polynomial Q; beyond,
-        c·tanh(z / c), saturating at ±c.
+        c·tanh(z / c), saturating at ±c. A student ``LinearHead(..., softcap=c)`` carries
+        its own cap, which is this one (a different ``softcap`` here is a ValueError); a
+        teacher head's cap applies to the teacher.
       shift_ids, shift: LOO shift; ``shift`` ([...] per row, or a scalar; float) is added to
         the logit at column ``shift_ids`` ([...] int) before the temperature. An active row
         whose shift id lies outside [0, K) gets NaN in every statistic. The shift is
@@ -595,7 +597,8 @@ def sample_tokens(
     Args:
       logits: [..., K] float logits (e.g. [B, L, K]); the conditional ones with guidance. A
         ``LinearHead(hidden, weight)`` in their place is read in token chunks of its
-        ``row_chunk`` rows (never [N, K]); so may ``uncond_logits`` be.
+        ``row_chunk`` rows (never [N, K]), a head's softcap applied to each chunk in
+        float32; so may ``uncond_logits`` be.
       temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
         statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]: below 1e-3 the
         float32 rounding of z / T would swamp the noise, so a smaller T raises.

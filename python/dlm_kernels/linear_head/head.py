@@ -1,6 +1,14 @@
-"""The fused linear head: ``logits = hidden @ weight (+ bias)`` as a value that every
-objective and ``token_stats`` accept in place of a logits array, without the [N, K] logits
-(or their gradient) ever existing in full.
+"""The fused linear head: ``logits = cap(hidden @ weight (+ bias))`` (``cap`` the optional
+final-logit softcap c·tanh(z / c)) as a value that every objective, ``token_stats`` and the
+sampler accept in place of a logits array, without the [N, K] logits (or their gradient)
+ever existing in full.
+
+The softcap: a student head's becomes the token-statistics call's ``softcap``
+(``resolve_softcap``, where the op is entered), so the kernels cap each chunk's logits in
+float32 and chain cap' into dZ exactly as for a logits array; everywhere else a head's logits
+are formed (a teacher head's chunks, the sampler's, ``dense``, ``column``) ``capped`` applies
+it, in float32, with the kernels' formula; a capped teacher head's gradient takes cap' of its
+chunk formed again (each framework's head gradients).
 
 What an op sees of it (``LogitsSource``): a logits array (``DenseLogits``) and a head are
 one protocol, the kind decided once where an op is entered (``as_logits``); the op's one
@@ -38,7 +46,7 @@ import dataclasses
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
 from .._checks import require_array, require_finite_at_active, require_float, shape_str
-from .._config import check_positive_int
+from .._config import check_positive_float, check_positive_int
 
 #: weight layouts: [K, D] (torch nn.Linear.weight, a tied nn.Embedding / nnx.Embed table)
 #: and [D, K] (a Flax linen/nnx Dense kernel)
@@ -137,6 +145,9 @@ class LogitsSource(Generic[A]):
     materialized: bool = True
     #: rows per token chunk the caller asked for (None: the platform's heuristic)
     row_chunk: int | None = None
+    #: the final-logit softcap c the source's logits carry (a head's; an array's logits are
+    #: as given: None)
+    softcap: float | None = None
 
     @property
     def array(self) -> A | None:
@@ -335,7 +346,7 @@ class DenseLogits(LogitsSource[A]):
 
 
 class LinearHead(LogitsSource[A]):
-    """``logits = hidden @ weight (+ bias)``, given in place of a logits array.
+    """``logits = cap(hidden @ weight (+ bias))``, given in place of a logits array.
 
     hidden: [..., D] (``[B, L, D]`` for the objectives, ``[..., D]`` for ``token_stats``).
     weight: the unembedding in ``weight_layout``: "KD" = [K, D] (torch ``nn.Linear.weight``,
@@ -343,6 +354,14 @@ class LinearHead(LogitsSource[A]):
       kernel). Each front end's default is its own framework's usual layout (torch "KD",
       JAX "DK"); the other is always named explicitly, never inferred from the shape.
     bias: [K] or None.  hidden, weight and bias share one floating dtype.
+    softcap: c > 0 (a finite Python or NumPy number) for the final-logit softcap
+      cap(z) = c·tanh(z / c) (Gemma's ``final_logit_softcapping``), or None for cap(z) = z.
+      It is part of the logits the head stands for, so every function that takes the head
+      computes the capped model. Where the head is the student of ``token_stats`` (and so of
+      every objective) the cap is the call's ``softcap``, computed by the kernels in float32
+      on each chunk's logits; passing ``softcap=`` as well is an error unless the two are
+      equal. Elsewhere (a teacher head, the sampler's chunks, ``dense``) the cap is applied
+      to the logits as they are formed (``capped``).
     row_chunk: rows per token chunk (default: a heuristic per platform, ``row_chunk_for``);
       for JAX's fused Pallas head, the most rows per block.
 
@@ -360,16 +379,19 @@ class LinearHead(LogitsSource[A]):
     bias: A | None
     weight_layout: str
     row_chunk: int | None
+    softcap: float | None
 
-    def __init__(self, hidden: A, weight: A, bias: A | None = None, *,
-                 weight_layout: str | None = None, row_chunk: int | None = None) -> None:
+    def __init__(self, hidden: A, weight: A, bias: A | None = None,
+                 softcap: float | None = None, *, weight_layout: str | None = None,
+                 row_chunk: int | None = None) -> None:
         layout = type(self).DEFAULT_LAYOUT if weight_layout is None else weight_layout
         if layout not in LAYOUTS:
             raise ValueError(f"weight_layout must be one of {LAYOUTS} ('KD': weight [K, D], "
                              f"'DK': weight [D, K]); got {weight_layout!r}")
         row_chunk = check_positive_int("row_chunk", row_chunk, allow_none=True)
+        softcap = check_positive_float("softcap", softcap, allow_none=True)
         self.hidden, self.weight, self.bias = hidden, weight, bias
-        self.weight_layout, self.row_chunk = layout, row_chunk
+        self.weight_layout, self.row_chunk, self.softcap = layout, row_chunk, softcap
 
     # -- what it stands for ---------------------------------------------------------------
     @property
@@ -393,18 +415,37 @@ class LinearHead(LogitsSource[A]):
         return self.hidden.dtype
 
     def __repr__(self) -> str:
+        cap = "" if self.softcap is None else f", softcap {self.softcap:g}"
         return (f"{type(self).__name__}(hidden {shape_str(self.hidden.shape)}, weight "
                 f"{shape_str(self.weight.shape)} ({self.weight_layout}), bias "
-                f"{'None' if self.bias is None else shape_str(self.bias.shape)})")
+                f"{'None' if self.bias is None else shape_str(self.bias.shape)}{cap})")
 
     # -- rebuilt views ----------------------------------------------------------------------
+    def _rebuilt(self, hidden: A, weight: A, bias: A | None,
+                 softcap: float | None) -> LinearHead[A]:
+        return type(self)(hidden, weight, bias, softcap, weight_layout=self.weight_layout,
+                          row_chunk=self.row_chunk)
+
     def replace(self, hidden: A | None = None, weight: A | None = None,
                 bias: A | None = None) -> LinearHead[A]:
-        """The same head with some arrays replaced (None: kept)."""
-        return type(self)(self.hidden if hidden is None else hidden,
-                          self.weight if weight is None else weight,
-                          self.bias if bias is None else bias,
-                          weight_layout=self.weight_layout, row_chunk=self.row_chunk)
+        """The same head (its softcap too) with some arrays replaced (None: kept)."""
+        return self._rebuilt(self.hidden if hidden is None else hidden,
+                             self.weight if weight is None else weight,
+                             self.bias if bias is None else bias, self.softcap)
+
+    def without_softcap(self) -> LinearHead[A]:
+        """The head of the uncapped logits ``hidden @ weight (+ bias)`` (where a call's
+        kernels apply the cap themselves: ``resolve_softcap``)."""
+        return self._rebuilt(self.hidden, self.weight, self.bias, None)
+
+    def capped(self, xp: Any, z: A) -> A:
+        """cap(z) of logits z this head formed: float32 c·tanh(z / c) computed as every
+        backend's kernels compute the softcap (``xp.softcap``: ``token_stats.formulas``'),
+        so a sampler or teacher reading these logits sees the values the student's kernels
+        cap to; z itself without a softcap."""
+        if self.softcap is None:
+            return z
+        return xp.softcap(xp.f32(z), self.softcap)
 
     def map_arrays(self, fn: Callable[[A], A]) -> LinearHead[A]:
         """fn applied to hidden, weight and bias (e.g. a stop-gradient)."""
@@ -445,24 +486,26 @@ class LinearHead(LogitsSource[A]):
 
     def with_arrays(self, arrays: tuple[A | None, ...]) -> LinearHead[A]:
         hidden, weight, bias = arrays
-        return type(self)(hidden, weight, bias, weight_layout=self.weight_layout,
-                          row_chunk=self.row_chunk)
+        return self._rebuilt(hidden, weight, bias, self.softcap)
 
     def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+        # with a softcap: float32 (capped, not rounded back), the logits as a student's
+        # kernels see them after their own cap
         head = self.replace(hidden=take(self.hidden))  # [R, D]
-        return xp.head_logits(head if cols is None else head._columns(*cols))
+        return self.capped(xp, xp.head_logits(head if cols is None else head._columns(*cols)))
 
     def dense(self, xp: Any) -> A:
-        return xp.head_logits(self)
+        z = xp.head_logits(self)
+        return z if self.softcap is None else xp.cast_like(self.capped(xp, z), z)
 
     def reference_array(self, xp: Any) -> A:
-        return xp.head_logits(self.map_arrays(xp.f32))
+        return self.capped(xp, xp.head_logits(self.map_arrays(xp.f32)))
 
     def column(self, xp: Any, idx: A) -> A:
         # one dot product of D per row with the gathered row of the weight: O(N·D)
         w = self.weight if self.weight_layout == VOCAB_MAJOR else self.weight.T  # [K, D]
         z = xp.rowsum(xp.f32(self.hidden) * xp.f32(w[idx]))
-        return z if self.bias is None else z + xp.f32(self.bias[idx])
+        return self.capped(xp, z if self.bias is None else z + xp.f32(self.bias[idx]))
 
     def accept(self, kinds: LogitsKinds[A, T]) -> T:
         return kinds.head(self)
@@ -518,6 +561,24 @@ class LinearHead(LogitsSource[A]):
                 raise TypeError(f"{name}.{part} must have {name}.hidden's dtype "
                                 f"{str(h.dtype).replace('torch.', '')}; got "
                                 f"{str(arr.dtype).replace('torch.', '')}")
+
+
+def resolve_softcap(logits: LogitsSource, softcap: Any) -> tuple[LogitsSource, Any]:
+    """(logits, softcap) of a call whose student ``logits`` may be a head with its own
+    softcap: the head's cap becomes the call's ``softcap`` (applied by the kernels, in
+    float32, exactly as for a logits array) and the head is passed on without it. A call's
+    ``softcap`` beside a head's is an error unless the two are equal (the cap would otherwise
+    be ambiguous: applied once, or twice)."""
+    head_cap = logits.softcap
+    if head_cap is None:
+        return logits, softcap
+    if softcap is not None:
+        given = check_positive_float("softcap", softcap)
+        if given != head_cap:
+            raise ValueError(f"softcap={given!r} was given for logits that are a LinearHead "
+                             f"with softcap={head_cap!r}: the head's softcap is already the "
+                             f"logits' cap; pass one of them (or equal values)")
+    return logits.without_softcap(), head_cap
 
 
 def as_logits(x: Any) -> LogitsSource:

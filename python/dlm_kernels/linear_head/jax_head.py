@@ -36,25 +36,29 @@ _FUSED_HEADS = registry(FUSED_HEAD, "jax")
 
 @jax.tree_util.register_pytree_node_class
 class LinearHead(base.LinearHead[jax.Array]):
-    """``logits = hidden @ weight (+ bias)`` of JAX arrays, given in place of a logits
-    array; weight [D, K] by default (a Flax ``Dense`` kernel), or [K, D] with
+    """``logits = cap(hidden @ weight (+ bias))`` of JAX arrays (``softcap=c``: cap(z) =
+    c·tanh(z / c), else z), given in place of a logits array:
+    ``LinearHead(hidden, weight, bias=None, softcap=None, *, weight_layout, row_chunk)``;
+    weight [D, K] by default (a Flax ``Dense`` kernel), or [K, D] with
     ``weight_layout="KD"`` (a tied embedding table). A pytree; gradients flow to hidden,
     weight and bias; no backend but "reference" forms the [N, K] logits
     (``dlm_kernels.linear_head.head.LinearHead`` has the whole story)."""
 
     DEFAULT_LAYOUT: str = HIDDEN_MAJOR  # a Flax Dense kernel: [D, K]
 
-    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], tuple[str, int | None]]:
-        """(hidden, weight, bias) as leaves; the layout and row chunk as static metadata."""
-        return (self.hidden, self.weight, self.bias), (self.weight_layout, self.row_chunk)
+    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], tuple[str, int | None, float | None]]:
+        """(hidden, weight, bias) as leaves; the layout, row chunk and softcap (a Python
+        float: part of what jit traces for) as static metadata."""
+        return ((self.hidden, self.weight, self.bias),
+                (self.weight_layout, self.row_chunk, self.softcap))
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[str, int | None],
+    def tree_unflatten(cls, aux: tuple[str, int | None, float | None],
                        children: tuple[Any, Any, Any]) -> LinearHead:
         """The head rebuilt from ``tree_flatten``'s parts, unchecked."""
         head = object.__new__(cls)  # leaves may be tracers, sentinels or None: no checks
         head.hidden, head.weight, head.bias = children
-        head.weight_layout, head.row_chunk = aux
+        head.weight_layout, head.row_chunk, head.softcap = aux
         return head
 
 
@@ -121,6 +125,7 @@ class _HeadPart:
         dh, dw, db = acc
         w, h = x.weight, _slice(x.hidden, start, r)
         major = x.weight_layout == VOCAB_MAJOR
+        g = _through_cap(x, g, lambda: JaxOps.head_logits(x.without_softcap().replace(hidden=h)))
         # [R, K] x [K, D] -> dH rows; [K, R] x [R, D] (or [D, R] x [R, K]) -> dW: R·K·D each
         dh = _put(dh, start, _dot_f32(g, w if major else w.T), fresh)
         dw = dw + (_dot_f32(g.T, h) if major else _dot_f32(h.T, g))
@@ -135,6 +140,16 @@ class _HeadPart:
                 g = g * scale
             parts.append(None if g is None else _summed_like(g, like).astype(like.dtype))
         return x.replace(*parts)
+
+
+def _through_cap(head, g, raw):
+    """g: the gradient of a head's chunk of logits; with a softcap (a teacher head's, applied
+    where its chunk is formed) the chunk is cap(z), so g·cap'(z) of the chunk's uncapped
+    logits z = ``raw()`` (a matmul formed again), in the head's dtype as any d(logits)."""
+    if head.softcap is None:
+        return g
+    slope = stats_math.softcap_slope(JaxOps, raw().astype(jnp.float32), head.softcap)
+    return (g.astype(jnp.float32) * slope).astype(head.dtype)
 
 
 class _Parts:

@@ -29,9 +29,10 @@ class _TeacherOperand:
         return _Teacher(logits, {}, True)
 
     @staticmethod
-    def head(head):  # its arrays in its layout
+    def head(head):  # its arrays in its layout; the kernels apply no teacher softcap, so a
+        # capped teacher head goes through the token-chunked path (its chunks capped there)
         return _Teacher(head.arrays(), {"teacher_layout": head.weight_layout},
-                        FusedHead._kernel_dtype(head))
+                        FusedHead._kernel_dtype(head) and head.softcap is None)
 
 
 class FusedHead:

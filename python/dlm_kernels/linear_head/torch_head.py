@@ -20,8 +20,10 @@ from .._torch.vocab_parallel import vocab_parallel_stats
 
 
 class LinearHead(base.LinearHead[torch.Tensor]):
-    """``logits = hidden @ weight (+ bias)`` of torch tensors, given in place of a logits
-    tensor; weight [K, D] by default (``nn.Linear.weight``, a tied ``nn.Embedding``), or
+    """``logits = cap(hidden @ weight (+ bias))`` of torch tensors (``softcap=c``: cap(z) =
+    c·tanh(z / c), else z), given in place of a logits tensor:
+    ``LinearHead(hidden, weight, bias=None, softcap=None, *, weight_layout, row_chunk)``;
+    weight [K, D] by default (``nn.Linear.weight``, a tied ``nn.Embedding``), or
     [D, K] with ``weight_layout="DK"``. Gradients flow to hidden, weight and bias; no
     backend but "reference" forms the [N, K] logits (``dlm_kernels.linear_head.head.LinearHead``
     has the whole story)."""
@@ -72,6 +74,10 @@ class _HeadGrads:
         head = self.head
         w, h = head.weight, head.hidden[r0:r1]
         major = head.weight_layout == VOCAB_MAJOR
+        if head.softcap is not None:  # a teacher head's cap, applied where its chunk formed
+            raw = TorchOps.head_logits(head.without_softcap().replace(hidden=h))  # [R, K]
+            dz = (dz.float() * stats_math.softcap_slope(TorchOps, raw.float(), head.softcap)
+                  ).to(head.dtype)
         if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds, into dH's rows
             _mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=False)
         if self.dw is not None:  # [K, R] x [R, D] (or [D, R] x [R, K]): K·R·D, added to dW

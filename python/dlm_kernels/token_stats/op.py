@@ -38,7 +38,7 @@ from .._config import check_vocab_size, make_config
 from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
                          Capabilities, logger)
 from .._rows import Rows
-from ..linear_head.head import as_logits, planned_total, weighting_term
+from ..linear_head.head import as_logits, planned_total, resolve_softcap, weighting_term
 from . import formulas as stats_math
 from .lowering import lower
 
@@ -301,6 +301,9 @@ class TokenStatsFrontEnd:
         # the one place the kind of the logits is decided: arrays go to the backend as they
         # are, a LinearHead (student or teacher) to the framework's head path
         logits = as_logits(logits)
+        # a student head's softcap is the call's (the kernels cap its chunks in float32); a
+        # teacher head keeps its own, applied where its chunks are formed
+        logits, softcap = resolve_softcap(logits, softcap)
         teacher_logits = None if teacher_logits is None else as_logits(teacher_logits)
         heads = any(x is not None and not x.materialized for x in (logits, teacher_logits))
         if inplace_grad and heads:

@@ -56,11 +56,18 @@ def _ce_repr(label_smoothing: float, z_loss_weight: float) -> str:
         ("label_smoothing", label_smoothing), ("z_loss_weight", z_loss_weight)) if value)
 
 
-def _check_head(weight_layout: str, row_chunk: int | None) -> tuple[str, int | None]:
+def _check_head(weight_layout: str, row_chunk: int | None,
+                softcap: float | None) -> tuple[str, int | None, float | None]:
     if weight_layout not in LAYOUTS:
         raise ValueError(f"weight_layout must be one of {LAYOUTS} ('KD': weight [K, D], as "
                          f"lm_head.weight; 'DK': weight [D, K]); got {weight_layout!r}")
-    return weight_layout, check_positive_int("row_chunk", row_chunk, allow_none=True)
+    return (weight_layout, check_positive_int("row_chunk", row_chunk, allow_none=True),
+            check_positive_float("softcap", softcap, allow_none=True))
+
+
+def _head_repr(module: torch.nn.Module) -> str:
+    cap = "" if module.softcap is None else f", softcap={module.softcap}"
+    return f", weight_layout={module.weight_layout!r}{cap}"
 
 
 class _SFTLossBase(torch.nn.Module):
@@ -137,6 +144,8 @@ class FusedLinearDiffusionSFTLoss(_SFTLossBase):
       weight_layout: "KD" (default: weight [K, D], ``lm_head.weight`` of an ``nn.Linear``, a
         tied ``nn.Embedding.weight``) or "DK" (weight [D, K]).
       row_chunk: rows per token chunk (default: a heuristic).
+      softcap: c > 0 of the final-logit softcap, logits = c·tanh((hidden @ weight.T (+ bias))
+        / c) (Gemma's ``final_logit_softcapping``), or None (default: no cap).
 
     ``forward(hidden, weight, x0, xt, t, loss_mask, bias=None)``: hidden [B, L, D].
     """
@@ -146,25 +155,27 @@ class FusedLinearDiffusionSFTLoss(_SFTLossBase):
                  alpha_dot_fn: Schedule = rf_alpha_dot, label_smoothing: float = 0.0,
                  z_loss_weight: float = 0.0, reduction: str = "mean",
                  weight_layout: str = VOCAB_MAJOR, row_chunk: int | None = None,
-                 backend: str | None = None) -> None:
+                 softcap: float | None = None, backend: str | None = None) -> None:
         super().__init__(variant=variant, vocab_size=vocab_size,
                          diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
                          alpha_dot_fn=alpha_dot_fn, label_smoothing=label_smoothing,
                          z_loss_weight=z_loss_weight, reduction=reduction, backend=backend)
         self.weight_layout: str
         self.row_chunk: int | None
-        self.weight_layout, self.row_chunk = _check_head(weight_layout, row_chunk)
+        self.softcap: float | None
+        self.weight_layout, self.row_chunk, self.softcap = _check_head(weight_layout,
+                                                                       row_chunk, softcap)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, x0: torch.Tensor,
                 xt: torch.Tensor, t: torch.Tensor | float, loss_mask: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """The SFT loss of one batch from its hidden states, reduced by ``reduction``."""
-        head = LinearHead(hidden, weight, bias, weight_layout=self.weight_layout,
+        head = LinearHead(hidden, weight, bias, self.softcap, weight_layout=self.weight_layout,
                           row_chunk=self.row_chunk)
         return self._loss(head, x0, xt, t, loss_mask)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight_layout={self.weight_layout!r}"
+        return f"{super().extra_repr()}{_head_repr(self)}"
 
 
 class _OPDLossBase(torch.nn.Module):
@@ -221,7 +232,7 @@ class FusedLinearOPDLoss(_OPDLossBase):
     ``LinearHead`` of its own.
 
     Args: those of ``OPDLoss``, and ``weight_layout`` ("KD", the default: ``lm_head.weight``
-    [K, D]; or "DK") and ``row_chunk`` as ``FusedLinearDiffusionSFTLoss``.
+    [K, D]; or "DK"), ``row_chunk`` and ``softcap`` as ``FusedLinearDiffusionSFTLoss``.
 
     ``forward(hidden, weight, batch, bias=None)``: hidden [B, L, D]; returns a scalar.
     """
@@ -229,24 +240,27 @@ class FusedLinearOPDLoss(_OPDLossBase):
     def __init__(self, *, temperature: float = 1.0, soft_loss_weight: float = 1.0,
                  hard_loss_weight: float = 0.0, label_smoothing: float = 0.0,
                  z_loss_weight: float = 0.0, weight_layout: str = VOCAB_MAJOR,
-                 row_chunk: int | None = None, backend: str | None = None) -> None:
+                 row_chunk: int | None = None, softcap: float | None = None,
+                 backend: str | None = None) -> None:
         super().__init__(temperature=temperature, soft_loss_weight=soft_loss_weight,
                          hard_loss_weight=hard_loss_weight, label_smoothing=label_smoothing,
                          z_loss_weight=z_loss_weight, backend=backend)
         self.weight_layout: str
         self.row_chunk: int | None
-        self.weight_layout, self.row_chunk = _check_head(weight_layout, row_chunk)
+        self.softcap: float | None
+        self.weight_layout, self.row_chunk, self.softcap = _check_head(weight_layout,
+                                                                       row_chunk, softcap)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
                 batch: DiffusionDistillationBatch,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """The distillation loss of one batch from the student's hidden states, a scalar."""
-        head = LinearHead(hidden, weight, bias, weight_layout=self.weight_layout,
+        head = LinearHead(hidden, weight, bias, self.softcap, weight_layout=self.weight_layout,
                           row_chunk=self.row_chunk)
         return self._loss(head, batch)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight_layout={self.weight_layout!r}"
+        return f"{super().extra_repr()}{_head_repr(self)}"
 
 
 class _PolicyLossBase(torch.nn.Module):
@@ -325,7 +339,7 @@ class FusedLinearPolicyLoss(_PolicyLossBase):
     [B, L, K] logits); gradients reach hidden, weight and bias.
 
     Args: those of ``PolicyLoss``, and ``weight_layout`` ("KD", the default: ``lm_head.weight``
-    [K, D]; or "DK") and ``row_chunk`` as ``FusedLinearDiffusionSFTLoss``.
+    [K, D]; or "DK"), ``row_chunk`` and ``softcap`` as ``FusedLinearDiffusionSFTLoss``.
 
     ``forward(hidden, weight, batch, *, old_logps, advantages, ref_logps=None,
     num_items_in_batch=None, bias=None)``: hidden [B, L, D]; returns the
@@ -337,7 +351,8 @@ class FusedLinearPolicyLoss(_PolicyLossBase):
                  beta: float = 0.0, use_bias_correction_kl: bool = False,
                  importance_sampling_level: str = "token", temperature: float = 1.0,
                  max_completion_length: int | None = None, weight_layout: str = VOCAB_MAJOR,
-                 row_chunk: int | None = None, backend: str | None = None) -> None:
+                 row_chunk: int | None = None, softcap: float | None = None,
+                 backend: str | None = None) -> None:
         super().__init__(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high,
                          delta=delta, beta=beta, use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_level=importance_sampling_level,
@@ -345,7 +360,9 @@ class FusedLinearPolicyLoss(_PolicyLossBase):
                          backend=backend)
         self.weight_layout: str
         self.row_chunk: int | None
-        self.weight_layout, self.row_chunk = _check_head(weight_layout, row_chunk)
+        self.softcap: float | None
+        self.weight_layout, self.row_chunk, self.softcap = _check_head(weight_layout,
+                                                                       row_chunk, softcap)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, batch: DiffusionTokenBatch,
                 *, old_logps: torch.Tensor | None, advantages: torch.Tensor,
@@ -353,9 +370,9 @@ class FusedLinearPolicyLoss(_PolicyLossBase):
                 num_items_in_batch: torch.Tensor | float | None = None,
                 bias: torch.Tensor | None = None) -> PolicyLossResult:
         """The policy loss of one batch from its hidden states, and its metrics."""
-        head = LinearHead(hidden, weight, bias, weight_layout=self.weight_layout,
+        head = LinearHead(hidden, weight, bias, self.softcap, weight_layout=self.weight_layout,
                           row_chunk=self.row_chunk)
         return self._loss(head, batch, old_logps, advantages, ref_logps, num_items_in_batch)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight_layout={self.weight_layout!r}"
+        return f"{super().extra_repr()}{_head_repr(self)}"

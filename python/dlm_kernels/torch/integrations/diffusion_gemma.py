@@ -19,16 +19,12 @@ softmaxes them, draws with ``torch.multinomial``, takes the argmax and the entro
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import Any
 
 import torch
 
 from ... import torch as dk
-from ..._objectives import Objectives as _Objectives
-from ..._torch.ops import TorchOps as _TorchOps
-from ...token_stats.torch_vjp import FRONT as _FRONT
 
 IGNORE_INDEX = -100
 """The label of an unsupervised position (transformers' and torch's ``ignore_index``)."""
@@ -42,22 +38,10 @@ _ORIGINAL = "_dlm_kernels_original_"  # prefix of the attributes keeping the rep
 
 def _capped_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  cap: float | None) -> tuple[dk.LinearHead, Any]:
-    """(logits, objectives): the logits ``cap(hidden @ weight.T + bias)`` as a LinearHead (never
-    formed whole), and the objectives to read them with (``weighted_cross_entropy`` and
-    ``diffusion_sft_loss`` with ``dlm_kernels.torch``'s signatures).
-
-    LinearHead has no cap of its own yet, so the cap rides on the token statistics: the head
-    is the plain one and the objectives are ``dlm_kernels.torch``'s, bound to token statistics
-    with ``softcap=cap``. Once LinearHead takes ``softcap=``, this body becomes
-    ``return dk.LinearHead(hidden, weight, bias, row_chunk=HEAD_ROW_CHUNK, softcap=cap), dk``."""
-    head = dk.LinearHead(hidden, weight, bias, row_chunk=HEAD_ROW_CHUNK)
-    if cap is None:
-        return head, dk
-    return head, _Objectives(
-        _TorchOps, functools.partial(dk.token_stats, softcap=cap),
-        functools.partial(_FRONT.token_stats_total, softcap=cap), dk.WeightedSum,
-        dk.DiffusionTokenBatch, dk.DiffusionDistillationBatch, _FRONT.vocab_extent,
-        dk.PolicyLossResult)
+    """(logits, objectives): the logits ``cap(hidden @ weight.T + bias)`` as a LinearHead with
+    the model's softcap (never formed whole), and the objectives to read them with
+    (``dlm_kernels.torch``'s ``weighted_cross_entropy`` and ``diffusion_sft_loss``)."""
+    return dk.LinearHead(hidden, weight, bias, softcap=cap, row_chunk=HEAD_ROW_CHUNK), dk
 
 
 def _token_mean_ce(objectives: Any, head: dk.LinearHead, labels: torch.Tensor,
