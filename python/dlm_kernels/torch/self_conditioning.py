@@ -33,7 +33,7 @@ from .._checks import shape_str
 from .._config import check_positive_float, check_positive_int, check_temperature
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps
-from ..linear_head.head import VOCAB_MAJOR
+from ..linear_head.head import VOCAB_MAJOR, as_logits
 from ..linear_head.torch_head import LinearHead
 from ..token_stats import math as stats_math
 
@@ -118,7 +118,8 @@ def _forward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float,
         cz = _capped(src.z(c0, c1), cap)
         m_new = torch.maximum(m, cz.max(dim=1).values)
         # rescale what was summed under the old maximum (0 where nothing was: l = a = 0)
-        alpha = torch.where(torch.isneginf(m), 0.0, torch.exp(_exponents(m[:, None], m_new, inv_t)[:, 0]))
+        rescale = torch.exp(_exponents(m[:, None], m_new, inv_t)[:, 0])
+        alpha = torch.where(torch.isneginf(m), 0.0, rescale)
         p = torch.exp(_exponents(cz, m_new, inv_t))  # [N, C], the unnormalised weights
         l = l * alpha + p.sum(dim=1)
         a = a * alpha[:, None] + _mm(p, emb[c0:c1], acc_t)
@@ -218,6 +219,16 @@ def _reference(dense, head, emb, cap, temperature):
     return (p @ emb.to(acc_t)).to(emb.dtype)
 
 
+class _Parts:
+    """(dense, head) of a logits source, the other None (``LogitsSource.accept``)."""
+
+    def array(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, LinearHead | None]:
+        return logits, None
+
+    def head(self, head: LinearHead) -> tuple[torch.Tensor | None, LinearHead | None]:
+        return None, head
+
+
 def _require_float(name: str, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
@@ -261,29 +272,17 @@ def soft_embedding(
     chunk_size = check_positive_int("chunk_size", chunk_size, allow_none=True)
     _require_float("embedding", embedding)
     if embedding.ndim != 2:
-        raise ValueError(f"embedding must be a [V, D] table; got shape {shape_str(embedding.shape)}")
+        raise ValueError(f"embedding must be a [V, D] table; got shape "
+                         f"{shape_str(embedding.shape)}")
     vocab, width = embedding.shape
-    head: LinearHead | None = None
-    dense: torch.Tensor | None = None
-    if isinstance(logits, LinearHead):
-        head = logits
-        for name, t in (("logits.hidden", head.hidden), ("logits.weight", head.weight)):
-            _require_float(name, t)
-        if head.bias is not None:
-            _require_float("logits.bias", head.bias)
-        if head.hidden.ndim < 1:
-            raise ValueError(f"logits.hidden must be [..., D]; got shape {shape_str(head.hidden.shape)}")
-        wd = head.weight.shape[1 if head.weight_layout == VOCAB_MAJOR else 0]
-        if head.weight.ndim != 2 or wd != head.hidden.shape[-1]:
-            raise ValueError(f"logits.weight must be {head.weight_layout} with D = "
-                             f"{head.hidden.shape[-1]} (logits.hidden's last dimension); got "
-                             f"shape {shape_str(head.weight.shape)}")
-        if head.bias is not None and tuple(head.bias.shape) != (head.vocab,):
-            raise ValueError(f"logits.bias must have shape [{head.vocab}]; got "
-                             f"{shape_str(head.bias.shape)}")
+    source = as_logits(logits)
+    source.check(TorchOps, "logits")
+    dense, head = source.accept(_Parts())
+    if head is not None:
         lead, v_in, device = tuple(head.hidden.shape[:-1]), head.vocab, head.hidden.device
     else:
-        dense = _require_float("logits", logits)
+        assert dense is not None
+        _require_float("logits", dense)
         if dense.ndim < 1:
             raise ValueError(f"logits must be [..., V]; got shape {shape_str(dense.shape)}")
         lead, v_in, device = tuple(dense.shape[:-1]), dense.shape[-1], dense.device

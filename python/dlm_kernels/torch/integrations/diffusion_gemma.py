@@ -15,6 +15,9 @@ softmaxes them, draws with ``torch.multinomial``, takes the argmax and the entro
 - the denoising step's draw, argmax and entropy-bound acceptance (``fused_sampling``): one
   ``sample_tokens`` pass over the processed logits, and ``commit_tokens(rule=
   "entropy_budget", exclusive=True)``, the sampler's own acceptance rule.
+- the self-conditioning carry (``fused_self_conditioning``): the step hands the next one the
+  decoder's signal softmax(logits)·E·sqrt(D) [B, L, D] (``soft_embedding``, streamed over the
+  vocabulary) instead of the [B, L, V] logits, and the decoder takes it precomputed.
 """
 
 from __future__ import annotations
@@ -261,6 +264,10 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
     fused_sc = bool(getattr(self, "_dlm_kernels_fused_self_conditioning", False))
     carry = self_conditioning_logits  # logits [B, L, V], or (fused) soft embeddings [B, L, D]
     sc_kwargs: dict[str, Any] = {"self_conditioning_logits": carry}
+    if fused_sc and getattr(decoder_forward, "__self__", None) is not self:
+        raise NotImplementedError("fused_self_conditioning=True runs with the eager decoder "
+                                  "(generate compiles it for a static cache): patch with "
+                                  "fused_self_conditioning=False, or pass disable_compile=True")
     if fused_sc and carry is not None:
         if carry.shape[-1] == self.config.text_config.vocab_size:  # logits given to generate
             carry = _soft_signal(self, carry)
