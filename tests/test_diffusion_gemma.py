@@ -488,6 +488,10 @@ def test_fused_self_conditioning(rng, dtype):
                                                          "self_conditioning_logits": want[2]})
         got2 = model._denoising_step(sampler=sampler(), **{
             **step2, "decoder_forward": model.forward, "self_conditioning_logits": got[2]})
+        # logits handed in (as generate's self_conditioning_logits) become the same signal
+        from_logits = model._denoising_step(sampler=sampler(), **{
+            **step2, "decoder_forward": model.forward, "self_conditioning_logits": want[2]})
+        assert torch.equal(from_logits[1], got2[1]) and torch.equal(from_logits[2], got2[2])
     for h in hooks:
         h.remove()
     theirs, ours = _np(signals["ref"]), _np(signals["ours"])
