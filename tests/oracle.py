@@ -244,7 +244,8 @@ def sft_loss_grad(logits, x0, xt, t, mask, variant, vocab_size, cot, clip=None, 
     return dz.reshape(b, l, k)
 
 
-def soft_embedding_vjp(E, g, *, z=None, head=None, T=1.0, softcap=None, ulps=8.0):
+def soft_embedding_vjp(E, g, *, z=None, head=None, T=1.0, softcap=None, ulps=8.0,
+                       scaled_first=False):
     """out = softmax(cap(z) / T) @ E per row and the VJP with cotangent g [N, D] of every input,
     with z [N, V] given or formed as h @ W.T + b from ``head`` = (h [N, Dh], W [V, Dh], b or
     None). Returns a dict: out, dE, dz, and with a head dh, dW, db; and ``slack_<name>`` for
@@ -258,7 +259,9 @@ def soft_embedding_vjp(E, g, *, z=None, head=None, T=1.0, softcap=None, ulps=8.0
     implementation forms the logits itself (capped: |r_k| / T; a head: the matmul's
     Σ|h||W|·cap'(z) / T), moved to log p_k as a_k + Σ_j p_j a_j. Each output then carries
     its terms' relative error e summed in magnitude, plus ``ulps`` ulps of the sum of its
-    terms' magnitudes (float32 products and sums that cancel)."""
+    terms' magnitudes (float32 products and sums that cancel). ``scaled_first``: the
+    implementation forms s = r / T before subtracting the maximum (a plain softmax of r / T),
+    so each s_k is also rounded at its own size |s_k| (a_k grows by |s_k|)."""
     u = ulps * 2.0 ** -24
     E = np.asarray(E, np.float64)
     g = np.asarray(g, np.float64)
@@ -289,6 +292,8 @@ def soft_embedding_vjp(E, g, *, z=None, head=None, T=1.0, softcap=None, ulps=8.0
             a = a + np.abs(r) / T
         if head is not None:
             a = a + (np.abs(h) @ np.abs(W).T) * slope / T
+        if scaled_first:
+            a = a + np.abs(s)
         a = np.where(p > 0, a, 0.0)
         e = u * (np.maximum(1.0, np.where(p > 0, np.abs(c), 0.0)) + a
                  + np.sum(p * a, axis=-1, keepdims=True))
