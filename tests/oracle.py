@@ -242,3 +242,74 @@ def sft_loss_grad(logits, x0, xt, t, mask, variant, vocab_size, cot, clip=None, 
     dz, _ = token_stats_vjp(logits.reshape(b * l, k), x0.reshape(-1), mask.reshape(-1) != 0,
                             (zeros, g_lp.reshape(-1), zeros, zeros), **kw, **ce)
     return dz.reshape(b, l, k)
+
+
+def soft_embedding_vjp(E, g, *, z=None, head=None, T=1.0, softcap=None, ulps=8.0,
+                       scaled_first=False):
+    """out = softmax(cap(z) / T) @ E per row and the VJP with cotangent g [N, D] of every input,
+    with z [N, V] given or formed as h @ W.T + b from ``head`` = (h [N, Dh], W [V, Dh], b or
+    None). Returns a dict: out, dE, dz, and with a head dh, dW, db; and ``slack_<name>`` for
+    each: how far a float32 implementation may lie from it (below).
+
+    dE[k] = Σ_n p_nk g_n;  ds_nk = p_nk (g_n·E_k - g_n·out_n);  dz = ds / T · (1 - tanh²(z/c)).
+
+    Error model of a float32 implementation that streams the online softmax and recomputes p
+    from saved row statistics: log p_k carries ``ulps`` float32 ulps of max(1, |s_k - max s|)
+    (the difference, the exponential, the saved log-sum) plus the rounding a_k of s_k where the
+    implementation forms the logits itself (capped: |r_k| / T; a head: the matmul's
+    Σ|h||W|·cap'(z) / T), moved to log p_k as a_k + Σ_j p_j a_j. Each output then carries
+    its terms' relative error e summed in magnitude, plus ``ulps`` ulps of the sum of its
+    terms' magnitudes (float32 products and sums that cancel). ``scaled_first``: the
+    implementation forms s = r / T before subtracting the maximum (a plain softmax of r / T),
+    so each s_k is also rounded at its own size |s_k| (a_k grows by |s_k|)."""
+    u = ulps * 2.0 ** -24
+    E = np.asarray(E, np.float64)
+    g = np.asarray(g, np.float64)
+    if head is not None:
+        h, W, b = (None if a is None else np.asarray(a, np.float64) for a in head)
+        z = h @ W.T + (0.0 if b is None else b)
+    z = np.asarray(z, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if softcap:
+            th = np.tanh(z / softcap)
+            r, slope = softcap * th, 1.0 - th * th
+        else:
+            r, slope = z, np.ones_like(z)
+        s = r / T
+        m = np.max(s, axis=-1, keepdims=True)
+        c = s - np.where(np.isfinite(m), m, 0.0)
+        ex = np.exp(c)
+        p = ex / np.sum(ex, axis=-1, keepdims=True)
+        out = p @ E
+        ge = g @ E.T
+        go = np.sum(g * out, axis=-1, keepdims=True)
+        ds = p * (ge - go)
+        dz = np.where(p > 0, ds / T * slope, 0.0)
+        res = {"out": out, "dE": p.T @ g, "dz": dz}
+        # the error model
+        a = np.zeros_like(z)
+        if softcap:
+            a = a + np.abs(r) / T
+        if head is not None:
+            a = a + (np.abs(h) @ np.abs(W).T) * slope / T
+        if scaled_first:
+            a = a + np.abs(s)
+        a = np.where(p > 0, a, 0.0)
+        e = u * (np.maximum(1.0, np.where(p > 0, np.abs(c), 0.0)) + a
+                 + np.sum(p * a, axis=-1, keepdims=True))
+        pe = p * e
+        aE, ag = np.abs(E), np.abs(g)
+        res["slack_out"] = pe @ aE + u * (p @ aE)
+        res["slack_dE"] = pe.T @ ag + u * (p.T @ ag)
+        mag = ag @ aE.T + np.sum(ag * np.abs(out), axis=-1, keepdims=True)
+        sdz = np.where(p > 0, (pe * mag + u * p * mag) / T * slope, 0.0)
+        res["slack_dz"] = sdz
+    if head is not None:
+        adz = np.abs(dz)
+        res["dh"], res["dW"] = dz @ W, dz.T @ h
+        res["slack_dh"] = sdz @ np.abs(W) + u * (adz @ np.abs(W))
+        res["slack_dW"] = sdz.T @ np.abs(h) + u * (adz.T @ np.abs(h))
+        if b is not None:
+            res["db"] = dz.sum(axis=0)
+            res["slack_db"] = sdz.sum(axis=0) + u * adz.sum(axis=0)
+    return res

@@ -334,8 +334,9 @@ def test_class_patch_and_registry(rng, monkeypatch):
         apply_dlm_kernels(model_type="llama")
     with pytest.raises(TypeError, match=r"model must be a DiffusionGemmaForBlockDiffusion"):
         apply_dlm_kernels_to_diffusion_gemma(torch.nn.Linear(2, 2))
-    with pytest.raises(NotImplementedError, match="fused_self_conditioning"):
-        apply_dlm_kernels_to_diffusion_gemma(model, fused_self_conditioning=True)
+    with pytest.raises(ValueError, match="fused_self_conditioning=True .* needs fused_sampling"):
+        apply_dlm_kernels_to_diffusion_gemma(model, fused_sampling=False,
+                                             fused_self_conditioning=True)
     with pytest.raises(TypeError, match=r"fused_sampling must be True or False; got 1"):
         apply_dlm_kernels_to_diffusion_gemma(model, fused_sampling=1)
     with pytest.raises(ValueError, match=r"labels must have shape \[2, 16\]"):
@@ -445,3 +446,77 @@ def test_fused_denoising_step(rng):
     seq2 = runs[1] if isinstance(runs[1], torch.Tensor) else runs[1].sequences
     assert seq.shape[1] >= S + 1 and torch.equal(seq, seq2)
     assert ((seq >= 0) & (seq < V)).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_self_conditioning(rng, dtype):
+    """fused_self_conditioning=True: the step carries [B, L, D] soft embeddings, not [B, L, V]
+    logits; the signal the decoder's self-conditioning block reads at the next step is
+    transformers' own (captured at its block) within the roundings transformers adds: it
+    rounds each probability and the matmul's result to the table's dtype, we round the
+    float32 sum once (bfloat16: |ours - theirs| <= 2^-8·Σ p·|E|·sqrt(D) + 2^-8·|theirs|;
+    float32: the float32 table's tolerance, as both sum in float32). The first step's argmax
+    canvas is equal; the second step's too in float32. generate runs and repeats under
+    torch.manual_seed."""
+    model = build(rng, dtype).eval()
+    ref = copy.deepcopy(model)
+    apply_dlm_kernels_to_diffusion_gemma(model, fused_self_conditioning=True)
+    dt = DTYPES[dtype]
+
+    def sampler():
+        return hf_generation.EntropyBoundSampler(
+            hf_generation.EntropyBoundSamplerConfig(entropy_bound=0.5), L, V, 4)
+
+    signals = {}
+
+    def capture(name):
+        def hook(module, args):
+            signals[name] = args[0].detach().clone()
+        return hook
+
+    hooks = [m.model.decoder.self_conditioning.pre_norm.register_forward_pre_hook(capture(n))
+             for n, m in (("ref", ref), ("ours", model))]
+    with torch.no_grad():
+        inputs = _step_inputs(ref, rng)
+        want = ref._denoising_step(sampler=sampler(), **inputs)
+        got = model._denoising_step(sampler=sampler(), **{**inputs,
+                                                         "decoder_forward": model.forward})
+        assert torch.equal(got[1], want[1])
+        assert got[2].shape == (B, L, D) and got[2].dtype == dt and want[2].shape == (B, L, V)
+        step2 = dict(inputs, current_canvas=want[0], argmax_canvas=want[1], cur_step=2)
+        want2 = ref._denoising_step(sampler=sampler(), **{**step2,
+                                                         "self_conditioning_logits": want[2]})
+        got2 = model._denoising_step(sampler=sampler(), **{
+            **step2, "decoder_forward": model.forward, "self_conditioning_logits": got[2]})
+        # logits handed in (as generate's self_conditioning_logits) become the same signal
+        from_logits = model._denoising_step(sampler=sampler(), **{
+            **step2, "decoder_forward": model.forward, "self_conditioning_logits": want[2]})
+        assert torch.equal(from_logits[1], got2[1]) and torch.equal(from_logits[2], got2[2])
+    for h in hooks:
+        h.remove()
+    theirs, ours = _np(signals["ref"]), _np(signals["ours"])
+    table = _np(model.model.decoder.embed_tokens.weight)
+    scale = float(model.model.decoder.embed_tokens.embed_scale.to(dt))
+    p = torch.softmax(want[2].double(), -1).numpy()
+    if dtype == "bfloat16":
+        bound = 2.0 ** -8 * (p @ np.abs(table)) * scale + 2.0 ** -8 * np.abs(theirs)
+        err = np.abs(ours - theirs)
+        worst = np.unravel_index(np.argmax(err - bound), err.shape)
+        assert (err <= bound).all(), (err.max(), worst)
+        assert (err > 0).any()  # the roundings differ: the bound is what is tested
+    else:
+        assert_close(ours, theirs, "float32", name="signal",
+                     scale=float(np.abs(table).max()) * scale)
+        assert torch.equal(got2[1], want2[1])
+    # against the float64 formula on transformers' carried logits: no farther than theirs
+    exact = p @ table * scale
+    assert (np.abs(ours - exact).max()
+            <= np.abs(theirs - exact).max() + 2.0 ** -8 * np.abs(exact).max())
+    prompt = torch.from_numpy(rng.integers(0, V - 3, (1, S)))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=L, max_denoising_steps=3)
+        runs.append(out if isinstance(out, torch.Tensor) else out.sequences)
+    assert torch.equal(runs[0], runs[1]) and ((runs[0] >= 0) & (runs[0] < V)).all()

@@ -15,16 +15,21 @@ softmaxes them, draws with ``torch.multinomial``, takes the argmax and the entro
 - the denoising step's draw, argmax and entropy-bound acceptance (``fused_sampling``): one
   ``sample_tokens`` pass over the processed logits, and ``commit_tokens(rule=
   "entropy_budget", exclusive=True)``, the sampler's own acceptance rule.
+- the self-conditioning carry (``fused_self_conditioning``): the step hands the next one the
+  decoder's signal softmax(logits)·E·sqrt(D) [B, L, D] (``soft_embedding``, streamed over the
+  vocabulary) instead of the [B, L, V] logits, and the decoder takes it precomputed.
 """
 
 from __future__ import annotations
 
+import contextvars
 import types
 from typing import Any
 
 import torch
 
 from ... import torch as dk
+from ..self_conditioning import soft_embedding
 
 IGNORE_INDEX = -100
 """The label of an unsupervised position (transformers' and torch's ``ignore_index``)."""
@@ -224,6 +229,11 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
     other than transformers' EntropyBoundSampler runs transformers' own step."""
     modeling = type(self)._dlm_kernels_generation_module
     if type(sampler) is not modeling.EntropyBoundSampler:
+        if getattr(self, "_dlm_kernels_fused_self_conditioning", False):
+            raise NotImplementedError(
+                f"fused_self_conditioning=True runs with transformers' EntropyBoundSampler "
+                f"only; got a {type(sampler).__name__}: patch with "
+                f"fused_self_conditioning=False")
         return getattr(type(self), _ORIGINAL + "_denoising_step")(
             self, decoder_forward=decoder_forward, current_canvas=current_canvas,
             argmax_canvas=argmax_canvas, input_ids=input_ids,
@@ -235,12 +245,23 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
     step = int(cur_step)
     cur_step_t = torch.tensor(step, device=current_canvas.device, dtype=torch.int32)
     torch.compiler.cudagraph_mark_step_begin()  # as transformers' step (its compiled sampler)
+    fused_sc = bool(getattr(self, "_dlm_kernels_fused_self_conditioning", False))
+    carry = self_conditioning_logits  # logits [B, L, V], or (fused) soft embeddings [B, L, D]
+    sc_kwargs: dict[str, Any] = {"self_conditioning_logits": carry}
+    if fused_sc and getattr(decoder_forward, "__self__", None) is not self:
+        raise NotImplementedError("fused_self_conditioning=True runs with the eager decoder "
+                                  "(generate compiles it for a static cache): patch with "
+                                  "fused_self_conditioning=False, or pass disable_compile=True")
+    if fused_sc and carry is not None:
+        if carry.shape[-1] == self.config.text_config.vocab_size:  # logits given to generate
+            carry = _soft_signal(self, carry)
+        sc_kwargs = {"self_conditioning_logits": None, "self_conditioning_embeddings": carry}
     decoder_outputs = decoder_forward(
         decoder_input_ids=current_canvas,
-        self_conditioning_logits=self_conditioning_logits,
         decoder_attention_mask=mask_mapping,
         past_key_values=past_key_values,
         decoder_position_ids=decoder_position_ids,
+        **sc_kwargs,
         **model_kwargs,
     )
     processed_logits = logits_processor(input_ids, decoder_outputs.logits, cur_step=cur_step_t)
@@ -254,19 +275,81 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
     sampler.accepted_token_mask = accepted
     new_current_canvas = sampler.renoise_canvas(accepted_canvas, cur_step_t)
 
+    embeddings_dtype = self.model.decoder.embed_tokens.weight.dtype
+    # the next step's self-conditioning input: transformers' bf16 logits, or (fused) their
+    # soft embeddings, [B, L, D] instead of [B, L, V]
+    new_carry = _soft_signal(self, processed_logits) if fused_sc else None
     if diffusion_stopping_criteria is not None:  # as transformers' step
         if finished_denoising.any():
             new_argmax_canvas = torch.where(finished_denoising[:, None], argmax_canvas,
                                             new_argmax_canvas)
             new_current_canvas = torch.where(finished_denoising[:, None], current_canvas,
                                              new_current_canvas)
-            processed_logits = torch.where(finished_denoising[:, None, None],
-                                           self_conditioning_logits, processed_logits)
+            if fused_sc:  # a finished row keeps its signal (a function of its logits alone)
+                new_carry = torch.where(finished_denoising[:, None, None], carry, new_carry)
+                # the criteria read this step's logits of the rows still denoising only
+            else:
+                processed_logits = torch.where(finished_denoising[:, None, None],
+                                               self_conditioning_logits, processed_logits)
         finished_denoising |= diffusion_stopping_criteria(new_argmax_canvas, processed_logits)
 
-    embeddings_dtype = self.model.decoder.embed_tokens.weight.dtype
-    return (new_current_canvas, new_argmax_canvas, processed_logits.to(embeddings_dtype),
-            finished_denoising)
+    if not fused_sc:
+        new_carry = processed_logits.to(embeddings_dtype)
+    return new_current_canvas, new_argmax_canvas, new_carry, finished_denoising
+
+
+_PENDING_SIGNAL: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "dlm_kernels_pending_self_conditioning_signal", default=None)
+
+
+def _soft_signal(self: Any, logits: torch.Tensor) -> torch.Tensor:
+    """The decoder's self-conditioning signal of [B, L, V] logits, [B, L, D] in the table's
+    dtype: ``soft_embedding`` of the logits as transformers carries them (rounded to the
+    table's dtype) times the embedding scale, as transformers' decoder forms it from them
+    except that the probabilities are never formed whole nor rounded to the table's dtype
+    (float32 accumulation, one rounding of the sum; transformers rounds each probability to
+    bfloat16 and the matmul's result)."""
+    embed = self.model.decoder.embed_tokens
+    table = embed.weight
+    signal = soft_embedding(logits.to(table.dtype), table)
+    return signal * embed.embed_scale.to(table.dtype)
+
+
+def _decoder_forward(self: Any, *args: Any,
+                     self_conditioning_embeddings: torch.Tensor | None = None,
+                     **kwargs: Any) -> Any:
+    """transformers' decoder forward, taking the self-conditioning signal precomputed
+    (``self_conditioning_embeddings`` [B, L, D], what it forms from ``self_conditioning_logits``
+    before its self-conditioning block) in place of the logits."""
+    original = getattr(type(self), _ORIGINAL + "forward")
+    if self_conditioning_embeddings is None:
+        return original(self, *args, **kwargs)
+    if kwargs.get("self_conditioning_logits") is not None:
+        raise ValueError("pass self_conditioning_logits or self_conditioning_embeddings, "
+                         "not both")
+    signal = self_conditioning_embeddings
+    mask = kwargs.get("self_conditioning_mask")
+    if mask is not None:
+        signal = signal * mask.to(signal.dtype)[:, None, None]
+    token = _PENDING_SIGNAL.set(signal)
+    try:
+        return original(self, *args, **kwargs)  # no logits: it hands its block zeros ...
+    finally:
+        _PENDING_SIGNAL.reset(token)
+
+
+def _self_conditioning_forward(self: Any, inputs_embeds: torch.Tensor,
+                               self_conditioning_signal: torch.Tensor) -> torch.Tensor:
+    """... which this block replaces by the precomputed signal, when one is pending."""
+    pending = _PENDING_SIGNAL.get()
+    if pending is not None:
+        if tuple(pending.shape) != tuple(self_conditioning_signal.shape):
+            raise ValueError(f"self_conditioning_embeddings must have shape "
+                             f"{list(self_conditioning_signal.shape)} ([B, L, D] of the "
+                             f"canvas); got {list(pending.shape)}")
+        self_conditioning_signal = pending.to(self_conditioning_signal.dtype)
+    return getattr(type(self), _ORIGINAL + "forward")(self, inputs_embeds,
+                                                      self_conditioning_signal)
 
 
 def _replace(cls: type, target: Any, name: str, fn: Any) -> None:
@@ -299,17 +382,26 @@ def apply_dlm_kernels_to_diffusion_gemma(
     fused_sampling: ``generate``'s denoising step draws, takes the argmax and the entropies in
       one pass (``sample_tokens``) and accepts with ``commit_tokens(rule="entropy_budget",
       exclusive=True)``.
-    fused_self_conditioning: not available yet (the self-conditioning signal
-      softmax(logits)·W streamed over the vocabulary); True is a NotImplementedError.
+    fused_self_conditioning: (with fused_sampling) the denoising step carries the decoder's
+      self-conditioning signal, the soft embeddings softmax(logits)·E·sqrt(D) [B, L, D]
+      (``soft_embedding``, streamed over the vocabulary), to the next step instead of the
+      [B, L, V] logits, and the decoder takes it as it is (``self_conditioning_embeddings``).
+      transformers' logits rounded to the table's dtype are its input, as transformers carries
+      them; the probabilities are never rounded to the table's dtype (transformers rounds them
+      to bfloat16 before its matmul), so a bfloat16 signal differs from transformers' by those
+      roundings (about 2^-8 of Σ p·|E|). Logits given to ``generate`` as
+      ``self_conditioning_logits`` are turned into the signal at the first step. Eager
+      decoder only (not ``generate``'s compiled decoder of a static cache); a streamer that
+      takes logits receives the signal instead.
     """
     for name, value in (("fused_linear_loss", fused_linear_loss),
                         ("fused_sampling", fused_sampling),
                         ("fused_self_conditioning", fused_self_conditioning)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False; got {value!r}")
-    if fused_self_conditioning:
-        raise NotImplementedError("fused_self_conditioning=True: the fused self-conditioning "
-                                  "signal is not available yet; pass False")
+    if fused_self_conditioning and not fused_sampling:
+        raise ValueError("fused_self_conditioning=True runs in the fused denoising step: it "
+                         "needs fused_sampling=True")
     from transformers.models.diffusion_gemma import generation_diffusion_gemma as generation
     from transformers.models.diffusion_gemma import modeling_diffusion_gemma as modeling
 
@@ -323,3 +415,16 @@ def apply_dlm_kernels_to_diffusion_gemma(
         _replace(cls, model, "forward", _forward)
     if fused_sampling:
         _replace(cls, model, "_denoising_step", _denoising_step)
+    if fused_self_conditioning:
+        text = (model.config if model is not None else None)
+        if text is not None and text.text_config.vocab_size == text.text_config.hidden_size:
+            raise ValueError("fused_self_conditioning=True tells the carried soft embeddings "
+                             "[B, L, D] from logits [B, L, V] by their last dimension: it needs "
+                             f"vocab_size != hidden_size; both are {text.text_config.vocab_size}")
+        decoder = None if model is None else model.model.decoder
+        _replace(modeling.DiffusionGemmaDecoderModel, decoder, "forward", _decoder_forward)
+        _replace(modeling.DiffusionGemmaSelfConditioning,
+                 None if decoder is None else decoder.self_conditioning, "forward",
+                 _self_conditioning_forward)
+    (cls if model is None else model)._dlm_kernels_fused_self_conditioning = \
+        fused_self_conditioning

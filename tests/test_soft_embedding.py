@@ -1,0 +1,267 @@
+"""soft_embedding (dlm_kernels.torch.self_conditioning): Σ_k softmax(cap(z)/T)_k·E[k] from
+dense logits or a LinearHead, against the float64 NumPy oracle (tests/oracle.py:
+soft_embedding_vjp), values and every gradient, both backends; streamed without any [N, V]
+buffer; clear errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dlm_kernels.testing import assert_close, new_seed
+from dlm_kernels.torch import LinearHead
+from dlm_kernels.torch.self_conditioning import soft_embedding
+
+from oracle import soft_embedding_vjp
+
+N, V, D, DH = 7, 301, 19, 11
+CHUNK = 64  # V 301 = 4 full chunks and a ragged one
+DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _t(a, dtype):
+    return torch.as_tensor(np.asarray(a, np.float64)).to(DT[dtype])
+
+
+def _np(t):
+    return t.detach().double().numpy()
+
+
+def _check(got, ref, name, dtype):
+    assert_close(_np(got), ref[name], dtype, name=name, slack=ref["slack_" + name])
+
+
+def _run_dense(z, E, g, dtype, backend, **kw):
+    zt, Et = _t(z, dtype).requires_grad_(True), _t(E, dtype).requires_grad_(True)
+    out = soft_embedding(zt, Et, chunk_size=CHUNK, backend=backend, **kw)
+    dz, dE = torch.autograd.grad(out, (zt, Et), _t(g, dtype))
+    # the reference backend is torch's softmax of cap(z) / T: s rounded before the maximum
+    ref = soft_embedding_vjp(_np(Et), _np(_t(g, dtype)), z=_np(zt), T=kw.get("temperature", 1.0),
+                             softcap=kw.get("softcap"), scaled_first=backend == "reference")
+    return out, dz, dE, ref
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (1e-2, None), (1e3, None),
+                                                 (0.7, 2.0), (1e-2, 2.0)])
+def test_dense(backend, dtype, temperature, softcap):
+    rng = np.random.default_rng(new_seed())
+    z, E, g = rng.normal(size=(N, V)) * 3, rng.normal(size=(V, D)), rng.normal(size=(N, D))
+    out, dz, dE, ref = _run_dense(z, E, g, dtype, backend, temperature=temperature,
+                                  softcap=softcap)
+    assert out.dtype == DT[dtype] and out.shape == (N, D)
+    _check(out, ref, "out", dtype)
+    _check(dE, ref, "dE", dtype)
+    _check(dz, ref, "dz", dtype)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1e-2, 1e3])
+def test_large_logits_and_masked_chunks(temperature):
+    """Logits of 1e4 scale; columns [0, 64) (the whole first chunk: the running maximum starts
+    at -inf) are -inf and [128, 192) (a whole middle chunk) the float32 minimum."""
+    rng = np.random.default_rng(new_seed())
+    z = rng.normal(size=(N, V)) * 1e4
+    z[:, :CHUNK] = -np.inf
+    z[:, 2 * CHUNK:3 * CHUNK] = np.finfo(np.float32).min
+    E, g = rng.normal(size=(V, D)), rng.normal(size=(N, D))
+    for backend in ("chunked",) + (("reference",) if temperature >= 1.0 else ()):
+        out, dz, dE, ref = _run_dense(z, E, g, "float32", backend, temperature=temperature)
+        _check(out, ref, "out", "float32")
+        _check(dE, ref, "dE", "float32")
+        _check(dz, ref, "dz", "float32")
+        assert (dz[:, :CHUNK] == 0).all() and (dz[:, 2 * CHUNK:3 * CHUNK] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["KD", "DK"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("temperature", [1.0, 1e-2, 1e3])
+def test_head_with_active_cap(layout, dtype, temperature):
+    """A LinearHead with a bias, logits |z| up to ~40 under a cap of 3 (tanh saturated):
+    values and the gradients of hidden, weight, bias and the embedding table."""
+    rng = np.random.default_rng(new_seed())
+    h, W = rng.normal(size=(N, DH)) * 3, rng.normal(size=(V, DH)) * 1.5
+    b, E, g = rng.normal(size=V), rng.normal(size=(V, D)), rng.normal(size=(N, D))
+    ht, Wt, bt, Et = (_t(a, dtype).requires_grad_(True) for a in (h, W, b, E))
+    for backend in ("chunked", "reference"):
+        w_in = Wt if layout == "KD" else Wt.t()
+        head = LinearHead(ht, w_in, bt, weight_layout=layout)
+        out = soft_embedding(head, Et, temperature=temperature, softcap=3.0, chunk_size=CHUNK,
+                             backend=backend)
+        grads = torch.autograd.grad(out, (ht, Wt, bt, Et), _t(g, dtype))
+        ref = soft_embedding_vjp(_np(Et), _np(_t(g, dtype)), head=(_np(ht), _np(Wt), _np(bt)),
+                                 T=temperature, softcap=3.0, scaled_first=backend == "reference")
+        assert np.abs(ref["out"]).max() > 0 and np.abs(_np(ht) @ _np(Wt).T).max() > 20
+        _check(out, ref, "out", dtype)
+        for name, got in zip(("dh", "dW", "db", "dE"), grads):
+            _check(got, ref, name, dtype)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_head_softcap_is_the_cap(backend):
+    """A LinearHead's own softcap is the cap (the head's logits are cap(h·W)): the same bits as
+    the cap passed as ``softcap=`` beside a plain head, values and gradients; both given must
+    agree (a ValueError naming both otherwise)."""
+    rng = np.random.default_rng(new_seed())
+    h, W, E = rng.normal(size=(N, DH)) * 3, rng.normal(size=(V, DH)) * 1.5, rng.normal(size=(V, D))
+    g = _t(rng.normal(size=(N, D)), "float32")
+    outs = []
+    for head_cap, call_cap in ((3.0, None), (None, 3.0), (3.0, 3.0)):
+        ht, Wt, Et = (_t(a, "float32").requires_grad_(True) for a in (h, W, E))
+        out = soft_embedding(LinearHead(ht, Wt, softcap=head_cap), Et, softcap=call_cap,
+                             chunk_size=CHUNK, backend=backend)
+        outs.append([out] + list(torch.autograd.grad(out, (ht, Wt, Et), g)))
+    assert np.abs(h @ W.T).max() > 20  # the cap is active
+    for other in outs[1:]:
+        for name, a, b in zip(("out", "dh", "dW", "dE"), outs[0], other):
+            assert torch.equal(a, b), f"{backend} {name}: head's softcap vs softcap="
+    with pytest.raises(ValueError, match="softcap=2.0 was given .* softcap=3.0"):
+        soft_embedding(LinearHead(_t(h, "float32"), _t(W, "float32"), softcap=3.0),
+                       _t(E, "float32"), softcap=2.0, backend=backend)
+
+
+def test_tied_table_gradients_add():
+    """DiffusionGemma's head weight is its embedding table: one tensor, both gradients."""
+    rng = np.random.default_rng(new_seed())
+    h, W, g = rng.normal(size=(N, D)) * 2, rng.normal(size=(V, D)), rng.normal(size=(N, D))
+    ht, Wt = _t(h, "float32").requires_grad_(True), _t(W, "float32").requires_grad_(True)
+    out = soft_embedding(LinearHead(ht, Wt), Wt, temperature=0.5, softcap=4.0, chunk_size=CHUNK)
+    dh, dW = torch.autograd.grad(out, (ht, Wt), _t(g, "float32"))
+    ref = soft_embedding_vjp(W, g, head=(h, W, None), T=0.5, softcap=4.0)
+    _check(out, ref, "out", "float32")
+    _check(dh, ref, "dh", "float32")
+    assert_close(_np(dW), ref["dW"] + ref["dE"], "float32", name="dW",
+                 slack=ref["slack_dW"] + ref["slack_dE"])
+
+
+def test_leading_dims_and_no_grad_inputs():
+    """[B, L, V] logits give [B, L, D]; only the embedding's gradient when only it is asked."""
+    rng = np.random.default_rng(new_seed())
+    z, E = rng.normal(size=(2, 3, V)), rng.normal(size=(V, D))
+    Et = _t(E, "float32").requires_grad_(True)
+    out = soft_embedding(_t(z, "float32"), Et, chunk_size=CHUNK)
+    assert out.shape == (2, 3, D)
+    ref = soft_embedding_vjp(E, np.ones((6, D)), z=z.reshape(6, V))
+    assert_close(_np(out).reshape(6, D), ref["out"], name="out", slack=ref["slack_out"])
+    (dE,) = torch.autograd.grad(out.sum(), (Et,))
+    _check(dE, ref, "dE", "float32")
+
+
+class _LargestBuffer(TorchDispatchMode):
+    """Records the most elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_head_forms_no_rows_by_vocabulary_buffer():
+    """Forward and backward of the chunked head path: no tensor of N·V elements (the largest
+    are the [V, D] gradients and one [N, C] chunk); the reference path does form one."""
+    n, v, d, c = 64, 4096, 16, 256
+    h = torch.randn(n, d, requires_grad=True)
+    W = torch.randn(v, d, requires_grad=True)
+    for backend, expect_small in (("chunked", True), ("reference", False)):
+        with _LargestBuffer() as probe:
+            out = soft_embedding(LinearHead(h, W), W, softcap=5.0, chunk_size=c, backend=backend)
+            torch.autograd.grad(out.sum(), (h, W))
+        if expect_small:
+            assert probe.largest <= max(v * d, n * c), probe.largest
+        else:
+            assert probe.largest >= n * v, probe.largest
+
+
+def test_oracle_gradients_match_finite_differences():
+    rng = np.random.default_rng(new_seed())
+    h, W, b = rng.normal(size=(3, 4)), rng.normal(size=(5, 4)) * 2, rng.normal(size=5)
+    E, g = rng.normal(size=(5, 6)), rng.normal(size=(3, 6))
+    T, c = 0.7, 1.5
+    ref = soft_embedding_vjp(E, g, head=(h, W, b), T=T, softcap=c)
+
+    def f(h, W, b, E):
+        return np.sum(g * soft_embedding_vjp(E, g, head=(h, W, b), T=T, softcap=c)["out"])
+
+    args = [h, W, b, E]
+    for i, name in enumerate(("dh", "dW", "db", "dE")):
+        fd = np.zeros_like(args[i])
+        for idx in np.ndindex(args[i].shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[i][idx] += 1e-6
+            minus[i][idx] -= 1e-6
+            fd[idx] = (f(*plus) - f(*minus)) / 2e-6
+        np.testing.assert_allclose(ref[name], fd, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda z, E: soft_embedding(z, E[:-1]), ValueError, "V = 301"),
+    (lambda z, E: soft_embedding(z, E[0]), ValueError, "shape [19]"),
+    (lambda z, E: soft_embedding(z.long(), E), TypeError, "torch.int64"),
+    (lambda z, E: soft_embedding(z, E, temperature=0.0), ValueError, "temperature"),
+    (lambda z, E: soft_embedding(z, E, softcap=-1.0), ValueError, "softcap"),
+    (lambda z, E: soft_embedding(z, E, chunk_size=0), ValueError, "chunk_size"),
+    (lambda z, E: soft_embedding(z, E, backend="triton"), ValueError, "'triton'"),
+    (lambda z, E: soft_embedding(z.numpy(), E), TypeError, "ndarray"),
+    (lambda z, E: soft_embedding(LinearHead(torch.ones(N, 3), torch.ones(V, 4)), E),
+     ValueError, "logits.weight must have shape [K, D]"),
+    (lambda z, E: soft_embedding(LinearHead(torch.ones(N, 4), torch.ones(V, 4),
+                                            torch.ones(V + 1)), E), ValueError, "[302]"),
+])
+def test_bad_input(call, error, words):
+    z, E = torch.zeros(N, V), torch.zeros(V, D)
+    with pytest.raises(error) as info:
+        call(z, E)
+    assert words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["dense", "KD", "DK"])
+@pytest.mark.parametrize("temperature", [1.0, 1e-2])
+def test_jax_twin(kind, temperature):
+    """dlm_kernels.jax.self_conditioning.soft_embedding (jitted, float32): values and every
+    gradient against the oracle, dense logits (a whole -inf chunk) or a capped head."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from dlm_kernels.jax import LinearHead as JaxHead
+    from dlm_kernels.jax.self_conditioning import soft_embedding as jax_soft_embedding
+
+    rng = np.random.default_rng(new_seed())
+    E, g = rng.normal(size=(V, D)), rng.normal(size=(N, D))
+    f32 = jnp.float32
+    if kind == "dense":
+        z = rng.normal(size=(N, V)) * 3
+        z[:, :CHUNK] = -np.inf
+        args = (jnp.asarray(z, f32), jnp.asarray(E, f32))
+
+        def fn(z, E):
+            return jax_soft_embedding(z, E, temperature=temperature, chunk_size=CHUNK)
+        names = ("dz", "dE")
+        ref = soft_embedding_vjp(np.asarray(args[1], np.float64), g,
+                                 z=np.asarray(args[0], np.float64), T=temperature)
+    else:
+        h, W, b = rng.normal(size=(N, DH)) * 3, rng.normal(size=(V, DH)) * 1.5, rng.normal(size=V)
+        args = tuple(jnp.asarray(a, f32) for a in (h, W, b, E))
+
+        def fn(h, W, b, E):
+            w_in = W if kind == "KD" else W.T
+            return jax_soft_embedding(JaxHead(h, w_in, b, weight_layout=kind), E,
+                                      temperature=temperature, softcap=3.0, chunk_size=CHUNK)
+        names = ("dh", "dW", "db", "dE")
+        ref = soft_embedding_vjp(np.asarray(args[3], np.float64), g,
+                                 head=tuple(np.asarray(a, np.float64) for a in args[:3]),
+                                 T=temperature, softcap=3.0)
+    out, vjp = jax.vjp(jax.jit(fn), *args)
+    grads = vjp(jnp.asarray(g, f32))
+    assert out.dtype == f32 and out.shape == (N, D)
+    assert_close(np.asarray(out, np.float64), ref["out"], name="out", slack=ref["slack_out"])
+    for name, got in zip(names, grads):
+        assert_close(np.asarray(got, np.float64), ref[name], name=name, slack=ref["slack_" + name])
