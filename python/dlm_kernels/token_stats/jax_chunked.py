@@ -49,15 +49,30 @@ def _plan(z, cfg, on_cpu):
 
 def fold_row_blocks(step, n, r, carry):
     """``carry`` through ``step(carry, row0, rows)`` over the row blocks of N >= ROW_GROUP
-    rows (``_config.row_blocks``; ``rows`` static, ``row0`` traced in the loop). The first
-    block is peeled, so the loop carry varies over the same shard_map axes as the inputs."""
+    rows (``_config.row_blocks``; ``rows`` static, ``row0`` traced). Every block runs inside
+    a loop whose trip count XLA cannot see (an optimization barrier), even a single block:
+    XLA compiles the body of a loop of blocks differently from a block outside one (a
+    row's gradient came out an ulp apart), and it would unroll a loop of one trip. ``carry``
+    must vary over the shard_map axes of what ``step`` reads (``varying_like``)."""
     rb, full, tail = row_blocks(n, r)
-    carry = step(carry, 0, rb)
-    if full > 1:
-        carry = lax.fori_loop(1, full, lambda i, c: step(c, i * rb, rb), carry)
+
+    def blocks(carry, first, count, rows):
+        first, count = lax.optimization_barrier((jnp.int32(first), jnp.int32(count)))
+        return lax.fori_loop(0, count, lambda j, c: step(c, first + j * rows, rows), carry)
+
+    carry = blocks(carry, 0, full, rb)
     if tail:
-        carry = step(carry, n - tail, tail)
+        carry = blocks(carry, n - tail, 1, tail)
     return carry
+
+
+def varying_like(x, *trees):
+    """x made to vary over every shard_map axis a leaf of ``trees`` varies over (x itself
+    outside shard_map): a loop carry that starts as a constant has the type of its result."""
+    axes = frozenset().union(*(xp.varying_axes(leaf) for tree in trees
+                               for leaf in jax.tree.leaves(tree)))
+    missing = axes - xp.varying_axes(x)
+    return xp.to_varying(x, tuple(sorted(missing))) if missing else x
 
 
 def pad_rows(x, n):
@@ -167,26 +182,23 @@ def _block_partial(rows, cfg, offset, row0, nb, on_cpu):
     return (state, *stats_math.shifted_target(xp, z_y, found, block, cfg))
 
 
-def _forward_rows(rows, cfg, offset, finish):
-    """``finish(State, r_y, found, block)`` of every row block, assembled into [N] arrays
-    (each a tuple of [rows] float32 per block)."""
+def _forward_rows(rows, cfg, offset, finish, n_out):
+    """``finish(State, r_y, found, block)`` (a tuple of ``n_out`` [rows] float32) of every row
+    block, assembled into ``n_out`` [N] float32 arrays."""
     n = rows.logits.shape[0]
     if n < ROW_GROUP:
-        out = _forward_rows(_padded_bundle(rows), cfg, offset, finish)
+        out = _forward_rows(_padded_bundle(rows), cfg, offset, finish, n_out)
         return tuple(o[:n] for o in out)
 
     def run(on_cpu):
-        r = _plan(rows.logits, cfg, on_cpu)[3]
-
         def step(bufs, row0, nb):
             out = finish(*_block_partial(rows, cfg, offset, row0, nb, on_cpu),
                          _block(rows, row0, nb))
-            if bufs is None:  # the first block: buffers of its outputs' kinds
-                bufs = tuple(jnp.zeros((n,) + o.shape[1:], o.dtype) for o in out)
             return tuple(_put(b, row0, o) for b, o in zip(bufs, out))
 
-        # the first block (fold_row_blocks peels it) gives the buffers their kinds
-        return fold_row_blocks(step, n, r, None)
+        bufs = tuple(varying_like(jnp.zeros((n,), jnp.float32), rows, offset)
+                     for _ in range(n_out))
+        return fold_row_blocks(step, n, _plan(rows.logits, cfg, on_cpu)[3], bufs)
 
     return _per_platform(run, rows.logits, cfg)
 
@@ -204,7 +216,8 @@ class ChunkedJax(BackendBase):
     def forward_partial(rows, cfg, offset=0):
         # rows.logits, rows.teacher: [N, K] (one shard) -> (State, r_y, found) of [N] f32
         out = _forward_rows(rows, cfg, offset,
-                            lambda state, r_y, found, block: (*state, r_y, found))
+                            lambda state, r_y, found, block: (*state, r_y, found),
+                            len(stats_math.State._fields) + 2)
         return stats_math.State(*out[:-2]), out[-2], out[-1]
 
     @staticmethod
@@ -213,7 +226,8 @@ class ChunkedJax(BackendBase):
         def finish(state, r_y, found, block):
             return tuple(stats_math.finalize(xp, state, r_y, found, block.active, cfg))
 
-        return stats_math.Stats(*_forward_rows(rows, cfg, 0, finish))
+        return stats_math.Stats(*_forward_rows(rows, cfg, 0, finish,
+                                               len(stats_math.Stats._fields)))
 
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
@@ -255,8 +269,10 @@ class ChunkedJax(BackendBase):
                 # peeled first chunk: the carry then varies like the inputs under shard_map
                 return lax.fori_loop(1, n_chunks, body, body(0, carry))
 
-            du0 = jnp.zeros(u.shape, carry_u) if cfg.TEACHER_GRAD else None
-            dz, du = fold_row_blocks(block_step, n, r, (jnp.zeros(z.shape, carry_z), du0))
+            like = (rows, stats, grads, offset)
+            du0 = varying_like(jnp.zeros(u.shape, carry_u), *like) if cfg.TEACHER_GRAD else None
+            dz0 = varying_like(jnp.zeros(z.shape, carry_z), *like)
+            dz, du = fold_row_blocks(block_step, n, r, (dz0, du0))
             return _from_carry(dz, z.dtype), (None if du is None else _from_carry(du, u.dtype))
 
         half = _is_half(z.dtype) or (cfg.TEACHER_GRAD and _is_half(u.dtype))
