@@ -97,7 +97,7 @@ def _per_platform(run, z, cfg, cpu_differs=False):
     return lax.platform_dependent(cpu=lambda: run(True), default=lambda: run(False))
 
 
-def _tile(a, row0, rows, start, c):
+def tile(a, row0, rows, start, c):
     """Rows [row0, row0 + rows) and columns [start, start + c) of a [N, K] array (None: None)."""
     return None if a is None else lax.dynamic_slice(a, (row0, start), (rows, c))
 
@@ -108,7 +108,7 @@ def _row_slice(x, row0, rows):
 
 def _block(rows, row0, n):
     """The bundle's per-row fields of rows [row0, row0 + n); the logits stay whole (tiles are
-    sliced from them, ``_tile``)."""
+    sliced from them, ``tile``)."""
     return rows._replace(**{f: _row_slice(getattr(rows, f), row0, n)
                             for f in ("targets", "active", "shift_ids", "shift")})
 
@@ -165,7 +165,7 @@ def _block_partial(rows, cfg, offset, row0, nb, on_cpu):
         local = start + jnp.arange(c, dtype=jnp.int32)  # [C]
         cols = offset + local  # global column ids
         valid = stats_math.column_mask(xp, cols, cfg, local >= i * c)  # clamped last: skip seen
-        chunk = block.columns(_tile(z_i, row0, nb, start, c), _tile(u_i, row0, nb, start, c))
+        chunk = block.columns(tile(z_i, row0, nb, start, c), tile(u_i, row0, nb, start, c))
         return tuple(stats_math.merge(xp, stats_math.State(*state),
                                       stats_math.chunk_partial(xp, chunk, cols, valid, cfg), cfg))
 
@@ -173,7 +173,7 @@ def _block_partial(rows, cfg, offset, row0, nb, on_cpu):
     # same shard_map axes as the inputs (a constant initial state would not).
     cols = offset + jnp.arange(c, dtype=jnp.int32)
     first = stats_math.chunk_partial(
-        xp, block.columns(_tile(z, row0, nb, 0, c), _tile(u, row0, nb, 0, c)), cols,
+        xp, block.columns(tile(z, row0, nb, 0, c), tile(u, row0, nb, 0, c)), cols,
         stats_math.column_mask(xp, cols, cfg), cfg)
     state = stats_math.State(*lax.fori_loop(1, n_chunks, body, tuple(first)))
     # the target's logit: a gather of one column per row, then its cap and shift in [nb]
@@ -255,8 +255,8 @@ class ChunkedJax(BackendBase):
                     z_i, u_i = _in_loop(i, z, u)
                     start = jnp.minimum(i * c, k - c)
                     cols = offset + start + jnp.arange(c, dtype=jnp.int32)
-                    chunk = block.columns(_tile(z_i, row0, nb, start, c),
-                                          _tile(u_i, row0, nb, start, c))
+                    chunk = block.columns(tile(z_i, row0, nb, start, c),
+                                          tile(u_i, row0, nb, start, c))
                     gz, gu = stats_math.chunk_grads(xp, chunk, cols, block_stats, block_grads,
                                                     cfg)
                     update = lambda buf, g, dtype, carry: lax.dynamic_update_slice(
