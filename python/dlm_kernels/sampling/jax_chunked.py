@@ -17,8 +17,8 @@ from jax import lax
 from . import core as sampling
 from .._jax.ops import JaxOps as xp
 from .._config import ROW_GROUP, SAMPLE_CHUNK_BYTES_CPU, group_rows_per_block
-from ..token_stats.jax_chunked import (tile, fold_row_blocks, pad_rows, varying_like,
-                                       vocab_chunk)
+from ..token_stats.jax_chunked import (_in_loop, fold_row_blocks, pad_rows, tile,
+                                       varying_like, vocab_chunk)
 
 
 def _padded(st, k):
@@ -42,14 +42,19 @@ def _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu):
     c = vocab_chunk(k, cfg, on_cpu)
     n_chunks = -(-k // c)
     keys = lax.dynamic_slice_in_dim(keys, row0, nb, axis=0)
+    # loop-variant operands, in the loop of blocks and in the chunk loop, so that XLA's CPU
+    # compiler converts each bfloat16 tile, never the whole logits, to float32
+    # (token_stats.jax_chunked._in_loop)
+    z, zu = _in_loop(row0, z, zu)
     noisy = sampling.noisy_scores(xp, keys)
     row_ids = row0 + jnp.arange(nb)
 
     def read(i):  # chunk i -> z, s, sd [nb, C] (columns an earlier chunk saw at -inf), cols [C]
         start = jnp.minimum(i * c, k - c)
         cols = start + jnp.arange(c, dtype=jnp.int32)
-        scores = sampling.scaled_logits(xp, tile(z, row0, nb, start, c),
-                                        tile(zu, row0, nb, start, c), cols, suppress, cfg)
+        z_i, zu_i = _in_loop(i, z, zu)
+        scores = sampling.scaled_logits(xp, tile(z_i, row0, nb, start, c),
+                                        tile(zu_i, row0, nb, start, c), cols, suppress, cfg)
         fresh = (cols >= i * c)[None, :]
         return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
 

@@ -118,7 +118,8 @@ def _put(buf, row0, value):
 
 
 def _in_loop(i, z, u):
-    """z, u as seen from iteration i of a chunk loop (same values, no copy).
+    """z, u as seen from iteration i of a chunk loop or row ``i`` of the loop of row blocks
+    (same values, no copy).
 
     XLA's CPU compiler does bfloat16 slicing in float32: it converts the *whole* operand,
     then hoists that conversion out of the loop as loop-invariant, so a bfloat16 call would
@@ -153,9 +154,10 @@ def _from_carry(buf, dtype):
     return buf if buf.dtype == dtype else lax.bitcast_convert_type(buf, dtype)
 
 
-def _block_partial(rows, cfg, offset, row0, nb, on_cpu):
-    """(State, r_y, found) of [nb] float32 for rows [row0, row0 + nb): the chunk loop."""
-    z, u = rows.logits, rows.teacher
+def _block_partial(rows, target, cfg, offset, row0, nb, on_cpu):
+    """(State, r_y, found) of [nb] float32 for rows [row0, row0 + nb): the chunk loop.
+    ``target``: (found [N] bool, z_y [N]) of ``_targets``."""
+    z, u = _in_loop(row0, rows.logits, rows.teacher)  # loop-variant in the loop of blocks too
     k, c, n_chunks, _ = _plan(z, cfg, on_cpu)
     block = _block(rows, row0, nb)
 
@@ -176,10 +178,18 @@ def _block_partial(rows, cfg, offset, row0, nb, on_cpu):
         xp, block.columns(tile(z, row0, nb, 0, c), tile(u, row0, nb, 0, c)), cols,
         stats_math.column_mask(xp, cols, cfg), cfg)
     state = stats_math.State(*lax.fori_loop(1, n_chunks, body, tuple(first)))
-    # the target's logit: a gather of one column per row, then its cap and shift in [nb]
-    found, idx = stats_math.target_column(xp, block.targets, k, offset, cfg)
-    z_y = z[row0 + jnp.arange(nb), idx]
+    # the target's logit (gathered before the blocks), its cap and shift in [nb]
+    found, z_y = (_row_slice(x, row0, nb) for x in target)
     return (state, *stats_math.shifted_target(xp, z_y, found, block, cfg))
+
+
+def _targets(rows, cfg, offset):
+    """(found [N] bool, z_y [N] in the logits' dtype): whether this block of columns holds
+    each row's target, and its logit (0 where not), one gather over all rows before the row
+    blocks: inside their loop XLA's CPU compiler converted whole bfloat16 logits to float32
+    for it (a [N, K] float32 temporary)."""
+    found, idx = stats_math.target_column(xp, rows.targets, rows.logits.shape[1], offset, cfg)
+    return found, xp.gather_cols(rows.logits, idx)
 
 
 def _forward_rows(rows, cfg, offset, finish, n_out):
@@ -190,9 +200,11 @@ def _forward_rows(rows, cfg, offset, finish, n_out):
         out = _forward_rows(_padded_bundle(rows), cfg, offset, finish, n_out)
         return tuple(o[:n] for o in out)
 
+    target = _targets(rows, cfg, offset)
+
     def run(on_cpu):
         def step(bufs, row0, nb):
-            out = finish(*_block_partial(rows, cfg, offset, row0, nb, on_cpu),
+            out = finish(*_block_partial(rows, target, cfg, offset, row0, nb, on_cpu),
                          _block(rows, row0, nb))
             return tuple(_put(b, row0, o) for b, o in zip(bufs, out))
 
@@ -246,13 +258,14 @@ class ChunkedJax(BackendBase):
             carry_u = None if u is None else _carry_dtype(u.dtype, on_cpu)
 
             def block_step(carry, row0, nb):
+                z_b, u_b = _in_loop(row0, z, u)  # loop-variant in the loop of blocks too
                 block = _block(rows, row0, nb)
                 block_stats = type(stats)(*(_row_slice(s, row0, nb) for s in stats))
                 block_grads = tuple(_row_slice(g, row0, nb) for g in grads)
 
                 def body(i, carry):
                     dz, du = carry
-                    z_i, u_i = _in_loop(i, z, u)
+                    z_i, u_i = _in_loop(i, z_b, u_b)
                     start = jnp.minimum(i * c, k - c)
                     cols = offset + start + jnp.arange(c, dtype=jnp.int32)
                     chunk = block.columns(tile(z_i, row0, nb, start, c),
