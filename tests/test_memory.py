@@ -67,14 +67,17 @@ def test_jax_chunked_temp_bytes_are_a_fraction_of_reference(dtype, features):
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
 def test_jax_chunk_follows_the_platform_it_is_lowered_for(platform):
-    """A CPU chunk holds 8 MiB of float32 per [N, C] buffer; an accelerator's 128 MiB, so
-    its passes outlast their kernel launches (N 4096, K 262144: 512 vs 8192 columns). JAX
-    picks while lowering (lax.platform_dependent), seen in the chunk loops' slices."""
+    """Tiles of R rows and C columns by platform, whatever N: a CPU's C is
+    CHUNK_COLUMNS_CPU and its [R, C] float32 tile 8 MiB; an accelerator's C is
+    CHUNK_COLUMNS_ACCELERATOR and its tile 128 MiB, so its passes outlast their kernel
+    launches (N 4096, K 262144: 512 x 4096 vs 1024 x 32768). JAX picks while lowering
+    (lax.platform_dependent), seen in the chunk loops' slices."""
     import jax
     import jax.numpy as jnp
 
     import dlm_kernels.jax as D
-    from dlm_kernels._config import CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU
+    from dlm_kernels._config import (CHUNK_BYTES_ACCELERATOR, CHUNK_BYTES_CPU,
+                                     CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU)
 
     n, k = 4096, 262144
 
@@ -84,9 +87,12 @@ def test_jax_chunk_follows_the_platform_it_is_lowered_for(platform):
     args = (jax.ShapeDtypeStruct((n, k), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.int32))
     text = jax.jit(jax.value_and_grad(loss)).trace(*args).lower(
         lowering_platforms=(platform,)).as_text()
-    chunks = {int(c) for c in re.findall(rf"dynamic_slice .*sizes = \[{n}, (\d+)\]", text)}
-    budget = CHUNK_BYTES_CPU if platform == "cpu" else CHUNK_BYTES_ACCELERATOR
-    assert chunks == {budget // (4 * n)}, f"{platform}: chunk widths {sorted(chunks)}"
+    tiles = {(int(r), int(c))
+             for r, c in re.findall(r"dynamic_slice .*sizes = \[(\d+), (\d+)\]", text)}
+    on_cpu = platform == "cpu"
+    c = CHUNK_COLUMNS_CPU if on_cpu else CHUNK_COLUMNS_ACCELERATOR
+    budget = CHUNK_BYTES_CPU if on_cpu else CHUNK_BYTES_ACCELERATOR
+    assert tiles == {(budget // (4 * c), c)}, f"{platform}: tiles {sorted(tiles)}"
 
 
 def test_torch_chunk_follows_the_device():

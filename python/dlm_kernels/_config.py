@@ -222,15 +222,47 @@ def budget_chunk_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
                      cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
     """Columns C of a chunk sized so one float32 [N, C] buffer of all N rows stays under
     ``cpu_bytes`` on a CPU, ``CHUNK_BYTES_ACCELERATOR`` elsewhere (a multiple of 128, at least
-    128, at most K; ``cfg.chunk_size`` overrides). For the loops that take every row at once:
-    the JAX chunked backend and the sampler's draw. Their chunk, so a row's reduction order,
-    depends on N: the JAX chunked backend is not yet batch-invariant (docs/design.md §2)."""
+    128, at most K; ``cfg.chunk_size`` overrides). For loops that take every row at once: the
+    torch sampler's draw. Its chunk, so a row's reduction order, depends on N: that sampler's
+    fields are not batch-invariant (docs/design.md §2)."""
     if cfg.chunk_size is not None:
         return max(1, min(cfg.chunk_size, vocab))
     budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
     c = budget // (4 * max(n_rows, 1))
     c = max(128, (c // 128) * 128)
     return max(1, min(c, vocab))
+
+
+# The row count of every block the JAX chunked backend and sampler compute is a multiple of
+# ROW_GROUP. XLA's CPU compiler vectorises elementwise work over [N] arrays in groups of 8
+# float32 lanes and finishes a length that is not a multiple of 8 with other code, whose exp
+# and log can round differently: at 11 rows the 11th row's exp differs from its value among
+# 512 (docs/design.md §2). In blocks of a multiple of 8 rows every row takes the vector code.
+ROW_GROUP = 8
+
+
+def group_rows_per_block(columns: int, on_cpu: bool = True,
+                         cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
+    """Rows R of a full row block whose float32 [R, C] chunk stays under ``cpu_bytes`` on a
+    CPU (``CHUNK_BYTES_ACCELERATOR`` elsewhere): a multiple of ``ROW_GROUP``, at least one
+    group. A function of C alone (a call of fewer rows takes fewer, ``row_blocks``)."""
+    budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
+    r = budget // (4 * max(columns, 1))
+    return max(ROW_GROUP, r // ROW_GROUP * ROW_GROUP)
+
+
+def row_blocks(n_rows: int, rows: int) -> tuple[int, int, int]:
+    """(R, full, tail): the row blocks of N >= ROW_GROUP rows with at most ``rows`` (a multiple
+    of ROW_GROUP) each: ``full`` blocks of R rows from row 0, then, where R does not divide N,
+    one block of ``tail`` rows ending at row N (a multiple of ROW_GROUP, < R + ROW_GROUP: it
+    overlaps the last full block by under ROW_GROUP rows, which it computes again). No block
+    reaches past N, so none needs the logits padded or copied."""
+    if n_rows < ROW_GROUP:
+        raise ValueError(f"row_blocks needs at least {ROW_GROUP} rows; got {n_rows}")
+    r = min(rows, n_rows // ROW_GROUP * ROW_GROUP)
+    full, rem = divmod(n_rows, r)
+    tail = -(-rem // ROW_GROUP) * ROW_GROUP
+    return r, full, tail
 
 
 def rows_per_block(n_rows: int, columns: int, on_cpu: bool = True,

@@ -1,10 +1,12 @@
-"""The chunked backend's sampler from JAX: jax.numpy over vocabulary chunks inside
-``lax.fori_loop`` (chunks taken with ``lax.dynamic_slice``; the clamped last chunk masks the
-columns an earlier one saw to -inf), live temporaries a few [N, C] chunks. The chunks are
-those of the chunked token statistics (``token_stats.jax_chunked.vocab_chunk``) and each
-chunk's statistics are ``token_stats.formulas.chunk_partial``, merged by its ``merge`` in the same
-order, so the drawn token's logp and the entropy are ``per_token_logps``'s bits
-(docs/design.md §3, "Rollout = trainer")."""
+"""The chunked backend's sampler from JAX: jax.numpy over tiles of rows and vocabulary
+columns inside ``lax.fori_loop`` (tiles taken with ``lax.dynamic_slice`` from the whole
+logits; the clamped last chunk masks the columns an earlier one saw to -inf), live
+temporaries a few [R, C] tiles. The chunks and the row blocks are those of the chunked token
+statistics (``token_stats.jax_chunked``: C fixed by K, blocks of a multiple of 8 rows, the
+last overlapping) and each chunk's statistics are ``token_stats.formulas.chunk_partial``, merged
+by its ``merge`` in the same order, so the drawn token's logp and the entropy are
+``per_token_logps``'s bits (docs/design.md §3, "Rollout = trainer"), and every field of a
+row is the same whatever other rows the call holds (§2, "One row, one answer")."""
 
 from __future__ import annotations
 
@@ -14,11 +16,9 @@ from jax import lax
 
 from . import core as sampling
 from .._jax.ops import JaxOps as xp
-from ..token_stats.jax_chunked import vocab_chunk
-
-
-def _slice(a, start, c):
-    return None if a is None else lax.dynamic_slice_in_dim(a, start, c, axis=1)
+from .._config import ROW_GROUP, SAMPLE_CHUNK_BYTES_CPU, group_rows_per_block
+from ..token_stats.jax_chunked import (_in_loop, fold_row_blocks, pad_rows, tile,
+                                       varying_like, vocab_chunk)
 
 
 def _padded(st, k):
@@ -32,29 +32,35 @@ def _padded(st, k):
                        topi=jnp.pad(st.topi, ((0, 0), (0, extra))))  # [N, k]
 
 
-def sample(z, zu, keys, suppress, cfg):
-    # z, zu: [N, K] -> Sample of [N] fields, a lax.fori_loop over vocabulary chunks (the
-    # clamped last chunk masks the columns an earlier one saw to -inf). Without top_k the
-    # loop keeps maxima only and ``settle`` re-reads one chunk per row for the positions
-    # (XLA's argmax on a CPU costs about 18x its max, 100x fused with the noise).
-    n, k = z.shape
-    if cfg.top_k is not None:  # the slots of a whole row; every chunk's state has them all
-        cfg = cfg._replace(top_k=min(cfg.top_k, k))
-    c = vocab_chunk(n, k, cfg, jax.default_backend() == "cpu")
+def _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu):
+    # rows [row0, row0 + nb) of z, zu: [N, K] -> Sample of [nb] fields, a lax.fori_loop over
+    # vocabulary chunks (the clamped last chunk masks the columns an earlier one saw to
+    # -inf). Without top_k the loop keeps maxima only and ``settle`` re-reads one chunk per
+    # row for the positions (XLA's argmax on a CPU costs about 18x its max, 100x fused with
+    # the noise).
+    k = z.shape[1]
+    c = vocab_chunk(k, cfg, on_cpu)
     n_chunks = -(-k // c)
+    keys = lax.dynamic_slice_in_dim(keys, row0, nb, axis=0)
+    # loop-variant operands, in the loop of blocks and in the chunk loop, so that XLA's CPU
+    # compiler converts each bfloat16 tile, never the whole logits, to float32
+    # (token_stats.jax_chunked._in_loop)
+    z, zu = _in_loop(row0, z, zu)
     noisy = sampling.noisy_scores(xp, keys)
+    row_ids = row0 + jnp.arange(nb)
 
-    def read(i):  # chunk i -> z, s, sd [N, C] (columns an earlier chunk saw at -inf), cols [C]
+    def read(i):  # chunk i -> z, s, sd [nb, C] (columns an earlier chunk saw at -inf), cols [C]
         start = jnp.minimum(i * c, k - c)
         cols = start + jnp.arange(c, dtype=jnp.int32)
-        scores = sampling.scaled_logits(xp, _slice(z, start, c), _slice(zu, start, c), cols,
-                                        suppress, cfg)
+        z_i, zu_i = _in_loop(i, z, zu)
+        scores = sampling.scaled_logits(xp, tile(z_i, row0, nb, start, c),
+                                        tile(zu_i, row0, nb, start, c), cols, suppress, cfg)
         fresh = (cols >= i * c)[None, :]
         return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
 
-    def reread(chunk):  # chunk [N], one per row -> z, s, sd, cols [N, C]
+    def reread(chunk):  # chunk [nb], one per row -> z, s, sd, cols [nb, C]
         cols = jnp.minimum(chunk * c, k - c)[:, None] + jnp.arange(c, dtype=jnp.int32)
-        rows = lambda x: None if x is None else jnp.take_along_axis(x, cols, axis=1)  # noqa: E731
+        rows = lambda x: None if x is None else x[row_ids[:, None], cols]  # noqa: E731
         scores = sampling.scaled_logits(xp, rows(z), rows(zu), cols, suppress, cfg)
         fresh = cols >= chunk[:, None] * c
         return tuple(jnp.where(fresh, x, -jnp.inf) for x in scores) + (cols,)
@@ -62,7 +68,7 @@ def sample(z, zu, keys, suppress, cfg):
     def part(i):
         z_i, s, sd, cols = read(i)
         if cfg.top_k is None:
-            return sampling.chunk_values(xp, z_i, s, sd, cols, jnp.full((n,), i, jnp.int32),
+            return sampling.chunk_values(xp, z_i, s, sd, cols, jnp.full((nb,), i, jnp.int32),
                                          noisy, cfg)
         return _padded(sampling.chunk_state(xp, z_i, s, sd, cols, keys, cfg), cfg.top_k)
 
@@ -73,6 +79,28 @@ def sample(z, zu, keys, suppress, cfg):
     if cfg.top_k is None:
         state = sampling.settle(xp, state, reread, noisy, cfg)
     return sampling.finalize(xp, state, sampling.stream_stats(xp, state, cfg), keys, cfg)
+
+
+def sample(z, zu, keys, suppress, cfg):
+    # z, zu: [N, K] -> Sample of [N] fields, block by block of rows (fold_row_blocks)
+    n, k = z.shape
+    if n < ROW_GROUP:  # as ROW_GROUP rows (zero rows after them: a copy of under 8 rows)
+        out = sample(pad_rows(z, ROW_GROUP), pad_rows(zu, ROW_GROUP), pad_rows(keys, ROW_GROUP),
+                     suppress, cfg)
+        return sampling.Sample(*(f[:n] for f in out))
+    if cfg.top_k is not None:  # the slots of a whole row; every chunk's state has them all
+        cfg = cfg._replace(top_k=min(cfg.top_k, k))
+    on_cpu = jax.default_backend() == "cpu"
+    r = group_rows_per_block(vocab_chunk(k, cfg, on_cpu), on_cpu, SAMPLE_CHUNK_BYTES_CPU)
+    kinds = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32)
+    bufs = tuple(varying_like(jnp.zeros((n,), kind), z, zu, keys) for kind in kinds)
+
+    def step(bufs, row0, nb):
+        out = _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu)
+        return tuple(lax.dynamic_update_slice_in_dim(b, o.astype(b.dtype), row0, axis=0)
+                     for b, o in zip(bufs, out))
+
+    return sampling.Sample(*fold_row_blocks(step, n, r, bufs))
 
 
 class ChunkedSampler:

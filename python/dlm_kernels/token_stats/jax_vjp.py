@@ -15,6 +15,9 @@ from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
 from .._jax.ops import JaxOps
 from .._jax.vocab_parallel import vocab_parallel_stats
+from .._config import ROW_GROUP
+from .._rows import Rows
+from .jax_chunked import pad_rows
 
 #: every row of the backend table (_dispatch.BACKENDS) with a JAX module
 REGISTRY = registry(TOKEN_STATS, "jax")
@@ -32,10 +35,24 @@ def _cotangent(rows, stats, grads, cfg, impl, offset=None, axis=None):
         du = jnp.zeros_like(rows.teacher)  # the teacher is stop-gradient unless teacher_grad
     d_shift = None
     if columns is not None:
-        d_shift = stats_math.shift_grad(JaxOps, columns, rows, stats, grads, cfg)
+        d_shift = _shift_grad(columns, rows, stats, grads, cfg)
         if axis is not None:
             d_shift = jax.lax.psum(d_shift, axis)
     return rows.gradients(dz, du, d_shift)
+
+
+def _shift_grad(columns, rows, stats, grads, cfg):
+    """``stats_math.shift_grad`` ([N] float32) computed over rows padded to a multiple of
+    ``ROW_GROUP``: XLA's CPU compiler computes the exp of the last N mod 8 lanes of an [N]
+    array with other code than the rest, so a row's bits would depend on N and its position
+    (docs/design.md §2, "One row, one answer"). The padding copies O(N) numbers."""
+    n = rows.targets.shape[0]
+    pad = lambda x: None if x is None else pad_rows(x, -(-n // ROW_GROUP) * ROW_GROUP)  # noqa: E731
+    small = Rows(None, targets=pad(rows.targets), active=pad(rows.active),
+                 shift_ids=pad(rows.shift_ids), shift=pad(rows.shift))
+    d_shift = stats_math.shift_grad(JaxOps, tuple(map(pad, columns)), small,
+                                    type(stats)(*map(pad, stats)), tuple(map(pad, grads)), cfg)
+    return d_shift[:n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
