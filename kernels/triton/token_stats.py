@@ -687,8 +687,20 @@ def _next_pow2(v):
     return 1 << max(0, int(v) - 1).bit_length()
 
 
-def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=None):
-    """Block size, warps, stages and split-K factor for one call (no autotuning).
+#: Blocks of BLOCK_K columns in one vocabulary split (the split-K ranges of the partial and
+#: gradient kernels), and the most splits a row is cut into (``finalize_blocks`` holds 64
+#: partial states a row without spills): past 64·4 blocks a split takes more blocks.
+BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+def launch_config(vocab, elem_bytes, has_teacher, block_k=None):
+    """Block size, warps, stages and split-K plan for rows of ``vocab`` columns (no
+    autotuning). A function of K, the logits' dtype, the features and the block asked for
+    alone, never of the number of rows: the split ranges decide in which order a row's terms
+    are summed (each split streams its own running sums, which the finalize kernel merges
+    split by split), so a plan chosen from N would give a row other bits alone than in a
+    batch (docs/design.md §2, "One row, one answer").
 
     BLOCK_K: 8 KiB of logits per block iteration per program (4096 bf16/fp16 or 2048 f32
     columns), never above next_pow2(K), as lanes of VEC = 16 bytes: one vector load each in
@@ -696,10 +708,19 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     at 8 KiB; two lanes per thread). The partial kernel keeps running sums per lane, so its
     loop has no cross-thread reduction and its cost per logit does not depend on the warps;
     more lanes per thread only add registers (bench/NOTES.md has the sm_90 numbers). With
-    every feature on, ptxas reports no spills (tests/aot_probe.py). Split-K: while N rows
-    alone give fewer than 4 programs per SM, each row's vocabulary is split into S
-    contiguous ranges of whole blocks (at least 2 blocks each) whose partial states the
-    finalize kernel merges (docs/design.md §2).
+    every feature on, ptxas reports no spills (tests/aot_probe.py).
+
+    Split-K: each row's vocabulary is cut into S contiguous ranges of BLOCKS_PER_SPLIT whole
+    blocks (more where K would need over MAX_SPLITS), the grid is (N, S), and the finalize
+    kernel merges the S partial states (docs/design.md §2). So a lone row still spreads over
+    S programs (K = 262144 in bf16: 64 blocks, S = 16), and a large batch gets N·S programs
+    of 32 KiB of logits each. Bytes of the partial states per row: 8·S·4 written by the
+    partial kernel and read by the finalize kernel (9·S·4 with label smoothing), 512 B each
+    way at S = 16 (1 KiB for float32 logits at S = 32), against the K·E = 512 KiB (1 MiB) of
+    logits the row reads: 0.1 %; at N = 16384 that is 8 MiB each way, beside 8.6 GB of
+    logits. The sampler's top-k slots grow with S too: 8·k·S bytes a row. The gradient
+    kernel takes the same ranges (its values do not depend on them: it has no sum across
+    columns).
     Returns dict(block_k, vec, num_warps, num_stages, splits, cols_per_split).
     """
     if block_k is None:
@@ -707,12 +728,10 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     block_k = max(16, min(_next_pow2(block_k) if block_k & (block_k - 1) else block_k,
                           _next_pow2(vocab)))
     num_warps = max(1, min(16, block_k * elem_bytes // 1024))  # 32 bytes per thread
-    target = 4 * num_sms
-    splits = 1
-    if n_rows < target:
-        splits = max(1, min(-(-target // max(n_rows, 1)), vocab // (2 * block_k), 64))
-    cols_per_split = -(-(-(-vocab // splits)) // block_k) * block_k
-    splits = -(-vocab // cols_per_split)
+    blocks = max(1, -(-vocab // block_k))
+    per_split = max(BLOCKS_PER_SPLIT, -(-blocks // MAX_SPLITS))
+    cols_per_split = per_split * block_k
+    splits = max(1, -(-vocab // cols_per_split))
     return dict(block_k=block_k, vec=max(1, min(16 // elem_bytes, block_k)),
                 num_warps=num_warps, num_stages=2, splits=splits, cols_per_split=cols_per_split)
 

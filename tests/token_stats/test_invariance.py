@@ -113,10 +113,13 @@ def _jax(z, y, w, cot, kw, k):
 FRAMEWORKS = {"torch": _torch, "jax": _jax}
 
 
-def check_one_row_one_answer(fw_name, backend, k, feature):
+def check_one_row_one_answer(fw_name, backend, k, feature, **options):
+    """Every output and gradient of rows 0, 11 and the last, each alone, against the same
+    rows in every ``_arrangements`` batch, bitwise; ``options`` are more arguments of the
+    call (a ``chunk_size``)."""
     fw = FRAMEWORKS[fw_name]
     data = _draw(k)
-    opts = FEATURES[feature]
+    opts = dict(FEATURES[feature], **options)
     alone = {}
     for r in (0, 11, N_ROWS - 1):  # each alone: one row, the first, a middle, the last
         alone[r] = _run(fw, backend, data, np.array([r]), (1,), opts)
@@ -131,7 +134,8 @@ def check_one_row_one_answer(fw_name, backend, k, feature):
                 if not np.array_equal(a[0], b[pos], equal_nan=True):
                     bad = np.flatnonzero(~((a[0] == b[pos]) | (np.isnan(a[0]) & np.isnan(b[pos]))))
                     raise AssertionError(
-                        f"{fw_name} {backend} {feature} K {k}: row {r} alone and in the {name} "
+                        f"{fw_name} {backend} {feature} K {k} {options}: row {r} alone and in "
+                        f"the {name} "
                         f"batch {shape} differ in output {i} at column {bad[0]}: "
                         f"{a[0].flat[bad[0]]!r} vs {b[pos].flat[bad[0]]!r}")
 
@@ -170,3 +174,48 @@ def test_the_torch_path_depends_on_k_alone():
 
     k = tc.COMPILE_MIN_VOCAB
     assert tc.use_compiled(k) and not tc.use_compiled(k - 1)
+
+
+# -- a row's logp does not depend on whether its entropy was asked for -----------------------
+
+def check_logp_ignores_entropy(fw_name, backend, k, dtype, shape=(4, 16)):
+    """``per_token_logps`` with and without ``return_entropy``: the same logp bits, at T = 1
+    and 0.7 (a backend may take another path when it keeps the entropy's sum: the path must
+    not change how Σ e^x is summed)."""
+    from harness import framework
+
+    fw = framework(fw_name)
+    api = fw.api
+    rng = np.random.default_rng(new_seed())
+    z = fw.array((rng.standard_normal(shape + (k,)) * 4).astype(np.float32), dtype)
+    ids = fw.array(rng.integers(0, k, shape))
+    batch = api.DiffusionTokenBatch(model_inputs=ids, target_ids=ids,
+                                    loss_weights=fw.array(np.ones(shape, np.float32)))
+    for t in (1.0, 0.7):
+        with_h, _ = api.per_token_logps(z, batch, temperature=t, return_entropy=True,
+                                        backend=backend)
+        alone = api.per_token_logps(z, batch, temperature=t, backend=backend)
+        a, b = (np.asarray(fw.numpy(v)).reshape(-1) for v in (with_h, alone))
+        bad = np.flatnonzero(~((a == b) | (np.isnan(a) & np.isnan(b))))
+        assert bad.size == 0, (
+            f"{fw_name} {backend} {dtype} K {k} T {t}: logp with and without the entropy "
+            f"differ in {bad.size} of {a.size} rows, first at {bad[0]}: {a[bad[0]]!r} vs "
+            f"{b[bad[0]]!r}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fw_name,backend", [("torch", "chunked"), ("torch", "reference"),
+                                             ("jax", "chunked"), ("jax", "reference")])
+def test_logp_ignores_entropy(fw_name, backend, dtype, monkeypatch):
+    """K 5000: torch chunked on its eager paths (two vocabulary chunks; the compiled loops
+    have their own test below)."""
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_VOCAB", 1 << 30, raising=False)
+    check_logp_ignores_entropy(fw_name, backend, 5000, dtype)
+
+
+def test_logp_ignores_entropy_compiled_loops(compiled_loops):
+    """The torch chunked backend's compiled CPU loops (bfloat16: where Inductor's loop nest
+    with the entropy's sum once summed Σ e^x in another order)."""
+    check_logp_ignores_entropy("torch", "chunked", 4500, "bfloat16")

@@ -72,11 +72,6 @@ _OUT_KW = ("out_type" if "out_type" in inspect.signature(jt.triton_call).paramet
            else "out_shape")
 
 
-def _num_sms():
-    dev = jax.local_devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132)
-
-
 _varying = JaxOps.varying_axes
 _to_varying = JaxOps.to_varying
 
@@ -107,8 +102,8 @@ def _scalars(cfg):
 
 def _plan(z, cfg):
     n, k = z.shape
-    return n, k, kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, cfg.HAS_TEACHER, _num_sms(),
-                                 cfg.chunk_size)
+    return n, k, kernels.launch_config(k, jnp.dtype(z.dtype).itemsize, cfg.HAS_TEACHER,
+                                       cfg.chunk_size)
 
 
 def _per_row(x, d):

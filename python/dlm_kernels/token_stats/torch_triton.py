@@ -53,7 +53,7 @@ def _offset(col_offset, device):
     return _ZERO_OFFSET[device]
 
 
-# launch_partial and launch_grad (with ``_torch.triton``'s plan and num_sms) are this module's
+# launch_partial and launch_grad (with ``_torch.triton``'s plan) are this module's
 # launch surface: the custom ops below use them, and so does the benchmark's launch sweep
 # (bench/launch_sweep.py).
 
