@@ -140,10 +140,11 @@ def main():
         (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"],
                                    ROWS_ALIGNED=True, CE_TERMS=ce), cfg["num_warps"])]
     finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0],
-                                              BLOCK_S=64), 4)
+                                              BLOCK_S=64, SMOOTH=True), 4)
     kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
         finalize,
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4)]]
+        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2,
+                                       SMOOTH=False), 4)]]
     kernels += [("objective:", types, k) for k in streaming_kernels(objective, False, False)]
     # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as

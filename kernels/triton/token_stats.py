@@ -9,7 +9,9 @@ Three kernels, no host code:
                          the valid columns as a 9th: part[9, S, N]).
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
                          loads the target logit and writes out[10, N] = (lse, logp, entropy,
-                         kl, kl_shift, m, la, la_ce, mu, la_u).
+                         kl, kl_shift, m, la, la_ce, mu, la_u) (with SMOOTH out[11, N], the
+                         merged Σ r last). Its merge is a sum over a [BLOCK_S, BLOCK_N]
+                         tile's split axis: an order fixed by S, which K alone fixes.
   stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
                          With CE_TERMS (label smoothing or z-loss) the logp cotangent arrives
@@ -69,6 +71,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 P_M, P_A, P_B, P_A2, P_MU, P_AU, P_CU, P_FU, P_SR = (
     tl.constexpr(PARTIAL_STATE.index(f))
     for f in ("m", "a", "b", "a2", "mu", "au", "cu", "fu", "sr"))
+N_ROW_STATS = tl.constexpr(len(ROW_STATS))
 S_LSE, S_LOGP, S_ENTROPY, S_KL, S_KL_SHIFT, S_M, S_LA, S_LA_CE, S_MU, S_LA_U = (
     tl.constexpr(ROW_STATS.index(f))
     for f in ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u"))
@@ -465,10 +468,10 @@ def stats_finalize_kernel(
     active_ptr,  # [N] int8
     N, K, S, stride_z, inv_t, inv_t_ce, inv_t_kl, softcap,
     out_ptr,  # [10, N] f32 out: lse, logp, entropy (0 without HAS_ENTROPY), kl, kl_shift,
-              # m, la, la_ce, mu, la_u
+              # m, la, la_ce, mu, la_u; with SMOOTH [11, N], Σ r last
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, SMOOTH: tl.constexpr = False,
 ):
     inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
     softcap = _f32(softcap)
@@ -542,6 +545,9 @@ def stats_finalize_kernel(
     tl.store(out_ptr + S_LA_CE * N + rows, tl.where(is_active, la_ce, 0.0), mask=rmask)
     tl.store(out_ptr + S_MU * N + rows, tl.where(is_active, mu, 0.0), mask=rmask)
     tl.store(out_ptr + S_LA_U * N + rows, tl.where(is_active, la_u, 0.0), mask=rmask)
+    if SMOOTH:  # label smoothing's Σ r: a plain sum over the splits, in the order of BLOCK_S
+        sr_s = tl.load(part_ptr + P_SR * stride_p + p_off, mask=pmask, other=0.0)
+        tl.store(out_ptr + N_ROW_STATS * N + rows, tl.sum(sr_s, axis=0), mask=rmask)
 
 
 @triton.jit

@@ -22,9 +22,8 @@ FEATURES = {
 N_ROWS = 23  # rows drawn; the batches below take them in several arrangements
 
 
-def _draw(k):
+def _draw(k, n=N_ROWS):
     rng = np.random.default_rng(new_seed())
-    n = N_ROWS
     return dict(
         z=(rng.standard_normal((n, k)) * 4).astype(np.float32),
         u=rng.standard_normal((n, k)).astype(np.float32),
@@ -33,13 +32,13 @@ def _draw(k):
         cot=rng.standard_normal((4, n)).astype(np.float32))
 
 
-def _arrangements():
-    """(name, row order, shape): each row of the draw alone, all in one flat batch, reversed,
-    as [B, L], and among padding rows (weight 0, NaN logits) at both ends."""
-    n = N_ROWS
+def _arrangements(n=N_ROWS):
+    """(name, row order, shape) of a draw of n rows: all in one flat batch, reversed, as
+    [B, L] (n - 3 rows), and among padding rows (weight 0, NaN logits) at both ends."""
     yield "flat", np.arange(n), (n,)
     yield "reversed", np.arange(n)[::-1], (n,)
-    yield "[B, L]", np.arange(n - 3)[::-1], (4, 5)
+    b = 4 if (n - 3) % 4 == 0 else 2
+    yield "[B, L]", np.arange(n - 3)[::-1], (b, (n - 3) // b)
     yield "padded", np.concatenate([[-1, -1], np.arange(n), [-1]]), (n + 3,)
 
 
@@ -113,17 +112,18 @@ def _jax(z, y, w, cot, kw, k):
 FRAMEWORKS = {"torch": _torch, "jax": _jax}
 
 
-def check_one_row_one_answer(fw_name, backend, k, feature, **options):
-    """Every output and gradient of rows 0, 11 and the last, each alone, against the same
-    rows in every ``_arrangements`` batch, bitwise; ``options`` are more arguments of the
-    call (a ``chunk_size``)."""
+def check_one_row_one_answer(fw_name, backend, k, feature, n_rows=N_ROWS, **options):
+    """Every output and gradient of the first, a middle and the last of ``n_rows`` rows
+    (an odd number, at least 5), each alone, against the same rows in every
+    ``_arrangements`` batch, bitwise; ``options`` are more arguments of the call (a
+    ``chunk_size``)."""
     fw = FRAMEWORKS[fw_name]
-    data = _draw(k)
+    data = _draw(k, n_rows)
     opts = dict(FEATURES[feature], **options)
     alone = {}
-    for r in (0, 11, N_ROWS - 1):  # each alone: one row, the first, a middle, the last
+    for r in (0, n_rows // 2, n_rows - 1):  # each alone: the first, a middle, the last
         alone[r] = _run(fw, backend, data, np.array([r]), (1,), opts)
-    for name, order, shape in _arrangements():
+    for name, order, shape in _arrangements(n_rows):
         got = _run(fw, backend, data, order, shape, opts)
         for r, want in alone.items():
             hits = np.flatnonzero(order == r)
