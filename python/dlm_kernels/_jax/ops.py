@@ -35,17 +35,6 @@ class JaxOps:
         return jnp.sum(x, axis=-1)
 
     @staticmethod
-    def slot_sum(x):  # [N, k] -> [N], k small (the sampler's top-k slots)
-        """Σ over the last axis added left to right: XLA's CPU compiler orders a reduction
-        by the whole shape it reduces, so ``rowsum`` of [1, k] and of [N, k] can give a row
-        other bits; k adds of [N] columns cannot (docs/design.md §2, "One row, one
-        answer")."""
-        total = x[..., 0]
-        for j in range(1, x.shape[-1]):
-            total = total + x[..., j]
-        return total
-
-    @staticmethod
     def logsumexp(x):  # [N, K] -> [N]
         return jax.nn.logsumexp(x, axis=-1)
 

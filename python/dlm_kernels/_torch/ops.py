@@ -40,12 +40,6 @@ class TorchOps:
         return x.sum(dim=-1)
 
     @staticmethod
-    def slot_sum(x):  # [N, k] -> [N], k small (the sampler's top-k slots)
-        """Σ over the last axis: ATen's CPU reduction of a row gives the same bits at any
-        row count (docs/design.md §2), so ``rowsum`` (JaxOps adds the slots one by one)."""
-        return x.sum(dim=-1)
-
-    @staticmethod
     def logsumexp(x):  # [N, K] -> [N]
         return torch.logsumexp(x, dim=-1)
 

@@ -471,9 +471,9 @@ def finalize(xp, st, stats, keys, cfg):
         if cfg.two_temperatures:  # the statistics' z / T_s, to float32 accuracy
             d = d * (cfg.temperature / cfg.stats_temperature)
         e = xp.exp(d)
-        a = xp.slot_sum(e)  # in an order of k alone (one row, one answer)
+        a = xp.rowsum(e)
         logq = d - xp.log(a)[:, None]
-        entropy = -xp.slot_sum(xp.where(e > 0, e / a[:, None] * logq, 0.0))
+        entropy = -xp.rowsum(xp.where(e > 0, e / a[:, None] * logq, 0.0))
         top1 = logq[:, 0]
         top2 = logq[:, 1] if v.shape[1] > 1 else top1 * 0.0 + float("-inf")
         if cfg.temperature == 0.0:
