@@ -58,8 +58,7 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
                   teacher=teacher, copy_gbps=copy_gbps, heuristic=chosen, rows=rows)
     for block_k in blocks:
         for num_warps in warps:
-            cfg = dict(kernels.launch_config(n, k, elem, teacher, triton_plan.num_sms(z.device),
-                                             block_k),
+            cfg = dict(kernels.launch_config(k, elem, teacher, block_k),
                        num_warps=num_warps)
             row = dict(block_k=cfg["block_k"], num_warps=num_warps, splits=cfg["splits"],
                        heuristic=cfg == chosen)

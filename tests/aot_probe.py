@@ -115,7 +115,7 @@ def main():
         print(f"no ptxas for sm_90 in this triton: {err}")
         sys.exit(3)
     block_k = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    cfg = K.launch_config(16384, 262144, ELEM_BYTES[dtype], teacher, block_k=block_k)
+    cfg = K.launch_config(262144, ELEM_BYTES[dtype], teacher, block_k=block_k)
     flags = dict(HAS_SOFTCAP=True, HAS_SHIFT=True, HAS_TEACHER=teacher, SEPARATE_CE=True,
                  HAS_ENTROPY=True)
     objective = dict(HAS_SOFTCAP=False, HAS_SHIFT=False, HAS_TEACHER=teacher,
@@ -140,10 +140,11 @@ def main():
         (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"],
                                    ROWS_ALIGNED=True, CE_TERMS=ce), cfg["num_warps"])]
     finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0],
-                                              BLOCK_S=64), 4)
+                                              BLOCK_S=64, SMOOTH=True), 4)
     kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
         finalize,
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2), 4)]]
+        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2,
+                                       SMOOTH=False), 4)]]
     kernels += [("objective:", types, k) for k in streaming_kernels(objective, False, False)]
     # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
@@ -162,7 +163,7 @@ def main():
                          cfg_c="fp32", inv_t="fp32", state_ptr="*fp32",
                          ids_ptr="*i32", topv_ptr="*fp32", topi_ptr="*i32")
     values.update(stride_zu=262144, n_suppress=1)
-    plan = K.launch_config(16384, 262144, ELEM_BYTES[dtype], True, block_k=block_k)
+    plan = K.launch_config(262144, ELEM_BYTES[dtype], True, block_k=block_k)
     sampler = lambda greedy, top_k, two_t=False: (SAMPLER.sample_partial_kernel, dict(
         GREEDY=greedy, TWO_T=two_t, HAS_UNCOND=True, HAS_SUPPRESS=True, TOP_K=top_k,
         TOP_KP=SAMPLER.slot_count(top_k), BLOCK_K=plan["block_k"], VEC=plan["vec"],

@@ -82,12 +82,15 @@ def vmem_bytes(kind, bn, bk, d, itemsize, teacher=None):
     return inputs + temporaries + outputs[kind] + scratch
 
 
-def head_blocks(kind, n, k, d, itemsize, teacher=None, block_k=None, block_n=None):
-    """(BN, BK) of ``kind``: the first pair of its preference order whose estimate fits, BN
-    at most the rows rounded up to 16 and BK at most K rounded up to 128; ``block_n`` caps
-    BN (the largest of 256, 128, ..., 16 not above it), ``block_k`` fixes BK (a multiple of
-    128)."""
-    n_cap, k_cap = max(16, -(-n // 16) * 16), max(128, -(-k // 128) * 128)
+def head_blocks(kind, k, d, itemsize, teacher=None, block_k=None, block_n=None):
+    """(BN, BK) of ``kind``: the first pair of its preference order whose estimate fits, BK
+    at most K rounded up to 128; ``block_n`` caps BN (the largest of 256, 128, ..., 16 not
+    above it), ``block_k`` fixes BK (a multiple of 128). Never a function of the number of
+    rows: BK sets the order of a row's sums over the vocabulary (and of dH's accumulation
+    over it), and BN the shape of every logits tile's matmul, whose per-element order a
+    compiler may choose by shape (docs/design.md §2, "One row, one answer"); a call of
+    fewer rows runs one block of BN, its rows past N padding."""
+    k_cap = max(128, -(-k // 128) * 128)
     bns = tuple(b for b in (256, 128, 64, 32, 16) if block_n is None or b <= block_n) or (16,)
     bks = (_round(block_k, 128),) if block_k else (512, 256, 128)
     if kind == "dw":  # dW re-reads h per vocabulary block: its intensity grows with BK
@@ -95,7 +98,7 @@ def head_blocks(kind, n, k, d, itemsize, teacher=None, block_k=None, block_n=Non
     else:  # the forward and dH re-read W per row block: theirs grows with BN
         order = [(bn, bk) for bn in bns for bk in bks]
     for bn, bk in order:
-        bn, bk = min(bn, n_cap), min(bk, k_cap)
+        bk = min(bk, k_cap)
         if vmem_bytes(kind, bn, bk, d, itemsize, teacher) <= VMEM_BUDGET:
             return bn, bk
     return 16, 128
@@ -277,7 +280,7 @@ def head_forward(head, teacher, ints, floats, *, layout, teacher_layout=None, in
     n, d = h.shape
     k = w.shape[0] if layout == VOCAB_MAJOR else w.shape[1]
     student, tpart = _parts(head, teacher, layout, teacher_layout)
-    bn, bk = head_blocks("forward", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
+    bn, bk = head_blocks("forward", k, d, h.dtype.itemsize, tpart, block_k, block_n)
     kernel = functools.partial(
         _fwd_kernel, student=student, teacher=tpart, partial=False,
         **_statics(k, bk, inv_t, inv_t_ce, inv_t_kl, softcap, has_softcap, has_shift,
@@ -322,7 +325,7 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 
     # dH (and the teacher logits' gradient): rows outer, vocabulary inner
-    bn, bk = head_blocks("dh", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
+    bn, bk = head_blocks("dh", k, d, h.dtype.itemsize, tpart, block_k, block_n)
     blocks = lambda i, j: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda i, j: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])
@@ -342,7 +345,7 @@ def head_backward(head, teacher, ints, floats, *, layout, teacher_layout=None, i
     dh, du = outs[0], (outs[1] if teacher_grad else None)
 
     # dW and db: vocabulary outer, rows inner (grid ids (vocabulary j, rows i))
-    bn, bk = head_blocks("dw", n, k, d, h.dtype.itemsize, tpart, block_k, block_n)
+    bn, bk = head_blocks("dw", k, d, h.dtype.itemsize, tpart, block_k, block_n)
     blocks = lambda j, i: (i, j)  # noqa: E731
     row = lambda width: pl.BlockSpec((bn, width), lambda j, i: (i, 0))  # noqa: E731
     specs = _specs(student, bn, bk, blocks) + (_specs(tpart, bn, bk, blocks) if tpart else [])

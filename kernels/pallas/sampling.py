@@ -197,7 +197,7 @@ def sample_partial(z, zu, ints, *, temperature, stat_temperature, cfg_c, greedy,
     1/T_s (``sampling.core.stats_lowered``)."""
     n, k = z.shape
     has_uncond = zu is not None
-    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_uncond, False, block_k)
+    bn, bk = block_sizes(k, z.dtype.itemsize, has_uncond, False, block_k)
     tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
     per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
     operands = [z] + ([zu] if has_uncond else []) + [ints]

@@ -95,13 +95,20 @@ def vmem_bytes(bn, bk, itemsize, has_teacher, backward):
     return bn * bk * per_elem + bn * 10 * 128 * 4
 
 
-def block_sizes(n_rows, vocab, itemsize, has_teacher, backward, block_k=None):
+def block_sizes(vocab, itemsize, has_teacher, backward, block_k=None):
     """(BN, BK): BK = ``block_k`` (default BLOCK_K) in multiples of 128, and the largest BN
-    (a multiple of 8, at most MAX_BLOCK_N) whose ``vmem_bytes`` fit VMEM_BUDGET."""
+    (a multiple of 8, at most MAX_BLOCK_N) whose ``vmem_bytes`` fit VMEM_BUDGET.
+
+    A function of K, the dtype, the features and the block asked for, never of the number
+    of rows: a row's sums are taken over its (BN, BK) tiles, and how a compiler orders a
+    reduction can depend on the whole shape it reduces (XLA's CPU compiler, which runs
+    interpret mode, does), so a BN sized from N could give a row other bits alone than in
+    a batch (docs/design.md §2, "One row, one answer"). A call of fewer rows than BN runs
+    one row block of BN: rows past N are padding, computed and dropped on store."""
     bk = block_k or BLOCK_K
     bk = max(128, (min(bk, -(-vocab // 128) * 128) // 128) * 128)
     bn = VMEM_BUDGET // vmem_bytes(1, bk, itemsize, has_teacher, backward)  # linear in BN
-    bn = max(8, min(MAX_BLOCK_N, (bn // 8) * 8, -(-n_rows // 8) * 8))
+    bn = max(8, min(MAX_BLOCK_N, (bn // 8) * 8))
     return bn, bk
 
 
@@ -478,7 +485,7 @@ def _interpret_arg(interpret, detect_races=False):
 def _grid(z, has_teacher, backward, block_k):
     """(BN, grid, logits tile spec, per-row spec of width w) for z: [N, K]."""
     n, k = z.shape
-    bn, bk = block_sizes(n, k, z.dtype.itemsize, has_teacher, backward, block_k)
+    bn, bk = block_sizes(k, z.dtype.itemsize, has_teacher, backward, block_k)
     tile = pl.BlockSpec((bn, bk), lambda i, j: (i, j))
     per_row = lambda w: pl.BlockSpec((bn, w), lambda i, j: (i, 0))
     return bn, bk, (pl.cdiv(n, bn), pl.cdiv(k, bk)), tile, per_row

@@ -9,7 +9,9 @@ Three kernels, no host code:
                          the valid columns as a 9th: part[9, S, N]).
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
                          loads the target logit and writes out[10, N] = (lse, logp, entropy,
-                         kl, kl_shift, m, la, la_ce, mu, la_u).
+                         kl, kl_shift, m, la, la_ce, mu, la_u) (with SMOOTH out[11, N], the
+                         merged Σ r last). Its merge is a sum over a [BLOCK_S, BLOCK_N]
+                         tile's split axis: an order fixed by S, which K alone fixes.
   stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
                          With CE_TERMS (label smoothing or z-loss) the logp cotangent arrives
@@ -69,6 +71,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 P_M, P_A, P_B, P_A2, P_MU, P_AU, P_CU, P_FU, P_SR = (
     tl.constexpr(PARTIAL_STATE.index(f))
     for f in ("m", "a", "b", "a2", "mu", "au", "cu", "fu", "sr"))
+N_ROW_STATS = tl.constexpr(len(ROW_STATS))
 S_LSE, S_LOGP, S_ENTROPY, S_KL, S_KL_SHIFT, S_M, S_LA, S_LA_CE, S_MU, S_LA_U = (
     tl.constexpr(ROW_STATS.index(f))
     for f in ("lse", "logp", "entropy", "kl", "kl_shift", "m", "la", "la_ce", "mu", "la_u"))
@@ -465,10 +468,10 @@ def stats_finalize_kernel(
     active_ptr,  # [N] int8
     N, K, S, stride_z, inv_t, inv_t_ce, inv_t_kl, softcap,
     out_ptr,  # [10, N] f32 out: lse, logp, entropy (0 without HAS_ENTROPY), kl, kl_shift,
-              # m, la, la_ce, mu, la_u
+              # m, la, la_ce, mu, la_u; with SMOOTH [11, N], Σ r last
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, SMOOTH: tl.constexpr = False,
 ):
     inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
     softcap = _f32(softcap)
@@ -542,6 +545,9 @@ def stats_finalize_kernel(
     tl.store(out_ptr + S_LA_CE * N + rows, tl.where(is_active, la_ce, 0.0), mask=rmask)
     tl.store(out_ptr + S_MU * N + rows, tl.where(is_active, mu, 0.0), mask=rmask)
     tl.store(out_ptr + S_LA_U * N + rows, tl.where(is_active, la_u, 0.0), mask=rmask)
+    if SMOOTH:  # label smoothing's Σ r: a plain sum over the splits, in the order of BLOCK_S
+        sr_s = tl.load(part_ptr + P_SR * stride_p + p_off, mask=pmask, other=0.0)
+        tl.store(out_ptr + N_ROW_STATS * N + rows, tl.sum(sr_s, axis=0), mask=rmask)
 
 
 @triton.jit
@@ -687,8 +693,20 @@ def _next_pow2(v):
     return 1 << max(0, int(v) - 1).bit_length()
 
 
-def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=None):
-    """Block size, warps, stages and split-K factor for one call (no autotuning).
+#: Blocks of BLOCK_K columns in one vocabulary split (the split-K ranges of the partial and
+#: gradient kernels), and the most splits a row is cut into (``finalize_blocks`` holds 64
+#: partial states a row without spills): past 64·4 blocks a split takes more blocks.
+BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+def launch_config(vocab, elem_bytes, has_teacher, block_k=None):
+    """Block size, warps, stages and split-K plan for rows of ``vocab`` columns (no
+    autotuning). A function of K, the logits' dtype, the features and the block asked for
+    alone, never of the number of rows: the split ranges decide in which order a row's terms
+    are summed (each split streams its own running sums, which the finalize kernel merges
+    split by split), so a plan chosen from N would give a row other bits alone than in a
+    batch (docs/design.md §2, "One row, one answer").
 
     BLOCK_K: 8 KiB of logits per block iteration per program (4096 bf16/fp16 or 2048 f32
     columns), never above next_pow2(K), as lanes of VEC = 16 bytes: one vector load each in
@@ -696,10 +714,19 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     at 8 KiB; two lanes per thread). The partial kernel keeps running sums per lane, so its
     loop has no cross-thread reduction and its cost per logit does not depend on the warps;
     more lanes per thread only add registers (bench/NOTES.md has the sm_90 numbers). With
-    every feature on, ptxas reports no spills (tests/aot_probe.py). Split-K: while N rows
-    alone give fewer than 4 programs per SM, each row's vocabulary is split into S
-    contiguous ranges of whole blocks (at least 2 blocks each) whose partial states the
-    finalize kernel merges (docs/design.md §2).
+    every feature on, ptxas reports no spills (tests/aot_probe.py).
+
+    Split-K: each row's vocabulary is cut into S contiguous ranges of BLOCKS_PER_SPLIT whole
+    blocks (more where K would need over MAX_SPLITS), the grid is (N, S), and the finalize
+    kernel merges the S partial states (docs/design.md §2). So a lone row still spreads over
+    S programs (K = 262144 in bf16: 64 blocks, S = 16), and a large batch gets N·S programs
+    of 32 KiB of logits each. Bytes of the partial states per row: 8·S·4 written by the
+    partial kernel and read by the finalize kernel (9·S·4 with label smoothing), 512 B each
+    way at S = 16 (1 KiB for float32 logits at S = 32), against the K·E = 512 KiB (1 MiB) of
+    logits the row reads: 0.1 %; at N = 16384 that is 8 MiB each way, beside 8.6 GB of
+    logits. The sampler's top-k slots grow with S too: 8·k·S bytes a row. The gradient
+    kernel takes the same ranges (its values do not depend on them: it has no sum across
+    columns).
     Returns dict(block_k, vec, num_warps, num_stages, splits, cols_per_split).
     """
     if block_k is None:
@@ -707,12 +734,10 @@ def launch_config(n_rows, vocab, elem_bytes, has_teacher, num_sms=132, block_k=N
     block_k = max(16, min(_next_pow2(block_k) if block_k & (block_k - 1) else block_k,
                           _next_pow2(vocab)))
     num_warps = max(1, min(16, block_k * elem_bytes // 1024))  # 32 bytes per thread
-    target = 4 * num_sms
-    splits = 1
-    if n_rows < target:
-        splits = max(1, min(-(-target // max(n_rows, 1)), vocab // (2 * block_k), 64))
-    cols_per_split = -(-(-(-vocab // splits)) // block_k) * block_k
-    splits = -(-vocab // cols_per_split)
+    blocks = max(1, -(-vocab // block_k))
+    per_split = max(BLOCKS_PER_SPLIT, -(-blocks // MAX_SPLITS))
+    cols_per_split = per_split * block_k
+    splits = max(1, -(-vocab // cols_per_split))
     return dict(block_k=block_k, vec=max(1, min(16 // elem_bytes, block_k)),
                 num_warps=num_warps, num_stages=2, splits=splits, cols_per_split=cols_per_split)
 

@@ -161,7 +161,7 @@ def test_linear_head_blocks_fit_vmem():
                                                 (8192, 262144, 2560, 2, head, None),
                                                 (8192, 262144, 2560, 4, logits, 1024),
                                                 (45, 301, 19, 4, logits, 16)]:
-            bn, bk = H.head_blocks(kind, n, k, d, itemsize, teacher, block_n=cap)
+            bn, bk = H.head_blocks(kind, k, d, itemsize, teacher, block_n=cap)
             assert bn % 16 == 0 and bk % 128 == 0 and (cap is None or bn <= cap), (kind, bn, bk)
             assert H.vmem_bytes(kind, bn, bk, d, itemsize, teacher) <= H.VMEM_BUDGET
             if n >= 256:

@@ -8,135 +8,9 @@ Pallas kernels have their own file (``test_invariance_kernels.py``)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from harness import new_seed
-
-#: (temperature, what else): the fast tiles (CE with a shift), the general chunk loop
-#: (entropy, label smoothing, softcap) and distillation with a teacher and its gradient
-FEATURES = {
-    "shift": dict(temperature=0.7, entropy=False, shift=True),
-    "general": dict(temperature=0.5, label_smoothing=0.1, softcap=20.0),
-    "teacher": dict(temperature=2.0, teacher=True, shift=True),
-}
-N_ROWS = 23  # rows drawn; the batches below take them in several arrangements
-TILES = 24  # copies of the draw in the largest arrangement
-
-
-def _draw(k):
-    rng = np.random.default_rng(new_seed())
-    n = N_ROWS
-    return dict(
-        z=(rng.standard_normal((n, k)) * 4).astype(np.float32),
-        u=rng.standard_normal((n, k)).astype(np.float32),
-        y=rng.integers(0, k, n), sid=rng.integers(0, k, n),
-        d=rng.uniform(-30.0, 30.0, n).astype(np.float32),
-        cot=rng.standard_normal((4, n)).astype(np.float32))
-
-
-def _arrangements():
-    """(name, row order, shape): each row of the draw alone, all in one flat batch, reversed,
-    as [B, L], and among padding rows (weight 0, NaN logits) at both ends."""
-    n = N_ROWS
-    yield "flat", np.arange(n), (n,)
-    yield "reversed", np.arange(n)[::-1], (n,)
-    yield "[B, L]", np.arange(n - 3)[::-1], (4, 5)
-    yield "padded", np.concatenate([[-1, -1], np.arange(n), [-1]]), (n + 3,)
-    # 552 rows, reversed copies of the draw: past one CPU row block of the JAX chunked backend
-    # (512 rows at 4096 columns: a full block, then 40 rows ending at row 552)
-    yield "tiled", np.tile(np.arange(n)[::-1], TILES), (TILES, n)
-
-
-def _run(fw, backend, data, order, shape, opts):
-    """Outputs and gradients of the rows ``order`` (-1: a padding row), each [len(order), ...]
-    float32 NumPy, computed in one call of logits shaped ``shape + (K,)``."""
-    opts = dict(opts)
-    shift, teacher = opts.pop("shift", False), opts.pop("teacher", False)
-    pad = order < 0
-    idx = np.where(pad, 0, order)
-    z = np.where(pad[:, None], np.nan, data["z"][idx])
-    u = data["u"][idx]
-    w = (~pad).astype(np.float32)
-    cot = np.where(pad[None], 0.0, data["cot"][:, idx]).astype(np.float32)
-    k = z.shape[-1]
-    resh = lambda a: a.reshape(shape + a.shape[1:])  # noqa: E731
-    kw = dict(opts, backend=backend)
-    if shift:
-        kw.update(shift_ids=resh(data["sid"][idx]), shift=resh(data["d"][idx]))
-    if teacher:
-        kw.update(teacher_logits=resh(u), teacher_grad=True)
-    return fw(resh(z), resh(data["y"][idx]), resh(w), cot.reshape((len(cot),) + shape), kw, k)
-
-
-def _torch(z, y, w, cot, kw, k):
-    import torch
-
-    import dlm_kernels.torch as dk
-
-    t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
-    kw = {name: t(v) if isinstance(v, np.ndarray) else v for name, v in kw.items()}
-    leaves = {"z": t(z).requires_grad_(True)}
-    if "shift" in kw:
-        leaves["shift"] = kw["shift"] = kw["shift"].requires_grad_(True)
-    if "teacher_logits" in kw:
-        leaves["u"] = kw["teacher_logits"] = kw["teacher_logits"].requires_grad_(True)
-    s = dk.token_stats(leaves["z"], t(y), t(w), **kw)
-    outs = [v for v in s if v is not None]
-    total = sum((o * t(c)).sum() for o, c in zip(outs, cot))
-    grads = torch.autograd.grad(total, list(leaves.values()))
-    flat = lambda a: a.detach().reshape(len(y.reshape(-1)), -1).numpy()  # noqa: E731
-    return [flat(o) for o in outs] + [flat(g) for g in grads]
-
-
-def _jax(z, y, w, cot, kw, k):
-    import jax
-    import jax.numpy as jnp
-
-    import dlm_kernels.jax as dk
-
-    kw = {name: jnp.asarray(v) if isinstance(v, np.ndarray) else v for name, v in kw.items()}
-    kw.pop("teacher_grad", None)
-    leaves = {"z": jnp.asarray(z)}
-    for name, key in (("shift", "shift"), ("u", "teacher_logits")):
-        if key in kw:
-            leaves[name] = kw.pop(key)
-
-    def f(leaves):
-        extra = {"shift": leaves.get("shift"), "teacher_logits": leaves.get("u")}
-        extra = {key: v for key, v in extra.items() if v is not None}
-        s = dk.token_stats(leaves["z"], jnp.asarray(y), jnp.asarray(w), **kw, **extra)
-        outs = [v for v in s if v is not None]
-        return sum((o * c).sum() for o, c in zip(outs, jnp.asarray(cot))), outs
-
-    (_, outs), grads = jax.value_and_grad(f, has_aux=True)(leaves)
-    n = len(np.asarray(y).reshape(-1))
-    flat = lambda a: np.asarray(a).reshape(n, -1)  # noqa: E731
-    return [flat(o) for o in outs] + [flat(grads[name]) for name in leaves]
-
-
-FRAMEWORKS = {"torch": _torch, "jax": _jax}
-
-
-def check_one_row_one_answer(fw_name, backend, k, feature):
-    fw = FRAMEWORKS[fw_name]
-    data = _draw(k)
-    opts = FEATURES[feature]
-    alone = {}
-    for r in (0, 11, N_ROWS - 1):  # each alone: one row, the first, a middle, the last
-        alone[r] = _run(fw, backend, data, np.array([r]), (1,), opts)
-    for name, order, shape in _arrangements():
-        got = _run(fw, backend, data, order, shape, opts)
-        for r, want in alone.items():
-            for pos in np.flatnonzero(order == r):  # every place it holds (none: skip)
-                for i, (a, b) in enumerate(zip(want, got)):
-                    if not np.array_equal(a[0], b[pos], equal_nan=True):
-                        bad = np.flatnonzero(~((a[0] == b[pos])
-                                               | (np.isnan(a[0]) & np.isnan(b[pos]))))
-                        raise AssertionError(
-                            f"{fw_name} {backend} {feature} K {k}: row {r} alone and at row "
-                            f"{pos} of the {name} batch {shape} differ in output {i} at "
-                            f"column {bad[0]}: {a[0].flat[bad[0]]!r} vs {b[pos].flat[bad[0]]!r}")
+from .invariance import FEATURES, check_logp_ignores_entropy, check_one_row_one_answer
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
@@ -166,3 +40,23 @@ def test_the_torch_path_depends_on_k_alone():
 
     k = tc.COMPILE_MIN_VOCAB
     assert tc.use_compiled(k) and not tc.use_compiled(k - 1)
+
+
+# -- a row's logp does not depend on whether its entropy was asked for -----------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fw_name,backend", [("torch", "chunked"), ("torch", "reference"),
+                                             ("jax", "chunked"), ("jax", "reference")])
+def test_logp_ignores_entropy(fw_name, backend, dtype, monkeypatch):
+    """K 5000: torch chunked on its eager paths (two vocabulary chunks; the compiled loops
+    have their own test below)."""
+    from dlm_kernels.token_stats import torch_compiled as tc
+
+    monkeypatch.setattr(tc, "COMPILE_MIN_VOCAB", 1 << 30, raising=False)
+    check_logp_ignores_entropy(fw_name, backend, 5000, dtype)
+
+
+def test_logp_ignores_entropy_compiled_loops(compiled_loops):
+    """The torch chunked backend's compiled CPU loops (bfloat16: where Inductor's loop nest
+    with the entropy's sum once summed Σ e^x in another order)."""
+    check_logp_ignores_entropy("torch", "chunked", 4500, "bfloat16")

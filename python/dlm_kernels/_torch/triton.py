@@ -1,4 +1,4 @@
-"""What every op's Triton launch from torch shares: the SM count, the launch plan of
+"""What every op's Triton launch from torch shares: the launch plan of
 ``kernels.triton.token_stats.launch_config``, unit-stride columns."""
 
 from __future__ import annotations
@@ -27,18 +27,6 @@ def unsupported_reason(platform: str) -> Optional[str]:
             "TRITON_INTERPRET=1, set before triton is imported)")
 
 
-_NUM_SMS = {}
-
-
-def num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter: plan as for an H200
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def _unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
     """Rows may be strided; columns must be unit-stride (an explicit copy otherwise)."""
     if t is None or t.stride(-1) == 1:
@@ -47,6 +35,6 @@ def _unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def plan(z, u, block_k=0):
-    """The launch plan (block size, warps, stages, splits) the heuristic picks for z: [N, K]."""
-    return kernels.launch_config(z.shape[0], z.shape[1], z.element_size(), u is not None,
-                           num_sms(z.device), block_k or None)
+    """The launch plan (block size, warps, stages, splits) the heuristic picks for z: [N, K]:
+    a function of K, the dtype and the block asked for, never of N (``launch_config``)."""
+    return kernels.launch_config(z.shape[1], z.element_size(), u is not None, block_k or None)

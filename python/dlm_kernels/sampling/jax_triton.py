@@ -21,7 +21,7 @@ from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._jax.ops import JaxOps
 from ..token_stats import formulas as stats_math
-from ..token_stats.jax_triton import (_launch, _num_sms, _rows_vmappable, finalize,
+from ..token_stats.jax_triton import (_launch, _rows_vmappable, finalize,
                                       unsupported_reason)
 
 
@@ -31,8 +31,7 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg, inv_t):
     # ([N, SAMPLE_STATE, S] f32, [N, SAMPLE_IDS, S] i32, [N, S, k] f32 and i32 slots)
     n, k = z.shape
     low = cfg.lowered()
-    lc = kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, zu is not None, _num_sms(),
-                               low.block_k)
+    lc = kernels.launch_config(k, jnp.dtype(z.dtype).itemsize, zu is not None, low.block_k)
     s, top_k = lc["splits"], low.top_k
     slots = (s, n, top_k) if top_k else (1,)
     types = (jax.ShapeDtypeStruct((len(SAMPLE_STATE), s, n), jnp.float32),  # 28·S B/row

@@ -72,11 +72,6 @@ _OUT_KW = ("out_type" if "out_type" in inspect.signature(jt.triton_call).paramet
            else "out_shape")
 
 
-def _num_sms():
-    dev = jax.local_devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132)
-
-
 _varying = JaxOps.varying_axes
 _to_varying = JaxOps.to_varying
 
@@ -107,8 +102,8 @@ def _scalars(cfg):
 
 def _plan(z, cfg):
     n, k = z.shape
-    return n, k, kernels.launch_config(n, k, jnp.dtype(z.dtype).itemsize, cfg.HAS_TEACHER, _num_sms(),
-                                 cfg.chunk_size)
+    return n, k, kernels.launch_config(k, jnp.dtype(z.dtype).itemsize, cfg.HAS_TEACHER,
+                                       cfg.chunk_size)
 
 
 def _per_row(x, d):
@@ -164,29 +159,33 @@ def _forward(rows, cfg):
     if n == 0:
         return stats_math.Stats(*jnp.zeros((len(ROW_STATS), 0), jnp.float32))
     part = _partial(z, u, active, x, d, _offsets(0, n), cfg)
-    stats = finalize(part, z, y, x, d, active, cfg)
+    stats, sr = finalize(part, z, y, x, d, active, cfg, with_sr=True)
     if not cfg.CE_TERMS:
         return stats
-    # the CE term on the host (O(N)): Σ r merges by a plain sum over the splits
-    sr = jnp.sum(part[PARTIAL_STATE.index("sr")], axis=0) if cfg.SMOOTH else None
+    # the CE term on the host (O(N)), from Σ r that the finalize kernel merged
     return stats._replace(logp=stats_math.ce_objective(JaxOps, stats.logp, sr, stats.m,
                                                        stats.la_ce, active, cfg))
 
 
-def finalize(part, z, y, x, d, active, cfg):
+def finalize(part, z, y, x, d, active, cfg, with_sr=False):
     """Stats of [N] f32 from the partial states part [>= 3, S, N] of z: [N, K] (row-major),
     the targets y [N] read from z (the statistics' finalize kernel; the Triton sampler
-    finalises its own split states so too)."""
+    finalises its own split states so too); ``with_sr``: (Stats, Σ r merged over the splits
+    with label smoothing, else None)."""
     n, k = z.shape
     s = part.shape[1]
     block_n, block_s = kernels.finalize_blocks(s)
+    smooth = with_sr and cfg.SMOOTH
     out = _launch(
         kernels.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
         (n, k, s, k, *_scalars(cfg)),
-        jax.ShapeDtypeStruct((len(ROW_STATS), n), jnp.float32),  # 40 bytes per row
+        jax.ShapeDtypeStruct((len(ROW_STATS) + smooth, n), jnp.float32),  # 40 bytes per row
         (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
-        **cfg.triton_flags())
-    return stats_math.Stats(*out)
+        **cfg.triton_flags(), **({"SMOOTH": True} if smooth else {}))
+    stats = stats_math.Stats(*out[:len(ROW_STATS)])
+    if not with_sr:
+        return stats
+    return stats, (out[len(ROW_STATS)] if smooth else None)
 
 
 def _backward(rows, offsets, stats, grads, cfg):

@@ -145,32 +145,38 @@ def _block_partial(rows, cfg, offset):
 
 def _fast_partial(cfg) -> bool:
     """Whether ``_tile_partial`` covers cfg: CE, the SFT loss and distillation (shift,
-    temperatures, a stop-gradient teacher)."""
-    return _fast_grads(cfg) and not cfg.SMOOTH and not cfg.PADDED
+    temperatures, a stop-gradient teacher), with or without the entropy. Whether the entropy
+    is asked for never changes the path: the two paths sum a row's Σ e^x in other orders, and
+    a row's logp must not depend on it (``per_token_logps`` with and without
+    ``return_entropy``)."""
+    return not cfg.HAS_SOFTCAP and not cfg.TEACHER_GRAD and not cfg.SMOOTH and not cfg.PADDED
 
 
 def _tile_partial(rows, cfg, offset):
     """The State of ``_partial`` in tiles of whole rows (``_minus_row_max``: the row max m of
     r, the shift included whatever its sign, and r - m in a float32 tile), then, while the
-    tile is in cache, Σ e^x (and Σ e^{x'}): no per-chunk maxima to merge. A row's sums run
-    over its whole K in one reduction, whose order depends on K alone. With a teacher, its
-    tile is made the
-    same way and its sums (``stats_math.teacher_sums``, the same formulas) are taken relative to its row max
-    mu in preallocated tiles."""
+    tile is in cache, Σ e^x (and Σ e^{x'}, and the entropy's Σ e^x·x): no per-chunk maxima to
+    merge. A row's sums run over its whole K in one reduction, whose order depends on K
+    alone; Σ e^x is the same reduction of the same e^x with or without the entropy. With a
+    teacher, its tile is made the same way and its sums (``stats_math.teacher_sums``, the
+    same formulas) are taken relative to its row max mu in preallocated tiles."""
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     row = lambda: torch.empty(n, dtype=torch.float32)  # noqa: E731  [N]
     m, a = row(), row()
     a2 = row() if cfg.SEPARATE_CE else a
     zero = torch.zeros(n, dtype=torch.float32)
+    b = row() if cfg.HAS_ENTROPY else zero
     mu, au, cu, fu = m, zero, zero, zero
     height = min(n, max(1, TILE_BYTES // (4 * k)))  # rows per tile: whole rows, <= 1 MiB
-    tiles = scratch(8 if cfg.HAS_TEACHER else 2, height, k)  # [R, K] each, reused
-    t_b, t2_b = tiles[0], tiles[1]  # x, x'
+    tiles = scratch(8 if cfg.HAS_TEACHER else 4 if cfg.HAS_ENTROPY else 2, height, k)
+    t_b, t2_b = tiles[0], tiles[1]  # x, x' ([R, K] each, reused)
+    zero_t = torch.zeros(())
     if cfg.HAS_TEACHER:
         mu, au, cu, fu = row(), row(), row(), row()
         e_b, y_b, eu_b, ct_b, s_b, f_b = tiles[2:]
-        zero_t = torch.zeros(())
+    elif cfg.HAS_ENTROPY:
+        e_b, f_b = tiles[2:]
     for r0 in range(0, n, height):
         r1 = min(r0 + height, n)
         rs = slice(r0, r1)
@@ -179,12 +185,18 @@ def _tile_partial(rows, cfg, offset):
             torch.sum(torch.mul(t, cfg.inv_t_ce, out=t2_b[:r1 - r0]).exp_(), dim=1, out=a2[rs])
         if cfg.inv_t != 1.0:
             t.mul_(cfg.inv_t)
-        if not cfg.HAS_TEACHER:
+        h = r1 - r0
+        if not cfg.HAS_TEACHER and not cfg.HAS_ENTROPY:
             torch.sum(t.exp_(), dim=1, out=a[rs])
             continue
-        h = r1 - r0
-        e, y, eu, ct, sr, f = (v[:h] for v in (e_b, y_b, eu_b, ct_b, s_b, f_b))
+        e, f = e_b[:h], f_b[:h]
         torch.sum(torch.exp(t, out=e), dim=1, out=a[rs])  # e = e^x, t keeps x
+        if cfg.HAS_ENTROPY:  # Σ e^x·x (a term with e^x = 0 adds nothing: chunk_partial's)
+            torch.where(e > 0, torch.mul(e, t, out=f), zero_t, out=f)
+            torch.sum(f, dim=1, out=b[rs])
+        if not cfg.HAS_TEACHER:
+            continue
+        y, eu, ct, sr = (v[:h] for v in (y_b, eu_b, ct_b, s_b))
         _minus_row_max(u[rs], y, mu[rs])
         if cfg.inv_t_kl != 1.0:
             y.mul_(cfg.inv_t_kl)  # x_u
@@ -200,7 +212,7 @@ def _tile_partial(rows, cfg, offset):
         torch.sub(e, eu, out=f).add_(ct)  # ct + (w - eu)
         torch.where(y.abs() < PSI_SMALL, sr, f, out=f)
         torch.sum(f, dim=1, out=fu[rs])
-    return stats_math.State(m, a, zero, a2, mu, au, cu, fu, zero)
+    return stats_math.State(m, a, b, a2, mu, au, cu, fu, zero)
 
 
 def _minus_row_max(x, out, m, rows=None, rs=None, cfg=None, offset=0):

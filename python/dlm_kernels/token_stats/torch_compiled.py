@@ -156,7 +156,13 @@ def compiled_partial(rows: Rows, cfg: Lowered, offset: int = 0) -> Optional[stat
     state over the one tile that holds its shifted column is computed again with the shift,
     on those rows gathered (``_shifted_rows``): the compare and select of the shift over
     every column doubled a float32 tile's time (16.5 against 7.2 ms for [4096, 4096]),
-    where the gathered rows are 1/32 of the tiles at K 131072 with random shifted ids."""
+    where the gathered rows are 1/32 of the tiles at K 131072 with random shifted ids.
+
+    The tiles always take the entropy's Σ e^x·x, dropped at the end when it was not asked
+    for: Inductor fuses a tile's sums into one loop nest and orders Σ e^x by what else that
+    loop computes (bfloat16 rows gave another Σ e^x with the entropy than without), and a
+    row's logp must not depend on whether its entropy was asked for (``per_token_logps``
+    with and without ``return_entropy``). One graph per configuration either way."""
     fn = _compiled()
     if fn is None:
         return None
@@ -165,6 +171,7 @@ def compiled_partial(rows: Rows, cfg: Lowered, offset: int = 0) -> Optional[stat
         return None if state is None else stats_math.State(*(f[:1] for f in state))
     z, u = rows.logits, rows.teacher
     n, k = z.shape
+    asked, cfg = cfg, cfg._replace(HAS_ENTROPY=True)  # the one loop nest (docstring)
     cols = torch.arange(offset, offset + k, dtype=torch.int32)  # [K] global column ids
     shift_ids = _ids32(rows.shift_ids, offset, k)
     col_spans = _spans(k, SUM_COLUMNS)
@@ -191,7 +198,8 @@ def compiled_partial(rows: Rows, cfg: Lowered, offset: int = 0) -> Optional[stat
             _Compiled.worked = True
             state = part if state is None else stats_math.merge(xp, state, part, cfg)
         blocks.append(state)
-    return stats_math.State(*(torch.cat(f) if len(blocks) > 1 else f[0] for f in zip(*blocks)))
+    state = stats_math.State(*(torch.cat(f) if len(blocks) > 1 else f[0] for f in zip(*blocks)))
+    return state if asked.HAS_ENTROPY else state._replace(b=torch.zeros_like(state.b))
 
 
 def _shifted_rows(local_ids, col_spans) -> list:

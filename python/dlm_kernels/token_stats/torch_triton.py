@@ -53,7 +53,7 @@ def _offset(col_offset, device):
     return _ZERO_OFFSET[device]
 
 
-# launch_partial and launch_grad (with ``_torch.triton``'s plan and num_sms) are this module's
+# launch_partial and launch_grad (with ``_torch.triton``'s plan) are this module's
 # launch surface: the custom ops below use them, and so does the benchmark's launch sweep
 # (bench/launch_sweep.py).
 
@@ -156,16 +156,14 @@ def token_stats_fwd(a: FwdArgs, low: Lowered) -> Tensor:
     row, Σ r over the valid columns."""
     z, u = _unit_col(a.z), _unit_col(a.u)
     part = launch_partial(z, u, a.x, a.d, a.active, low)
-    out = launch_finalize(part, z, a.y, a.x, a.d, a.active, low)
-    if low.SMOOTH and z.shape[0] > 0:  # Σ r merges by a plain sum over the splits
-        torch.sum(part[PARTIAL_STATE.index("sr")], dim=0, out=out[len(ROW_STATS)])
-    return out
+    return launch_finalize(part, z, a.y, a.x, a.d, a.active, low)
 
 
 def launch_finalize(part, z, y, x, d, active, low: Lowered):
-    """Row statistics [ROW_STATS, N] f32 (with label smoothing one more row, left to the
-    caller) from the partial states part [>= 3, S, N] of z: [N, K] (unit column stride), the
-    targets y [N] read from z. The Triton sampler finalises its own split states so too."""
+    """Row statistics [ROW_STATS, N] f32 (with label smoothing one more row, Σ r merged over
+    the splits) from the partial states part [>= 3, S, N] of z: [N, K] (unit column stride),
+    the targets y [N] read from z. The Triton sampler finalises its own split states so
+    too."""
     n, k = z.shape
     s = part.shape[1]
     out = _empty((len(ROW_STATS) + low.SMOOTH, n), torch.float32, z.device)  # 40 B/row
@@ -176,7 +174,7 @@ def launch_finalize(part, z, y, x, d, active, low: Lowered):
             part, z, y, dummy if x is None else x, dummy if d is None else d,
             active, n, k, s, z.stride(0), low.inv_t, low.inv_t_ce, low.inv_t_kl,
             low.softcap, out, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
-            **low.triton_flags())
+            **low.triton_flags(), **({"SMOOTH": True} if low.SMOOTH else {}))
     return out
 
 

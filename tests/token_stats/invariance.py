@@ -1,0 +1,165 @@
+"""One row, one answer (docs/design.md §2): the checks the invariance tests share —
+rows drawn once, run alone and in several batch arrangements, every output and gradient
+compared bitwise (tests/token_stats/test_invariance.py for the framework-native backends,
+test_invariance_kernels.py for the Triton and Pallas kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harness import new_seed
+
+#: (temperature, what else): the fast tiles (CE with a shift), the general chunk loop
+#: (entropy, label smoothing, softcap) and distillation with a teacher and its gradient
+FEATURES = {
+    "shift": dict(temperature=0.7, entropy=False, shift=True),
+    "general": dict(temperature=0.5, label_smoothing=0.1, softcap=20.0),
+    "teacher": dict(temperature=2.0, teacher=True, shift=True),
+}
+N_ROWS = 23  # rows drawn; the batches below take them in several arrangements
+TILES = 24  # copies of the draw in the largest arrangement
+
+
+def _draw(k, n=N_ROWS):
+    rng = np.random.default_rng(new_seed())
+    return dict(
+        z=(rng.standard_normal((n, k)) * 4).astype(np.float32),
+        u=rng.standard_normal((n, k)).astype(np.float32),
+        y=rng.integers(0, k, n), sid=rng.integers(0, k, n),
+        d=rng.uniform(-30.0, 30.0, n).astype(np.float32),
+        cot=rng.standard_normal((4, n)).astype(np.float32))
+
+
+def _arrangements(n=N_ROWS):
+    """(name, row order, shape) of a draw of n rows: all in one flat batch, reversed, as
+    [B, L] (n - 3 rows), among padding rows (weight 0, NaN logits) at both ends, and (the
+    default draw) 24 copies of it."""
+    yield "flat", np.arange(n), (n,)
+    yield "reversed", np.arange(n)[::-1], (n,)
+    b = 4 if (n - 3) % 4 == 0 else 2
+    yield "[B, L]", np.arange(n - 3)[::-1], (b, (n - 3) // b)
+    yield "padded", np.concatenate([[-1, -1], np.arange(n), [-1]]), (n + 3,)
+    if n == N_ROWS:  # (the kernels' tests draw fewer rows; their blocks do not depend on N)
+        # 552 rows, reversed copies of the draw: past one CPU row block of the JAX chunked
+        # backend (512 rows at 4096 columns: a full block, then 40 rows ending at row 552)
+        yield "tiled", np.tile(np.arange(n)[::-1], TILES), (TILES, n)
+
+
+def _run(fw, backend, data, order, shape, opts):
+    """Outputs and gradients of the rows ``order`` (-1: a padding row), each [len(order), ...]
+    float32 NumPy, computed in one call of logits shaped ``shape + (K,)``."""
+    opts = dict(opts)
+    shift, teacher = opts.pop("shift", False), opts.pop("teacher", False)
+    pad = order < 0
+    idx = np.where(pad, 0, order)
+    z = np.where(pad[:, None], np.nan, data["z"][idx])
+    u = data["u"][idx]
+    w = (~pad).astype(np.float32)
+    cot = np.where(pad[None], 0.0, data["cot"][:, idx]).astype(np.float32)
+    k = z.shape[-1]
+    resh = lambda a: a.reshape(shape + a.shape[1:])  # noqa: E731
+    kw = dict(opts, backend=backend)
+    if shift:
+        kw.update(shift_ids=resh(data["sid"][idx]), shift=resh(data["d"][idx]))
+    if teacher:
+        kw.update(teacher_logits=resh(u), teacher_grad=True)
+    return fw(resh(z), resh(data["y"][idx]), resh(w), cot.reshape((len(cot),) + shape), kw, k)
+
+
+def _torch(z, y, w, cot, kw, k):
+    import torch
+
+    import dlm_kernels.torch as dk
+
+    t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
+    kw = {name: t(v) if isinstance(v, np.ndarray) else v for name, v in kw.items()}
+    leaves = {"z": t(z).requires_grad_(True)}
+    if "shift" in kw:
+        leaves["shift"] = kw["shift"] = kw["shift"].requires_grad_(True)
+    if "teacher_logits" in kw:
+        leaves["u"] = kw["teacher_logits"] = kw["teacher_logits"].requires_grad_(True)
+    s = dk.token_stats(leaves["z"], t(y), t(w), **kw)
+    outs = [v for v in s if v is not None]
+    total = sum((o * t(c)).sum() for o, c in zip(outs, cot))
+    grads = torch.autograd.grad(total, list(leaves.values()))
+    flat = lambda a: a.detach().reshape(len(y.reshape(-1)), -1).numpy()  # noqa: E731
+    return [flat(o) for o in outs] + [flat(g) for g in grads]
+
+
+def _jax(z, y, w, cot, kw, k):
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as dk
+
+    kw = {name: jnp.asarray(v) if isinstance(v, np.ndarray) else v for name, v in kw.items()}
+    kw.pop("teacher_grad", None)
+    leaves = {"z": jnp.asarray(z)}
+    for name, key in (("shift", "shift"), ("u", "teacher_logits")):
+        if key in kw:
+            leaves[name] = kw.pop(key)
+
+    def f(leaves):
+        extra = {"shift": leaves.get("shift"), "teacher_logits": leaves.get("u")}
+        extra = {key: v for key, v in extra.items() if v is not None}
+        s = dk.token_stats(leaves["z"], jnp.asarray(y), jnp.asarray(w), **kw, **extra)
+        outs = [v for v in s if v is not None]
+        return sum((o * c).sum() for o, c in zip(outs, jnp.asarray(cot))), outs
+
+    (_, outs), grads = jax.value_and_grad(f, has_aux=True)(leaves)
+    n = len(np.asarray(y).reshape(-1))
+    flat = lambda a: np.asarray(a).reshape(n, -1)  # noqa: E731
+    return [flat(o) for o in outs] + [flat(grads[name]) for name in leaves]
+
+
+FRAMEWORKS = {"torch": _torch, "jax": _jax}
+
+
+def check_one_row_one_answer(fw_name, backend, k, feature, n_rows=N_ROWS, **options):
+    """Every output and gradient of the first, a middle and the last of ``n_rows`` rows
+    (an odd number, at least 5), each alone, against the same rows in every
+    ``_arrangements`` batch, bitwise; ``options`` are more arguments of the call (a
+    ``chunk_size``)."""
+    fw = FRAMEWORKS[fw_name]
+    data = _draw(k, n_rows)
+    opts = dict(FEATURES[feature], **options)
+    alone = {}
+    for r in (0, n_rows // 2, n_rows - 1):  # each alone: the first, a middle, the last
+        alone[r] = _run(fw, backend, data, np.array([r]), (1,), opts)
+    for name, order, shape in _arrangements(n_rows):
+        got = _run(fw, backend, data, order, shape, opts)
+        for r, want in alone.items():
+            for pos in np.flatnonzero(order == r):  # every place it holds (none: skip)
+                for i, (a, b) in enumerate(zip(want, got)):
+                    if not np.array_equal(a[0], b[pos], equal_nan=True):
+                        bad = np.flatnonzero(~((a[0] == b[pos])
+                                               | (np.isnan(a[0]) & np.isnan(b[pos]))))
+                        raise AssertionError(
+                            f"{fw_name} {backend} {feature} K {k} {options}: row {r} alone and at row "
+                            f"{pos} of the {name} batch {shape} differ in output {i} at "
+                            f"column {bad[0]}: {a[0].flat[bad[0]]!r} vs {b[pos].flat[bad[0]]!r}")
+
+
+def check_logp_ignores_entropy(fw_name, backend, k, dtype, shape=(4, 16)):
+    """``per_token_logps`` with and without ``return_entropy``: the same logp bits, at T = 1
+    and 0.7 (a backend may take another path when it keeps the entropy's sum: the path must
+    not change how Σ e^x is summed)."""
+    from harness import framework
+
+    fw = framework(fw_name)
+    api = fw.api
+    rng = np.random.default_rng(new_seed())
+    z = fw.array((rng.standard_normal(shape + (k,)) * 4).astype(np.float32), dtype)
+    ids = fw.array(rng.integers(0, k, shape))
+    batch = api.DiffusionTokenBatch(model_inputs=ids, target_ids=ids,
+                                    loss_weights=fw.array(np.ones(shape, np.float32)))
+    for t in (1.0, 0.7):
+        with_h, _ = api.per_token_logps(z, batch, temperature=t, return_entropy=True,
+                                        backend=backend)
+        alone = api.per_token_logps(z, batch, temperature=t, backend=backend)
+        a, b = (np.asarray(fw.numpy(v)).reshape(-1) for v in (with_h, alone))
+        bad = np.flatnonzero(~((a == b) | (np.isnan(a) & np.isnan(b))))
+        assert bad.size == 0, (
+            f"{fw_name} {backend} {dtype} K {k} T {t}: logp with and without the entropy "
+            f"differ in {bad.size} of {a.size} rows, first at {bad[0]}: {a[bad[0]]!r} vs "
+            f"{b[bad[0]]!r}")

@@ -1,0 +1,190 @@
+"""One row, one answer on the kernels (docs/design.md §2): the Triton kernels (torch front
+end, in the Triton interpreter; JAX through the emulated jax-triton) and the Pallas kernels
+(JAX, in TPU interpret mode) give a row's statistics, gradients and sampler fields the same
+bits alone as in any batch.
+
+What could break it there is a launch plan chosen from the number of rows: the Triton
+split-K ranges (a row's vocabulary cut into ranges whose partial sums the finalize kernel
+merges) and the Pallas blocks. The shapes are small and awkward on purpose, since the
+interpreters are slow: K = 128 in Triton blocks of 16 columns (``chunk_size``), 8 blocks a
+row, which the plan cuts into 2 ranges; the Pallas kernels get 3 vocabulary blocks of 128,
+the last ragged. ``plan_from_n_would_differ`` recreates the conditions under which a plan
+made from N (as the Triton plan once was: split a row while the rows gave fewer than 4
+programs per SM) cuts a lone row and a batch differently, here 4 ranges against 1.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from harness import new_seed
+
+from .invariance import check_logp_ignores_entropy, check_one_row_one_answer
+
+TRITON_K, TRITON_BLOCK = 128, 16  # 8 blocks a row
+PALLAS_K, PALLAS_BLOCK = 300, 128  # 3 vocabulary steps, the last ragged
+ROWS = 9  # rows drawn (the interpreters take a while a row): batches of 6 to 12 rows
+
+
+#: the Triton kernels on CPU tensors (torch) and CPU arrays (JAX, through the emulated
+#: jax-triton): the interpreter only
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+@pytest.fixture
+def plan_from_n_would_differ(monkeypatch):
+    """One SM for torch's launch plan, where a plan still asked for the SM count (its
+    ``num_sms``): a plan from N aiming at 4 programs per SM would then split a lone row of 8
+    blocks into 4 ranges and leave every batch here unsplit. A plan of K alone ignores
+    it."""
+    from dlm_kernels._torch import triton as torch_plan
+
+    monkeypatch.setattr(torch_plan, "num_sms", lambda device: 1, raising=False)
+
+
+@pytest.fixture
+def pallas_interpret(monkeypatch):
+    pytest.importorskip("jax.experimental.pallas.tpu")
+    monkeypatch.setenv("DLM_KERNELS_PALLAS_INTERPRET", "1")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("feature", ["general", "teacher"])  # (the shift is in "teacher")
+def test_triton_one_row_one_answer(feature, plan_from_n_would_differ):
+    check_one_row_one_answer("torch", "triton", TRITON_K, feature, ROWS,
+                             chunk_size=TRITON_BLOCK)
+
+
+@needs_interpreter
+def test_jax_triton_one_row_one_answer(jax_triton_on_cpu, monkeypatch):
+    """The JAX launch (its own plan call) through the emulated jax-triton, at one SM as in
+    ``plan_from_n_would_differ`` (the JAX plan's SM count was its ``_num_sms``)."""
+    monkeypatch.setattr(jax_triton_on_cpu, "_num_sms", lambda: 1, raising=False)
+    check_one_row_one_answer("jax", "triton", TRITON_K, "general", ROWS,
+                             chunk_size=TRITON_BLOCK)
+
+
+@pytest.mark.parametrize("feature", ["general", "shift", "teacher"])
+def test_pallas_one_row_one_answer(feature, pallas_interpret):
+    check_one_row_one_answer("jax", "pallas", PALLAS_K, feature, ROWS,
+                             chunk_size=PALLAS_BLOCK)
+
+
+@needs_interpreter
+def test_triton_logp_ignores_entropy():
+    check_logp_ignores_entropy("torch", "triton", 300, "bfloat16", shape=(2, 5))
+
+
+def test_pallas_logp_ignores_entropy(pallas_interpret):
+    check_logp_ignores_entropy("jax", "pallas", PALLAS_K, "bfloat16", shape=(2, 5))
+
+
+def test_triton_plan_depends_on_k_alone():
+    """The Triton launch plan takes no row count at all; the shapes above split."""
+    import inspect
+
+    from dlm_kernels.kernels.triton import token_stats as kernels
+
+    assert not {"n", "n_rows"} & set(inspect.signature(kernels.launch_config).parameters)
+    plan = kernels.launch_config(TRITON_K, 4, False, TRITON_BLOCK)
+    assert plan["splits"] > 1 and plan["cols_per_split"] % TRITON_BLOCK == 0
+
+
+def test_pallas_blocks_depend_on_k_alone():
+    """The Pallas blocks are chosen without the row count: ``block_sizes`` (token statistics,
+    sampler) and ``head_blocks`` (the linear head) take none."""
+    import inspect
+
+    pytest.importorskip("jax.experimental.pallas.tpu")
+    from dlm_kernels.kernels.pallas import linear_head, token_stats
+
+    for fn in (token_stats.block_sizes, linear_head.head_blocks):
+        assert not {"n", "n_rows"} & set(inspect.signature(fn).parameters), fn
+
+
+# -- the step's sampler --------------------------------------------------------------------
+
+def _sample(fw_name, backend, z, seed, chunk_size, **kw):
+    """The Sample fields of sample_tokens(z [B, L, K]) as float64 NumPy [B, L] each (ints
+    exactly), the noise keyed per sequence by ``seed`` [B]."""
+    z, seed = np.ascontiguousarray(z), np.ascontiguousarray(seed)
+    if fw_name == "torch":
+        import torch
+
+        import dlm_kernels.torch as dk
+
+        s = dk.sample_tokens(torch.tensor(z), seed=torch.tensor(seed), step=3,
+                             chunk_size=chunk_size, backend=backend, **kw)
+        return {f: getattr(s, f).detach().numpy() for f in s._fields}
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as dk
+
+    s = dk.sample_tokens(jnp.asarray(z), seed=jnp.asarray(seed), step=3, chunk_size=chunk_size,
+                         backend=backend, **kw)
+    return {f: np.asarray(getattr(s, f)) for f in s._fields}
+
+
+SAMPLER_MODES = {"greedy": dict(temperature=0.0), "draw": dict(temperature=0.8),
+                 "top_k": dict(temperature=1.3, top_k=5)}
+
+
+def check_sampler_one_row_one_answer(fw_name, backend, k, chunk_size, mode):
+    """Each sequence of a [B, L] batch alone ([1, L]) against the batch and the batch
+    reversed, every Sample field bitwise (the noise is keyed per sequence, on its seed and
+    the position inside it, so a sequence draws the same tokens anywhere); greedy, also each
+    row alone ([1, 1])."""
+    rng = np.random.default_rng(new_seed())
+    b, length = 3, 3
+    z = (rng.standard_normal((b, length, k)) * 3).astype(np.float32)
+    seed = rng.integers(0, 2**31, b)
+    kw = SAMPLER_MODES[mode]
+    run = lambda zz, ss: _sample(fw_name, backend, zz, ss, chunk_size, **kw)  # noqa: E731
+    batches = {"batch": run(z, seed), "reversed": run(z[::-1], seed[::-1])}
+    for i in (0, b - 1):
+        alone = run(z[i:i + 1], seed[i:i + 1])
+        for name, got in batches.items():
+            at = i if name == "batch" else b - 1 - i
+            _same(alone, {f: v[at:at + 1] for f, v in got.items()},
+                  f"{fw_name} {backend} {mode}: sequence {i} alone and in the {name}")
+    if mode == "greedy":
+        for j in (0, length - 1):
+            alone = run(z[:1, j:j + 1], seed[:1])
+            _same(alone, {f: v[:1, j:j + 1] for f, v in batches["batch"].items()},
+                  f"{fw_name} {backend} greedy: row (0, {j}) alone and in the batch")
+
+
+def _same(want, got, what):
+    for field, a in want.items():
+        b = got[field]
+        same = (a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b
+        if not np.all(same):
+            bad = np.flatnonzero(~same)
+            raise AssertionError(f"{what}: {field} differs at {bad[0]}: "
+                                 f"{a.flat[bad[0]]!r} vs {b.flat[bad[0]]!r}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", sorted(SAMPLER_MODES))
+def test_triton_sampler_one_row_one_answer(mode, plan_from_n_would_differ):
+    check_sampler_one_row_one_answer("torch", "triton", TRITON_K, TRITON_BLOCK, mode)
+
+
+@needs_interpreter
+def test_jax_triton_sampler_one_row_one_answer(jax_triton_on_cpu):
+    check_sampler_one_row_one_answer("jax", "triton", TRITON_K, TRITON_BLOCK, "greedy")
+
+
+@pytest.mark.parametrize("mode", sorted(SAMPLER_MODES))
+def test_pallas_sampler_one_row_one_answer(mode, pallas_interpret, request):
+    if mode == "top_k":
+        # Not yet: with top_k the statistics are formed on the host from the k slots
+        # (``sampling.core.finalize``), by XLA, whose CPU code gave a row other bits alone
+        # than in a batch (on every JAX backend: the JAX chunked backend's open problem,
+        # docs/design.md §2); the kernel's own fields are exact maxima.
+        request.applymarker(pytest.mark.xfail(reason="JAX top-k statistics on the host",
+                                              strict=False))
+    check_sampler_one_row_one_answer("jax", "pallas", PALLAS_K, PALLAS_BLOCK, mode)
