@@ -38,7 +38,7 @@ fi
 DEADLINE=${2:-${GPU_CHECK_SECONDS:-560}}
 left() { local t=$(( DEADLINE - SECONDS - $1 )); echo $(( t > 10 ? t : 10 )); }
 # GPU_CHECK_STEPS picks steps (a rerun after a partial run), e.g. "parity bench jax".
-STEPS=" ${GPU_CHECK_STEPS:-parity bench jax sweep sampling grpo suites} "
+STEPS=" ${GPU_CHECK_STEPS:-parity bench jax sweep sampling grpo diffusion_gemma suites} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 # what the later steps are promised, in seconds, when they are to run
 later() { local s=0 step; for step in "$@"; do want "${step%:*}" && s=$(( s + ${step#*:} )); done; echo $s; }
@@ -57,13 +57,13 @@ gpu_pytest() {  # gpu_pytest SECONDS XML TESTS...
 
 if want parity; then
   log "GPU parity at real sizes (compiled Triton on CUDA tensors, K = 262144, N·K > 2^31)"
-  t=$(left "$(later bench:150 jax:150 sweep:60 sampling:90 grpo:60 suites:100)"); [ "$t" -gt 100 ] && t=100
+  t=$(left "$(later bench:150 jax:150 sweep:60 sampling:90 grpo:60 diffusion_gemma:60 suites:100)"); [ "$t" -gt 100 ] && t=100
   gpu_pytest "$t" gpu_tests.xml -k "not jax" tests/token_stats/test_gpu.py "tests/token_stats/test_triton.py::test_row_offsets_past_int32"
 fi
 
 if want bench; then
   log "benchmark (target shape first; stops starting cases after the budget)"
-  t=$(left "$(later jax:150 sweep:60 sampling:90 grpo:60)")  # all that is left when it runs alone (the whole grid)
+  t=$(left "$(later jax:150 sweep:60 sampling:90 grpo:60 diffusion_gemma:60)")  # all that is left when it runs alone (the whole grid)
   # --no-sampling: the denoising step has a step of its own below (all four GPU shapes)
   TRITON_INTERPRET=0 timeout "$t" python3 -m bench --full --no-sampling --reps 8 --budget-s $(( t > 120 ? t - 60 : t / 2 )) --out "$OUTDIR" 2>&1 \
     | tail -60 | tee -a "$OUTDIR/gpu_check.log"
@@ -73,17 +73,17 @@ if want jax; then
   log "JAX through jax-triton (skips without a jax-triton wheel in ./.whl)"
   python3 -c "import jax, jax_triton, triton; print('jax', jax.__version__, 'jax-triton',
 jax_triton.__version__, 'triton', triton.__version__)" 2>&1 | tail -1 | tee -a "$OUTDIR/gpu_check.log"
-  t=$(left "$(later sweep:60 sampling:90 grpo:60)"); [ "$t" -gt 150 ] && t=150
+  t=$(left "$(later sweep:60 sampling:90 grpo:60 diffusion_gemma:60)"); [ "$t" -gt 150 ] && t=150
   gpu_pytest "$t" gpu_jax_tests.xml "tests/token_stats/test_gpu.py::test_jax_triton_parity" "tests/token_stats/test_gpu.py::TestJaxTritonGpu"
 fi
 
 if want sweep; then
   log "launch-plan sweep of the streaming kernels (CE, N = 16384, K = 262144, bf16)"
-  t=$(left "$(later sampling:90 grpo:60 suites:60)"); [ "$t" -gt 90 ] && t=90
+  t=$(left "$(later sampling:90 grpo:60 diffusion_gemma:60 suites:60)"); [ "$t" -gt 90 ] && t=90
   TRITON_INTERPRET=0 timeout "$t" python3 -m bench.launch_sweep --reps 8 --out "$OUTDIR" 2>&1 \
     | tail -15 | tee -a "$OUTDIR/gpu_check.log"
   # the same with a teacher stream (OPD) at N = 4096, if the time allows
-  t=$(left "$(later sampling:90 grpo:60 suites:60)")
+  t=$(left "$(later sampling:90 grpo:60 diffusion_gemma:60 suites:60)")
   if [ "$t" -gt 40 ]; then
     [ "$t" -gt 90 ] && t=90
     log "launch-plan sweep, distillation (two streams), N = 4096"
@@ -97,7 +97,7 @@ if want sampling; then
   # this step's share of the script's time budget (at most 90 s): a third for the tests, the
   # rest for the benchmark, whose GPU shapes are bench/sampling.py's GPU_SHAPES; it writes
   # sampling.json and sampling.md beside the other results and its table goes into the log
-  t=$(left "$(later grpo:60 suites:60)"); [ "$t" -gt 90 ] && t=90
+  t=$(left "$(later grpo:60 diffusion_gemma:60 suites:60)"); [ "$t" -gt 90 ] && t=90
   tests_s=$(( t / 3 )); bench_s=$(( t - t / 3 ))
   gpu_pytest "$tests_s" gpu_sampling_tests.xml "tests/sampling/test_sampling.py::TestTorchTriton" \
     "tests/sampling/test_sampling.py::test_same_seed_same_tokens_on_every_backend"
@@ -107,11 +107,24 @@ fi
 
 if want grpo; then
   log "fused linear GRPO at Liger's published shape (16 x 1024 rows, H 4096, V 128256, bf16): ours, unfused, Liger"
-  t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
+  t=$(left "$(later diffusion_gemma:60 suites:60)"); [ "$t" -gt 90 ] && t=90
   TRITON_INTERPRET=0 timeout "$t" python3 -m bench.linear_head --n 16384 --d 4096 --k 128256 \
     --dtype bfloat16 --frameworks torch --variants ours-grpo,unfused-grpo,liger-grpo --no-scaling \
     --reps 5 --json "$OUTDIR/grpo_linear_head.json" --md "$OUTDIR/grpo_linear_head.md" 2>&1 \
     | tail -12 | tee -a "$OUTDIR/gpu_check.log"
+fi
+
+if want diffusion_gemma; then
+  # skipped without transformers' DiffusionGemma (transformers 5.23)
+  if python3 -c "import transformers.models.diffusion_gemma" >/dev/null 2>&1; then
+    log "DiffusionGemma head, dense vs patched: loss fwd+bwd and one denoising step (V 262144, canvas 256, B 1, cap 30, bf16, D 2112,2304,2816)"
+    t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
+    TRITON_INTERPRET=0 timeout "$t" python3 -m bench.diffusion_gemma --d 2112,2304,2816 --reps 5 \
+      --json "$OUTDIR/diffusion_gemma.json" --md "$OUTDIR/diffusion_gemma.md" 2>&1 \
+      | tail -30 | tee -a "$OUTDIR/gpu_check.log"
+  else
+    log "DiffusionGemma head: skipped (transformers with DiffusionGemma, 5.23, not installed)"
+  fi
 fi
 
 t=$(left 5)

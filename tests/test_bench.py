@@ -1099,3 +1099,34 @@ def test_host_time_profiles_the_chunked_backend():
     assert out.count("profile (cProfile own time per call") == 3
     assert len(re.findall(r"%\s+[0-9.]+ calls  dlm_kernels/_objectives\.py", out)) == 3, out
     assert len(re.findall(r"ATen ops per call \(nested included\): \d+; most: ", out)) == 3
+
+
+def test_diffusion_gemma_bench(monkeypatch):
+    """The DiffusionGemma head benchmark at a tiny shape: every case runs and is timed (the
+    loss forward+backward and the denoising steps after the first, dense and patched), the
+    step probe measures exactly one step with its self-conditioning input, and the loss probe
+    counts the parameter gradients it allocates. Skipped without transformers' DiffusionGemma."""
+    import pytest
+
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import diffusion_gemma as DG
+
+    report = DG.run(ds=(32,), v=515, canvas=8, batch=1, dtype="float32", reps=1,
+                    memory=False, progress=lambda line: None)
+    rows = report["results"]
+    assert [r["case"] for r in rows] == list(DG.CASES) and all(r["d"] == 32 for r in rows)
+    assert all("error" not in r and r["ms"] > 0 and r["reps"] >= 1 for r in rows), rows
+    table = DG.markdown(report)
+    assert all(f"| {c} | 32 | 515 | 8 | float32 |" in table for c in DG.CASES), table
+    for case in ("loss-patched", "step-dense"):
+        got = DG._probe(case, 32, 515, 8, 1, "float32")
+        assert got["peak_bytes"] >= 0 and got["weight_bytes"] > 515 * 32 * 4, got
+        # the loss's gradients include the tied table's; a step leaves none
+        assert (got["grad_bytes"] >= 515 * 32 * 4) == case.startswith("loss"), got
+    fake = [dict(case=c, d=d, peak_bytes=(8 if "dense" in c else 2) * 515 * 8 * 4 + 6 * 515 * d)
+            for d in (32, 48) for c in DG.CASES]
+    fits = DG.fit(fake, 1, 8, 515)
+    assert abs(fits["loss-dense"]["a_in_blv_float32"] - 8) < 1e-6, fits
+    assert abs(fits["step-patched"]["b_over_v"] - 6) < 1e-6, fits
+    assert DG.ratios(fake)[("loss", 32)] > 1
