@@ -68,11 +68,12 @@ class TorchFW:
         t = t.detach()
         return (t.double() if t.dtype.is_floating_point else t).cpu().numpy()
 
-    def vjp(self, fn, primals, cotangents):
-        """(outputs as float64 NumPy, d<Σ cot·out>/d primal for each primal)."""
+    def vjp(self, fn, primals, cotangents, args=()):
+        """(outputs as float64 NumPy, d<Σ cot·out>/d primal for each primal) of
+        ``fn(*primals, *args)``: ``args`` are further inputs, not differentiated."""
         torch = self.torch
         leaves = [p.detach().clone().requires_grad_(True) for p in primals]
-        outs = fn(*leaves)
+        outs = fn(*leaves, *args)
         pairs = [(o, self.array(c).to(o.dtype)) for o, c in zip(outs, cotangents)
                  if o.requires_grad]
         grads = [None] * len(leaves)
@@ -104,19 +105,24 @@ class JaxFW:
         a = np.asarray(a)
         return a if np.issubdtype(a.dtype, np.integer) or a.dtype == bool else a.astype(np.float64)
 
-    def vjp(self, fn, primals, cotangents, jit=True):
+    def vjp(self, fn, primals, cotangents, jit=True, args=()):
         """As TorchFW.vjp, the forward and its VJP traced into one ``jax.jit`` program (as
         training code runs them; ``jit=False``: op by op). One compilation per call costs a
-        third of op-by-op dispatch, which compiles every primitive at every new shape."""
+        third of op-by-op dispatch, which compiles every primitive at every new shape.
+        ``args`` (ids, weights, a teacher not differentiated) are the program's arguments, as
+        in training: an array that ``fn`` closes over instead is a constant of the program,
+        which XLA folds while compiling (its reductions evaluated by the compiler, not by the
+        code under test, and seconds of compile time for a teacher of 2^17 columns)."""
         jax, jnp = self.jax, self.jnp
 
-        def outputs_and_grads(primals, cotangents):
-            outs, vjp_fn = jax.vjp(lambda *p: tuple(fn(*p)), *primals)
+        def outputs_and_grads(primals, cotangents, args):
+            outs, vjp_fn = jax.vjp(lambda *p: tuple(fn(*p, *args)), *primals)
             cots = tuple(c.astype(o.dtype) for o, c in zip(outs, cotangents))
             return outs, vjp_fn(cots)
 
         run = jax.jit(outputs_and_grads) if jit else outputs_and_grads
-        outs, grads = run(tuple(primals), tuple(jnp.asarray(c) for c in cotangents))
+        outs, grads = run(tuple(primals), tuple(jnp.asarray(c) for c in cotangents),
+                          tuple(args))
         return [self.numpy(o) for o in outs], [self.numpy(g) for g in grads]
 
 

@@ -190,12 +190,18 @@ def check_case(fw, backend, case, rng):
     with_shift = inputs["d"] is not None
     entropy = case["entropy"]
 
+    # the arrays not differentiated are arguments of the call (under jax.jit, not constants)
+    fixed = dict(y=inputs["y"], w=inputs["w"], shift_ids=api.pop("shift_ids", None),
+                 u=None if teacher_grad else inputs["u"])
+    names = [n for n, v in fixed.items() if v is not None]
+
     def fn(z, *rest):
         rest = list(rest)
-        u = rest.pop(0) if teacher_grad else inputs["u"]
+        u = rest.pop(0) if teacher_grad else None
         d = rest.pop(0) if with_shift else None
-        st = fw.api.token_stats(z, inputs["y"], inputs["w"], teacher_logits=u, shift=d,
-                                backend=backend, **api)
+        given = dict(zip(names, rest))
+        st = fw.api.token_stats(z, given["y"], given["w"], teacher_logits=given.get("u", u), shift=d,
+                                shift_ids=given.get("shift_ids"), backend=backend, **api)
         return tuple(v for v in st if v is not None)
 
     primals = [inputs["z"]] + ([inputs["u"]] if teacher_grad else []) + (
@@ -203,7 +209,8 @@ def check_case(fw, backend, case, rng):
     cots = [rng.normal(size=N_ROWS).astype(np.float32) for _ in range(4)]
     if not entropy:
         cots[2] = np.zeros(N_ROWS, np.float32)
-    outs, grads = fw.vjp(fn, primals, [c for j, c in enumerate(cots) if entropy or j != 2])
+    outs, grads = fw.vjp(fn, primals, [c for j, c in enumerate(cots) if entropy or j != 2],
+                         args=[fixed[n] for n in names])
     if not entropy:
         outs = outs[:2] + [None] + outs[2:]
     grads = list(grads)
@@ -378,17 +385,22 @@ def draw_objective(case, fw, rng):
                 t=np.asarray(t, np.float32), u64=rng.normal(size=(B, L, k)) * 3 + bias)
 
 
+def objective_args(fw, data):
+    """The arrays ``objective_fn``'s loss reads and does not differentiate (ids, the teacher),
+    passed to it as arguments (under jax.jit: not constants of the program)."""
+    return [fw.array(data["x0"]), fw.array(data["xt"]), fw.array(data["u64"], "float32")]
+
+
 def objective_fn(fw, backend, case, data):
-    """f(logits-or-(hidden, weight, bias), weights, t) -> scalar loss, in the framework."""
+    """f(logits-or-(hidden, weight, bias), weights, t, *objective_args) -> scalar loss, in
+    the framework."""
     api, k = fw.api, case["k"]
     name = case["objective"]
-    teacher = fw.array(data["u64"], "float32")
 
-    def loss(logits, weights, t):
+    def loss(logits, weights, t, x0, xt, teacher):
         if name in ("weighted_ce", "opd"):
             batch = api.DiffusionTokenBatch.create(
-                model_inputs=fw.array(data["xt"]), target_ids=fw.array(data["x0"]),
-                loss_weights=weights)
+                model_inputs=xt, target_ids=x0, loss_weights=weights)
             if name == "weighted_ce":
                 return api.weighted_cross_entropy(logits, batch, backend=backend).compute()
             dbatch = api.DiffusionDistillationBatch.create(student_batch=batch,
@@ -396,8 +408,8 @@ def objective_fn(fw, backend, case, data):
             total, _ = api.opd_loss(logits, dbatch, temperature=case["opd_temperature"],
                                     soft_loss_weight=0.7, hard_loss_weight=0.3, backend=backend)
             return total.compute()
-        out = api.diffusion_sft_loss(logits, fw.array(data["x0"]), fw.array(data["xt"]), t,
-                                     weights, variant=name, vocab_size=k, backend=backend)
+        out = api.diffusion_sft_loss(logits, x0, xt, t, weights, variant=name, vocab_size=k,
+                                     backend=backend)
         return (out * fw.array(SFT_COTANGENT.astype(np.float32))).sum()
 
     return loss
@@ -445,16 +457,17 @@ def check_objective_case(fw, backend, case, rng):
     dtype = case["dtype"]
     fn = objective_fn(fw, backend, case, data)
     weights, t = fw.array(data["weights"]), fw.array(data["t"])
+    args = objective_args(fw, data)
     if case["head"]:
         hw = [fw.array(data[n], dtype) for n in ("h", "w", "bias")]
-        call = lambda h, w, b, ws, t_: (fn(fw.api.LinearHead(h, w, b, weight_layout="KD"),
-                                            ws, t_),)
-        (loss,), grads = fw.vjp(call, hw + [weights, t], [np.float32(1.0)])
+        call = lambda h, w, b, ws, t_, *a: (
+            fn(fw.api.LinearHead(h, w, b, weight_layout="KD"), ws, t_, *a),)
+        (loss,), grads = fw.vjp(call, hw + [weights, t], [np.float32(1.0)], args=args)
         d_h, d_w, d_b, d_weights, d_t = grads
     else:
         z = fw.array(data["z64"], dtype)
-        (loss,), (d_z, d_weights, d_t) = fw.vjp(lambda z_, ws, t_: (fn(z_, ws, t_),),
-                                                [z, weights, t], [np.float32(1.0)])
+        (loss,), (d_z, d_weights, d_t) = fw.vjp(lambda z_, ws, t_, *a: (fn(z_, ws, t_, *a),),
+                                                [z, weights, t], [np.float32(1.0)], args=args)
     z64, w64 = data["z64"], data["weights"].astype(np.float64)
     alpha64 = (np.float32(1.0) - data["t"]).astype(np.float64)  # as float32 computes it
     z64 = fw.numpy(fw.array(z64, dtype))  # as the dtype holds them: a masked bias may overflow
