@@ -45,9 +45,10 @@ def _arrangements(n=N_ROWS):
         yield "tiled", np.tile(np.arange(n)[::-1], TILES), (TILES, n)
 
 
-def _run(fw, backend, data, order, shape, opts):
+def _run(fw, backend, data, order, shape, opts, device="cpu"):
     """Outputs and gradients of the rows ``order`` (-1: a padding row), each [len(order), ...]
-    float32 NumPy, computed in one call of logits shaped ``shape + (K,)``."""
+    float32 NumPy, computed in one call of logits shaped ``shape + (K,)`` on ``device``
+    (torch)."""
     opts = dict(opts)
     shift, teacher = opts.pop("shift", False), opts.pop("teacher", False)
     pad = order < 0
@@ -63,15 +64,16 @@ def _run(fw, backend, data, order, shape, opts):
         kw.update(shift_ids=resh(data["sid"][idx]), shift=resh(data["d"][idx]))
     if teacher:
         kw.update(teacher_logits=resh(u), teacher_grad=True)
-    return fw(resh(z), resh(data["y"][idx]), resh(w), cot.reshape((len(cot),) + shape), kw, k)
+    return fw(resh(z), resh(data["y"][idx]), resh(w), cot.reshape((len(cot),) + shape), kw, k,
+              device)
 
 
-def _torch(z, y, w, cot, kw, k):
+def _torch(z, y, w, cot, kw, k, device):
     import torch
 
     import dlm_kernels.torch as dk
 
-    t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
+    t = lambda a: torch.tensor(np.asarray(a), device=device)  # noqa: E731
     kw = {name: t(v) if isinstance(v, np.ndarray) else v for name, v in kw.items()}
     leaves = {"z": t(z).requires_grad_(True)}
     if "shift" in kw:
@@ -82,11 +84,11 @@ def _torch(z, y, w, cot, kw, k):
     outs = [v for v in s if v is not None]
     total = sum((o * t(c)).sum() for o, c in zip(outs, cot))
     grads = torch.autograd.grad(total, list(leaves.values()))
-    flat = lambda a: a.detach().reshape(len(y.reshape(-1)), -1).numpy()  # noqa: E731
+    flat = lambda a: a.detach().reshape(len(y.reshape(-1)), -1).cpu().numpy()  # noqa: E731
     return [flat(o) for o in outs] + [flat(g) for g in grads]
 
 
-def _jax(z, y, w, cot, kw, k):
+def _jax(z, y, w, cot, kw, k, device):
     import jax
     import jax.numpy as jnp
 
@@ -115,19 +117,20 @@ def _jax(z, y, w, cot, kw, k):
 FRAMEWORKS = {"torch": _torch, "jax": _jax}
 
 
-def check_one_row_one_answer(fw_name, backend, k, feature, n_rows=N_ROWS, **options):
+def check_one_row_one_answer(fw_name, backend, k, feature, n_rows=N_ROWS, device="cpu",
+                             **options):
     """Every output and gradient of the first, a middle and the last of ``n_rows`` rows
     (an odd number, at least 5), each alone, against the same rows in every
-    ``_arrangements`` batch, bitwise; ``options`` are more arguments of the call (a
-    ``chunk_size``)."""
+    ``_arrangements`` batch, bitwise; ``device``: torch's (the JAX arrays stay on JAX's
+    default device); ``options`` are more arguments of the call (a ``chunk_size``)."""
     fw = FRAMEWORKS[fw_name]
     data = _draw(k, n_rows)
     opts = dict(FEATURES[feature], **options)
     alone = {}
     for r in (0, n_rows // 2, n_rows - 1):  # each alone: the first, a middle, the last
-        alone[r] = _run(fw, backend, data, np.array([r]), (1,), opts)
+        alone[r] = _run(fw, backend, data, np.array([r]), (1,), opts, device)
     for name, order, shape in _arrangements(n_rows):
-        got = _run(fw, backend, data, order, shape, opts)
+        got = _run(fw, backend, data, order, shape, opts, device)
         for r, want in alone.items():
             for pos in np.flatnonzero(order == r):  # every place it holds (none: skip)
                 for i, (a, b) in enumerate(zip(want, got)):
@@ -140,19 +143,20 @@ def check_one_row_one_answer(fw_name, backend, k, feature, n_rows=N_ROWS, **opti
                             f"column {bad[0]}: {a[0].flat[bad[0]]!r} vs {b[pos].flat[bad[0]]!r}")
 
 
-def check_logp_ignores_entropy(fw_name, backend, k, dtype, shape=(4, 16)):
+def check_logp_ignores_entropy(fw_name, backend, k, dtype, shape=(4, 16), device=None):
     """``per_token_logps`` with and without ``return_entropy``: the same logp bits, at T = 1
     and 0.7 (a backend may take another path when it keeps the entropy's sum: the path must
-    not change how Σ e^x is summed)."""
+    not change how Σ e^x is summed); ``device``: torch's, where not the suites' own."""
     from harness import framework
 
     fw = framework(fw_name)
     api = fw.api
+    array = fw.array if device is None else (lambda a, dt=None: fw.array(a, dt).to(device))
     rng = np.random.default_rng(new_seed())
-    z = fw.array((rng.standard_normal(shape + (k,)) * 4).astype(np.float32), dtype)
-    ids = fw.array(rng.integers(0, k, shape))
+    z = array((rng.standard_normal(shape + (k,)) * 4).astype(np.float32), dtype)
+    ids = array(rng.integers(0, k, shape))
     batch = api.DiffusionTokenBatch(model_inputs=ids, target_ids=ids,
-                                    loss_weights=fw.array(np.ones(shape, np.float32)))
+                                    loss_weights=array(np.ones(shape, np.float32)))
     for t in (1.0, 0.7):
         with_h, _ = api.per_token_logps(z, batch, temperature=t, return_entropy=True,
                                         backend=backend)

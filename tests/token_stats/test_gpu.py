@@ -11,6 +11,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from harness import assert_close, new_seed  # noqa: E402
 
 from .gpu_check import check_rows_at_both_ends  # noqa: E402
+from .invariance import check_logp_ignores_entropy, check_one_row_one_answer  # noqa: E402
 
 
 @needs_cuda
@@ -27,6 +28,24 @@ def test_triton_beyond_int32_offsets(teacher):
     n, k = 8320, 262144
     assert n * k > 2**31
     check_rows_at_both_ends("cuda", n, k, teacher, ends=32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("feature", ["general", "teacher"])
+def test_triton_one_row_one_answer_at_real_size(feature):
+    """One row, one answer on the compiled kernels at the target vocabulary (K = 262144, the
+    heuristic's own blocks): a lone row, where a launch plan made from N would split the row
+    across SMs, against the same row in batches of up to 552 rows, bitwise, every output and
+    gradient (tests/token_stats/invariance.py)."""
+    check_one_row_one_answer("torch", "triton", 262144, feature, device="cuda")
+
+
+@needs_cuda
+def test_triton_logp_ignores_entropy_at_real_size():
+    """The policy log-prob of a token has the same bits with and without its entropy, on the
+    compiled kernels at K = 262144 (bf16, 4 x 64 rows)."""
+    check_logp_ignores_entropy("torch", "triton", 262144, "bfloat16", shape=(4, 64),
+                               device="cuda")
 
 
 # -- JAX through the real jax-triton ------------------------------------------------------
