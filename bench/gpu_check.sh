@@ -49,9 +49,13 @@ later() { local s=0 step; for step in "$@"; do want "${step%:*}" && s=$(( s + ${
 # (the interpreter already runs them on CPU; here they compile one kernel per feature,
 # dtype and entropy specialisation).
 # JAX_PLATFORMS: the test conftest defaults JAX to the CPU; here jax-triton needs the GPU.
+# -n 0: one pytest process on the one GPU (the suite's own -n auto starts 4 workers, and 4
+# JAX processes each taking 75 % of the card's memory ran out of it: run of 2026-12-04);
+# XLA_PYTHON_CLIENT_PREALLOCATE=false leaves the card to the torch tests of the same process.
 gpu_pytest() {  # gpu_pytest SECONDS XML TESTS...
   local t=$1 xml=$2; shift 2
-  JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda timeout "$t" python3 -m pytest -q \
+  JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 DLM_TEST_DEVICE=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout "$t" python3 -m pytest -q -n 0 -p no:cacheprovider \
     "$@" --junitxml="$OUTDIR/$xml" 2>&1 | tail -15 | tee -a "$OUTDIR/gpu_check.log"
 }
 
