@@ -139,12 +139,12 @@ def main():
                                       ROWS_ALIGNED=True, SMOOTH=ce), cfg["num_warps"]),
         (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"],
                                    ROWS_ALIGNED=True, CE_TERMS=ce), cfg["num_warps"])]
-    finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(64)[0],
-                                              BLOCK_S=64, SMOOTH=True), 4)
+    finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.FINALIZE_ROWS, SMOOTH=True),
+                K.FINALIZE_WARPS)
     kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
         finalize,
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.finalize_blocks(1)[0], BLOCK_S=2,
-                                       SMOOTH=False), 4)]]
+        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.FINALIZE_ROWS, SMOOTH=False),
+         K.FINALIZE_WARPS)]]
     kernels += [("objective:", types, k) for k in streaming_kernels(objective, False, False)]
     # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
@@ -192,7 +192,8 @@ def main():
             options["enable_fp_fusion"] = False
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
-        key = f"{prefix}{fn.__name__}[{constexprs.get('BLOCK_S', constexprs.get('BLOCK_K'))}]"
+        block = constexprs.get("BLOCK_K", "smooth" if constexprs.get("SMOOTH") else "plain")
+        key = f"{prefix}{fn.__name__}[{block}]"
         streaming = "BLOCK_K" in constexprs
         per_logit, barriers = (main_loop_sass(compiled.asm["cubin"], nvdisasm,
                                               constexprs["BLOCK_K"] // (32 * warps))

@@ -10,8 +10,9 @@ Three kernels, no host code:
   stats_finalize_kernel  grid (cdiv(N, BLOCK_N),): merges the S partial states of each row,
                          loads the target logit and writes out[10, N] = (lse, logp, entropy,
                          kl, kl_shift, m, la, la_ce, mu, la_u) (with SMOOTH out[11, N], the
-                         merged Σ r last). Its merge is a sum over a [BLOCK_S, BLOCK_N]
-                         tile's split axis: an order fixed by S, which K alone fixes.
+                         merged Σ r last). One row a thread, its S states merged split by
+                         split: an order fixed by S, which K alone fixes, and no sum across
+                         threads, whose order the compiler's layout would choose.
   stats_grad_kernel      grid (N, S): recomputes p (and q) block by block from the saved row
                          statistics and writes d(logits) (and d(teacher)) in the input dtype.
                          With CE_TERMS (label smoothing or z-loss) the logp cotangent arrives
@@ -444,19 +445,13 @@ def stats_partial_kernel(
 
 
 @triton.jit
-def _merge_max(m_s, smask):
-    """The maximum m [BLOCK_N] of [BLOCK_S, BLOCK_N] partial maxima (logit units) over the
-    splits, and each split's difference to it (-inf for an empty or absent split)."""
-    m_s = tl.where(smask, m_s, NEG_INF)
-    m = tl.max(m_s, axis=0)
-    return m, m_s - tl.where(m == NEG_INF, 0.0, m)[None, :]
-
-
-@triton.jit
-def _merged_sum(a_s, delta):
-    """Σ_s e^δ·a_s: partial sums moved to the merged maximum (δ = dm / T) and merged (an
-    absent split has δ = -inf and a_s = 0)."""
-    return tl.sum(_exp(delta) * a_s, axis=0)
+def _merged_max(plane_ptr, rows, rmask, N, S, BLOCK_N: tl.constexpr):
+    """The maximum [BLOCK_N] over the S splits of a plane [S, N] of partial maxima (logit
+    units; -inf for a row with no columns). A maximum is exact in any order."""
+    m = tl.full([BLOCK_N], NEG_INF, tl.float32)
+    for s in range(0, S):
+        m = tl.maximum(m, tl.load(plane_ptr + s * N + rows, mask=rmask, other=NEG_INF))
+    return m
 
 
 @triton.jit
@@ -471,54 +466,79 @@ def stats_finalize_kernel(
               # m, la, la_ce, mu, la_u; with SMOOTH [11, N], Σ r last
     HAS_SOFTCAP: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_TEACHER: tl.constexpr,
     SEPARATE_CE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, SMOOTH: tl.constexpr = False,
+    SMOOTH: tl.constexpr = False,
 ):
+    """One row a thread: the S partial states merged split by split, s = 0, 1, ..., in
+    plain per-row float32 arithmetic. No sum here crosses threads, so a row's bits depend
+    neither on the rows beside it nor on how the compiler lays out a tile: Triton
+    specialises N (a constexpr 1 for a lone row, divisibility by 16), and a [splits, rows]
+    tile summed with tl.sum along the splits was laid out, and so summed in another order,
+    for N = 1, N = 23 and N = 32 (docs/design.md §2, "One row, one answer")."""
     inv_t, inv_t_ce, inv_t_kl = _f32(inv_t), _f32(inv_t_ce), _f32(inv_t_kl)
     softcap = _f32(softcap)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    splits = tl.arange(0, BLOCK_S)
-    pmask = (splits[:, None] < S) & rmask[None, :]
-    p_off = splits[:, None] * N + rows[None, :]
-    stride_p = S * N
+    stride_p = S * N  # one plane of partial state: [S, N]
 
-    # read 8·S·4 bytes of partial state per row (maxima in logit units, sums natural)
-    m_s = tl.load(part_ptr + P_M * stride_p + p_off, mask=pmask, other=NEG_INF)
-    a_s = tl.load(part_ptr + P_A * stride_p + p_off, mask=pmask, other=0.0)
-    m, dm = _merge_max(m_s, pmask)
-    delta = dm * inv_t  # each split's exponents move by delta
-    f = _exp(delta)  # 0 for an absent split, or one whose logits are all far below m
-    a = tl.sum(f * a_s, axis=0)
+    # pass 1: the merged maxima (read 4·S bytes per row, 8·S with a teacher)
+    m = _merged_max(part_ptr + P_M * stride_p, rows, rmask, N, S, BLOCK_N)
+    m_safe = tl.where(m == NEG_INF, 0.0, m)
+    mu = tl.zeros([BLOCK_N], dtype=tl.float32)
+    mu_safe = mu
+    if HAS_TEACHER:
+        mu = _merged_max(part_ptr + P_MU * stride_p, rows, rmask, N, S, BLOCK_N)
+        mu_safe = tl.where(mu == NEG_INF, 0.0, mu)
+
+    # pass 2: the sums, moved to the merged maxima and added in split order (read the other
+    # 4·S·4 bytes per row: m, a, b, a2 and with a teacher 4 more planes)
+    a = tl.zeros([BLOCK_N], dtype=tl.float32)  # Σ e^x
+    b = tl.zeros([BLOCK_N], dtype=tl.float32)  # Σ e^x·x (HAS_ENTROPY)
+    a2 = tl.zeros([BLOCK_N], dtype=tl.float32)  # Σ e^{x_ce} (SEPARATE_CE)
+    au = tl.zeros([BLOCK_N], dtype=tl.float32)  # Σ e^{x_u}
+    cu = tl.zeros([BLOCK_N], dtype=tl.float32)
+    fu = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sr = tl.zeros([BLOCK_N], dtype=tl.float32)  # Σ r (SMOOTH)
+    for s in range(0, S):
+        at = part_ptr + s * N + rows
+        m_s = tl.load(at + P_M * stride_p, mask=rmask, other=NEG_INF)
+        a_s = tl.load(at + P_A * stride_p, mask=rmask, other=0.0)
+        dm = m_s - m_safe  # -inf for an empty split
+        delta = dm * inv_t  # the split's exponents move by delta
+        f = _exp(delta)  # 0 for an empty split, or one whose logits are all far below m
+        a += f * a_s
+        if HAS_ENTROPY:
+            b += _moved(f, delta, a_s, tl.load(at + P_B * stride_p, mask=rmask, other=0.0))
+        if SEPARATE_CE:
+            a2 += _exp(dm * inv_t_ce) * tl.load(at + P_A2 * stride_p, mask=rmask, other=0.0)
+        if HAS_TEACHER:
+            mu_s = tl.load(at + P_MU * stride_p, mask=rmask, other=NEG_INF)
+            au_s = tl.load(at + P_AU * stride_p, mask=rmask, other=0.0)
+            cu_s = tl.load(at + P_CU * stride_p, mask=rmask, other=0.0)
+            fu_s = tl.load(at + P_FU * stride_p, mask=rmask, other=0.0)
+            delta_u = (mu_s - mu_safe) * inv_t_kl
+            g = _exp(delta_u)
+            au += g * au_s
+            # the split's (cu, fu) at the merged maxima: y = x_u - x moves by delta_u - delta
+            cu_s, fu_s = _teacher_at(a_s, au_s, cu_s, fu_s, f, g, delta - delta_u)
+            cu += cu_s
+            fu += fu_s
+        if SMOOTH:  # label smoothing's Σ r: a plain sum over the splits
+            sr += tl.load(at + P_SR * stride_p, mask=rmask, other=0.0)
     la = tl.log(a)
     lse = m * inv_t + la
     entropy = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ENTROPY:
-        b_s = tl.load(part_ptr + P_B * stride_p + p_off, mask=pmask, other=0.0)
-        b = tl.sum(_moved(f, delta, a_s, b_s), axis=0)
         entropy = la - b / a
     la_ce = la
     if SEPARATE_CE:
-        a2_s = tl.load(part_ptr + P_A2 * stride_p + p_off, mask=pmask, other=0.0)
-        la_ce = tl.log(_merged_sum(a2_s, dm * inv_t_ce))
+        la_ce = tl.log(a2)
     kl = tl.zeros([BLOCK_N], dtype=tl.float32)
-    mu = tl.zeros([BLOCK_N], dtype=tl.float32)
     la_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     kl_shift = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_TEACHER:
-        mu_s = tl.load(part_ptr + P_MU * stride_p + p_off, mask=pmask, other=NEG_INF)
-        au_s = tl.load(part_ptr + P_AU * stride_p + p_off, mask=pmask, other=0.0)
-        cu_s = tl.load(part_ptr + P_CU * stride_p + p_off, mask=pmask, other=0.0)
-        fu_s = tl.load(part_ptr + P_FU * stride_p + p_off, mask=pmask, other=0.0)
-        mu, dmu = _merge_max(mu_s, pmask)
-        delta_u = dmu * inv_t_kl
-        g = _exp(delta_u)
-        au = tl.sum(g * au_s, axis=0)
-        # each split's (cu, fu) at the merged maxima: y = x_u - x moves by delta_u - delta
-        cu_s, fu_s = _teacher_at(a_s, au_s, cu_s, fu_s, f, g, delta - delta_u)
-        cu = tl.sum(cu_s, axis=0)
         la_u = tl.log(au)
         kl_shift = cu / au  # E_q[x_u - x]
-        kl = _kl(a, au, cu, tl.sum(fu_s, axis=0))
+        kl = _kl(a, au, cu, fu)
         kl = tl.where(lse - lse == 0, kl, float("nan"))  # no distribution p: no KL
 
     # the target logit: read E bytes per active row
@@ -545,9 +565,8 @@ def stats_finalize_kernel(
     tl.store(out_ptr + S_LA_CE * N + rows, tl.where(is_active, la_ce, 0.0), mask=rmask)
     tl.store(out_ptr + S_MU * N + rows, tl.where(is_active, mu, 0.0), mask=rmask)
     tl.store(out_ptr + S_LA_U * N + rows, tl.where(is_active, la_u, 0.0), mask=rmask)
-    if SMOOTH:  # label smoothing's Σ r: a plain sum over the splits, in the order of BLOCK_S
-        sr_s = tl.load(part_ptr + P_SR * stride_p + p_off, mask=pmask, other=0.0)
-        tl.store(out_ptr + N_ROW_STATS * N + rows, tl.sum(sr_s, axis=0), mask=rmask)
+    if SMOOTH:
+        tl.store(out_ptr + N_ROW_STATS * N + rows, sr, mask=rmask)
 
 
 @triton.jit
@@ -694,8 +713,8 @@ def _next_pow2(v):
 
 
 #: Blocks of BLOCK_K columns in one vocabulary split (the split-K ranges of the partial and
-#: gradient kernels), and the most splits a row is cut into (``finalize_blocks`` holds 64
-#: partial states a row without spills): past 64·4 blocks a split takes more blocks.
+#: gradient kernels), and the most splits a row is cut into (8·64·4 bytes of partial state a
+#: row, 0.1 % of its logits at K = 262144): past 64·4 blocks a split takes more blocks.
 BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
 
@@ -748,8 +767,7 @@ def rows_aligned(*strides):
     return all(s % 16 == 0 for s in strides)
 
 
-def finalize_blocks(splits):
-    """(BLOCK_N, BLOCK_S) of the finalize kernel: a [BLOCK_S, BLOCK_N] tile of 1024 partial
-    states (8 per thread at 4 warps), so no register spills for any split count <= 64."""
-    block_s = max(2, _next_pow2(splits))
-    return max(16, 1024 // block_s), block_s
+#: Rows of one finalize program: one row a thread at FINALIZE_WARPS warps (the kernel
+#: holds a row's running sums, not its S states, so any split count fits in registers).
+FINALIZE_WARPS = 4
+FINALIZE_ROWS = 32 * FINALIZE_WARPS

@@ -188,3 +188,33 @@ def test_pallas_sampler_one_row_one_answer(mode, pallas_interpret, request):
         request.applymarker(pytest.mark.xfail(reason="JAX top-k statistics on the host",
                                               strict=False))
     check_sampler_one_row_one_answer("jax", "pallas", PALLAS_K, PALLAS_BLOCK, mode)
+
+
+def test_triton_compilations_for_any_row_count_do_the_same_arithmetic():
+    """A launch specialises the row count N (the constant 1 for a lone row, divisibility by
+    16 for N = 32), so a row alone and in a batch runs other compilations of each kernel; on
+    an H200 (2026-12-04) a lone row's entropy and KL differed from the same row's in a batch
+    of 23 by an ulp, since the finalize kernel summed a [splits, rows] tile across threads
+    in a layout the compiler chose per specialisation. Compiled for sm_90 at N = 1, 23 and
+    32 (tests/specialisation_probe.py, a subprocess: the interpreter is on in this one),
+    every kernel does the same float32 operations and cross-thread shuffles."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = os.path.join(os.path.dirname(__file__), "..", "specialisation_probe.py")
+    out = subprocess.run([sys.executable, probe], env=env, capture_output=True, text=True)
+    if out.returncode == 3:
+        pytest.skip(out.stdout.strip())
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    kernels = {name.split("[")[0] for name in report}
+    assert kernels == {"stats_partial_kernel", "stats_finalize_kernel", "stats_grad_kernel"}
+    for kernel in sorted(kernels):
+        ops = {name: r for name, r in report.items() if name.startswith(kernel + "[")}
+        assert len(ops) == 3 and all(ops.values()), ops
+        first = next(iter(ops.values()))
+        for name, r in ops.items():
+            assert r == first, (f"{name} does other float32 arithmetic than "
+                                f"{next(iter(ops))}: {r} vs {first}")

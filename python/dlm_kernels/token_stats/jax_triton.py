@@ -174,13 +174,13 @@ def finalize(part, z, y, x, d, active, cfg, with_sr=False):
     with label smoothing, else None)."""
     n, k = z.shape
     s = part.shape[1]
-    block_n, block_s = kernels.finalize_blocks(s)
     smooth = with_sr and cfg.SMOOTH
     out = _launch(
         kernels.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
         (n, k, s, k, *_scalars(cfg)),
         jax.ShapeDtypeStruct((len(ROW_STATS) + smooth, n), jnp.float32),  # 40 bytes per row
-        (triton.cdiv(n, block_n),), num_warps=4, BLOCK_N=block_n, BLOCK_S=block_s,
+        (triton.cdiv(n, kernels.FINALIZE_ROWS),), num_warps=kernels.FINALIZE_WARPS,
+        BLOCK_N=kernels.FINALIZE_ROWS,
         **cfg.triton_flags(), **({"SMOOTH": True} if smooth else {}))
     stats = stats_math.Stats(*out[:len(ROW_STATS)])
     if not with_sr:

@@ -169,11 +169,11 @@ def launch_finalize(part, z, y, x, d, active, low: Lowered):
     out = _empty((len(ROW_STATS) + low.SMOOTH, n), torch.float32, z.device)  # 40 B/row
     if n > 0:
         dummy = z
-        block_n, block_s = kernels.finalize_blocks(s)
-        kernels.stats_finalize_kernel[(triton.cdiv(n, block_n),)](
+        rows = kernels.FINALIZE_ROWS
+        kernels.stats_finalize_kernel[(triton.cdiv(n, rows),)](
             part, z, y, dummy if x is None else x, dummy if d is None else d,
             active, n, k, s, z.stride(0), low.inv_t, low.inv_t_ce, low.inv_t_kl,
-            low.softcap, out, BLOCK_N=block_n, BLOCK_S=block_s, num_warps=4,
+            low.softcap, out, BLOCK_N=rows, num_warps=kernels.FINALIZE_WARPS,
             **low.triton_flags(), **({"SMOOTH": True} if low.SMOOTH else {}))
     return out
 
