@@ -135,7 +135,9 @@ class SoftcapSuite:
         capped = oracle.token_stats(p.z(), ys, active, softcap=CAP)[1]
         plain = oracle.token_stats(p.z(), ys, active)[1]
         assert_close(got.reshape(-1), capped, "float32", "logp")
-        assert np.abs(capped - plain).max() > 0.5, "the cap changes nothing at these logits"
+        # the draws make the cap move some logp by 0.03 to over 1 (far above the float32
+        # tolerance): the check above tells the capped model from the uncapped one
+        assert np.abs(capped - plain).max() > 0.01, "the cap changes nothing at these logits"
 
     def test_head_equals_its_capped_logits(self, rng):
         """A capped float32 head and its capped logits given as an array (c·tanh(z / c)

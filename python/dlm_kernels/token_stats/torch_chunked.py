@@ -148,8 +148,11 @@ def _fast_partial(cfg) -> bool:
     temperatures, a stop-gradient teacher), with or without the entropy. Whether the entropy
     is asked for never changes the path: the two paths sum a row's Σ e^x in other orders, and
     a row's logp must not depend on it (``per_token_logps`` with and without
-    ``return_entropy``)."""
-    return not cfg.HAS_SOFTCAP and not cfg.TEACHER_GRAD and not cfg.SMOOTH and not cfg.PADDED
+    ``return_entropy``). Nor does a softcap: the tiles cap their rows first
+    (``_minus_row_max``), so the statistics of logits z with ``softcap`` c are those of the
+    capped logits cap(z) without one, bit for bit (a capped LinearHead's ``per_token_logps``
+    and the denoising step, which draws from its capped chunks, docs/design.md §3)."""
+    return not cfg.TEACHER_GRAD and not cfg.SMOOTH and not cfg.PADDED
 
 
 def _tile_partial(rows, cfg, offset):
@@ -216,15 +219,18 @@ def _tile_partial(rows, cfg, offset):
 
 
 def _minus_row_max(x, out, m, rows=None, rs=None, cfg=None, offset=0):
-    """out [R, K] float32 = r - m for the rows x [R, K] (r = x, plus the shift at its column
-    when ``cfg`` has one), writing each row's max of r into m [R] (-inf rows shifted by 0).
+    """out [R, K] float32 = r - m for the rows x [R, K] (r = x, capped with ``cfg``'s softcap
+    and plus the shift at its column when ``cfg`` has them), writing each row's max of r into m [R] (-inf rows shifted by 0).
     Float32 rows without a shift: the max read from x, then one subtraction into out; else
     x is first copied into out (a vectorised conversion; a subtraction that converts as it
     reads costs about three times as much) and the rest is done there, in cache."""
-    if x.dtype == torch.float32 and (cfg is None or not cfg.HAS_SHIFT):
+    cap = cfg is not None and cfg.HAS_SOFTCAP
+    if x.dtype == torch.float32 and (cfg is None or not cfg.HAS_SHIFT) and not cap:
         torch.amax(x, dim=1, out=m)
         return torch.sub(x, stats_math._safe(xp, m)[:, None], out=out)
     out.copy_(x)
+    if cap:  # r = cap(z) in float32, as ``formulas.chunk_logits`` forms it
+        out.copy_(stats_math.softcap(xp, out, cfg.softcap))
     if cfg is not None and cfg.HAS_SHIFT:
         stats_math._add_at(xp, out, rows.shift_ids[rs], offset, rows.shift[rs])
     torch.amax(out, dim=1, out=m)
