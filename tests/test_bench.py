@@ -976,7 +976,7 @@ def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
 
 
 def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
-    """--cpu-target (issue 30's CPU target): ce, sft and opd at N 4096, K 32768 and 131072,
+    """--cpu-target (issue 30's CPU target): ce, sft, policy and opd at N 4096, K 32768 and 131072,
     float32 and bf16; torch chunked, upstream and upstream+compile, then JAX chunked and
     upstream; with --busy-core the torch CE K 32768 float32 cases once more, the busy loop
     started for them only; files of their own; an estimate first; the summary per objective,
@@ -1020,8 +1020,8 @@ def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
     assert {(fw, v) for fw, _, v, *_ in quiet} == {
         ("torch", "chunked"), ("torch", "upstream"), ("torch", "upstream+compile"),
         ("jax", "chunked"), ("jax", "upstream")}
-    assert {o for _, o, *_ in quiet} == {"ce", "sft", "opd"}
-    assert len(quiet) == 4 * 3 * 5 and len(set(quiet)) == len(quiet)
+    assert {o for _, o, *_ in quiet} == {"ce", "sft", "policy", "opd"}
+    assert len(quiet) == 4 * 4 * 5 and len(set(quiet)) == len(quiet)
     busy = timed[len(quiet):]  # last, beside the loop started after the quiet grid
     assert [(fw, o, v, label, k, d) for fw, o, v, label, _, k, d, _ in busy] == [
         ("torch", "ce", v, "cpu-N4096-K32k-busy", 32768, "float32")
