@@ -95,11 +95,12 @@ def test_compiled_noise_is_eager_noise_under_inductor(rng):
 @pytest.mark.parametrize("fw_name,backend", [("torch", "chunked"), ("torch", "triton"),
                                              ("jax", "chunked"), ("jax", "pallas")])
 def test_top_k_wider_than_the_chunk(rng, fw_name, backend):
-    """top_k above the vocabulary chunk (chunk_size), and above K, draws and scores as the
-    whole row (the reference backend, which the suites check against the oracle) does, bit
-    for bit: the JAX chunked
-    stream's running top-k keeps min(top_k, K) slots through every chunk (its lax.fori_loop
-    raised on a narrower chunk's slots)."""
+    """top_k above the vocabulary chunk (chunk_size), and above K, draws what the whole row
+    (the reference backend, which the suites check against the oracle) draws, tokens and
+    argmax bit for bit, and scores them within float32 accuracy (the two backends sum a row
+    in other orders: bitwise agreement is promised within one backend, docs/design.md §3):
+    the JAX chunked stream's running top-k keeps min(top_k, K) slots through every chunk
+    (its lax.fori_loop raised on a narrower chunk's slots)."""
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         import torch
 
@@ -116,7 +117,7 @@ def test_top_k_wider_than_the_chunk(rng, fw_name, backend):
             fw.array(z, "float32"), temperature=t, seed=4, top_k=top_k, chunk_size=c,
             backend=backend)
         got, want = run(backend, chunk), run("reference", None)
-        _same(fw, got, want, where)
+        _same(fw, got, want, where, exact=False)
         assert np.all(_np(fw, got.token) >= 0), where
 
 
