@@ -55,17 +55,60 @@ def pytest_configure_node(node):
 
 
 def pytest_report_header(config):
+    tier = ("full tier: every test (DLM_TEST_FULL=1)" if os.environ.get(FULL_TIER_ENV) == "1"
+            else "default tier: tests/full_tier.txt's tests deselected (DLM_TEST_FULL=1 runs them)")
     seed = config.stash[ORDER_SEED]
     if seed < 0:
-        return "test order: as collected"
-    return f"test order: shuffled, {ORDER_SEED_ENV}={seed} replays it"
+        return [tier, "test order: as collected"]
+    return [tier, f"test order: shuffled, {ORDER_SEED_ENV}={seed} replays it"]
+
+
+FULL_TIER_ENV = "DLM_TEST_FULL"
+FULL_TIER_FILE = os.path.join(os.path.dirname(__file__), "full_tier.txt")
+
+
+def full_tier_prefixes():
+    """The test ids (or prefixes of them: a module, a class, a test's every parameter) that
+    only the full tier runs (tests/full_tier.txt)."""
+    with open(FULL_TIER_FILE) as f:
+        lines = (line.split("#", 1)[0].strip() for line in f)
+        return tuple(line for line in lines if line)
+
+
+def _whole_suite(config):
+    """Whether this run collects every test (no paths, -k or -m of its own)."""
+    rootdir = str(config.rootpath)
+    own = {os.path.normpath(os.path.join(rootdir, a)) for a in config.args}
+    return (own <= {os.path.join(rootdir, "tests")} and not config.option.keyword
+            and not config.option.markexpr)
+
+
+def _full_tier(nodeid, prefixes):
+    return any(nodeid == p or nodeid.startswith(p + "::") or nodeid.startswith(p + "[")
+               for p in prefixes)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Every run takes its tests in a fresh random order (pytest-xdist's workers split them
+    """The default run leaves out the full tier (tests/full_tier.txt: the slowest tests,
+    each of which repeats on another backend, in another framework or at another size what a
+    test of the default run checks); ``DLM_TEST_FULL=1`` runs every test.
+
+    Every run takes its tests in a fresh random order (pytest-xdist's workers split them
     differently each time too), so a test that leaves global state behind for a later one
     cannot hide behind one lucky schedule. The header prints the seed; setting
     ``DLM_TEST_ORDER_SEED`` replays that order (``none``: the order of collection)."""
+    prefixes = full_tier_prefixes()
+    if _whole_suite(config):  # a stale line (a renamed test) would leave its test in silently
+        stale = [p for p in prefixes if not any(_full_tier(i.nodeid, (p,)) for i in items)]
+        if stale:
+            raise pytest.UsageError(f"tests/full_tier.txt names tests that do not exist: {stale}")
+    if os.environ.get(FULL_TIER_ENV) != "1":
+        keep, left = [], []
+        for item in items:
+            (left if _full_tier(item.nodeid, prefixes) else keep).append(item)
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = keep
     seed = config.stash[ORDER_SEED]
     if seed >= 0:
         random.Random(seed).shuffle(items)
