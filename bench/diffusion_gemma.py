@@ -42,6 +42,8 @@ import sys
 import time
 
 from .cli import add_common_args, write_outputs
+from .memory import (PROBE_ENV, available, cuda_peak_delta, package_cwd, proc_status_bytes,
+                     reset_peak_rss, rss_peak_delta)
 from .timing import measure
 
 CASES = ("loss-dense", "loss-patched", "step-dense", "step-patched")
@@ -124,7 +126,6 @@ class Case:
     def _wrap_step(self):
         """Measure every denoising step after the first (its input self-conditioning logits
         exist then): its resident-set peak (``measure_steps``) and its time."""
-        from .memory import proc_status_bytes, reset_peak_rss
 
         inner = self.model._denoising_step
         self.measure_steps = False
@@ -186,7 +187,6 @@ def _probe(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
            reps: int = 0) -> dict:
     """The peak of one call beyond what exists before it (a warm-up call first), then the
     times of ``reps`` more calls (none for 0)."""
-    from .memory import rss_peak_delta
 
     c = Case(case, d, v, canvas, batch, dtype)
     if case.startswith("loss"):
@@ -210,7 +210,6 @@ def _probe(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
 def cpu_peak(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
              reps: int = 0) -> dict | None:
     """``_probe`` in a fresh interpreter; None where /proc cannot be reset."""
-    from .memory import PROBE_ENV, available, package_cwd
 
     if not available():
         return None
@@ -224,7 +223,6 @@ def cpu_peak(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
 
 
 def cuda_peak(c: Case) -> dict:
-    from .memory import cuda_peak_delta
 
     torch = c.torch
     if c.case.startswith("loss"):

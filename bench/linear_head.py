@@ -39,6 +39,7 @@ import sys
 import numpy as np
 
 from .cli import add_common_args, detect, write_outputs
+from .memory import cuda_peak_delta, probe_in_subprocess, rss_peak_delta
 from .timing import measure
 
 VARIANTS_TORCH = ("ours-ce", "ours-policy", "unfused", "torch.linear_ce", "reference+compile",
@@ -190,21 +191,18 @@ class TorchHeadCase:
         return h.numel() * h.element_size() + w.numel() * w.element_size()
 
     def cuda_peak_bytes(self):
-        from .memory import cuda_peak_delta
 
         return cuda_peak_delta(lambda: self.fwdbwd(0)) - self.grad_bytes()
 
 
 def cpu_peak_bytes(variant, n, d, k, dtype):
     """Resident-set growth of one forward+backward in a fresh process, minus the gradients."""
-    from .memory import probe_in_subprocess
 
     return probe_in_subprocess([f"{__package__}.linear_head", "--probe", variant, "--n", str(n),
                                 "--d", str(d), "--k", str(k), "--dtype", dtype])
 
 
 def _probe(variant, n, d, k, dtype):
-    from .memory import rss_peak_delta
 
     case = TorchHeadCase(variant, n, d, k, dtype, "cpu")
     warm = lambda: TorchHeadCase(variant, 16, d, min(k, 1024), dtype, "cpu").fwdbwd(0)

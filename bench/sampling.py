@@ -36,6 +36,7 @@ import datetime as _dt
 import gc
 
 from .cli import add_common_args, detect, write_outputs
+from .memory import cuda_peak_delta, probe_in_subprocess, rss_peak_delta
 from .progress import ratio_words
 from .timing import copy_bandwidth, measure
 
@@ -181,7 +182,6 @@ class SampleCase:
 
 
 def _probe(variant, n, k, dtype):
-    from .memory import rss_peak_delta
 
     case = make_case(variant, n, k, dtype, "cpu")
     if variant == "ours-jax":  # warmed at full size: the compilation's memory falls outside
@@ -194,7 +194,6 @@ def _probe(variant, n, k, dtype):
 def peak_bytes(variant, n, k, dtype, cuda):
     """Peak memory of one step beyond its inputs (CUDA: the allocator; CPU: a fresh
     process's resident set)."""
-    from .memory import cuda_peak_delta, probe_in_subprocess
 
     if cuda and variant == "ours-jax":
         return None  # JAX's allocator is not torch's: no comparable peak

@@ -740,10 +740,25 @@ def test_inclusive_threshold(rng, name):
         api.commit_tokens(canvas, s, m, rule="threshold", threshold=0.5, inclusive=1)
 
 
-def _exclusive_budget_oracle(entropy, eligible, budget):
+def _running_sum(e, name):
+    """The float32 running sum of e as the framework's cumsum on a CPU forms it: torch
+    accumulates in float64 and rounds each prefix to float32 (its CPU accumulation type for
+    float32); JAX adds in float32, one rounding per step, in order."""
+    if name == "torch":
+        return np.cumsum(e.astype(np.float64)).astype(np.float32)
+    run = np.zeros_like(e)
+    acc = np.float32(0.0)
+    for j, v in enumerate(e):
+        acc = np.float32(acc + v)
+        run[j] = acc
+    return run
+
+
+def _exclusive_budget_oracle(entropy, eligible, budget, name):
     """DiffusionGemma's acceptance (transformers' EntropyBoundSampler.accept_canvas) over the
-    eligible positions: sort by entropy (ties: the lower position), a float32 running sum,
-    less each position's own entropy, <= budget; at least the lowest entropy."""
+    eligible positions: sort by entropy (ties: the lower position), the framework's float32
+    running sum (``_running_sum``: transformers' torch.cumsum), less each position's own
+    entropy, <= budget; at least the lowest entropy."""
     out = np.zeros(entropy.shape, bool)
     for i in range(entropy.shape[0]):
         idx = np.flatnonzero(eligible[i])
@@ -751,11 +766,7 @@ def _exclusive_budget_oracle(entropy, eligible, budget):
             continue
         order = idx[np.argsort(entropy[i, idx], kind="stable")]
         e = entropy[i, order].astype(np.float32)
-        run = np.zeros_like(e)
-        acc = np.float32(0.0)
-        for j, v in enumerate(e):  # one float32 rounding per step, in order
-            acc = np.float32(acc + v)
-            run[j] = acc
+        run = _running_sum(e, name)
         before = (run - e).astype(np.float32)
         b = budget[i] if np.ndim(budget) else budget
         chosen = order[before <= np.float32(b)]
@@ -780,14 +791,14 @@ def test_exclusive_entropy_budget(rng, name):
     for row in range(4):  # the budget on the exclusive sum of the row's third-lowest masked
         order = np.flatnonzero(masked[row])[np.argsort(ent[row][masked[row]], kind="stable")]
         e = ent[row, order]
-        run = np.cumsum(e, dtype=np.float32)  # float32 sequential, as torch.cumsum on CPU
+        run = _running_sum(e, name)
         budgets.append(float(np.float32(run[2] - e[2])))
     budgets = np.array(budgets, np.float32)
     for budget in (budgets, float(budgets[0]), 1e-30, 1.5):
         arg = fw.array(budget) if np.ndim(budget) else budget
         got = np.asarray(fw.numpy(api.commit_tokens(canvas, s, m, rule="entropy_budget",
                                                     budget=arg, exclusive=True)[1]))
-        want = _exclusive_budget_oracle(ent, masked, budget)
+        want = _exclusive_budget_oracle(ent, masked, budget, name)
         assert np.array_equal(got, want), (budget, np.argwhere(got != want)[:1], got, want)
         default = np.asarray(fw.numpy(api.commit_tokens(canvas, s, m, rule="entropy_budget",
                                                         budget=arg)[1]))
