@@ -126,7 +126,6 @@ class Case:
     def _wrap_step(self):
         """Measure every denoising step after the first (its input self-conditioning logits
         exist then): its resident-set peak (``measure_steps``) and its time."""
-
         inner = self.model._denoising_step
         self.measure_steps = False
 
@@ -187,7 +186,6 @@ def _probe(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
            reps: int = 0) -> dict:
     """The peak of one call beyond what exists before it (a warm-up call first), then the
     times of ``reps`` more calls (none for 0)."""
-
     c = Case(case, d, v, canvas, batch, dtype)
     if case.startswith("loss"):
         def warm():  # the warm-up's gradients freed before the window, not inside it
@@ -210,7 +208,6 @@ def _probe(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
 def cpu_peak(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
              reps: int = 0) -> dict | None:
     """``_probe`` in a fresh interpreter; None where /proc cannot be reset."""
-
     if not available():
         return None
     out = subprocess.run(
@@ -223,7 +220,6 @@ def cpu_peak(case: str, d: int, v: int, canvas: int, batch: int, dtype: str,
 
 
 def cuda_peak(c: Case) -> dict:
-
     torch = c.torch
     if c.case.startswith("loss"):
         c.call(0)

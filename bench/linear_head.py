@@ -191,19 +191,16 @@ class TorchHeadCase:
         return h.numel() * h.element_size() + w.numel() * w.element_size()
 
     def cuda_peak_bytes(self):
-
         return cuda_peak_delta(lambda: self.fwdbwd(0)) - self.grad_bytes()
 
 
 def cpu_peak_bytes(variant, n, d, k, dtype):
     """Resident-set growth of one forward+backward in a fresh process, minus the gradients."""
-
     return probe_in_subprocess([f"{__package__}.linear_head", "--probe", variant, "--n", str(n),
                                 "--d", str(d), "--k", str(k), "--dtype", dtype])
 
 
 def _probe(variant, n, d, k, dtype):
-
     case = TorchHeadCase(variant, n, d, k, dtype, "cpu")
     warm = lambda: TorchHeadCase(variant, 16, d, min(k, 1024), dtype, "cpu").fwdbwd(0)
     print(rss_peak_delta(lambda: case.fwdbwd(0), warm) - case.grad_bytes())

@@ -182,7 +182,6 @@ class SampleCase:
 
 
 def _probe(variant, n, k, dtype):
-
     case = make_case(variant, n, k, dtype, "cpu")
     if variant == "ours-jax":  # warmed at full size: the compilation's memory falls outside
         print(rss_peak_delta(lambda: case(0), lambda: case(1)))
@@ -194,7 +193,6 @@ def _probe(variant, n, k, dtype):
 def peak_bytes(variant, n, k, dtype, cuda):
     """Peak memory of one step beyond its inputs (CUDA: the allocator; CPU: a fresh
     process's resident set)."""
-
     if cuda and variant == "ours-jax":
         return None  # JAX's allocator is not torch's: no comparable peak
     if cuda:

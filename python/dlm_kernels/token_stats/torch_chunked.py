@@ -220,8 +220,9 @@ def _tile_partial(rows, cfg, offset):
 
 def _minus_row_max(x, out, m, rows=None, rs=None, cfg=None, offset=0):
     """out [R, K] float32 = r - m for the rows x [R, K] (r = x, capped with ``cfg``'s softcap
-    and plus the shift at its column when ``cfg`` has them), writing each row's max of r into m [R] (-inf rows shifted by 0).
-    Float32 rows without a shift: the max read from x, then one subtraction into out; else
+    and plus the shift at its column when ``cfg`` has them), writing each row's max of r into
+    m [R] (-inf rows shifted by 0).
+    Float32 rows without a shift or cap: the max read from x, then one subtraction into out; else
     x is first copied into out (a vectorised conversion; a subtraction that converts as it
     reads costs about three times as much) and the rest is done there, in cache."""
     cap = cfg is not None and cfg.HAS_SOFTCAP
