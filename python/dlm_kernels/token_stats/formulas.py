@@ -593,8 +593,14 @@ def reference_stats(xp, rows: Rows, cfg: Lowered):
     z = xp.where(active[:, None], xp.f32(z), 0.0)
     r = shifted_logits(xp, z, cols[None, :], shift_ids, shift, cfg)
     # a +inf logit leaves no distribution: every statistic of its row NaN and its whole
-    # gradient NaN, as the streaming backends give (inf - inf); r·NaN makes both so
-    plus_inf = xp.rowmax(xp.stop_gradient(r)) == float("inf")
+    # gradient NaN, as the streaming backends give (inf - inf); r·NaN makes both so. The
+    # rows without a distribution are found by counting their NaN and +inf entries, and
+    # their lse set to NaN explicitly: XLA on a CPU compiled the propagation (max(row) ==
+    # inf, then NaN through max, exp and sum) so that a jitted forward-and-VJP program gave
+    # such a row a finite lse (tests/token_stats/test_reference.py)
+    r_seen = xp.stop_gradient(r)
+    plus_inf = xp.rowsum(xp.where(r_seen == float("inf"), 1.0, 0.0)) > 0
+    no_dist = plus_inf | (xp.rowsum(xp.where(r_seen != r_seen, 1.0, 0.0)) > 0)
     r = r * xp.where(plus_inf, float("nan"), 1.0)[:, None]
     # exponents as differences of logits scaled afterwards (module docstring): x = (r - m)/T
     # with m the row max, a constant to autodiff (lse's gradient does not depend on it)
@@ -603,7 +609,7 @@ def reference_stats(xp, rows: Rows, cfg: Lowered):
     x = d * cfg.inv_t
     no_inf = lambda v: xp.where(v == float("inf"), float("nan"), v)  # noqa: E731
     la = no_inf(xp.logsumexp(x))
-    lse = m * cfg.inv_t + la
+    lse = xp.where(no_dist, float("nan"), m * cfg.inv_t + la)
     logp_all = x - la[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
