@@ -1,8 +1,10 @@
 """Peak resident memory of one torch token_stats forward+backward, in its own process.
 
-Usage: python mem_probe.py BACKEND N K. Prints the bytes of VmHWM growth beyond the inputs
-(VmHWM is reset through /proc/self/clear_refs after the inputs exist; tracemalloc does not
-see torch's allocations).
+Usage: python mem_probe.py BACKEND N K, or python mem_probe.py head N K D (a bfloat16
+``LinearHead`` [K, D] over N hidden states, the chunked backend, gradients of the hidden
+states and the weight). Prints the bytes of VmHWM growth beyond the inputs (VmHWM is reset
+through /proc/self/clear_refs after the inputs exist; tracemalloc does not see torch's
+allocations).
 """
 
 import gc
@@ -17,7 +19,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.memory import proc_status_bytes, reset_peak_rss  # noqa: E402
 
 
+def head(n, k, d):
+    torch.manual_seed(0)
+    h = torch.randn(n, d, dtype=torch.bfloat16)
+    w = (torch.randn(k, d) * 0.05).to(torch.bfloat16)
+    y = torch.randint(0, k, (n,))
+
+    def grads(h, w, y):
+        h, w = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        s = D.token_stats(D.LinearHead(h, w, softcap=30.0), y, backend="chunked")
+        return torch.autograd.grad(s.logp.sum(), (h, w))
+
+    grads(h[:4], w, y[:4])  # warm-up: the same paths (they depend on K and D alone)
+    gc.collect()
+    base = proc_status_bytes("VmRSS")
+    reset_peak_rss()
+    dh, dw = grads(h, w, y)
+    print(proc_status_bytes("VmHWM") - base)
+
+
 def main():
+    if sys.argv[1] == "head":
+        return head(*(int(a) for a in sys.argv[2:5]))
     backend, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.manual_seed(0)
     z = torch.randn(n, k) * 3  # [N, K] f32, random (never zero)

@@ -131,6 +131,22 @@ def test_torch_chunked_peak_memory():
     assert ref > 3 * chunked, f"reference {ref / 2**20:.0f} MiB vs chunked {chunked / 2**20:.0f} MiB"
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_torch_bf16_head_gradient_needs_no_float32_weight():
+    """A bfloat16 head's weight gradient on a CPU: peak growth of forward+backward at K 131072,
+    D 128 (a 32 MiB weight), N 64, within the weight gradient itself plus 1.25x the weight.
+    Before vocabulary blocks of 16 MiB (``HEAD_DW_ACC_BYTES_TORCH_CPU``), a float32 dW
+    accumulator [K, D] and a float32 copy of the whole weight per token chunk took 6x it
+    (192 MiB; 59 MiB after)."""
+    n, k, d = 64, 131072, 128
+    out = subprocess.run([sys.executable, os.path.join(HERE, "mem_probe.py"), "head", str(n),
+                          str(k), str(d)], check=True, capture_output=True, text=True)
+    peak = int(out.stdout.strip().splitlines()[-1])
+    weight = k * d * 2
+    assert peak < 2.25 * weight, (
+        f"peak {peak / 2**20:.0f} MiB beyond inputs; the bf16 weight is {weight / 2**20:.0f} MiB")
+
+
 def _vma_flags(addr):
     """The VmFlags of the mapping holding address ``addr`` in this process (/proc/self/smaps)."""
     current = None

@@ -17,12 +17,13 @@ class TestTorchChunked(LinearHeadSuite):
 
 
 def _force_vocab_blocks(monkeypatch, sweep_class):
-    """A budget of 128 float32 weight rows of width 19 (``HEAD_DW_ACC_BYTES``), so K = 301
-    runs in blocks of 128, 128 and 45 columns; returns the list each blocked pass appends
-    its blocks to."""
+    """A budget of 128 float32 weight rows of width 19 (``HEAD_DW_ACC_BYTES``, and torch's on
+    a CPU), so K = 301 runs in blocks of 128, 128 and 45 columns; returns the list each
+    blocked pass appends its blocks to."""
     from dlm_kernels.linear_head import head as _linear_head
 
     monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES", 128 * 19 * 4)
+    monkeypatch.setattr(_linear_head, "HEAD_DW_ACC_BYTES_TORCH_CPU", 128 * 19 * 4)
     passes = []
     run_blocked = sweep_class.run_blocked
 

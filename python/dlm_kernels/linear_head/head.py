@@ -72,16 +72,20 @@ HEAD_VOCAB_CHUNK_BYTES_CPU = 4 * 1024 * 1024
 # A 16-bit weight's gradient is accumulated in float32 across token chunks; past this many
 # bytes of float32 accumulator (DiffusionGemma: K 262144 x D 2560 x 4 = 2.7 GB) the gradient
 # pass runs over vocabulary blocks instead, each block's float32 dW finished across all token
-# chunks and rounded before the next (``dw_blocks``).
+# chunks and rounded before the next (``dw_blocks``). torch on a CPU takes a smaller budget:
+# its products of 16-bit operands run in float32 copies of them (no mixed-precision GEMM),
+# so the block also bounds the weight's float32 copy; at V 262144, D 256 (bf16) blocks of
+# 16 MiB took the fused loss's peak beyond the weights from 565 to 194 MiB (bench/NOTES.md).
 HEAD_DW_ACC_BYTES = 256 * 1024 * 1024
+HEAD_DW_ACC_BYTES_TORCH_CPU = 16 * 1024 * 1024
 
 
-def dw_blocks(vocab: int, width: int, acc_itemsize: int = 4):
-    """[(b0, b1)] vocabulary blocks whose float32 dW fits HEAD_DW_ACC_BYTES (a multiple of
+def dw_blocks(vocab: int, width: int, budget: int, acc_itemsize: int = 4):
+    """[(b0, b1)] vocabulary blocks whose float32 dW fits ``budget`` bytes (a multiple of
     128 rows), or None when the whole accumulator does."""
-    if vocab * width * acc_itemsize <= HEAD_DW_ACC_BYTES:
+    if vocab * width * acc_itemsize <= budget:
         return None
-    kb = max(128, (HEAD_DW_ACC_BYTES // (width * acc_itemsize)) // 128 * 128)
+    kb = max(128, (budget // (width * acc_itemsize)) // 128 * 128)
     return [(b0, min(b0 + kb, vocab)) for b0 in range(0, vocab, kb)]
 
 

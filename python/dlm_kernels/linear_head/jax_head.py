@@ -226,7 +226,7 @@ class _Sweep:
                 or not self.impl.capabilities.vocab_shards
                 or jnp.dtype(z.weight.dtype) in (jnp.float32, jnp.float64)):
             return None
-        return base.dw_blocks(z.vocab, z.width)
+        return base.dw_blocks(z.vocab, z.width, base.HEAD_DW_ACC_BYTES)
 
     def run_blocked(self, stats, grads, blocks):
         """The gradient pass over vocabulary blocks (outer, unrolled) and token chunks

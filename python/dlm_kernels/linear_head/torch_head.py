@@ -224,7 +224,8 @@ class _Sweep:
     def blocks(self, need):
         """The vocabulary blocks of the gradient pass (``dw_blocks``), or None for token
         chunks over the whole vocabulary: blocks when a 16-bit student head's weight needs
-        its gradient and the float32 accumulator would pass HEAD_DW_ACC_BYTES, outside a
+        its gradient and the float32 accumulator would pass HEAD_DW_ACC_BYTES
+        (HEAD_DW_ACC_BYTES_TORCH_CPU on a CPU), outside a
         vocabulary-parallel group, with no teacher head needing a gradient, on a backend
         whose backward takes a column offset (``vocab_shards``)."""
         z = self.rows.logits
@@ -232,7 +233,9 @@ class _Sweep:
                 or not self.impl.capabilities.vocab_shards
                 or z.weight.dtype in (torch.float32, torch.float64)):
             return None
-        return base.dw_blocks(z.vocab, z.width)
+        on_cpu = z.weight.device.type == "cpu"
+        return base.dw_blocks(z.vocab, z.width, base.HEAD_DW_ACC_BYTES_TORCH_CPU if on_cpu
+                              else base.HEAD_DW_ACC_BYTES)
 
     def run_blocked(self, stats, grads, need, blocks):
         """The gradient pass over vocabulary blocks (outer) and token chunks (inner): each
