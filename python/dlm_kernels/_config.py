@@ -241,6 +241,15 @@ def budget_chunk_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
 ROW_GROUP = 8
 
 
+def padded_rows(n_rows: int, group: int) -> int:
+    """The rows a call of N rows runs as where whole-row arithmetic wants groups of ``group``
+    rows (an ops adapter's ``row_group``): N rounded up to a multiple of it, at least one
+    group (N itself for a group of 1 or no rows)."""
+    if group <= 1 or n_rows == 0:
+        return n_rows
+    return max(group, -(-n_rows // group) * group)
+
+
 def group_rows_per_block(columns: int, on_cpu: bool = True,
                          cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
     """Rows R of a full row block whose float32 [R, C] chunk stays under ``cpu_bytes`` on a

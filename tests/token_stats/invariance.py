@@ -167,3 +167,65 @@ def check_logp_ignores_entropy(fw_name, backend, k, dtype, shape=(4, 16), device
             f"{fw_name} {backend} {dtype} K {k} T {t}: logp with and without the entropy "
             f"differ in {bad.size} of {a.size} rows, first at {bad[0]}: {a[bad[0]]!r} vs "
             f"{b[bad[0]]!r}")
+
+
+# -- the step's sampler --------------------------------------------------------------------
+
+def _sample(fw_name, backend, z, seed, chunk_size, **kw):
+    """The Sample fields of sample_tokens(z [B, L, K]) as float64 NumPy [B, L] each (ints
+    exactly), the noise keyed per sequence by ``seed`` [B]."""
+    z, seed = np.ascontiguousarray(z), np.ascontiguousarray(seed)
+    if fw_name == "torch":
+        import torch
+
+        import dlm_kernels.torch as dk
+
+        s = dk.sample_tokens(torch.tensor(z), seed=torch.tensor(seed), step=3,
+                             chunk_size=chunk_size, backend=backend, **kw)
+        return {f: getattr(s, f).detach().numpy() for f in s._fields}
+    import jax.numpy as jnp
+
+    import dlm_kernels.jax as dk
+
+    s = dk.sample_tokens(jnp.asarray(z), seed=jnp.asarray(seed), step=3, chunk_size=chunk_size,
+                         backend=backend, **kw)
+    return {f: np.asarray(getattr(s, f)) for f in s._fields}
+
+
+SAMPLER_MODES = {"greedy": dict(temperature=0.0), "draw": dict(temperature=0.8),
+                 "top_k": dict(temperature=1.3, top_k=5)}
+
+
+def check_sampler_one_row_one_answer(fw_name, backend, k, chunk_size, mode):
+    """Each sequence of a [B, L] batch alone ([1, L]) against the batch and the batch
+    reversed, every Sample field bitwise (the noise is keyed per sequence, on its seed and
+    the position inside it, so a sequence draws the same tokens anywhere); greedy, also each
+    row alone ([1, 1])."""
+    rng = np.random.default_rng(new_seed())
+    b, length = 3, 3
+    z = (rng.standard_normal((b, length, k)) * 3).astype(np.float32)
+    seed = rng.integers(0, 2**31, b)
+    kw = SAMPLER_MODES[mode]
+    run = lambda zz, ss: _sample(fw_name, backend, zz, ss, chunk_size, **kw)  # noqa: E731
+    batches = {"batch": run(z, seed), "reversed": run(z[::-1], seed[::-1])}
+    for i in (0, b - 1):
+        alone = run(z[i:i + 1], seed[i:i + 1])
+        for name, got in batches.items():
+            at = i if name == "batch" else b - 1 - i
+            _same(alone, {f: v[at:at + 1] for f, v in got.items()},
+                  f"{fw_name} {backend} {mode}: sequence {i} alone and in the {name}")
+    if mode == "greedy":
+        for j in (0, length - 1):
+            alone = run(z[:1, j:j + 1], seed[:1])
+            _same(alone, {f: v[:1, j:j + 1] for f, v in batches["batch"].items()},
+                  f"{fw_name} {backend} greedy: row (0, {j}) alone and in the batch")
+
+
+def _same(want, got, what):
+    for field, a in want.items():
+        b = got[field]
+        same = (a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b
+        if not np.all(same):
+            bad = np.flatnonzero(~same)
+            raise AssertionError(f"{what}: {field} differs at {bad[0]}: "
+                                 f"{a.flat[bad[0]]!r} vs {b.flat[bad[0]]!r}")

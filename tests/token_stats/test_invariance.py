@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from .invariance import FEATURES, check_logp_ignores_entropy, check_one_row_one_answer
+from .invariance import (FEATURES, SAMPLER_MODES, check_logp_ignores_entropy,
+                         check_one_row_one_answer, check_sampler_one_row_one_answer)
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
@@ -60,3 +61,12 @@ def test_logp_ignores_entropy_compiled_loops(compiled_loops):
     """The torch chunked backend's compiled CPU loops (bfloat16: where Inductor's loop nest
     with the entropy's sum once summed Σ e^x in another order)."""
     check_logp_ignores_entropy("torch", "chunked", 4500, "bfloat16")
+
+
+@pytest.mark.parametrize("mode", sorted(SAMPLER_MODES))
+@pytest.mark.parametrize("fw_name,backend", [("torch", "chunked"), ("torch", "reference"),
+                                             ("jax", "chunked"), ("jax", "reference")])
+def test_sampler_one_row_one_answer(fw_name, backend, mode):
+    """The denoising step's Sample fields (greedy, drawn, top-k) of each sequence alone and in
+    a batch, bitwise: K 300 in vocabulary chunks of 128, the last ragged."""
+    check_sampler_one_row_one_answer(fw_name, backend, 300, 128, mode)

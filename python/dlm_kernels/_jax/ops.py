@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._config import ROW_GROUP
 from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX, VOCAB_MAJOR
 from ..token_stats import formulas
 
@@ -22,6 +23,17 @@ class JaxOps:
     isfinite = staticmethod(jnp.isfinite)
     where = staticmethod(jnp.where)
     maximum = staticmethod(jnp.maximum)
+
+    #: rows that whole-row arithmetic pads a call to a multiple of (``padded_rows``): XLA's
+    #: CPU code computes exp and log of the last N mod 8 rows of a shape, and a [1, C] sum of
+    #: a product, with other code than the rest (docs/design.md §2)
+    row_group = ROW_GROUP
+
+    @staticmethod
+    def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
+        if x is None or x.shape[0] == n:
+            return x
+        return jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
     @staticmethod
     def f32(x):

@@ -29,6 +29,15 @@ class TorchOps:
     where = staticmethod(torch.where)
     maximum = staticmethod(torch.maximum)
 
+    #: torch's CPU kernels give a row the same bits at any row count: no padding
+    row_group = 1
+
+    @staticmethod
+    def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
+        if x is None or x.shape[0] == n:
+            return x
+        return torch.cat([x, x.new_zeros((n - x.shape[0],) + tuple(x.shape[1:]))])
+
     @staticmethod
     def f32(x):
         return x.float()

@@ -49,7 +49,7 @@ import numpy as np
 from .._checks import (as_number, dtype_str, flag, host_values, plain, require_array,
                        require_float, require_int, require_logits, require_real, require_shape,
                        shape_str)
-from .._config import make_config
+from .._config import make_config, padded_rows
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
@@ -468,20 +468,25 @@ def finalize(xp, st, stats, keys, cfg):
     else:
         v, ids = st.topv, st.topi  # [N, k'] largest first, the draw's scores z / T
         v = xp.where(valid[:, None], v, 0.0)  # a row without a valid draw: no NaN or inf below
-        m = v[:, 0]  # finite
-        d = v - m[:, None]
+        n = v.shape[0]
+        # exp, log and the sums over the slots (and the noise's logs) on rows padded to the
+        # row group (JAX: 8), so a row's bits do not depend on N
+        pad = lambda x: xp.pad_rows(x, padded_rows(n, xp.row_group))  # noqa: E731
+        w = pad(v)
+        d = w - w[:, 0][:, None]  # the largest slot is finite
         if cfg.two_temperatures:  # the statistics' z / T_s, to float32 accuracy
             d = d * (cfg.temperature / cfg.stats_temperature)
         e = xp.exp(d)
         a = xp.rowsum(e)
         logq = d - xp.log(a)[:, None]
-        entropy = -xp.rowsum(xp.where(e > 0, e / a[:, None] * logq, 0.0))
+        entropy = -xp.rowsum(xp.where(e > 0, e / a[:, None] * logq, 0.0))[:n]
+        logq = logq[:n]
         top1 = logq[:, 0]
         top2 = logq[:, 1] if v.shape[1] > 1 else top1 * 0.0 + float("-inf")
         if cfg.temperature == 0.0:
             token, logp = ids[:, 0], logq[:, 0]
         else:
-            g = gumbel(xp, keys, ids)  # [N, k'] noise of the k columns
+            g = gumbel(xp, pad(keys), pad(ids))[:n]  # [N, k'] noise of the k columns
             key = v + g
             best = xp.rowmax(key)
             # the first slot holding the best key (k', one past the last, is no slot)

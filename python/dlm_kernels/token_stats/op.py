@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from .. import _checks
 from .._checks import flag
-from .._config import check_vocab_size, make_config
+from .._config import check_vocab_size, make_config, padded_rows
 from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
                          Capabilities, logger)
 from .._rows import Rows
@@ -108,8 +108,14 @@ class ReferenceBackend(BackendBase):
         # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32; a linear head arrives
         # materialised in float32 (``LogitsSource.reference_array``: the reference is the
         # oracle's twin, not a lean path: its gradients are the float32 autodiff of
-        # hidden @ weight, rounded once)
-        return stats_math.reference_stats(self.xp, rows, cfg)
+        # hidden @ weight, rounded once). Run on rows padded to the framework's row group
+        # (inactive zero rows; JAX: a multiple of 8), so a row's bits do not depend on N.
+        xp, n = self.xp, rows.targets.shape[0]
+        m = padded_rows(n, xp.row_group)
+        if m == n:
+            return stats_math.reference_stats(xp, rows, cfg)
+        padded = Rows(*(xp.pad_rows(f, m) for f in rows))
+        return tuple(s[:n] for s in stats_math.reference_stats(xp, padded, cfg))
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):
