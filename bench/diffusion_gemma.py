@@ -18,9 +18,11 @@ and its gradient). Two cases, each dense and patched:
   step  one denoising step inside ``model.generate`` (its second step: the previous step's
         self-conditioning logits are an input, as in every step after the first):
           dense    transformers' step (softmax, multinomial, argmax, Categorical entropies)
-          patched  the fused step (``sample_tokens`` + ``commit_tokens``); the decoder
-                   forward still forms the capped logits, which the step also returns as the
-                   next step's self-conditioning logits
+          patched  the fused step with fused self-conditioning (no adaptive stopping, the
+                   temperature schedule as the only logits processor): the decoder's hidden
+                   states through the capped tied head (``sample_tokens`` + ``commit_tokens``)
+                   and the next step's [B, L, D] signal (``soft_embedding``); no [B, L, V]
+                   buffer
 
 Peak memory: resident-set growth over one call in a fresh process (the allocator's mapping
 threshold fixed as in ``bench/memory.py``), after a warm-up call at the same shape; the
@@ -95,8 +97,9 @@ class Case:
         model = model.to(device=self.device, dtype=getattr(torch, dtype))
         if model.final_logit_softcapping != CAP:
             raise RuntimeError(f"expected the cap {CAP}; got {model.final_logit_softcapping}")
-        if case.endswith("patched"):
-            apply_dlm_kernels_to_diffusion_gemma(model)  # this instance only
+        if case.endswith("patched"):  # this instance only; the step carries soft embeddings
+            apply_dlm_kernels_to_diffusion_gemma(
+                model, fused_self_conditioning=case.startswith("step"))
         self.model = model.train() if case.startswith("loss") else model.eval()
         self.step_peaks, self.step_times = [], []
         if case.startswith("step"):

@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.diffusion_gemma")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
+from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,  # noqa: E402
+                          LogitsProcessorList)
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_generation  # noqa: E402
 
 import dlm_kernels.torch as dk  # noqa: E402
@@ -448,6 +449,50 @@ def test_fused_denoising_step(rng):
     seq2 = runs[1] if isinstance(runs[1], torch.Tensor) else runs[1].sequences
     assert seq.shape[1] >= S + 1 and torch.equal(seq, seq2)
     assert ((seq >= 0) & (seq < V)).all()
+
+
+def test_fused_step_from_the_head_forms_no_logits(rng, monkeypatch):
+    """With fused self-conditioning, no adaptive stopping and transformers' temperature
+    schedule as the only logits processor, the step reads the decoder's hidden states through
+    the capped tied head: no operation returns a [B, L, V] tensor (transformers' step does);
+    the argmax canvas and the accepted positions are transformers' (the entropies are those
+    of cap(h·W) / T in float32, as its Categorical's to float32 rounding); the signal carried
+    is softmax(cap(h·W) / T)·E·sqrt(D) against the float64 formula on transformers' logits."""
+    monkeypatch.setattr(integration, "HEAD_ROW_CHUNK", 3)
+    monkeypatch.setattr(integration, "SIGNAL_CHUNK", 256)  # the signal's vocabulary chunks
+    model = build(rng).eval()
+    ref = copy.deepcopy(model)
+    apply_dlm_kernels_to_diffusion_gemma(model, fused_self_conditioning=True)
+    schedule = hf_generation.LinearTemperatureScheduleLogitsProcessor(0.4, 0.8, 48)
+    processors = LogitsProcessorList([schedule])
+
+    def sampler():
+        return hf_generation.EntropyBoundSampler(
+            hf_generation.EntropyBoundSamplerConfig(entropy_bound=0.5), L, V, 4)
+
+    with torch.no_grad():
+        inputs = dict(_step_inputs(ref, rng), logits_processor=processors, cur_step=20)
+        ref_sampler, ours_sampler = sampler(), sampler()
+        want = ref._denoising_step(sampler=ref_sampler, **inputs)
+        with _Shapes() as seen:
+            got = model._denoising_step(sampler=ours_sampler,
+                                        **{**inputs, "decoder_forward": model.forward})
+    assert not (seen.shapes & {(B, L, V), (B * L, V)}), sorted(seen.shapes)
+    assert (3, V) in seen.shapes and (B * L, 256) in seen.shapes  # the head's chunks
+    assert torch.equal(got[1], want[1])  # argmax canvas
+    assert torch.equal(ours_sampler.accepted_token_mask, ref_sampler.accepted_token_mask)
+    assert got[2].shape == (B, L, D)
+    p = torch.softmax(want[2].double(), -1).numpy()  # transformers' processed logits, at T
+    table = _np(model.model.decoder.embed_tokens.weight)
+    scale = float(model.model.decoder.embed_tokens.embed_scale)
+    # our float32 logits (token chunks, the kernels' cap) and transformers' differ by a few
+    # roundings of |cap(z) / T| <= 30 / T (4 ulps here), which move each p relatively by
+    # twice that: against Σ p·|E|, which cancels in the signal (worst measured: 0.1 of this)
+    t = 0.4 + 0.4 * 20 / 48
+    bound = (2.0 ** -21 * (CAP / t) * (p @ np.abs(table)) * scale
+             + TOLERANCES["float32"][0] * float(np.abs(table).max()) * scale)
+    err = np.abs(_np(got[2]) - p @ table * scale)
+    assert (err <= bound).all(), (err.max(), np.unravel_index(np.argmax(err / bound), err.shape))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

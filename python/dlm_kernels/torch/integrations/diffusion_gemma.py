@@ -38,6 +38,10 @@ HEAD_ROW_CHUNK: int | None = None
 """Rows (canvas positions) per token chunk of the fused head's logits, [R, V] at a time; None:
 the package's default (``LinearHead``'s ``row_chunk``)."""
 
+SIGNAL_CHUNK: int | None = None
+"""Vocabulary columns per chunk of the self-conditioning signal's online softmax
+(``soft_embedding``'s ``chunk_size``); None: its default."""
+
 _ORIGINAL = "_dlm_kernels_original_"  # prefix of the attributes keeping the replaced methods
 
 
@@ -168,9 +172,10 @@ def _forward(
     config = self.config
     return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
     wants_loss = labels is not None or encoder_labels is not None
+    hidden_for_step = _HIDDEN_FOR_STEP.get()  # a head-path denoising step takes the states
     if skip_logits is None:
-        skip_logits = self.training and wants_loss
-    if skip_logits and not wants_loss:
+        skip_logits = (self.training and wants_loss) or hidden_for_step is not None
+    if skip_logits and not wants_loss and hidden_for_step is None:
         raise ValueError("skip_logits=True needs labels or encoder_labels: without a loss "
                          "nothing would be returned")
     model_outputs = self.model(
@@ -187,6 +192,8 @@ def _forward(
         **kwargs,
     )
     hidden = model_outputs.last_hidden_state
+    if hidden_for_step is not None:
+        hidden_for_step.append(hidden)
     loss = None
     if labels is not None:
         loss = _diffusion_loss(self, hidden, labels, decoder_input_ids, num_items_in_batch,
@@ -256,14 +263,14 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
         if carry.shape[-1] == self.config.text_config.vocab_size:  # logits given to generate
             carry = _soft_signal(self, carry)
         sc_kwargs = {"self_conditioning_logits": None, "self_conditioning_embeddings": carry}
-    decoder_outputs = decoder_forward(
-        decoder_input_ids=current_canvas,
-        decoder_attention_mask=mask_mapping,
-        past_key_values=past_key_values,
-        decoder_position_ids=decoder_position_ids,
-        **sc_kwargs,
-        **model_kwargs,
-    )
+    decoder_kwargs = dict(decoder_input_ids=current_canvas, decoder_attention_mask=mask_mapping,
+                          past_key_values=past_key_values,
+                          decoder_position_ids=decoder_position_ids, **sc_kwargs, **model_kwargs)
+    temperature = _scheduled_temperature(modeling, logits_processor, cur_step_t)
+    if fused_sc and diffusion_stopping_criteria is None and temperature is not None:
+        return _head_step(self, decoder_forward, decoder_kwargs, current_canvas, temperature,
+                          step, sampler, cur_step_t, finished_denoising)
+    decoder_outputs = decoder_forward(**decoder_kwargs)
     processed_logits = logits_processor(input_ids, decoder_outputs.logits, cur_step=cur_step_t)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     sample = dk.sample_tokens(processed_logits, temperature=1.0, seed=seed, step=step)
@@ -300,6 +307,64 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
 
 _PENDING_SIGNAL: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
     "dlm_kernels_pending_self_conditioning_signal", default=None)
+_HIDDEN_FOR_STEP: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "dlm_kernels_hidden_for_step", default=None)
+
+
+def _scheduled_temperature(modeling: Any, logits_processor: Any,
+                           cur_step: torch.Tensor) -> float | None:
+    """The one temperature transformers' logits processors apply at this step, when they
+    do nothing else: none (1.0) or a single ``LinearTemperatureScheduleLogitsProcessor``,
+    its T computed as it computes it (float32, from the int32 step); None otherwise."""
+    if logits_processor is None:
+        return 1.0
+    if not isinstance(logits_processor, list):  # a LogitsProcessorList is a list
+        return None
+    processors = list(logits_processor)
+    if not processors:
+        return 1.0
+    schedule = modeling.LinearTemperatureScheduleLogitsProcessor
+    if len(processors) != 1 or type(processors[0]) is not schedule:
+        return None
+    p = processors[0]
+    return float(p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps)))
+
+
+def _head_step(self: Any, decoder_forward: Any, decoder_kwargs: dict[str, Any],
+               current_canvas: torch.Tensor, temperature: float, step: int, sampler: Any,
+               cur_step_t: torch.Tensor,
+               finished_denoising: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, torch.Tensor]:
+    """The fused step with no [B, L, V] buffer (fused self-conditioning, no adaptive stopping,
+    the logits processors a temperature): the decoder's final hidden states and the tied
+    capped head (``LinearHead``) give the draw, the argmax and the entropies at T in one
+    streamed pass, and the next step's signal softmax(cap(h·W) / T)·E·sqrt(D) in another.
+    Its probabilities are those of the float32 capped logits over T, where transformers
+    rounds its processed logits to the table's dtype before the self-conditioning softmax."""
+    holder: list[torch.Tensor] = []
+    token = _HIDDEN_FOR_STEP.set(holder)
+    try:
+        decoder_forward(**decoder_kwargs)
+    finally:
+        _HIDDEN_FOR_STEP.reset(token)
+    (hidden,) = holder
+    head, _ = _capped_head(hidden, self.lm_head.weight, self.lm_head.bias,
+                           self.final_logit_softcapping)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    sample = dk.sample_tokens(head, temperature=temperature, seed=seed, step=step)
+    everywhere = torch.ones_like(current_canvas, dtype=torch.bool)
+    accepted_canvas, accepted = dk.commit_tokens(
+        current_canvas, sample, everywhere, rule="entropy_budget",
+        budget=float(sampler.entropy_bound), exclusive=True)
+    sampler.accepted_token_mask = accepted
+    new_current_canvas = sampler.renoise_canvas(accepted_canvas, cur_step_t)
+    embed = self.model.decoder.embed_tokens
+    table = embed.weight
+    signal = soft_embedding(head, table, temperature=temperature,
+                            chunk_size=SIGNAL_CHUNK) * embed.embed_scale.to(
+        table.dtype)
+    return (new_current_canvas, sample.argmax.to(current_canvas.dtype), signal,
+            finished_denoising)
 
 
 def _soft_signal(self: Any, logits: torch.Tensor) -> torch.Tensor:
