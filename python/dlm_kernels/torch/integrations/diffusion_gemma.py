@@ -17,7 +17,11 @@ softmaxes them, draws with ``torch.multinomial``, takes the argmax and the entro
   "entropy_budget", exclusive=True)``, the sampler's own acceptance rule.
 - the self-conditioning carry (``fused_self_conditioning``): the step hands the next one the
   decoder's signal softmax(logits)·E·sqrt(D) [B, L, D] (``soft_embedding``, streamed over the
-  vocabulary) instead of the [B, L, V] logits, and the decoder takes it precomputed.
+  vocabulary) instead of the [B, L, V] logits, and the decoder takes it precomputed. Where
+  nothing else reads the logits (no adaptive stopping; the logits processors none or
+  transformers' temperature schedule alone, its default), the step reads the decoder's
+  final hidden states through the capped tied head instead (``LinearHead``): no [B, L, V]
+  buffer at all.
 """
 
 from __future__ import annotations
@@ -272,16 +276,9 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
                           step, sampler, cur_step_t, finished_denoising)
     decoder_outputs = decoder_forward(**decoder_kwargs)
     processed_logits = logits_processor(input_ids, decoder_outputs.logits, cur_step=cur_step_t)
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    sample = dk.sample_tokens(processed_logits, temperature=1.0, seed=seed, step=step)
+    sample, new_current_canvas = _draw_and_accept(processed_logits, 1.0, step, current_canvas,
+                                                  sampler, cur_step_t)
     new_argmax_canvas = sample.argmax.to(current_canvas.dtype)
-    everywhere = torch.ones_like(current_canvas, dtype=torch.bool)
-    accepted_canvas, accepted = dk.commit_tokens(
-        current_canvas, sample, everywhere, rule="entropy_budget",
-        budget=float(sampler.entropy_bound), exclusive=True)
-    sampler.accepted_token_mask = accepted
-    new_current_canvas = sampler.renoise_canvas(accepted_canvas, cur_step_t)
-
     embeddings_dtype = self.model.decoder.embed_tokens.weight.dtype
     # the next step's self-conditioning input: transformers' bf16 logits, or (fused) their
     # soft embeddings, [B, L, D] instead of [B, L, V]
@@ -330,6 +327,23 @@ def _scheduled_temperature(modeling: Any, logits_processor: Any,
     return float(p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps)))
 
 
+def _draw_and_accept(logits: torch.Tensor | dk.LinearHead, temperature: float, step: int,
+                     current_canvas: torch.Tensor, sampler: Any,
+                     cur_step_t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """(Sample, the renoised canvas): one ``sample_tokens`` pass at ``temperature`` (the
+    statistics too), keyed on a seed from torch's generator and the step, the entropy-bound
+    acceptance (``commit_tokens(rule="entropy_budget", exclusive=True)``, recorded on the
+    sampler as transformers' does), then transformers' renoising."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    sample = dk.sample_tokens(logits, temperature=temperature, seed=seed, step=step)
+    everywhere = torch.ones_like(current_canvas, dtype=torch.bool)
+    accepted_canvas, accepted = dk.commit_tokens(
+        current_canvas, sample, everywhere, rule="entropy_budget",
+        budget=float(sampler.entropy_bound), exclusive=True)
+    sampler.accepted_token_mask = accepted
+    return sample, sampler.renoise_canvas(accepted_canvas, cur_step_t)
+
+
 def _head_step(self: Any, decoder_forward: Any, decoder_kwargs: dict[str, Any],
                current_canvas: torch.Tensor, temperature: float, step: int, sampler: Any,
                cur_step_t: torch.Tensor,
@@ -350,14 +364,8 @@ def _head_step(self: Any, decoder_forward: Any, decoder_kwargs: dict[str, Any],
     (hidden,) = holder
     head, _ = _capped_head(hidden, self.lm_head.weight, self.lm_head.bias,
                            self.final_logit_softcapping)
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    sample = dk.sample_tokens(head, temperature=temperature, seed=seed, step=step)
-    everywhere = torch.ones_like(current_canvas, dtype=torch.bool)
-    accepted_canvas, accepted = dk.commit_tokens(
-        current_canvas, sample, everywhere, rule="entropy_budget",
-        budget=float(sampler.entropy_bound), exclusive=True)
-    sampler.accepted_token_mask = accepted
-    new_current_canvas = sampler.renoise_canvas(accepted_canvas, cur_step_t)
+    sample, new_current_canvas = _draw_and_accept(head, temperature, step, current_canvas,
+                                                  sampler, cur_step_t)
     embed = self.model.decoder.embed_tokens
     table = embed.weight
     signal = soft_embedding(head, table, temperature=temperature,
@@ -454,7 +462,11 @@ def apply_dlm_kernels_to_diffusion_gemma(
       transformers' logits rounded to the table's dtype are its input, as transformers carries
       them; the probabilities are never rounded to the table's dtype (transformers rounds them
       to bfloat16 before its matmul), so a bfloat16 signal differs from transformers' by those
-      roundings (about 2^-8 of Σ p·|E|). Logits given to ``generate`` as
+      roundings (about 2^-8 of Σ p·|E|). Without adaptive stopping and with no logits
+      processor but transformers' temperature schedule, the step forms no logits: the draw,
+      the argmax, the entropies and the signal come from the hidden states through the
+      capped head (``_head_step``), the signal from the float32 capped logits over T
+      (transformers' carried logits are rounded to the table's dtype first). Logits given to ``generate`` as
       ``self_conditioning_logits`` are turned into the signal at the first step. Eager
       decoder only (not ``generate``'s compiled decoder of a static cache); a streamer that
       takes logits receives the signal instead.
