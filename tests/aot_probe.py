@@ -36,6 +36,10 @@ from triton.compiler import ASTSource
 from dlm_kernels.kernels.triton import sampling as SAMPLER
 from dlm_kernels.kernels.triton import token_stats as K
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_launch import (VOCAB, finalize_kernel, ptxas_or_exit, stats_arg_types,  # noqa: E402
+                         stats_launch_ints, streaming_kernels)
+
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # PTX instructions: 16-byte (or 8-byte) global loads and stores; float64 instructions other
 # than the narrowing of a float64 argument (cvt.rn.f32.f64)
@@ -106,46 +110,24 @@ def main_loop_sass(cubin, nvdisasm, elems_per_thread):
 
 def main():
     dtype, teacher = sys.argv[1], bool(int(sys.argv[2]))
-    try:  # the ptxas triton itself uses for sm_90 (its PTX targets sm_90a)
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-        nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
-    except Exception as err:  # noqa: BLE001
-        print(f"no ptxas for sm_90 in this triton: {err}")
-        sys.exit(3)
+    ptxas = ptxas_or_exit()  # the ptxas triton itself uses for sm_90 (its PTX targets sm_90a)
+    nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
     block_k = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    cfg = K.launch_config(262144, ELEM_BYTES[dtype], teacher, block_k=block_k)
+    cfg = K.launch_config(VOCAB, ELEM_BYTES[dtype], teacher, block_k=block_k)
     flags = dict(HAS_SOFTCAP=True, HAS_SHIFT=True, HAS_TEACHER=teacher, SEPARATE_CE=True,
                  HAS_ENTROPY=True)
     objective = dict(HAS_SOFTCAP=False, HAS_SHIFT=False, HAS_TEACHER=teacher,
                      SEPARATE_CE=teacher, HAS_ENTROPY=False)
     ptr = f"*{dtype}"
-    types = {"z_ptr": ptr, "u_ptr": ptr, "dz_ptr": ptr, "du_ptr": ptr, "x_ptr": "*i64",
-             "y_ptr": "*i64", "d_ptr": "*fp32", "active_ptr": "*i8", "part_ptr": "*fp32",
-             "out_ptr": "*fp32", "stats_ptr": "*fp32", "g_lse_ptr": "*fp32", "g_lp_ptr": "*fp32",
-             "g_h_ptr": "*fp32", "g_kl_ptr": "*fp32", "N": "i32", "K": "i32", "S": "i32",
-             # an integer under 2^31 is typed i32 at launch: the kernels widen row offsets
-             "stride_z": "i32", "stride_u": "i32", "stride_dz": "i32", "stride_du": "i32",
-             "cols_per_split": "i32", "col_offset_ptr": "*i32", "vocab_limit": "i32",
-             "inv_t": "fp32", "inv_t_ce": "fp32", "inv_t_kl": "fp32", "softcap": "fp32"}
-    values = dict(N=16384, K=262144, S=cfg["splits"], stride_z=262144, stride_u=262144,
-                  stride_dz=262144, stride_du=262144, cols_per_split=cfg["cols_per_split"],
-                  vocab_limit=2**31 - 1)  # the launch's integers (no vocabulary padding)
+    types = stats_arg_types(ptr)
+    values = stats_launch_ints(cfg, 16384)
     # every feature on includes label smoothing's Σ r (SMOOTH) and the CE term's per-row
     # coefficients (CE_TERMS); the objectives' launches leave them at their defaults
-    streaming_kernels = lambda f, teacher_grad, ce=True: [
-        (K.stats_partial_kernel, dict(f, BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
-                                      ROWS_ALIGNED=True, SMOOTH=ce), cfg["num_warps"]),
-        (K.stats_grad_kernel, dict(f, TEACHER_GRAD=teacher_grad, BLOCK_K=cfg["block_k"],
-                                   ROWS_ALIGNED=True, CE_TERMS=ce), cfg["num_warps"])]
-    finalize = (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.FINALIZE_ROWS, SMOOTH=True),
-                K.FINALIZE_WARPS)
-    kernels = [("", types, k) for k in streaming_kernels(flags, teacher) + [
-        finalize,
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.FINALIZE_ROWS, SMOOTH=False),
-         K.FINALIZE_WARPS)]]
-    kernels += [("objective:", types, k) for k in streaming_kernels(objective, False, False)]
+    finalize = finalize_kernel(flags)
+    kernels = [("", types, k) for k in streaming_kernels(cfg, flags, teacher) + [
+        finalize, finalize_kernel(flags, smooth=False)]]
+    kernels += [("objective:", types, k)
+                for k in streaming_kernels(cfg, objective, False, ce=False)]
     # The JAX launch as jax-triton 0.3 (the version for the H200 image's Triton 3.6) types
     # it: a Python float as fp64, an integer by its value (i32 here), a scalar equal to 1 as
     # the constexpr 1 (the objectives' T = 1), token ids int32; it marks pointers as 16-byte
@@ -155,15 +137,15 @@ def main():
     at_t1 = dict(inv_t=1, inv_t_ce=1, inv_t_kl=1)
     kernels += [("jax:", jax_types, (fn, dict(c, **{k: v for k, v in at_t1.items()
                                                     if k in fn.arg_names}), w))
-                for fn, c, w in streaming_kernels(flags, teacher) + [finalize]]
+                for fn, c, w in streaming_kernels(cfg, flags, teacher) + [finalize]]
     # The sampler, every input on (guidance, suppressed ids): greedy, Gumbel draw, top-k; and
     # the draw as jax-triton types it (float64 scalars)
     sampler_types = dict(types, zu_ptr=ptr, keys_ptr="*i32", sup_ptr="*i64", n_suppress="i32",
                          stride_zu="i32", temperature="fp32", stat_temperature="fp32",
                          cfg_c="fp32", inv_t="fp32", state_ptr="*fp32",
                          ids_ptr="*i32", topv_ptr="*fp32", topi_ptr="*i32")
-    values.update(stride_zu=262144, n_suppress=1)
-    plan = K.launch_config(262144, ELEM_BYTES[dtype], True, block_k=block_k)
+    values.update(stride_zu=VOCAB, n_suppress=1)
+    plan = K.launch_config(VOCAB, ELEM_BYTES[dtype], True, block_k=block_k)
     sampler = lambda greedy, top_k, two_t=False: (SAMPLER.sample_partial_kernel, dict(
         GREEDY=greedy, TWO_T=two_t, HAS_UNCOND=True, HAS_SUPPRESS=True, TOP_K=top_k,
         TOP_KP=SAMPLER.slot_count(top_k), BLOCK_K=plan["block_k"], VEC=plan["vec"],

@@ -15,6 +15,7 @@ compiles for sm_90 (ptxas). A subprocess of the tests, since the interpreter is 
 
 import collections
 import json
+import os
 import re
 import sys
 
@@ -24,6 +25,10 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 from dlm_kernels.kernels.triton import token_stats as K
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_launch import (VOCAB, finalize_kernel, ptxas_or_exit, stats_arg_types,  # noqa: E402
+                         stats_launch_ints, streaming_kernels)
 
 ROW_COUNTS = (1, 23, 32)
 # float32 arithmetic and the cross-thread shuffles a tl.sum / tl.max lowers to
@@ -36,48 +41,28 @@ def float_ops(ptx):
 
 
 def main():
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        get_ptxas(90)
-    except Exception as err:  # noqa: BLE001
-        print(f"no ptxas for sm_90 in this triton: {err}")
-        sys.exit(3)
-    k = 262144
-    plan = K.launch_config(k, 4, True)
+    ptxas_or_exit()
+    plan = K.launch_config(VOCAB, 4, True)
     flags = dict(HAS_SOFTCAP=True, HAS_SHIFT=True, HAS_TEACHER=True, SEPARATE_CE=True,
                  HAS_ENTROPY=True)
-    pointers = {"z_ptr": "*fp32", "u_ptr": "*fp32", "dz_ptr": "*fp32", "du_ptr": "*fp32",
-                "x_ptr": "*i64", "y_ptr": "*i64", "d_ptr": "*fp32", "active_ptr": "*i8",
-                "part_ptr": "*fp32", "out_ptr": "*fp32", "stats_ptr": "*fp32",
-                "g_lse_ptr": "*fp32", "g_lp_ptr": "*fp32", "g_h_ptr": "*fp32",
-                "g_kl_ptr": "*fp32", "col_offset_ptr": "*i32"}
-    floats = {"inv_t", "inv_t_ce", "inv_t_kl", "softcap"}
-    ints = dict(K=k, S=plan["splits"], stride_z=k, stride_u=k, stride_dz=k, stride_du=k,
-                cols_per_split=plan["cols_per_split"], vocab_limit=2**31 - 1)
-    kernels = [
-        (K.stats_partial_kernel, dict(flags, BLOCK_K=plan["block_k"], VEC=plan["vec"],
-                                      ROWS_ALIGNED=True, SMOOTH=True), plan["num_warps"]),
-        (K.stats_finalize_kernel, dict(flags, BLOCK_N=K.FINALIZE_ROWS, SMOOTH=True),
-         K.FINALIZE_WARPS),
-        (K.stats_grad_kernel, dict(flags, TEACHER_GRAD=True, BLOCK_K=plan["block_k"],
-                                   ROWS_ALIGNED=True, CE_TERMS=True), plan["num_warps"]),
-    ]
+    types = stats_arg_types("*fp32")
+    kernels = streaming_kernels(plan, flags, True) + [finalize_kernel(flags)]
     report = {}
     for fn, constexprs, warps in kernels:
         for n in ROW_COUNTS:
+            ints = stats_launch_ints(plan, n)
             cx, sig, attrs = dict(constexprs), {}, {}
             for i, name in enumerate(fn.arg_names):
                 if name in cx:
                     sig[name] = "constexpr"
-                elif name in pointers:
-                    sig[name] = pointers[name]
+                elif types[name].startswith("*"):
+                    sig[name] = types[name]
                     attrs[(i,)] = [["tt.divisibility", 16]]
-                elif name in floats:
-                    sig[name] = "fp32"
+                elif types[name].startswith("fp"):
+                    sig[name] = types[name]
                 else:  # an integer: as Triton's launch specialises its value
-                    kind, key = native_specialize_impl(BaseBackend, n if name == "N"
-                                                       else ints[name], False, True, True)
+                    kind, key = native_specialize_impl(BaseBackend, ints[name], False, True,
+                                                       True)
                     if kind == "constexpr":
                         cx[name], sig[name] = key, "constexpr"
                         continue
