@@ -1,8 +1,8 @@
 """The framework-habit examples at tiny sizes: the Flax NNX + optax training step with a tied
 ``LinearHead`` (skipped without flax and optax: ``pip install -e ".[examples]"``), the GRPO
 steps (torch; JAX with optax), the Megatron-Core layout example under torchrun with gloo
-ranks, and transformers' DiffusionGemma trained under the patch (skipped without
-transformers)."""
+ranks, and transformers' DiffusionGemma trained and generating under the patch (skipped
+without transformers)."""
 
 from __future__ import annotations
 
@@ -112,3 +112,18 @@ def test_diffusion_gemma_train_example():
     assert all(np.isfinite(e["loss"]) and not e["logits_formed"] for e in train), train
     assert train[-1]["loss"] < train[0]["loss"], [e["loss"] for e in train]
     assert generated["generated"].shape[1] >= 8 + 16, generated["generated"].shape
+
+
+def test_diffusion_gemma_generate_example():
+    """transformers' DiffusionGemma generating under the patch with fused self-conditioning
+    (skipped without transformers): every denoising step of both patched runs reads the
+    hidden states through the head, a seeded generation repeats, the tokens are ids of the
+    vocabulary, and transformers' own generate runs beside it."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    import torch
+
+    out = _load("diffusion_gemma_generate").main(steps=4)
+    assert out["head_steps"] == 2 * 4, out["head_steps"]
+    assert torch.equal(out["ours"], out["again"])
+    for seq in (out["ours"], out["theirs"]):
+        assert seq.shape[1] >= 8 + 16 and ((seq >= 0) & (seq < 512)).all(), seq
