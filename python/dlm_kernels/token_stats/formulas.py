@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from ..linear_head.head import as_logits
 from .lowering import Lowered
+from .._config import padded_rows
 from .._rows import Rows
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.series import PSI_COEFFS, PSI_SMALL
@@ -297,10 +298,18 @@ def shard_stats(xp, impl, rows, cfg: Lowered, offset, pmax, psum) -> "Stats":
     head use: ``rows.logits`` is one shard of columns [offset, offset + K_local); the
     backend's partial state, merged across the shards by the framework's collectives
     (``merge_collective``: ``pmax`` / ``psum`` of lists of [N] arrays), then finalised.
-    The target's logit and whether a shard found it ride along in the sum."""
+    The target's logit and whether a shard found it ride along in the sum. The merge and
+    ``finalize`` (exp and log of [N] arrays) run on rows padded to the framework's row group
+    (``xp.row_group``: 8 in JAX, whose CPU code rounds the last N mod 8 lanes otherwise), so
+    a row's bits do not depend on N; O(N) numbers are copied."""
     state, r_y, found = impl.forward_partial(rows, cfg, offset)
-    state, (r_y, found) = merge_collective(xp, state, pmax, psum, cfg, [r_y, found])
-    return finalize(xp, state, r_y, found, rows.active, cfg)
+    n = rows.targets.shape[0]
+    m = padded_rows(n, xp.row_group)
+    pad = lambda x: xp.pad_rows(x, m)  # noqa: E731
+    state, (r_y, found) = merge_collective(xp, State(*map(pad, state)), pmax, psum, cfg,
+                                           [pad(r_y), pad(found)])
+    stats = finalize(xp, state, r_y, found, pad(rows.active), cfg)
+    return stats if m == n else Stats(*(f[:n] for f in stats))
 
 
 def merge_splits(xp, parts, cfg: Lowered) -> State:
