@@ -54,8 +54,10 @@ PROMPT = 8  # prompt tokens (the encoder's input); the peaks are the canvas's
 #: the released head's shape at a reduced hidden size (CPU); bench/gpu_check.sh runs the
 #: full-size D values of the candidates on a GPU
 CPU_SHAPE = dict(ds=(256, 512), v=262144, canvas=256, batch=1, dtype="bfloat16")
-#: hidden sizes named for the released model by different sources (none is claimed here)
-GPU_DS = (2112, 2304, 2816)
+#: hidden sizes on a GPU: 2304, the hidden size of transformers' DiffusionGemmaConfig
+#: defaults (transformers 5.23.0, documented against google/diffusiongemma-26B-A4B-it), first;
+#: 2112 and 2816, named by other sources, beside it
+GPU_DS = (2304, 2112, 2816)
 TARGET_RATIO = 4.0  # the patched peak at least 4x below the dense one
 
 
@@ -151,13 +153,16 @@ class Case:
         self.model._denoising_step = step
 
     def step(self, i: int, steps: int = 2):
-        """``generate`` of one canvas with ``steps`` denoising steps (adaptive stopping off)."""
+        """``generate`` of one canvas with ``steps`` denoising steps (adaptive stopping off;
+        the decoder eager in both cases: fused self-conditioning runs with the eager decoder,
+        and where transformers would compile it for a static cache, dense and patched then
+        run the same decoder code)."""
         prompt = self._inputs(i)[0]
         self.torch.manual_seed(i)
         with self.torch.no_grad():
             return self.model.generate(prompt, max_new_tokens=self.canvas,
                                        max_denoising_steps=steps, stability_threshold=None,
-                                       confidence_threshold=None)
+                                       confidence_threshold=None, disable_compile=True)
 
     def call(self, i: int):
         return self.loss(i) if self.case.startswith("loss") else self.step(i)

@@ -121,9 +121,9 @@ fi
 if want diffusion_gemma; then
   # skipped without transformers' DiffusionGemma (transformers 5.23)
   if python3 -c "import transformers.models.diffusion_gemma" >/dev/null 2>&1; then
-    log "DiffusionGemma head, dense vs patched: loss fwd+bwd and one denoising step (V 262144, canvas 256, B 1, cap 30, bf16, D 2112,2304,2816)"
+    log "DiffusionGemma head, dense vs patched: loss fwd+bwd and one denoising step (V 262144, canvas 256, B 1, cap 30, bf16, D 2304 (transformers' config default), 2112, 2816)"
     t=$(left "$(later suites:60)"); [ "$t" -gt 90 ] && t=90
-    TRITON_INTERPRET=0 timeout "$t" python3 -m bench.diffusion_gemma --d 2112,2304,2816 --reps 5 \
+    TRITON_INTERPRET=0 timeout "$t" python3 -m bench.diffusion_gemma --d 2304,2112,2816 --reps 5 \
       --json "$OUTDIR/diffusion_gemma.json" --md "$OUTDIR/diffusion_gemma.md" 2>&1 \
       | tail -30 | tee -a "$OUTDIR/gpu_check.log"
   else

@@ -70,7 +70,7 @@ HEAD_VOCAB_CHUNK_BYTES_CPU = 4 * 1024 * 1024
 
 
 # A 16-bit weight's gradient is accumulated in float32 across token chunks; past this many
-# bytes of float32 accumulator (DiffusionGemma: K 262144 x D 2560 x 4 = 2.7 GB) the gradient
+# bytes of float32 accumulator (DiffusionGemma: K 262144 x D 2304 x 4 = 2.4 GB) the gradient
 # pass runs over vocabulary blocks instead, each block's float32 dW finished across all token
 # chunks and rounded before the next (``dw_blocks``). torch on a CPU takes a smaller budget:
 # its products of 16-bit operands run in float32 copies of them (no mixed-precision GEMM),
