@@ -49,7 +49,11 @@ def _geomean(values):
 
 
 def ratio_words(speedup):
-    """A time ratio in words: base / ours = 1.9 -> "1.9x faster", 0.37 -> "2.7x slower"."""
+    """A time ratio in words: base / ours = 1.9 -> "1.9x faster", 0.37 -> "2.7x slower"; "n/a"
+    where either time is 0 (a backward derived as fwd+bwd minus fwd can be) or the ratio is
+    not finite."""
+    if not (speedup > 0 and math.isfinite(speedup)):
+        return "n/a"
     if speedup >= 1:
         return f"{speedup:.1f}x faster"
     return f"{1 / speedup:.1f}x slower"
@@ -292,7 +296,7 @@ def _against(index, fw, obj, backend, peer):
     speed, memory, verdicts = [], [], {}
     for (f, o, shape, b), r in index.items():
         base = index.get((f, o, shape, peer))
-        if (f, o, b) != (fw, obj, backend) or base is None:
+        if (f, o, b) != (fw, obj, backend) or base is None or not r["ms"] > 0:
             continue
         speed.append(base["ms"] / r["ms"])
         verdicts.setdefault(spread_verdict(r, base) or "within noise", []).append(speed[-1])

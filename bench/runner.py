@@ -430,8 +430,8 @@ def markdown(env, copy_gbps, results, parity_rows, summary_lines=None):
 def _speedup_cell(row, base):
     """A table's "vs <peer>" cell of one of our rows: the speed-up in words where the p20-p80
     spreads are apart, "within noise" where they overlap, "(derived)" after a derived time."""
-    if base is None or row["backend"] in PEERS or not row["ms"] > 0:
-        return "-"
+    if base is None or row["backend"] in PEERS or not (row["ms"] > 0 and base["ms"] > 0):
+        return "-"  # a derived backward can be 0 ms: no ratio
     verdict = spread_verdict(row, base)
     if verdict == "within noise":
         return verdict
@@ -858,7 +858,9 @@ def _noise(mine, base):
 def _bar_words(mine, base):
     """Ours (``mine``) against another row in words: "1.5x faster", "2.0x slower", or
     "within noise" where their p20-p80 spreads overlap (no speed claim then)."""
-    return "within noise" if _noise(mine, base) else ratio_words(base["ms"] / mine["ms"])
+    if _noise(mine, base):
+        return "within noise"
+    return ratio_words(base["ms"] / mine["ms"]) if mine["ms"] > 0 else "n/a"
 
 
 def linear_head_summary(head):

@@ -1130,3 +1130,29 @@ def test_diffusion_gemma_bench(monkeypatch):
     assert abs(fits["loss-dense"]["a_in_blv_float32"] - 8) < 1e-6, fits
     assert abs(fits["step-patched"]["b_over_v"] - 6) < 1e-6, fits
     assert DG.ratios(fake)[("loss", 32)] > 1
+
+
+def test_a_zero_millisecond_time_gives_no_ratio(monkeypatch):
+    """A backward derived as fwd+bwd minus fwd is 0 ms when a peer's forward median exceeds
+    its fwd+bwd median (noise at the smallest shapes): the main job's table then says "-" /
+    "n/a" for that ratio. Before, its Markdown divided by it and the README's first command
+    ended in a ZeroDivisionError after its last case (2026-12-04, a 2-core AMD EPYC)."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench import progress as P
+    from bench import runner as R
+
+    def row(backend, mode, ms, p20, p80):
+        return dict(framework="torch", objective="ce", shape="cpu-N256-K2k", mode=mode,
+                    backend=backend, ms=ms, p20=p20, p80=p80, gbps=None, pct_copy=None,
+                    peak_bytes=None)
+
+    results = [row("chunked", "bwd", 0.4, None, None), row("upstream", "bwd", 0.0, None, None),
+               row("chunked", "fwd+bwd", 0.0, None, None),
+               row("upstream", "fwd+bwd", 0.8, 0.7, 0.9)]
+    env = dict(device="cpu", date="2026-12-04")
+    text = R.markdown(env, 10.0, results, [])
+    bwd_line = next(line for line in text.splitlines() if "| chunked |" in line and "| bwd |" in line)
+    assert bwd_line.rstrip(" |").endswith("-"), bwd_line
+    assert P.ratio_words(0.0) == "n/a" and P.ratio_words(float("inf")) == "n/a"
+    assert P.ratio_words(2.0) == "2.0x faster" and P.ratio_words(0.5) == "2.0x slower"
+    P.summary(results)  # ours at 0 ms takes no part in a mean
