@@ -2,13 +2,15 @@
 
 Usage: python mem_probe.py BACKEND N K, or python mem_probe.py head N K D (a bfloat16
 ``LinearHead`` [K, D] over N hidden states, the chunked backend, gradients of the hidden
-states and the weight). Prints the bytes of VmHWM growth beyond the inputs (VmHWM is reset
+states and the weight), or python mem_probe.py vmflags N K (prints the VmFlags of the
+mapping that holds the chunked backend's [N, K] gradient instead). Prints the bytes of VmHWM growth beyond the inputs (VmHWM is reset
 through /proc/self/clear_refs after the inputs exist; tracemalloc does not see torch's
 allocations).
 """
 
 import gc
 import os
+import re
 import sys
 
 import torch
@@ -38,7 +40,30 @@ def head(n, k, d):
     print(proc_status_bytes("VmHWM") - base)
 
 
+def vma_flags(addr):
+    """The VmFlags of the mapping holding address ``addr`` in this process (/proc/self/smaps)."""
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                current = int(head[1], 16) <= addr < int(head[2], 16)
+            elif current and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise SystemExit(f"no mapping holds {addr:#x}")
+
+
+def vmflags(n, k):
+    z = torch.randn(n, k, requires_grad=True)
+    y = torch.randint(0, k, (n,))
+    (g,) = torch.autograd.grad(D.token_stats(z, y, backend="chunked").logp.sum(), z)
+    inside = -(-g.data_ptr() // (2 << 20)) * (2 << 20)  # the first whole 2 MiB page of it
+    print(" ".join(vma_flags(inside)))
+
+
 def main():
+    if sys.argv[1] == "vmflags":
+        return vmflags(int(sys.argv[2]), int(sys.argv[3]))
     if sys.argv[1] == "head":
         return head(*(int(a) for a in sys.argv[2:5]))
     backend, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
