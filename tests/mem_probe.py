@@ -2,10 +2,10 @@
 
 Usage: python mem_probe.py BACKEND N K, or python mem_probe.py head N K D (a bfloat16
 ``LinearHead`` [K, D] over N hidden states, the chunked backend, gradients of the hidden
-states and the weight), or python mem_probe.py vmflags N K (prints the VmFlags of the
-mapping that holds the chunked backend's [N, K] gradient instead). Prints the bytes of VmHWM growth beyond the inputs (VmHWM is reset
+states and the weight): prints the bytes of VmHWM growth beyond the inputs (VmHWM is reset
 through /proc/self/clear_refs after the inputs exist; tracemalloc does not see torch's
-allocations).
+allocations). python mem_probe.py vmflags N K prints the VmFlags of the mapping that holds
+the chunked backend's [N, K] gradient instead.
 """
 
 import gc

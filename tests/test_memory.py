@@ -114,19 +114,21 @@ def test_torch_chunk_follows_the_device():
             (r0, min(r0 + rows, n)) for r0 in range(0, n, rows)], device
 
 
+def _mem_probe(*args):
+    """The last line ``mem_probe.py ARGS`` prints, run in a fresh process."""
+    out = subprocess.run([sys.executable, os.path.join(HERE, "mem_probe.py"), *map(str, args)],
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_torch_chunked_peak_memory():
     """VmHWM growth of forward+backward at N = 4096, K = 8192 f32 (128 MiB logits; 2^25 of
     them, so the compiled CPU loops run, compiled by a warm-up call before the measure)."""
     n, k = 4096, 8192
 
-    def peak(backend):
-        out = subprocess.run([sys.executable, os.path.join(HERE, "mem_probe.py"), backend, str(n), str(k)],
-                             check=True, capture_output=True, text=True)
-        return int(out.stdout.strip().splitlines()[-1])
-
     grad_bytes = n * k * 4  # the gradient itself must exist
-    ref, chunked = peak("reference"), peak("chunked")
+    ref, chunked = (int(_mem_probe(backend, n, k)) for backend in ("reference", "chunked"))
     assert chunked < 1.5 * grad_bytes, f"chunked peak {chunked / 2**20:.0f} MiB beyond inputs"
     assert ref > 3 * chunked, f"reference {ref / 2**20:.0f} MiB vs chunked {chunked / 2**20:.0f} MiB"
 
@@ -139,9 +141,7 @@ def test_torch_bf16_head_gradient_needs_no_float32_weight():
     accumulator [K, D] and a float32 copy of the whole weight per token chunk took 6x it
     (192 MiB; 59 MiB after)."""
     n, k, d = 64, 131072, 128
-    out = subprocess.run([sys.executable, os.path.join(HERE, "mem_probe.py"), "head", str(n),
-                          str(k), str(d)], check=True, capture_output=True, text=True)
-    peak = int(out.stdout.strip().splitlines()[-1])
+    peak = int(_mem_probe("head", n, k, d))
     weight = k * d * 2
     assert peak < 2.25 * weight, (
         f"peak {peak / 2**20:.0f} MiB beyond inputs; the bf16 weight is {weight / 2**20:.0f} MiB")
@@ -155,7 +155,5 @@ def test_large_cpu_gradients_are_not_advised_into_huge_pages():
     host (bench/NOTES.md, "Shifted tiles, dynamic threads, huge pages withdrawn"). Checked in
     a fresh process (``mem_probe.py vmflags``): in a test worker the gradient can land in heap
     memory that another library advised before (seen once in the whole suite's run)."""
-    out = subprocess.run([sys.executable, os.path.join(HERE, "mem_probe.py"), "vmflags", "256",
-                          "32768"], check=True, capture_output=True, text=True)
-    flags = out.stdout.strip().splitlines()[-1].split()
+    flags = _mem_probe("vmflags", 256, 32768).split()
     assert flags and "hg" not in flags, flags

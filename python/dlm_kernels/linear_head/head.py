@@ -75,7 +75,8 @@ HEAD_VOCAB_CHUNK_BYTES_CPU = 4 * 1024 * 1024
 # chunks and rounded before the next (``dw_blocks``). torch on a CPU takes a smaller budget:
 # its products of 16-bit operands run in float32 copies of them (no mixed-precision GEMM),
 # so the block also bounds the weight's float32 copy; at V 262144, D 256 (bf16) blocks of
-# 16 MiB took the fused loss's peak beyond the weights from 565 to 194 MiB (bench/NOTES.md).
+# 16 MiB took DiffusionGemma's fused loss from 591 to 263 MiB beyond the weights, its 128 MiB
+# gradient included (bench/NOTES.md).
 HEAD_DW_ACC_BYTES = 256 * 1024 * 1024
 HEAD_DW_ACC_BYTES_TORCH_CPU = 16 * 1024 * 1024
 

@@ -17,8 +17,8 @@ from jax import lax
 from . import core as sampling
 from .._jax.ops import JaxOps as xp
 from .._config import ROW_GROUP, SAMPLE_CHUNK_BYTES_CPU, group_rows_per_block
-from ..token_stats.jax_chunked import (_in_loop, fold_row_blocks, pad_rows, tile,
-                                       varying_like, vocab_chunk)
+from ..token_stats.jax_chunked import (_in_loop, fold_row_blocks, tile, varying_like,
+                                       vocab_chunk)
 
 
 def _padded(st, k):
@@ -81,26 +81,36 @@ def _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu):
     return sampling.finalize(xp, state, sampling.stream_stats(xp, state, cfg), keys, cfg)
 
 
+def in_row_blocks(block, z, zu, keys, rows):
+    """The Sample of [N] fields that ``block(row0, nb)`` (a Sample of rows [row0, row0 + nb))
+    gives over the row blocks of ``rows`` rows (``fold_row_blocks``; z, zu: [N, K], keys [N]).
+    A call of fewer than ROW_GROUP rows runs as ROW_GROUP rows, zero rows after them (a copy
+    of under 8 rows), so every block has the same shape whatever N is."""
+    n = z.shape[0]
+    if n < ROW_GROUP:
+        pad = lambda x: xp.pad_rows(x, ROW_GROUP)  # noqa: E731
+        z, zu, keys = pad(z), pad(zu), pad(keys)
+    kinds = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32)
+    bufs = tuple(varying_like(jnp.zeros((z.shape[0],), kind), z, zu, keys) for kind in kinds)
+
+    def step(bufs, row0, nb):
+        return tuple(lax.dynamic_update_slice_in_dim(b, o.astype(b.dtype), row0, axis=0)
+                     for b, o in zip(bufs, block(z, zu, keys, row0, nb)))
+
+    out = fold_row_blocks(step, z.shape[0], rows, bufs)
+    return sampling.Sample(*(f[:n] for f in out))
+
+
 def sample(z, zu, keys, suppress, cfg):
-    # z, zu: [N, K] -> Sample of [N] fields, block by block of rows (fold_row_blocks)
-    n, k = z.shape
-    if n < ROW_GROUP:  # as ROW_GROUP rows (zero rows after them: a copy of under 8 rows)
-        out = sample(pad_rows(z, ROW_GROUP), pad_rows(zu, ROW_GROUP), pad_rows(keys, ROW_GROUP),
-                     suppress, cfg)
-        return sampling.Sample(*(f[:n] for f in out))
+    # z, zu: [N, K] -> Sample of [N] fields, block by block of rows (in_row_blocks)
+    k = z.shape[1]
     if cfg.top_k is not None:  # the slots of a whole row; every chunk's state has them all
         cfg = cfg._replace(top_k=min(cfg.top_k, k))
     on_cpu = jax.default_backend() == "cpu"
     r = group_rows_per_block(vocab_chunk(k, cfg, on_cpu), on_cpu, SAMPLE_CHUNK_BYTES_CPU)
-    kinds = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32)
-    bufs = tuple(varying_like(jnp.zeros((n,), kind), z, zu, keys) for kind in kinds)
-
-    def step(bufs, row0, nb):
-        out = _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu)
-        return tuple(lax.dynamic_update_slice_in_dim(b, o.astype(b.dtype), row0, axis=0)
-                     for b, o in zip(bufs, out))
-
-    return sampling.Sample(*fold_row_blocks(step, n, r, bufs))
+    return in_row_blocks(
+        lambda z, zu, keys, row0, nb: _sample_block(z, zu, keys, suppress, cfg, row0, nb,
+                                                    on_cpu), z, zu, keys, r)
 
 
 class ChunkedSampler:

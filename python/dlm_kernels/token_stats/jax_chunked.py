@@ -75,16 +75,9 @@ def varying_like(x, *trees):
     return xp.to_varying(x, tuple(sorted(missing))) if missing else x
 
 
-def pad_rows(x, n):
-    """x [N, ...] with zero rows appended up to n rows (None stays None)."""
-    if x is None or x.shape[0] == n:
-        return x
-    return jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-
-
 def _padded_bundle(rows):
     """A bundle of fewer than ROW_GROUP rows as ROW_GROUP rows (the extra ones inactive)."""
-    return rows._replace(**{f: pad_rows(getattr(rows, f), ROW_GROUP) for f in rows._fields})
+    return rows._replace(**{f: xp.pad_rows(getattr(rows, f), ROW_GROUP) for f in rows._fields})
 
 
 def _per_platform(run, z, cfg, cpu_differs=False):
@@ -246,7 +239,7 @@ class ChunkedJax(BackendBase):
         # -> dz [N, K] in z's dtype, du [N, K] in u's dtype or None
         n = rows.logits.shape[0]
         if n < ROW_GROUP:
-            pad = lambda x: pad_rows(x, ROW_GROUP)  # noqa: E731
+            pad = lambda x: xp.pad_rows(x, ROW_GROUP)  # noqa: E731
             dz, du = ChunkedJax.backward(_padded_bundle(rows), type(stats)(*map(pad, stats)),
                                          tuple(map(pad, grads)), cfg, offset)
             return dz[:n], (None if du is None else du[:n])

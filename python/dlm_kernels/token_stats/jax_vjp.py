@@ -15,9 +15,8 @@ from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
 from .._jax.ops import JaxOps
 from .._jax.vocab_parallel import vocab_parallel_stats
-from .._config import ROW_GROUP
+from .._config import ROW_GROUP, padded_rows
 from .._rows import Rows
-from .jax_chunked import pad_rows
 
 #: every row of the backend table (_dispatch.BACKENDS) with a JAX module
 REGISTRY = registry(TOKEN_STATS, "jax")
@@ -47,7 +46,7 @@ def _shift_grad(columns, rows, stats, grads, cfg):
     array with other code than the rest, so a row's bits would depend on N and its position
     (docs/design.md §2, "One row, one answer"). The padding copies O(N) numbers."""
     n = rows.targets.shape[0]
-    pad = lambda x: None if x is None else pad_rows(x, -(-n // ROW_GROUP) * ROW_GROUP)  # noqa: E731
+    pad = lambda x: JaxOps.pad_rows(x, padded_rows(n, ROW_GROUP))  # noqa: E731
     small = Rows(None, targets=pad(rows.targets), active=pad(rows.active),
                  shift_ids=pad(rows.shift_ids), shift=pad(rows.shift))
     d_shift = stats_math.shift_grad(JaxOps, tuple(map(pad, columns)), small,

@@ -313,17 +313,14 @@ def _scheduled_temperature(modeling: Any, logits_processor: Any,
     """The one temperature transformers' logits processors apply at this step, when they
     do nothing else: none (1.0) or a single ``LinearTemperatureScheduleLogitsProcessor``,
     its T computed as it computes it (float32, from the int32 step); None otherwise."""
-    if logits_processor is None:
+    if not logits_processor:  # None or an empty LogitsProcessorList
         return 1.0
     if not isinstance(logits_processor, list):  # a LogitsProcessorList is a list
         return None
-    processors = list(logits_processor)
-    if not processors:
-        return 1.0
     schedule = modeling.LinearTemperatureScheduleLogitsProcessor
-    if len(processors) != 1 or type(processors[0]) is not schedule:
+    if len(logits_processor) != 1 or type(logits_processor[0]) is not schedule:
         return None
-    p = processors[0]
+    p = logits_processor[0]
     return float(p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps)))
 
 
