@@ -190,6 +190,48 @@ def test_transfer_confidence_is_the_scorers_probability(rng, fw_backend, tempera
     assert np.array_equal(transfer, want), (transfer, want)
 
 
+@pytest.mark.parametrize("fw_name,backend", JAX)
+@pytest.mark.parametrize("shape", [SHAPE, (16, 8, 37)])
+def test_jax_threshold_at_every_scorer_probability(rng, fw_backend, shape):
+    """get_transfer_index reads the step's logp alone: under jax.jit XLA dropped the entropy
+    its loop of row blocks carried, and the rest compiled to other bits, so exp(logp) sat an
+    ulp below the scorer's probability (one input in 20 at [3, 5, 37]; at [16, 8, 37], 128
+    rows, every input of the reference, whose blocks of 8 rows then compiled unlike the
+    scorer's 128). The step's logp and entropy are the scorer's bits at both shapes, and
+    get_transfer_index and commit_tokens with confidence="probability", at a threshold set
+    to the scorer's probability of each masked position in turn, commit exactly the masked
+    positions whose scorer probability reaches it (``inclusive=True``: upstream's >=)."""
+    fw, backend = fw_backend
+    api, jax, jnp = fw.api, fw.jax, fw.jnp
+    b, length, _ = shape
+    logits = fw.array(rng.normal(size=shape) * 3.0, "float32")
+    masked_np = rng.random((b, length)) < 0.7
+    masked_np[:, 0] = True
+    mask, x = fw.array(masked_np), fw.array(np.full((b, length), 99, np.int32))
+    kw = dict(seed=5, step=2)
+    sample = _check_step_is_scorer(fw, backend, logits, 0.7, None, stats_temperature=1.0, **kw)
+    conf = np.asarray(_jit(fw, lambda z, t: jnp.exp(_scorer(fw, backend, 1.0, None)(z, t)[0]))(
+        logits, sample.token))
+    transfer = jax.jit(lambda z, m, x, thr: api.get_transfer_index(
+        z, 0.7, "low_confidence", m, x, None, threshold=thr, backend=backend, **kw)[1])
+    commit = jax.jit(lambda z, m, thr: api.commit_tokens(
+        x, api.sample_tokens(z, temperature=0.7, stats_temperature=1.0, backend=backend, **kw),
+        m, rule="threshold", threshold=thr, inclusive=True)[1])
+    for j in range(length):
+        threshold = np.where(masked_np[:, j], conf[:, j], 2.0).astype(np.float32)
+        want = masked_np & (conf >= threshold[:, None])
+        want[~masked_np[:, j]] = False  # a threshold of 2 commits nothing ...
+        none = ~want.any(axis=1)  # ... but the surest masked position (at least one)
+        want[none, np.argmax(np.where(masked_np, conf, -1.0), axis=1)[none]] = True
+        thr = fw.array(threshold)
+        for name, got in (("get_transfer_index", transfer(logits, mask, x, thr)),
+                          ("commit_tokens", commit(logits, mask, thr))):
+            got = np.asarray(got)
+            bad = np.argwhere(got != want)
+            assert bad.size == 0, (f"{name}, threshold at column {j}: first wrong at "
+                                   f"{tuple(bad[0])} (committed {got[tuple(bad[0])]})")
+
+
 @pytest.mark.parametrize("fw_name,backend", TORCH + JAX[1:])
 def test_linear_head(rng, fw_backend):
     """From a LinearHead(h, W) over token chunks of 4 rows, float32: torch's last chunk

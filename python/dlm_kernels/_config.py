@@ -240,6 +240,21 @@ def budget_chunk_for(n_rows: int, vocab: int, cfg, on_cpu: bool = True,
 # 512 (docs/design.md §2). In blocks of a multiple of 8 rows every row takes the vector code.
 ROW_GROUP = 8
 
+# XLA's CPU compiler also emits other code for a block's fusions when its [R, C] tile holds
+# fewer than about 4096 elements: a row's logp, entropy and gradient came out an ulp apart
+# between a block of 96 rows and one of 128 at C = 37, 40 and 64 rows at C = 96 (the same
+# either side of that size: 128 to 65536 rows at C = 37, 8 to 2048 at C = 4096). Every block
+# holds at least MIN_BLOCK_ELEMENTS, four times that size (``min_block_rows``); a call of
+# fewer rows runs padded to it.
+MIN_BLOCK_ELEMENTS = 1 << 14
+
+
+def min_block_rows(columns: int) -> int:
+    """The fewest rows a block of ``columns`` columns has: a multiple of ROW_GROUP whose
+    [R, C] tile holds at least MIN_BLOCK_ELEMENTS (ROW_GROUP from C = 2048 on)."""
+    r = -(-MIN_BLOCK_ELEMENTS // max(columns, 1))
+    return max(ROW_GROUP, -(-r // ROW_GROUP) * ROW_GROUP)
+
 
 def padded_rows(n_rows: int, group: int) -> int:
     """The rows a call of N rows runs as where whole-row arithmetic wants groups of ``group``
@@ -257,20 +272,20 @@ def group_rows_per_block(columns: int, on_cpu: bool = True,
     group. A function of C alone (a call of fewer rows takes fewer, ``row_blocks``)."""
     budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
     r = budget // (4 * max(columns, 1))
-    return max(ROW_GROUP, r // ROW_GROUP * ROW_GROUP)
+    return max(min_block_rows(columns), r // ROW_GROUP * ROW_GROUP)
 
 
-def row_blocks(n_rows: int, rows: int) -> tuple[int, int, int]:
-    """(R, full, tail): the row blocks of N >= ROW_GROUP rows with at most ``rows`` (a multiple
-    of ROW_GROUP) each: ``full`` blocks of R rows from row 0, then, where R does not divide N,
-    one block of ``tail`` rows ending at row N (a multiple of ROW_GROUP, < R + ROW_GROUP: it
-    overlaps the last full block by under ROW_GROUP rows, which it computes again). No block
-    reaches past N, so none needs the logits padded or copied."""
-    if n_rows < ROW_GROUP:
-        raise ValueError(f"row_blocks needs at least {ROW_GROUP} rows; got {n_rows}")
+def row_blocks(n_rows: int, rows: int, least: int = ROW_GROUP) -> tuple[int, int, int]:
+    """(R, full, tail): the row blocks of N >= ``least`` rows with at most ``rows`` each
+    (``least`` <= ``rows``, both multiples of ROW_GROUP): ``full`` blocks of R rows from row 0,
+    then, where R does not divide N, one block of ``tail`` rows ending at row N (a multiple of
+    ROW_GROUP, at least ``least``, at most R: it overlaps the last full block, whose rows it
+    computes again). No block reaches past N, so none needs the logits padded or copied."""
+    if n_rows < least:
+        raise ValueError(f"row_blocks needs at least {least} rows; got {n_rows}")
     r = min(rows, n_rows // ROW_GROUP * ROW_GROUP)
     full, rem = divmod(n_rows, r)
-    tail = -(-rem // ROW_GROUP) * ROW_GROUP
+    tail = max(-(-rem // ROW_GROUP) * ROW_GROUP, least) if rem else 0
     return r, full, tail
 
 

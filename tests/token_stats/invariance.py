@@ -196,13 +196,13 @@ SAMPLER_MODES = {"greedy": dict(temperature=0.0), "draw": dict(temperature=0.8),
                  "top_k": dict(temperature=1.3, top_k=5)}
 
 
-def check_sampler_one_row_one_answer(fw_name, backend, k, chunk_size, mode):
-    """Each sequence of a [B, L] batch alone ([1, L]) against the batch and the batch
-    reversed, every Sample field bitwise (the noise is keyed per sequence, on its seed and
-    the position inside it, so a sequence draws the same tokens anywhere); greedy, also each
-    row alone ([1, 1])."""
+def check_sampler_one_row_one_answer(fw_name, backend, k, chunk_size, mode, shape=(3, 3)):
+    """Each sequence of a [B, L] batch (``shape``) alone ([1, L]) against the batch and the
+    batch reversed, every Sample field bitwise (the noise is keyed per sequence, on its seed
+    and the position inside it, so a sequence draws the same tokens anywhere); greedy, also
+    each row alone ([1, 1])."""
     rng = np.random.default_rng(new_seed())
-    b, length = 3, 3
+    b, length = shape
     z = (rng.standard_normal((b, length, k)) * 3).astype(np.float32)
     seed = rng.integers(0, 2**31, b)
     kw = SAMPLER_MODES[mode]

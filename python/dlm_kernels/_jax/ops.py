@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._config import ROW_GROUP
+from .._config import ROW_GROUP, min_block_rows, padded_rows
 from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX, VOCAB_MAJOR
 from ..token_stats import formulas
 
@@ -28,6 +28,13 @@ class JaxOps:
     #: CPU code computes exp and log of the last N mod 8 rows of a shape, and a [1, C] sum of
     #: a product, with other code than the rest (docs/design.md §2)
     row_group = ROW_GROUP
+
+    @staticmethod
+    def whole_row_rows(n, columns):
+        """The rows whole-row arithmetic over N rows of ``columns`` runs on: N padded to a
+        multiple of ROW_GROUP and to at least ``_config.min_block_rows`` (XLA's CPU code for
+        a smaller [N, C] shape rounds otherwise, docs/design.md §2)."""
+        return max(padded_rows(n, ROW_GROUP), min_block_rows(columns)) if n else 0
 
     @staticmethod
     def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)

@@ -16,8 +16,8 @@ from jax import lax
 
 from . import core as sampling
 from .._jax.ops import JaxOps as xp
-from .._config import ROW_GROUP, SAMPLE_CHUNK_BYTES_CPU, group_rows_per_block
-from ..token_stats.jax_chunked import (_in_loop, fold_row_blocks, tile, varying_like,
+from .._config import SAMPLE_CHUNK_BYTES_CPU, group_rows_per_block
+from ..token_stats.jax_chunked import (_in_loop, fold_row_outputs, least_rows, tile,
                                        vocab_chunk)
 
 
@@ -81,23 +81,19 @@ def _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu):
     return sampling.finalize(xp, state, sampling.stream_stats(xp, state, cfg), keys, cfg)
 
 
-def in_row_blocks(block, z, zu, keys, rows):
+def in_row_blocks(block, z, zu, keys, rows, least):
     """The Sample of [N] fields that ``block(row0, nb)`` (a Sample of rows [row0, row0 + nb))
-    gives over the row blocks of ``rows`` rows (``fold_row_blocks``; z, zu: [N, K], keys [N]).
-    A call of fewer than ROW_GROUP rows runs as ROW_GROUP rows, zero rows after them (a copy
-    of under 8 rows), so every block has the same shape whatever N is."""
+    gives over the row blocks of at most ``rows`` and at least ``least`` rows
+    (``fold_row_blocks``; z, zu: [N, K], keys [N]). A call of fewer than ``least`` rows runs
+    as ``least`` rows, zero rows after them, so a row's block is compiled alike whatever N
+    is."""
     n = z.shape[0]
-    if n < ROW_GROUP:
-        pad = lambda x: xp.pad_rows(x, ROW_GROUP)  # noqa: E731
+    if n < least:
+        pad = lambda x: xp.pad_rows(x, least)  # noqa: E731
         z, zu, keys = pad(z), pad(zu), pad(keys)
     kinds = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32)
-    bufs = tuple(varying_like(jnp.zeros((z.shape[0],), kind), z, zu, keys) for kind in kinds)
-
-    def step(bufs, row0, nb):
-        return tuple(lax.dynamic_update_slice_in_dim(b, o.astype(b.dtype), row0, axis=0)
-                     for b, o in zip(bufs, block(z, zu, keys, row0, nb)))
-
-    out = fold_row_blocks(step, z.shape[0], rows, bufs)
+    out = fold_row_outputs(lambda row0, nb: block(z, zu, keys, row0, nb), z.shape[0], rows,
+                           least, kinds, (z, zu, keys))
     return sampling.Sample(*(f[:n] for f in out))
 
 
@@ -110,7 +106,8 @@ def sample(z, zu, keys, suppress, cfg):
     r = group_rows_per_block(vocab_chunk(k, cfg, on_cpu), on_cpu, SAMPLE_CHUNK_BYTES_CPU)
     return in_row_blocks(
         lambda z, zu, keys, row0, nb: _sample_block(z, zu, keys, suppress, cfg, row0, nb,
-                                                    on_cpu), z, zu, keys, r)
+                                                    on_cpu), z, zu, keys, r,
+        least_rows(k, cfg))
 
 
 class ChunkedSampler:

@@ -17,7 +17,7 @@ import numpy as np
 from .._checks import (OutOfRangeError, as_number, flag, plain, require_array, require_int,
                        require_real, require_shape, shape_str)
 from ..linear_head.head import as_logits
-from .core import (_flat_rows, commit_arguments, gumbel, make_sample_config,
+from .core import (_flat_rows, commit_arguments, confidence, gumbel, make_sample_config,
                    position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
                    _commit_topk, _per_sequence_with_host, _unless_nan)
 
@@ -125,9 +125,9 @@ def make_step_api(xp, sample_tokens):
                             seed_argument(xp, "step", step, None), _rows_of(lead), x)
             conf = position_uniform(xp, keys).reshape(lead)
         elif neg_entropy:
-            conf = -sample.entropy  # Σ p log p at temperature 1
+            conf = confidence(xp, sample, "neg_entropy")  # Σ p log p at temperature 1
         else:
-            conf = xp.exp(sample.logp)  # softmax(logits)[x0]
+            conf = confidence(xp, sample, "probability")  # softmax(logits)[x0]
         conf = xp.where(eligible, conf, float("-inf"))
         if threshold is None:  # topk over every position: -inf ones fill k past the masked
             return x0, _commit_topk(xp, conf, masked | ~masked, k)

@@ -7,9 +7,11 @@ CPU, 32768 elsewhere, or the user's ``chunk_size``), so a row's terms are summed
 fixed by K. Memory is bounded by cutting the rows into blocks of R rows
 (``_config.group_rows_per_block``, from C alone); every block's row count is a multiple of
 ``ROW_GROUP`` (8), because XLA's CPU compiler computes exp and log of a row's [N] values with
-other code in the last N mod 8 lanes of a shape (``_config.row_blocks``: full blocks, then
-one block ending at row N that overlaps the last full block and computes its rows again).
-A call of fewer than 8 rows runs as 8 (its rows and zero rows: a copy of under 8 rows).
+other code in the last N mod 8 lanes of a shape, and at least ``_config.min_block_rows(C)``,
+because it emits other code for an [R, C] tile of under about 4096 elements
+(``_config.row_blocks``: full blocks, then one block ending at row N that overlaps the last
+full block and computes its rows again). A call of fewer rows runs as that many (its rows
+and zero rows: a copy of under 16384 elements per chunk).
 
 Tiles are taken with ``lax.dynamic_slice`` from the whole logits at (first row, first
 column) (slicing a block of rows first, or a reshape + scan, would copy the logits). K need
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import formulas as stats_math
-from .._config import ROW_GROUP, chunk_size_for, group_rows_per_block, row_blocks
+from .._config import chunk_size_for, group_rows_per_block, min_block_rows, row_blocks
 from .._dispatch import BackendBase, NATIVE_DTYPES, Capabilities
 from .._jax.ops import JaxOps as xp
 
@@ -47,14 +49,21 @@ def _plan(z, cfg, on_cpu):
     return k, c, -(-k // c), group_rows_per_block(c, on_cpu)
 
 
-def fold_row_blocks(step, n, r, carry):
-    """``carry`` through ``step(carry, row0, rows)`` over the row blocks of N >= ROW_GROUP
+def least_rows(k, cfg):
+    """The fewest rows of a block of [N, K] logits (``_config.min_block_rows`` of the chunk;
+    the same on every platform: a CPU's chunk differs from another device's only where both
+    need ROW_GROUP rows). A call of fewer rows runs padded to it."""
+    return min_block_rows(vocab_chunk(k, cfg, True))
+
+
+def fold_row_blocks(step, n, r, carry, least):
+    """``carry`` through ``step(carry, row0, rows)`` over the row blocks of N >= ``least``
     rows (``_config.row_blocks``; ``rows`` static, ``row0`` traced). Every block runs inside
     a loop whose trip count XLA cannot see (an optimization barrier), even a single block:
     XLA compiles the body of a loop of blocks differently from a block outside one (a
     row's gradient came out an ulp apart), and it would unroll a loop of one trip. ``carry``
     must vary over the shard_map axes of what ``step`` reads (``varying_like``)."""
-    rb, full, tail = row_blocks(n, r)
+    rb, full, tail = row_blocks(n, r, least)
 
     def blocks(carry, first, count, rows):
         first, count = lax.optimization_barrier((jnp.int32(first), jnp.int32(count)))
@@ -66,6 +75,27 @@ def fold_row_blocks(step, n, r, carry):
     return carry
 
 
+def fold_row_outputs(block, n, r, least, dtypes, like):
+    """[N] arrays of ``dtypes`` (float32 or int32) from ``block(row0, nb)``, a tuple of [nb]
+    arrays, over the row blocks of ``fold_row_blocks``. The loop carries them as one
+    [len(dtypes), N] float32 buffer (int32 as its bits): XLA drops a loop's carried values
+    that nothing reads afterwards, and the rest of the body then compiled to other bits (a
+    logp an ulp apart when the caller did not read the entropy beside it); in one buffer
+    every block computes every output, whatever the caller reads. ``like``: the trees the
+    buffer must vary like under shard_map (``varying_like``)."""
+    as_f32 = lambda o, d: o.astype(d) if d == jnp.float32 else lax.bitcast_convert_type(  # noqa: E731
+        o.astype(d), jnp.float32)
+
+    def step(buf, row0, nb):
+        out = jnp.stack([as_f32(o, d) for o, d in zip(block(row0, nb), dtypes)])
+        return lax.dynamic_update_slice(buf, out, (0, row0))
+
+    buf = varying_like(jnp.zeros((len(dtypes), n), jnp.float32), *like)
+    buf = fold_row_blocks(step, n, r, buf, least)
+    return tuple(b if d == jnp.float32 else lax.bitcast_convert_type(b, d)
+                 for b, d in zip(buf, dtypes))
+
+
 def varying_like(x, *trees):
     """x made to vary over every shard_map axis a leaf of ``trees`` varies over (x itself
     outside shard_map): a loop carry that starts as a constant has the type of its result."""
@@ -75,9 +105,9 @@ def varying_like(x, *trees):
     return xp.to_varying(x, tuple(sorted(missing))) if missing else x
 
 
-def _padded_bundle(rows):
-    """A bundle of fewer than ROW_GROUP rows as ROW_GROUP rows (the extra ones inactive)."""
-    return rows._replace(**{f: xp.pad_rows(getattr(rows, f), ROW_GROUP) for f in rows._fields})
+def _padded_bundle(rows, m):
+    """A bundle of fewer than m rows as m rows (the extra ones inactive)."""
+    return rows._replace(**{f: xp.pad_rows(getattr(rows, f), m) for f in rows._fields})
 
 
 def _per_platform(run, z, cfg, cpu_differs=False):
@@ -104,10 +134,6 @@ def _block(rows, row0, n):
     sliced from them, ``tile``)."""
     return rows._replace(**{f: _row_slice(getattr(rows, f), row0, n)
                             for f in ("targets", "active", "shift_ids", "shift")})
-
-
-def _put(buf, row0, value):
-    return lax.dynamic_update_slice_in_dim(buf, value, row0, axis=0)
 
 
 def _in_loop(i, z, u):
@@ -188,22 +214,20 @@ def _targets(rows, cfg, offset):
 def _forward_rows(rows, cfg, offset, finish, n_out):
     """``finish(State, r_y, found, block)`` (a tuple of ``n_out`` [rows] float32) of every row
     block, assembled into ``n_out`` [N] float32 arrays."""
-    n = rows.logits.shape[0]
-    if n < ROW_GROUP:
-        out = _forward_rows(_padded_bundle(rows), cfg, offset, finish, n_out)
+    n, least = rows.logits.shape[0], least_rows(rows.logits.shape[1], cfg)
+    if n < least:
+        out = _forward_rows(_padded_bundle(rows, least), cfg, offset, finish, n_out)
         return tuple(o[:n] for o in out)
 
     target = _targets(rows, cfg, offset)
 
     def run(on_cpu):
-        def step(bufs, row0, nb):
-            out = finish(*_block_partial(rows, target, cfg, offset, row0, nb, on_cpu),
-                         _block(rows, row0, nb))
-            return tuple(_put(b, row0, o) for b, o in zip(bufs, out))
+        def block(row0, nb):
+            return finish(*_block_partial(rows, target, cfg, offset, row0, nb, on_cpu),
+                          _block(rows, row0, nb))
 
-        bufs = tuple(varying_like(jnp.zeros((n,), jnp.float32), rows, offset)
-                     for _ in range(n_out))
-        return fold_row_blocks(step, n, _plan(rows.logits, cfg, on_cpu)[3], bufs)
+        return fold_row_outputs(block, n, _plan(rows.logits, cfg, on_cpu)[3], least,
+                                (jnp.float32,) * n_out, (rows, offset))
 
     return _per_platform(run, rows.logits, cfg)
 
@@ -237,10 +261,11 @@ class ChunkedJax(BackendBase):
     @staticmethod
     def backward(rows, stats, grads, cfg, offset=0):
         # -> dz [N, K] in z's dtype, du [N, K] in u's dtype or None
-        n = rows.logits.shape[0]
-        if n < ROW_GROUP:
-            pad = lambda x: xp.pad_rows(x, ROW_GROUP)  # noqa: E731
-            dz, du = ChunkedJax.backward(_padded_bundle(rows), type(stats)(*map(pad, stats)),
+        n, least = rows.logits.shape[0], least_rows(rows.logits.shape[1], cfg)
+        if n < least:
+            pad = lambda x: xp.pad_rows(x, least)  # noqa: E731
+            dz, du = ChunkedJax.backward(_padded_bundle(rows, least),
+                                         type(stats)(*map(pad, stats)),
                                          tuple(map(pad, grads)), cfg, offset)
             return dz[:n], (None if du is None else du[:n])
         z, u = rows.logits, rows.teacher
@@ -278,7 +303,7 @@ class ChunkedJax(BackendBase):
             like = (rows, stats, grads, offset)
             du0 = varying_like(jnp.zeros(u.shape, carry_u), *like) if cfg.TEACHER_GRAD else None
             dz0 = varying_like(jnp.zeros(z.shape, carry_z), *like)
-            dz, du = fold_row_blocks(block_step, n, r, (dz0, du0))
+            dz, du = fold_row_blocks(block_step, n, r, (dz0, du0), least)
             return _from_carry(dz, z.dtype), (None if du is None else _from_carry(du, u.dtype))
 
         half = _is_half(z.dtype) or (cfg.TEACHER_GRAD and _is_half(u.dtype))

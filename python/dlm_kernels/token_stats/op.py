@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from .. import _checks
 from .._checks import flag
-from .._config import check_vocab_size, make_config, padded_rows
+from .._config import check_vocab_size, make_config
 from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
                          Capabilities, logger)
 from .._rows import Rows
@@ -108,10 +108,11 @@ class ReferenceBackend(BackendBase):
         # rows: the bundle (logits, teacher [N, K]) -> 4 x [N] f32; a linear head arrives
         # materialised in float32 (``LogitsSource.reference_array``: the reference is the
         # oracle's twin, not a lean path: its gradients are the float32 autodiff of
-        # hidden @ weight, rounded once). Run on rows padded to the framework's row group
-        # (inactive zero rows; JAX: a multiple of 8), so a row's bits do not depend on N.
+        # hidden @ weight, rounded once). Run on rows padded as the framework's whole-row
+        # arithmetic wants them (inactive zero rows; ``whole_row_rows``), so a row's bits do
+        # not depend on N.
         xp, n = self.xp, rows.targets.shape[0]
-        m = padded_rows(n, xp.row_group)
+        m = xp.whole_row_rows(n, rows.logits.shape[1])
         if m == n:
             return stats_math.reference_stats(xp, rows, cfg)
         padded = Rows(*(xp.pad_rows(f, m) for f in rows))
