@@ -114,9 +114,14 @@ class ReferenceBackend(BackendBase):
         xp, n = self.xp, rows.targets.shape[0]
         m = xp.whole_row_rows(n, rows.logits.shape[1])
         if m == n:
-            return stats_math.reference_stats(xp, rows, cfg)
+            return self.whole_rows(rows, cfg)
         padded = Rows(*(xp.pad_rows(f, m) for f in rows))
-        return tuple(s[:n] for s in stats_math.reference_stats(xp, padded, cfg))
+        return tuple(s[:n] for s in self.whole_rows(padded, cfg))
+
+    def whole_rows(self, rows, cfg):
+        """(lse, logp, entropy, kl) [N] of rows of ``whole_row_rows`` (a framework may run
+        the same formulas otherwise: ``JaxReferenceBackend``)."""
+        return stats_math.reference_stats(self.xp, rows, cfg)
 
 
 def trim_vocab(logits, teacher_logits, vocab_size):
