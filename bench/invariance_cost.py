@@ -31,17 +31,21 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-#: (name, N, K, dtype): the quick CPU grid's and the full CPU grid's token-statistics shapes
-#: (bench/shapes.py: QUICK_CPU_SHAPES, CPU_SHAPES), and a small vocabulary, where the
-#: current tree pads a call to at least min_block_rows rows
+#: (name, N, K, dtype, chunk_size): the quick CPU grid's and the full CPU grid's
+#: token-statistics shapes (bench/shapes.py: QUICK_CPU_SHAPES, CPU_SHAPES), then two calls
+#: the current tree pads to min_block_rows(C) rows: 8 rows of a small vocabulary (to 64),
+#: and 64 rows in a user's chunks of 256 columns (to 64) and of 16 (to 1024: a copy of
+#: 1024 x 4096 logits)
 CASES = [
-    ("N256-K2k", 256, 2048, "float32"),
-    ("N256-K16k", 256, 16384, "float32"),
-    ("N256-K16k-bf16", 256, 16384, "bfloat16"),
-    ("N512-K4k", 512, 4096, "float32"),
-    ("N512-K32k", 512, 32768, "float32"),
-    ("N512-K32k-bf16", 512, 32768, "bfloat16"),
-    ("N64-K256", 64, 256, "float32"),
+    ("N256-K2k", 256, 2048, "float32", None),
+    ("N256-K16k", 256, 16384, "float32", None),
+    ("N256-K16k-bf16", 256, 16384, "bfloat16", None),
+    ("N512-K4k", 512, 4096, "float32", None),
+    ("N512-K32k", 512, 32768, "float32", None),
+    ("N512-K32k-bf16", 512, 32768, "bfloat16", None),
+    ("N8-K256", 8, 256, "float32", None),
+    ("N64-K4k-chunk256", 64, 4096, "float32", 256),
+    ("N64-K4k-chunk16", 64, 4096, "float32", 16),
 ]
 MODES = ("fwd", "fwd+bwd")
 
@@ -55,11 +59,11 @@ import dlm_kernels.jax as D
 
 reps, cases = int(sys.argv[1]), json.loads(sys.argv[2])
 out = {"module": D.__file__}
-for name, n, k, dtype in cases:
+for name, n, k, dtype, chunk in cases:
     rng = np.random.default_rng(0)
     z = jnp.asarray(rng.standard_normal((n, k)) * 4, dtype)
     y = jnp.asarray(rng.integers(0, k, n), jnp.int32)
-    stats = lambda z: D.token_stats(z, y, backend="chunked")
+    stats = lambda z: D.token_stats(z, y, chunk_size=chunk, backend="chunked")
     fwd = jax.jit(lambda z: (lambda s: (s.logp, s.entropy))(stats(z)))
     both = jax.jit(jax.value_and_grad(lambda z: (lambda s: s.logp.sum() + s.entropy.sum())(
         stats(z))))
@@ -100,6 +104,10 @@ def main(argv=None):
                          capture_output=True, text=True).stdout.strip()
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "python"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    if dirty:  # "after" is the working tree: say so
+        head += "+uncommitted"
     cases = [list(c) for c in CASES]
     times = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -268,8 +268,9 @@ def padded_rows(n_rows: int, group: int) -> int:
 def group_rows_per_block(columns: int, on_cpu: bool = True,
                          cpu_bytes: int = CHUNK_BYTES_CPU) -> int:
     """Rows R of a full row block whose float32 [R, C] chunk stays under ``cpu_bytes`` on a
-    CPU (``CHUNK_BYTES_ACCELERATOR`` elsewhere): a multiple of ``ROW_GROUP``, at least one
-    group. A function of C alone (a call of fewer rows takes fewer, ``row_blocks``)."""
+    CPU (``CHUNK_BYTES_ACCELERATOR`` elsewhere): a multiple of ``ROW_GROUP``, at least
+    ``min_block_rows(C)``. A function of C alone (a call of fewer rows takes fewer, down to
+    ``min_block_rows(C)``: ``row_blocks``; a call of fewer than that runs padded to it)."""
     budget = cpu_bytes if on_cpu else CHUNK_BYTES_ACCELERATOR
     r = budget // (4 * max(columns, 1))
     return max(min_block_rows(columns), r // ROW_GROUP * ROW_GROUP)

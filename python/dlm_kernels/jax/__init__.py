@@ -234,7 +234,10 @@ def token_stats(
       entropy: compute ``entropy`` (default True); False leaves its sums out of both passes
         and returns ``entropy=None``.
       chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
-        backends (default: a heuristic).
+        backends (default: a heuristic). The chunked backend runs a call of fewer than
+        ``16384 // chunk_size`` rows padded to that many (one row, one answer: docs/design.md
+        §2), so a chunk under 2048 columns with few rows copies up to 16384 x K / chunk_size
+        logits (1024 rows of K at a chunk of 16).
       inplace_grad: torch only (JAX arrays are immutable): True raises a ValueError; donate
         the logits buffer to ``jit`` to let XLA reuse it instead.
       vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
@@ -618,7 +621,9 @@ def sample_tokens(
         its value can be read; where it cannot, every row has no valid draw (below).
       uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
         read in the same pass.
-      chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic).
+      chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic); as in
+        ``token_stats``, a call of fewer than ``16384 // chunk_size`` rows runs padded to
+        that many.
       stats_temperature: T_s of the returned statistics (logp, top1_logp, top2_logp,
         entropy, hence of every confidence of ``commit_tokens``): None takes the draw's T
         (softmax(z) at T = 0); 1.0 gives LLaDA's, Fast-dLLM's and Megatron-Bridge's

@@ -11,7 +11,8 @@ other code in the last N mod 8 lanes of a shape, and at least ``_config.min_bloc
 because it emits other code for an [R, C] tile of under about 4096 elements
 (``_config.row_blocks``: full blocks, then one block ending at row N that overlaps the last
 full block and computes its rows again). A call of fewer rows runs as that many (its rows
-and zero rows: a copy of under 16384 elements per chunk).
+and zero rows: a copy of min_block_rows(C) x K logits, small unless a user's chunk_size is
+small: 1024 x K at a chunk of 16).
 
 Tiles are taken with ``lax.dynamic_slice`` from the whole logits at (first row, first
 column) (slicing a block of rows first, or a reshape + scan, would copy the logits). K need
