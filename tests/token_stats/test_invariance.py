@@ -93,6 +93,15 @@ def test_jax_small_vocabulary_sampler_one_row_one_answer(backend, mode):
     check_sampler_one_row_one_answer("jax", backend, 37, None, mode, shape=(3, 200))
 
 
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_jax_wide_top_k_one_row_one_answer(backend):
+    """top_k 64 at K 8192 over 2 x 68 rows: the slots' statistics of a [rows, 64] tile ran
+    on rows padded to a multiple of 8 only, and a sequence's rows in a block of 136 and alone
+    (68) fell on both sides of XLA's small-tile size (entropy an ulp apart, chunked); they
+    run on at least min_block_rows(64) = 256 rows now."""
+    check_sampler_one_row_one_answer("jax", backend, 8192, None, "wide_top_k", shape=(2, 68))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_jax_vocab_parallel_one_row_one_answer(temperature):
     """JAX chunked under vocabulary parallelism (2 shards of K 96, chunks of 16; a teacher

@@ -49,7 +49,7 @@ import numpy as np
 from .._checks import (as_number, dtype_str, flag, host_values, plain, require_array,
                        require_float, require_int, require_logits, require_real, require_shape,
                        shape_str)
-from .._config import make_config, padded_rows
+from .._config import make_config
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
@@ -469,9 +469,10 @@ def finalize(xp, st, stats, keys, cfg):
         v, ids = st.topv, st.topi  # [N, k'] largest first, the draw's scores z / T
         v = xp.where(valid[:, None], v, 0.0)  # a row without a valid draw: no NaN or inf below
         n = v.shape[0]
-        # exp, log and the sums over the slots (and the noise's logs) on rows padded to the
-        # row group (JAX: 8), so a row's bits do not depend on N
-        pad = lambda x: xp.pad_rows(x, padded_rows(n, xp.row_group))  # noqa: E731
+        # exp, log and the sums over the slots (and the noise's logs) on rows padded as
+        # whole-row arithmetic wants them (JAX: a multiple of 8, and a [rows, k'] tile of at
+        # least 16384 elements: ``whole_row_rows``), so a row's bits do not depend on N
+        pad = lambda x: xp.pad_rows(x, xp.whole_row_rows(n, v.shape[1]))  # noqa: E731
         w = pad(v)
         d = w - w[:, 0][:, None]  # the largest slot is finite
         if cfg.two_temperatures:  # the statistics' z / T_s, to float32 accuracy
