@@ -607,9 +607,10 @@ def test_same_seed_same_tokens_on_every_backend(rng):
     first = tokens["torch", "reference"]
     for where, t in tokens.items():
         assert np.array_equal(t, first), f"{where}: {np.sum(t != first)} rows differ"
-    other = framework("torch").api.sample_tokens(framework("torch").array(z, "float32"),
-                                                 seed=42, step=8)
-    assert not np.array_equal(np.asarray(other.token), first), "step must change the draw"
+    torch_fw = framework("torch")  # arrays on the suite's device; fw.numpy brings them back
+    other = torch_fw.api.sample_tokens(torch_fw.array(z, "float32"), seed=42, step=8)
+    assert not np.array_equal(np.asarray(torch_fw.numpy(other.token)), first), (
+        "step must change the draw")
 
 
 @pytest.mark.parametrize("backend", ["reference", "chunked"])
