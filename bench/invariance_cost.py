@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 
+from .cli import detect
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: (name, N, K, dtype, chunk_size): the quick CPU grid's and the full CPU grid's
@@ -98,7 +100,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=4, help="processes per tree (default 4)")
     parser.add_argument("--reps", type=int, default=7, help="timed calls per case (default 7)")
     parser.add_argument("--out", default="bench-results", help="results folder")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated case names (default: all: " +
+                             ", ".join(c[0] for c in CASES) + ")")
     args = parser.parse_args(argv)
+    chosen = [c for c in CASES if args.cases is None or c[0] in args.cases.split(",")]
+    if not chosen:
+        parser.error(f"--cases names no case; the cases: {', '.join(c[0] for c in CASES)}")
 
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.before], check=True,
                          capture_output=True, text=True).stdout.strip()
@@ -108,7 +116,7 @@ def main(argv=None):
                            check=True, capture_output=True, text=True).stdout.strip()
     if dirty:  # "after" is the working tree: say so
         head += "+uncommitted"
-    cases = [list(c) for c in CASES]
+    cases = [list(c) for c in chosen]
     times = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         tree = pathlib.Path(tmp) / "before"
@@ -128,7 +136,7 @@ def main(argv=None):
                            check=False, capture_output=True)
 
     rows = []
-    for name, *_ in CASES:
+    for name, *_ in chosen:
         for mode in MODES:
             key = f"{name}/{mode}"
             b = [t[key] for t in times["before"]]
@@ -138,8 +146,6 @@ def main(argv=None):
                              after_ms=statistics.median(a), after_p20=_quantile(a, 0.2),
                              after_p80=_quantile(a, 0.8),
                              ratio=statistics.median(a) / statistics.median(b)))
-    from .cli import detect
-
     date = datetime.date.today().isoformat()
     device = detect()["device"]
     meta = dict(device=device, date=date, before=rev, after=head, rounds=args.rounds,

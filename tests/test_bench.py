@@ -1101,6 +1101,32 @@ def test_host_time_profiles_the_chunked_backend():
     assert len(re.findall(r"ATen ops per call \(nested included\): \d+; most: ", out)) == 3
 
 
+def test_invariance_cost_compares_two_trees(tmp_path):
+    """python -m bench.invariance_cost --before HEAD at its smallest case: a worktree of the
+    revision is made and removed, both trees are timed, and the report names the revision,
+    the device, and a ratio per mode. Skipped outside a git checkout."""
+    import pytest
+
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs a git checkout")
+    worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], check=True,
+                               capture_output=True, text=True).stdout
+    subprocess.run([sys.executable, "-m", "bench.invariance_cost", "--before", "HEAD",
+                    "--rounds", "1", "--reps", "1", "--cases", "N8-K256",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True)
+    (report,) = tmp_path.glob("invariance-cost-*.json")
+    data = json.loads(report.read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert data["meta"]["before"] == head and data["meta"]["device"]
+    assert [(r["case"], r["mode"]) for r in data["rows"]] == [("N8-K256", "fwd"),
+                                                              ("N8-K256", "fwd+bwd")]
+    assert all(r["before_ms"] > 0 and r["after_ms"] > 0 and r["ratio"] > 0 for r in data["rows"])
+    assert subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], check=True,
+                          capture_output=True, text=True).stdout == worktrees  # removed again
+
+
 def test_diffusion_gemma_bench(monkeypatch):
     """The DiffusionGemma head benchmark at a tiny shape: every case runs and is timed (the
     loss forward+backward and the denoising steps after the first, dense and patched), the
