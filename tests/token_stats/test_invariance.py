@@ -202,3 +202,43 @@ def test_jax_chunked_gradient_at_t_not_1():
                 assert np.array_equal(a[0], b[r]), (
                     f"seed {seed}: {name} of row {r} alone differs from the batch's in "
                     f"{int(np.sum(a[0] != b[r]))} elements")
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_jax_row_blocks_under_x64(backend):
+    """Under ``jax.enable_x64`` (Python ints and loop counters are int64 there) every tile
+    and buffer index is one dtype: the token statistics with a gradient, the sampler and a
+    LinearHead with a teacher head and their gradients, jitted, give the bits they give
+    without x64 (the linear-head benchmark's float64 reference found an int64/int32 mix in
+    the new loop buffer that raised, and the chunked backend raised under x64 before it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import dlm_kernels.jax as D
+    from harness import new_seed
+
+    rng = np.random.default_rng(new_seed())
+    z = rng.normal(size=(19, 300)).astype(np.float32) * 3
+    y = rng.integers(0, 300, 19)
+    h, w = (rng.normal(size=s).astype(np.float32) for s in ((19, 16), (300, 16)))
+
+    def run():
+        zz, yy = jnp.asarray(z), jnp.asarray(y, jnp.int32)
+        stats = lambda z: D.token_stats(z, yy, temperature=0.7, backend=backend)  # noqa: E731
+        (_, s), g = jax.jit(jax.value_and_grad(lambda z: (stats(z).logp.sum(), stats(z)),
+                                               has_aux=True))(zz)
+        draw = jax.jit(lambda z: D.sample_tokens(z, temperature=0.8, seed=3, backend=backend))(zz)
+        hh, ww = jnp.asarray(h), jnp.asarray(w)  # a LinearHead [K, D] with a teacher head
+        head = lambda h, w: D.token_stats(  # noqa: E731
+            D.LinearHead(h, w, weight_layout="KD", row_chunk=8), yy,
+            teacher_logits=D.LinearHead(h, w * 0.5, weight_layout="KD"),
+            teacher_grad=True, temperature=0.7, backend=backend).kl.sum()
+        head_grads = jax.jit(jax.grad(head, argnums=(0, 1)))(hh, ww)
+        return [np.asarray(v) for v in (*s, g, *draw, *head_grads)]
+
+    plain = run()
+    with jax.enable_x64(True):
+        wide = run()
+    for i, (a, b) in enumerate(zip(wide, plain)):
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), i

@@ -273,9 +273,9 @@ class _Sweep:
                 if db is not None:
                     db = db.at[b0:b1].add(jnp.sum(dz, axis=0, dtype=db.dtype))
                 if du is not None:
-                    old = lax.dynamic_slice(du, (start, b0), du_c.shape)
-                    du = lax.dynamic_update_slice(du, jnp.where(fresh[:, None], du_c, old),
-                                                  (start, b0))
+                    at = (jnp.int32(start), jnp.int32(b0))  # one index dtype, x64 or not
+                    old = lax.dynamic_slice(du, at, du_c.shape)
+                    du = lax.dynamic_update_slice(du, jnp.where(fresh[:, None], du_c, old), at)
                 return dh, dw_b, db, du
 
             carry = body(0, (dh, jnp.zeros(w_b.shape, _acc_dtype(w_b)), db, du))

@@ -89,7 +89,7 @@ def fold_row_outputs(block, n, r, least, dtypes, like):
 
     def step(buf, row0, nb):
         out = jnp.stack([as_f32(o, d) for o, d in zip(block(row0, nb), dtypes)])
-        return lax.dynamic_update_slice(buf, out, (0, row0))
+        return lax.dynamic_update_slice_in_dim(buf, out, row0, axis=1)  # any index dtype (x64)
 
     buf = varying_like(jnp.zeros((len(dtypes), n), jnp.float32), *like)
     buf = fold_row_blocks(step, n, r, buf, least)
@@ -123,7 +123,10 @@ def _per_platform(run, z, cfg, cpu_differs=False):
 
 def tile(a, row0, rows, start, c):
     """Rows [row0, row0 + rows) and columns [start, start + c) of a [N, K] array (None: None)."""
-    return None if a is None else lax.dynamic_slice(a, (row0, start), (rows, c))
+    if a is None:
+        return None
+    # one index dtype: under jax_enable_x64 a loop's counter is int64, a row offset int32
+    return lax.dynamic_slice(a, (jnp.int32(row0), jnp.int32(start)), (rows, c))
 
 
 def _row_slice(x, row0, rows):
@@ -292,7 +295,7 @@ class ChunkedJax(BackendBase):
                     gz, gu = stats_math.chunk_grads(xp, chunk, cols, block_stats, block_grads,
                                                     cfg)
                     update = lambda buf, g, dtype, carry: lax.dynamic_update_slice(
-                        buf, _to_carry(g, dtype, carry), (row0, start))
+                        buf, _to_carry(g, dtype, carry), (jnp.int32(row0), jnp.int32(start)))
                     dz = update(dz, gz, z.dtype, carry_z)
                     if du is not None:
                         du = update(du, gu, u.dtype, carry_u)
