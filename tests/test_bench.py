@@ -1107,9 +1107,10 @@ def test_invariance_cost_compares_two_trees(tmp_path):
     the device, and a ratio per mode. Skipped outside a git checkout."""
     import pytest
 
-    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                      capture_output=True).returncode != 0:
-        pytest.skip("needs a git checkout")
+    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"],
+                         capture_output=True, text=True)
+    if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(ROOT):
+        pytest.skip("needs this repository as a git checkout of its own")
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], check=True,
                                capture_output=True, text=True).stdout
     subprocess.run([sys.executable, "-m", "bench.invariance_cost", "--before", "HEAD",
