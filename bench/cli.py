@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import sys
 
 import numpy as np
@@ -30,6 +31,12 @@ def write_outputs(args, report, table):
         if path:
             with open(path, "w") as f:
                 f.write(text)
+
+
+def device_slug(device):
+    """A results file's device part: the device's words in lower case, joined by hyphens
+    (at most 48 characters)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()[:48]
 
 
 def try_import(name):

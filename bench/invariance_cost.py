@@ -23,13 +23,12 @@ import datetime
 import json
 import os
 import pathlib
-import re
-import statistics
 import subprocess
 import sys
 import tempfile
 
-from .cli import detect
+from .cli import detect, device_slug
+from .timing import _stats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -89,11 +88,6 @@ def _run_tree(python_dir, reps, cases):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _quantile(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the git revision to compare with")
@@ -139,13 +133,10 @@ def main(argv=None):
     for name, *_ in chosen:
         for mode in MODES:
             key = f"{name}/{mode}"
-            b = [t[key] for t in times["before"]]
-            a = [t[key] for t in times["after"]]
-            rows.append(dict(case=name, mode=mode, before_ms=statistics.median(b),
-                             before_p20=_quantile(b, 0.2), before_p80=_quantile(b, 0.8),
-                             after_ms=statistics.median(a), after_p20=_quantile(a, 0.2),
-                             after_p80=_quantile(a, 0.8),
-                             ratio=statistics.median(a) / statistics.median(b)))
+            b, a = (_stats([t[key] for t in times[which]]) for which in ("before", "after"))
+            rows.append(dict(case=name, mode=mode, before_ms=b["ms"], before_p20=b["p20"],
+                             before_p80=b["p80"], after_ms=a["ms"], after_p20=a["p20"],
+                             after_p80=a["p80"], ratio=a["ms"] / b["ms"]))
     date = datetime.date.today().isoformat()
     device = detect()["device"]
     meta = dict(device=device, date=date, before=rev, after=head, rounds=args.rounds,
@@ -154,8 +145,7 @@ def main(argv=None):
                      "each process's median over --reps calls, then the median over rounds")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()[:48]
-    stem = out / f"invariance-cost-{slug}-{date}"
+    stem = out / f"invariance-cost-{device_slug(device)}-{date}"
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# One row, one answer: cost on {device}, {date}", "",
              f"JAX chunked token statistics, jitted; before = {rev[:10]}, after = "

@@ -35,7 +35,6 @@ import atexit
 import gc
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import shapes
-from .cli import detect, try_import
+from .cli import detect, device_slug, try_import
 from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets, upstream_bytes
 from .memory import cpu_peak_bytes, cuda_peak_delta, meminfo_bytes, package_cwd
 from .plot import PEER_NAMES, plot
@@ -527,7 +526,7 @@ def main(argv=None):
               f"{'ok' if row['ok'] else 'FAIL'} {row['max_abs_err']}", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()[:48]
+    slug = device_slug(env["device"])
     stem = os.path.join(args.out, f"{slug}-{env['date'][:10]}" + ("-smoke" if args.smoke else "")
                         + ("-cpu-target" if args.cpu_target else "")
                         + ("-busy" if env["busy_core"] else ""))

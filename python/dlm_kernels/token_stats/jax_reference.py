@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import formulas as stats_math
-from .jax_chunked import fold_row_outputs
+from .jax_chunked import _row_slice, fold_row_outputs
 from .op import ReferenceBackend
 from .._config import min_block_rows
 from .._jax.ops import JaxOps
@@ -37,8 +36,7 @@ class JaxReferenceBackend(ReferenceBackend):
             n, r = rows.targets.shape[0], min_block_rows(rows.logits.shape[1])
 
             def block(row0, nb):
-                cut = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, row0, nb)  # noqa: E731
-                return plain(Rows(*(cut(f) for f in rows)))
+                return plain(Rows(*(_row_slice(f, row0, nb) for f in rows)))
 
             return fold_row_outputs(block, n, r, r, (jnp.float32,) * 4, (rows,))
 
