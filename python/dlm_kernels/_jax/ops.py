@@ -37,6 +37,19 @@ class JaxOps:
         return max(padded_rows(n, ROW_GROUP), min_block_rows(columns)) if n else 0
 
     @staticmethod
+    def rounded(x):
+        """x, a product of per-row values, rounded to float32 before a sum takes it. XLA's CPU
+        and GPU compilers contract a product and the sum that takes it into one fused
+        multiply-add (one rounding instead of two) wherever both land in one fused loop, and
+        whether they do depends on the whole program (a factor that a small call hoists out
+        of its loop of row blocks, a larger one computes inside it): a row's gradient came
+        out an ulp apart between a batch and the row alone (docs/design.md §2). The select
+        on x's own NaN test stands between them; no compiler may remove it (it could change
+        a NaN's payload), and a NaN stays NaN. (A select on a mask would not do: a mask
+        known when compiling, all rows active, folds away.)"""
+        return jnp.where(jnp.isnan(x), jnp.nan, x)
+
+    @staticmethod
     def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
         if x is None or x.shape[0] == n:
             return x

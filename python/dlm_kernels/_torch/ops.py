@@ -37,6 +37,13 @@ class TorchOps:
         return n
 
     @staticmethod
+    def rounded(x):
+        """x itself: a per-row product a sum then takes (``JaxOps.rounded`` keeps XLA from
+        fusing the two into a multiply-add). Eager torch never contracts, nor does Inductor's
+        CPU code (compiled with -ffp-contract=off)."""
+        return x
+
+    @staticmethod
     def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
         if x is None or x.shape[0] == n:
             return x

@@ -132,6 +132,13 @@ def _scaled(x, inv_t):
     return x if inv_t == 1.0 else x * inv_t
 
 
+def _row_scaled(xp, x, inv_t):
+    """x / T of per-row values that a sum then takes, rounded on their own
+    (``xp.rounded``: in one fused loop XLA would fuse the product into the sum, in some
+    programs and not in others, docs/design.md §2)."""
+    return x if inv_t == 1.0 else xp.rounded(x * inv_t)
+
+
 def _safe(xp, m):
     """A running max with -inf (no finite entry yet) replaced by 0, so that no inf - inf forms."""
     return xp.where(m == NEG_INF, 0.0, m)
@@ -383,7 +390,7 @@ def target_logp(xp, r_y, found, m, la_ce, cfg: Lowered):
     """logp = (r_y - m) / T_ce - la_ce, [N] f32 (m the row's largest logit, la_ce the log of
     the sum relative to it); NaN where the target was not found (out of range: loud, never
     silently wrong)."""
-    return xp.where(found > 0, _scaled(r_y - m, cfg.inv_t_ce) - la_ce, float("nan"))
+    return xp.where(found > 0, _row_scaled(xp, r_y - m, cfg.inv_t_ce) - la_ce, float("nan"))
 
 
 def column_mask(xp, cols, cfg: Lowered, valid=None):
@@ -408,11 +415,12 @@ def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: Lowered):
     logp = logp_y
     if cfg.SMOOTH:
         eps = cfg.label_smoothing
-        mean = _scaled(sr * cfg.smooth_mean - m, cfg.inv_t_ce) - la_ce
-        logp = (1.0 - eps) * logp + eps * mean
+        # (each per-row product rounded on its own: _row_scaled)
+        mean = _row_scaled(xp, xp.rounded(sr * cfg.smooth_mean) - m, cfg.inv_t_ce) - la_ce
+        logp = xp.rounded((1.0 - eps) * logp) + xp.rounded(eps * mean)
     if cfg.Z_LOSS:
-        lse_ce = _scaled(m, cfg.inv_t_ce) + la_ce
-        logp = logp - cfg.z_loss_weight * (lse_ce * lse_ce)
+        lse_ce = _row_scaled(xp, m, cfg.inv_t_ce) + la_ce
+        logp = logp - xp.rounded(cfg.z_loss_weight * (lse_ce * lse_ce))
     return xp.where(active, logp, 0.0)
 
 
@@ -423,17 +431,18 @@ def ce_coefficients(xp, g_lp, stats: Stats, cfg: Lowered):
 
         g_y = (1 - ε)·g_lp / T_ce,   g_u = ε / K·g_lp / T_ce,   g_p = (1 + 2λ·lse_ce)·g_lp / T_ce
 
-    (g_y = g_p = g_lp / T_ce and g_u = 0 when ε = λ = 0)."""
-    g = g_lp * cfg.inv_t_ce
+    (g_y = g_p = g_lp / T_ce and g_u = 0 when ε = λ = 0). Each is rounded on its own
+    (``xp.rounded``): the sums that take them run in other fused loops in other programs."""
+    g = _row_scaled(xp, g_lp, cfg.inv_t_ce)
     if not cfg.CE_TERMS:
         return g, None, g
     eps, lam = cfg.label_smoothing, cfg.z_loss_weight
-    g_y = g * (1.0 - eps) if cfg.SMOOTH else g
-    g_u = g * cfg.smooth_weight if cfg.SMOOTH else None
+    g_y = xp.rounded(g * (1.0 - eps)) if cfg.SMOOTH else g
+    g_u = xp.rounded(g * cfg.smooth_weight) if cfg.SMOOTH else None
     g_p = g
     if cfg.Z_LOSS:
-        lse_ce = _scaled(stats.m, cfg.inv_t_ce) + stats.la_ce
-        g_p = g * (1.0 + 2.0 * lam * lse_ce)
+        lse_ce = _row_scaled(xp, stats.m, cfg.inv_t_ce) + stats.la_ce
+        g_p = xp.rounded(g * (1.0 + xp.rounded(2.0 * lam * lse_ce)))
     return g_y, g_u, g_p
 
 
@@ -442,7 +451,7 @@ def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
     (out of range: loud, never silently wrong) and carries label smoothing and z-loss
     (``ce_objective``); inactive rows give exact zeros."""
     la = xp.log(state.a)
-    lse = _scaled(state.m, cfg.inv_t) + la
+    lse = _row_scaled(xp, state.m, cfg.inv_t) + la
     entropy = la - state.b / state.a if cfg.HAS_ENTROPY else xp.zeros_like(lse)
     la_ce = xp.log(state.a2) if cfg.SEPARATE_CE else la
     logp = ce_objective(xp, target_logp(xp, r_y, found, state.m, la_ce, cfg), state.sr,
@@ -492,19 +501,20 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered, pointwi
     g_lse, g_lp, g_h, g_kl = grads
     inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, g_lp, stats, cfg)  # [N] each (g_u None: 0)
-    coef = g_lse * inv_t  # [N]: the factor of p_k in dr
+    # the per-row factors, each rounded on its own (_row_scaled)
+    coef = _row_scaled(xp, g_lse, inv_t)  # [N]: the factor of p_k in dr
     if not cfg.SEPARATE_CE:
         coef = coef - g_p  # p' = p
     coef = coef[:, None]
     if cfg.HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
-        coef = coef - (g_h * inv_t)[:, None] * xp.where(p > 0, logp_k + stats.entropy[:, None],
-                                                          0.0)
+        coef = coef - _row_scaled(xp, g_h, inv_t)[:, None] * xp.where(
+            p > 0, logp_k + stats.entropy[:, None], 0.0)
     dr = p * coef
     du = None
     if cfg.HAS_TEACHER:
         xu = _scaled(xp.f32(u) - stats.mu[:, None], cfg.inv_t_kl)
         q = xp.exp(xu - stats.la_u[:, None])
-        dr = dr + (g_kl * inv_t)[:, None] * (p - q)  # float32 p - q: no cancellation trap
+        dr = dr + _row_scaled(xp, g_kl, inv_t)[:, None] * (p - q)  # float32 p - q
         if cfg.TEACHER_GRAD:
             # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of log-normalisers
             du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
@@ -543,24 +553,27 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: Lowered):
     x, targets = rows.shift_ids, rows.targets
     r = shifted_logits(xp, z_x[:, None], x[:, None], x, rows.shift, cfg)  # [N, 1]
     d = r - stats.m[:, None]  # a logit difference, as in chunk_grads
-    logp_k = _scaled(d, cfg.inv_t) - stats.la[:, None]
+    # every product here is per row: each rounded on its own (_row_scaled)
+    logp_k = _row_scaled(xp, d, cfg.inv_t) - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = (g[:, None] for g in grads)
     inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, grads[1], stats, cfg)  # [N] each (g_u None: 0)
     g_p = g_p[:, None]
-    coef = g_lse * inv_t
+    coef = _row_scaled(xp, g_lse, inv_t)
     if not cfg.SEPARATE_CE:
         coef = coef - g_p
     if cfg.HAS_ENTROPY:
-        coef = coef - g_h * inv_t * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0)
-    dr = p * coef
+        coef = coef - xp.rounded(_row_scaled(xp, g_h, inv_t)
+                                 * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0))
+    dr = xp.rounded(p * coef)
     if cfg.HAS_TEACHER:
-        q = xp.exp(_scaled(xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.inv_t_kl)
+        q = xp.exp(_row_scaled(xp, xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.inv_t_kl)
                    - stats.la_u[:, None])
-        dr = dr + g_kl * inv_t * (p - q)
+        dr = dr + xp.rounded(_row_scaled(xp, g_kl, inv_t) * (p - q))
     if cfg.SEPARATE_CE:
-        dr = dr - g_p * xp.exp(_scaled(d, cfg.inv_t_ce) - stats.la_ce[:, None])
+        dr = dr - xp.rounded(g_p * xp.exp(_row_scaled(xp, d, cfg.inv_t_ce)
+                                          - stats.la_ce[:, None]))
     dr = dr[:, 0] + xp.where(x == targets, g_y, 0.0)
     if g_u is not None:  # the shifted column is a valid one (``found``)
         dr = dr + g_u
