@@ -236,40 +236,66 @@ def test_jax_row_blocks_under_x64(backend):
         assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True), i
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open: a LinearHead's logits come from the platform's matmul, whose CPU kernels give a "
-    "row other bits at another row count (XLA: 1 row, and up to 48 rows at D 64; torch's: "
-    "1 and 2 rows; docs/design.md §2)"))
+#: (head options, token_stats options) of test_linear_head_rows_alone
+HEAD_CASES = {
+    "plain": ({}, {}),
+    "bias, softcap, shift, teacher head, chunks of 16 rows": (
+        dict(bias=True, softcap=20.0, row_chunk=16), dict(shift=True, teacher=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_CASES))
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
 @pytest.mark.parametrize("fw_name", ["torch", "jax"])
-def test_linear_head_rows_alone(fw_name):
-    """A LinearHead (D 64, K 300) at T 0.7: every statistic and d hidden of rows 0 and 7
-    alone against the same rows among 20."""
+def test_linear_head_rows_alone(fw_name, backend, case):
+    """A LinearHead (D 64, K 300) at T 0.7: every statistic and d hidden of rows alone (0,
+    7, 69), and of rows 3-7, against the same rows among 70 (past one matmul group of 64
+    rows). A head's logits and d hidden come from the platform's matmul, which on a CPU
+    rounds a row by its row count (XLA: 1 row, and up to 48 rows at D 64; torch's: 1 and 2
+    rows): before every such matmul ran on rows padded to a multiple of 64
+    (``linear_head.head.head_rows``), a row alone differed from the batch's in both
+    frameworks; in JAX, before every token chunk ran inside one loop and every product a
+    sum takes was rounded on its own (``JaxOps.rounded``), a row's d hidden with a teacher
+    head and chunks of 16 rows still did."""
     import numpy as np
 
     from harness import framework, new_seed
 
     fw = framework(fw_name)
+    api = fw.api
+    head_kw, stats_kw = HEAD_CASES[case]
     rng = np.random.default_rng(new_seed())
-    n, d, k = 20, 64, 300
-    h = rng.normal(size=(n, d)).astype(np.float32)
-    w = (rng.normal(size=(k, d)) * 0.2).astype(np.float32)
-    y = rng.integers(0, k, n)
-    cots = [rng.normal(size=n).astype(np.float32) for _ in range(3)]
+    n, d, k = 70, 64, 300
+    h, ht = (rng.normal(size=(n, d)).astype(np.float32) for _ in range(2))
+    w, wt = ((rng.normal(size=(k, d)) * 0.2).astype(np.float32) for _ in range(2))
+    bias = rng.normal(size=k).astype(np.float32) if head_kw.get("bias") else None
+    y, x = rng.integers(0, k, n), rng.integers(0, k, n)
+    shift = rng.uniform(0.0, 3.0, n).astype(np.float32)
+    cots = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
+    softcap, row_chunk = head_kw.get("softcap"), head_kw.get("row_chunk")
 
     def run(idx):
-        def fn(hidden, weight, ids):
-            st = fw.api.token_stats(fw.api.LinearHead(hidden, weight, weight_layout="KD"), ids,
-                                    temperature=0.7,
-                                    backend="chunked")
-            return st.lse, st.logp, st.entropy
+        def fn(hidden, weight, b, ids, sid, d_, th, tw):
+            head = api.LinearHead(hidden, weight, b, softcap, weight_layout="KD",
+                                  row_chunk=row_chunk)
+            kw = {}
+            if stats_kw.get("shift"):
+                kw.update(shift_ids=sid, shift=d_)
+            if stats_kw.get("teacher"):
+                kw.update(teacher_logits=api.LinearHead(th, tw, weight_layout="KD",
+                                                        row_chunk=row_chunk))
+            return tuple(api.token_stats(head, ids, temperature=0.7, backend=backend, **kw))
 
-        outs, (dh,) = fw.vjp(fn, [fw.array(h[idx])], [c[idx] for c in cots],
-                             args=(fw.array(w), fw.array(y[idx])))
+        outs, (dh,) = fw.vjp(fn, [fw.array(h[idx])], [c[idx] for c in cots], args=(
+            fw.array(w), None if bias is None else fw.array(bias), fw.array(y[idx]),
+            fw.array(x[idx]), fw.array(shift[idx]), fw.array(ht[idx]), fw.array(wt)))
         return [*outs, dh]
 
     batch = run(np.arange(n))
-    for i in (0, 7):
-        for name, a, b in zip(("lse", "logp", "entropy", "d hidden"), run(np.array([i])),
-                              batch):
-            assert np.array_equal(np.asarray(a)[0], np.asarray(b)[i]), (
-                f"{fw_name}: {name} of row {i} alone differs from the batch's")
+    for rows in ([0], [7], [69], [3, 4, 5, 6, 7]):
+        for name, a, b in zip(("lse", "logp", "entropy", "kl", "d hidden"),
+                              run(np.array(rows)), batch):
+            a, b = np.asarray(a), np.asarray(b)[rows]
+            assert np.array_equal(a, b, equal_nan=True), (
+                f"{fw_name} {backend}: {name} of rows {rows} alone differs from the batch's "
+                f"in {int(np.sum(a != b))} elements")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._config import ROW_GROUP, min_block_rows, padded_rows
-from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX, VOCAB_MAJOR
+from ..linear_head.head import HEAD_CHUNK_BYTES_CPU_JAX, VOCAB_MAJOR, head_rows
 from ..token_stats import formulas
 
 
@@ -127,12 +127,19 @@ class JaxOps:
     @staticmethod
     def head_logits(head):
         """The logits [..., K] of a LinearHead over [..., D] hidden states, in the head's
-        dtype, differentiable."""
+        dtype, differentiable; one matmul over the rows padded to ``head_rows`` (a row's
+        bits do not depend on the row count)."""
+        h = head.hidden
+        lead, d = h.shape[:-1], h.shape[-1]
+        h = h.reshape(-1, d)
+        n = h.shape[0]
+        h = JaxOps.pad_rows(h, head_rows(n))
         if head.weight_layout == VOCAB_MAJOR:
-            z = jnp.einsum("...d,kd->...k", head.hidden, head.weight)
+            z = jnp.einsum("nd,kd->nk", h, head.weight)
         else:
-            z = jnp.einsum("...d,dk->...k", head.hidden, head.weight)
-        return z if head.bias is None else z + head.bias
+            z = jnp.einsum("nd,dk->nk", h, head.weight)
+        z = z if head.bias is None else z + head.bias
+        return z[:n].reshape(*lead, z.shape[-1])
 
     # the head path's schedule (``linear_head.jax_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for

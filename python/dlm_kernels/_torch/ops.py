@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from ..linear_head.head import HEAD_CHUNK_BYTES_CPU, VOCAB_MAJOR, head_vocab_chunk, row_chunks
+from ..linear_head.head import (HEAD_CHUNK_BYTES_CPU, VOCAB_MAJOR, head_rows, head_vocab_chunk,
+                                row_chunks)
 from ..token_stats import formulas
 
 
@@ -103,12 +104,20 @@ class TorchOps:
     @staticmethod
     def head_logits(head):
         """The logits [..., K] of a LinearHead over [..., D] hidden states, in the head's
-        dtype (the matmul accumulates in float32), differentiable."""
+        dtype (the matmul accumulates in float32), differentiable; one matmul over the rows
+        padded to ``head_rows`` (a row's bits do not depend on the row count)."""
         h, w, b = head.hidden, head.weight, head.bias
+        lead, d = h.shape[:-1], h.shape[-1]
+        h = h.reshape(-1, d)
+        n = h.shape[0]
+        if head_rows(n) != n:
+            h = torch.cat([h, h.new_zeros(head_rows(n) - n, d)])
         if head.weight_layout == VOCAB_MAJOR:
-            return F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
-        z = h @ w  # [.., D] x [D, K]
-        return z if b is None else z + b
+            z = F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
+        else:
+            z = h @ w  # [.., D] x [D, K]
+            z = z if b is None else z + b
+        return z[:n].reshape(*lead, z.shape[-1])
 
     # the head path's schedule (``linear_head.torch_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for

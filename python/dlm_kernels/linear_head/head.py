@@ -97,16 +97,32 @@ def head_vocab_chunk(r: int, vocab: int) -> int:
     return max(1, min(vocab, max(128, (c // 128) * 128)))
 
 
+#: Every matmul that forms a row's own values, a head's logits (H·W) and d hidden (dZ·Wᵀ),
+#: takes a multiple of HEAD_ROW_GROUP rows, zero rows appended where a chunk (or a call)
+#: has fewer (``head_rows``): a CPU's matmul rounds a row by the matmul's row count below
+#: that (measured on a two-core EPYC: XLA's at 1 row, and at up to 48 rows against 1024 at
+#: D 64; torch's at 1 and 2 rows) and alike at every multiple of 64 (D 8 to 2048, K 64 to
+#: 32768; any position, memory offset and thread count), so a row's logits, statistics and
+#: d hidden do not depend on the rows beside it (docs/design.md §2; held by
+#: tests/token_stats/test_invariance.py::test_linear_head_rows_alone).
+HEAD_ROW_GROUP = 64
+
+
+def head_rows(n_rows: int) -> int:
+    """The rows a matmul over N rows of a head runs on: N rounded up to HEAD_ROW_GROUP."""
+    return -(-n_rows // HEAD_ROW_GROUP) * HEAD_ROW_GROUP
+
+
 def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None,
                   cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
     """Rows R of one token chunk: ``requested`` when given, else the most rows whose [R, K]
-    logits fit the platform's budget (``cpu_bytes`` on a CPU), a multiple of 16, at least 16
-    and at most N."""
+    logits fit the platform's budget (``cpu_bytes`` on a CPU), a multiple of HEAD_ROW_GROUP
+    (its matmuls pad to one anyway), at least one group, and at most N."""
     if requested is not None:
         return max(1, min(requested, n_rows))
     budget = cpu_bytes if on_cpu else HEAD_CHUNK_BYTES_ACCELERATOR
     r = budget // (itemsize * max(vocab, 1))
-    r = max(16, (r // 16) * 16)
+    r = max(HEAD_ROW_GROUP, (r // HEAD_ROW_GROUP) * HEAD_ROW_GROUP)
     return max(1, min(r, n_rows))
 
 

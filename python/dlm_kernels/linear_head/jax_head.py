@@ -29,6 +29,7 @@ from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
 from .._jax.vocab_parallel import vocab_parallel_stats
 from .._dispatch import FUSED_HEAD, registry
+from ..token_stats.jax_chunked import varying_like
 
 #: kernels that run a whole head, by backend name (``linear_head.jax_pallas``)
 _FUSED_HEADS = registry(FUSED_HEAD, "jax")
@@ -70,6 +71,13 @@ jax.tree_util.register_pytree_node(DenseLogits, lambda x: ((x.array,), None),
 def _dot_f32(a, b):  # a @ b accumulated and returned in float32 (float64 stays float64)
     out = jnp.promote_types(a.dtype, jnp.float32)
     return jnp.matmul(a, b, preferred_element_type=out)
+
+
+def _rows_dot_f32(a, b):
+    """``_dot_f32`` for a product whose rows are rows' own values (d hidden = dZ·Wᵀ), over
+    a's rows padded to ``head_rows``: a row's bits do not depend on the row count."""
+    n = a.shape[0]
+    return _dot_f32(JaxOps.pad_rows(a, base.head_rows(n)), b)[:n]
 
 
 def _acc_dtype(x):
@@ -127,7 +135,7 @@ class _HeadPart:
         major = x.weight_layout == VOCAB_MAJOR
         g = _through_cap(x, g, lambda: JaxOps.head_logits(x.without_softcap().replace(hidden=h)))
         # [R, K] x [K, D] -> dH rows; [K, R] x [R, D] (or [D, R] x [R, K]) -> dW: R·K·D each
-        dh = _put(dh, start, _dot_f32(g, w if major else w.T), fresh)
+        dh = _put(dh, start, _rows_dot_f32(g, w if major else w.T), fresh)
         dw = dw + (_dot_f32(g.T, h) if major else _dot_f32(h.T, g))
         db = None if db is None else db + jnp.sum(g, axis=0, dtype=db.dtype)
         return (dh, dw, db)
@@ -321,12 +329,13 @@ class _Sweep:
                        self._add(acc[1], rows.teacher, du, start, fresh))
             return stats, acc
 
-        # the first chunk is peeled so the loop carry varies over the same shard_map axes
-        # as the chunk outputs (zeros would not)
-        carry = body(0, (stats0, acc0))
-        if self.n_chunks > 1:
-            carry = lax.fori_loop(1, self.n_chunks, body, carry)
-        return carry
+        # Every chunk, the first and a lone one too, runs in one loop whose trip count XLA
+        # cannot see (as the chunked backend's row blocks, ``fold_row_blocks``): a chunk
+        # peeled out of the loop compiled to other bits (a row's d hidden with a softcap and
+        # a teacher head). The carry starts varying over the shard_map axes of the inputs.
+        carry = jax.tree.map(lambda x: varying_like(x, rows, stats, grads), (stats0, acc0))
+        count = lax.optimization_barrier(jnp.int32(self.n_chunks))
+        return lax.fori_loop(0, count, body, carry)
 
 
 def _summed_like(g, primal):

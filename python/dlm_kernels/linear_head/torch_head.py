@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import head as base
-from .head import VOCAB_MAJOR, row_chunk_for, row_chunks
+from .head import VOCAB_MAJOR, head_rows, row_chunk_for, row_chunks
 from .._rows import Rows
 from ..token_stats import formulas as stats_math
 from ..token_stats.formulas import Stats
@@ -50,6 +50,20 @@ def _mm_f32(a, b, out, accumulate):
     return out.add_(product) if accumulate else out.copy_(product)
 
 
+def _rows_mm_f32(a, b, out, accumulate):
+    """``_mm_f32`` for a product whose rows are rows' own values (d hidden = dZ·Wᵀ): one
+    matmul over a's rows padded to ``head_rows``, so a row's bits do not depend on the row
+    count. Accumulated, the product is formed first and then added (a matmul that adds into
+    ``out`` itself rounds the sum block by block of its own)."""
+    n = a.shape[0]
+    if head_rows(n) != n:
+        a = torch.cat([a, a.new_zeros(head_rows(n) - n, a.shape[1])])
+    elif not accumulate:
+        return _mm_f32(a, b, out, False)
+    product = _mm_f32(a, b, out.new_empty((a.shape[0], out.shape[1])), False)
+    return out.add_(product[:n]) if accumulate else out.copy_(product[:n])
+
+
 class _HeadGrads:
     """The gradients of one head being formed chunk by chunk: dH [N, D], dW and db
     accumulated in float32 (float64 for a float64 head), rounded once in ``result``; with
@@ -79,7 +93,7 @@ class _HeadGrads:
             dz = (dz.float() * stats_math.softcap_slope(TorchOps, raw.float(), head.softcap)
                   ).to(head.dtype)
         if self.dh is not None:  # [R, K] x [K, D]: R·K·D multiply-adds, into dH's rows
-            _mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=False)
+            _rows_mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=False)
         if self.dw is not None:  # [K, R] x [R, D] (or [D, R] x [R, K]): K·R·D, added to dW
             _mm_f32(dz.t(), h, self.dw, True) if major else _mm_f32(h.t(), dz, self.dw, True)
         if self.db is not None:
@@ -99,7 +113,7 @@ class _HeadGrads:
         w, h = self._w_cols(head.weight, b0, b1), head.hidden[r0:r1]
         major = head.weight_layout == VOCAB_MAJOR
         if self.dh is not None:  # every block adds into the same rows of dH
-            _mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=True)
+            _rows_mm_f32(dz, w if major else w.t(), self.dh[r0:r1], accumulate=True)
         if self.dw_block is not None:
             if major:
                 _mm_f32(dz.t(), h, self.dw_block, True)

@@ -126,16 +126,12 @@ def _add_at(xp, x, ids, col0, vals):
     return xp.add_at_cols(x, xp.where(hit, local, 0), xp.where(hit, vals, 0.0))
 
 
-def _scaled(x, inv_t):
+def _scaled(xp, x, inv_t):
     """x / T as x·(1/T), ``inv_t`` = 1/T (x itself at T = 1: one [N, C] pass less in eager
-    frameworks, same values)."""
-    return x if inv_t == 1.0 else x * inv_t
-
-
-def _row_scaled(xp, x, inv_t):
-    """x / T of per-row values that a sum then takes, rounded on their own
-    (``xp.rounded``: in one fused loop XLA would fuse the product into the sum, in some
-    programs and not in others, docs/design.md §2)."""
+    frameworks, same values), rounded before any sum takes it (``xp.rounded``: in one fused
+    loop XLA contracts a product and its sum into one multiply-add, in some programs and not
+    in others, docs/design.md §2). Every product in these formulas that a sum takes is
+    rounded so, a tile's or a row's."""
     return x if inv_t == 1.0 else xp.rounded(x * inv_t)
 
 
@@ -183,7 +179,7 @@ def teacher_sums(xp, u, x, w, cfg: Lowered):
     so far below the teacher's max that e^{x_u} is 0) adds e^x to fu and nothing else; one
     with p = 0 where q > 0 makes cu and fu +inf (or of order |x|: an infinite KL)."""
     mu, mus = _safe_max(xp, u)
-    xu = _scaled(u - mus[:, None], cfg.inv_t_kl)
+    xu = _scaled(xp, u - mus[:, None], cfg.inv_t_kl)
     eu = xp.exp(xu)
     y = xu - x
     ct = xp.where(eu > 0, eu * y, 0.0)  # (y may be ±inf or NaN where q = 0)
@@ -212,12 +208,12 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered, pointwise_shift=Fal
         r = xp.where(valid[None, :], r, NEG_INF)
     m, ms = _safe_max(xp, r)
     d = r - ms[:, None]  # [N, C] logit differences, shared by every sum below
-    x = _scaled(d, cfg.inv_t)
+    x = _scaled(xp, d, cfg.inv_t)
     a, b, e = _row_sums(xp, x, cfg.HAS_ENTROPY)
     zero = xp.zeros_like(a)
     a2 = a
     if cfg.SEPARATE_CE:
-        a2, _, _ = _row_sums(xp, _scaled(d, cfg.inv_t_ce), False)
+        a2, _, _ = _row_sums(xp, _scaled(xp, d, cfg.inv_t_ce), False)
     mu, au, cu, fu = m, zero, zero, zero
     if cfg.HAS_TEACHER:
         u = xp.f32(u)
@@ -230,7 +226,7 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered, pointwise_shift=Fal
 def _rescale(xp, m_part, m, inv_t):
     """(e^δ, δ) with δ = (m_part - m) / T, the move of a part's exponents to the merged
     maximum m, an all -inf row guarded (e^δ = 0 for an empty part)."""
-    delta = _scaled(m_part - _safe(xp, m), inv_t)
+    delta = _scaled(xp, m_part - _safe(xp, m), inv_t)
     return xp.exp(delta), delta
 
 
@@ -390,7 +386,7 @@ def target_logp(xp, r_y, found, m, la_ce, cfg: Lowered):
     """logp = (r_y - m) / T_ce - la_ce, [N] f32 (m the row's largest logit, la_ce the log of
     the sum relative to it); NaN where the target was not found (out of range: loud, never
     silently wrong)."""
-    return xp.where(found > 0, _row_scaled(xp, r_y - m, cfg.inv_t_ce) - la_ce, float("nan"))
+    return xp.where(found > 0, _scaled(xp, r_y - m, cfg.inv_t_ce) - la_ce, float("nan"))
 
 
 def column_mask(xp, cols, cfg: Lowered, valid=None):
@@ -416,10 +412,10 @@ def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: Lowered):
     if cfg.SMOOTH:
         eps = cfg.label_smoothing
         # (each per-row product rounded on its own: _row_scaled)
-        mean = _row_scaled(xp, xp.rounded(sr * cfg.smooth_mean) - m, cfg.inv_t_ce) - la_ce
+        mean = _scaled(xp, xp.rounded(sr * cfg.smooth_mean) - m, cfg.inv_t_ce) - la_ce
         logp = xp.rounded((1.0 - eps) * logp) + xp.rounded(eps * mean)
     if cfg.Z_LOSS:
-        lse_ce = _row_scaled(xp, m, cfg.inv_t_ce) + la_ce
+        lse_ce = _scaled(xp, m, cfg.inv_t_ce) + la_ce
         logp = logp - xp.rounded(cfg.z_loss_weight * (lse_ce * lse_ce))
     return xp.where(active, logp, 0.0)
 
@@ -433,7 +429,7 @@ def ce_coefficients(xp, g_lp, stats: Stats, cfg: Lowered):
 
     (g_y = g_p = g_lp / T_ce and g_u = 0 when ε = λ = 0). Each is rounded on its own
     (``xp.rounded``): the sums that take them run in other fused loops in other programs."""
-    g = _row_scaled(xp, g_lp, cfg.inv_t_ce)
+    g = _scaled(xp, g_lp, cfg.inv_t_ce)
     if not cfg.CE_TERMS:
         return g, None, g
     eps, lam = cfg.label_smoothing, cfg.z_loss_weight
@@ -441,7 +437,7 @@ def ce_coefficients(xp, g_lp, stats: Stats, cfg: Lowered):
     g_u = xp.rounded(g * cfg.smooth_weight) if cfg.SMOOTH else None
     g_p = g
     if cfg.Z_LOSS:
-        lse_ce = _row_scaled(xp, stats.m, cfg.inv_t_ce) + stats.la_ce
+        lse_ce = _scaled(xp, stats.m, cfg.inv_t_ce) + stats.la_ce
         g_p = xp.rounded(g * (1.0 + xp.rounded(2.0 * lam * lse_ce)))
     return g_y, g_u, g_p
 
@@ -451,7 +447,7 @@ def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
     (out of range: loud, never silently wrong) and carries label smoothing and z-loss
     (``ce_objective``); inactive rows give exact zeros."""
     la = xp.log(state.a)
-    lse = _row_scaled(xp, state.m, cfg.inv_t) + la
+    lse = _scaled(xp, state.m, cfg.inv_t) + la
     entropy = la - state.b / state.a if cfg.HAS_ENTROPY else xp.zeros_like(lse)
     la_ce = xp.log(state.a2) if cfg.SEPARATE_CE else la
     logp = ce_objective(xp, target_logp(xp, r_y, found, state.m, la_ce, cfg), state.sr,
@@ -495,32 +491,33 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered, pointwi
     else:
         r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
     d = r - stats.m[:, None]  # [N, C] logit differences
-    x = _scaled(d, cfg.inv_t)
+    x = _scaled(xp, d, cfg.inv_t)
     logp_k = x - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
     inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, g_lp, stats, cfg)  # [N] each (g_u None: 0)
-    # the per-row factors, each rounded on its own (_row_scaled)
-    coef = _row_scaled(xp, g_lse, inv_t)  # [N]: the factor of p_k in dr
+    # every product a sum takes, a row's factor or a tile's term, rounded on its own (_scaled)
+    coef = _scaled(xp, g_lse, inv_t)  # [N]: the factor of p_k in dr
     if not cfg.SEPARATE_CE:
         coef = coef - g_p  # p' = p
     coef = coef[:, None]
     if cfg.HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
-        coef = coef - _row_scaled(xp, g_h, inv_t)[:, None] * xp.where(
-            p > 0, logp_k + stats.entropy[:, None], 0.0)
-    dr = p * coef
+        coef = coef - xp.rounded(_scaled(xp, g_h, inv_t)[:, None] * xp.where(
+            p > 0, logp_k + stats.entropy[:, None], 0.0))
+    dr = xp.rounded(p * coef)
     du = None
     if cfg.HAS_TEACHER:
-        xu = _scaled(xp.f32(u) - stats.mu[:, None], cfg.inv_t_kl)
+        xu = _scaled(xp, xp.f32(u) - stats.mu[:, None], cfg.inv_t_kl)
         q = xp.exp(xu - stats.la_u[:, None])
-        dr = dr + _row_scaled(xp, g_kl, inv_t)[:, None] * (p - q)  # float32 p - q
+        dr = dr + xp.rounded(_scaled(xp, g_kl, inv_t)[:, None] * (p - q))  # float32 p - q
         if cfg.TEACHER_GRAD:
             # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of log-normalisers
             du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * cfg.inv_t_kl, 0.0)
     if cfg.SEPARATE_CE:
-        dr = dr - g_p[:, None] * xp.exp(_scaled(d, cfg.inv_t_ce) - stats.la_ce[:, None])
+        dr = dr - xp.rounded(g_p[:, None] * xp.exp(_scaled(xp, d, cfg.inv_t_ce)
+                                                   - stats.la_ce[:, None]))
     if g_u is not None:  # label smoothing's uniform term (padding columns are zeroed below)
         dr = dr + g_u[:, None]
     if pointwise:
@@ -553,26 +550,26 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: Lowered):
     x, targets = rows.shift_ids, rows.targets
     r = shifted_logits(xp, z_x[:, None], x[:, None], x, rows.shift, cfg)  # [N, 1]
     d = r - stats.m[:, None]  # a logit difference, as in chunk_grads
-    # every product here is per row: each rounded on its own (_row_scaled)
-    logp_k = _row_scaled(xp, d, cfg.inv_t) - stats.la[:, None]
+    # every product a sum takes rounded on its own (_scaled)
+    logp_k = _scaled(xp, d, cfg.inv_t) - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = (g[:, None] for g in grads)
     inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, grads[1], stats, cfg)  # [N] each (g_u None: 0)
     g_p = g_p[:, None]
-    coef = _row_scaled(xp, g_lse, inv_t)
+    coef = _scaled(xp, g_lse, inv_t)
     if not cfg.SEPARATE_CE:
         coef = coef - g_p
     if cfg.HAS_ENTROPY:
-        coef = coef - xp.rounded(_row_scaled(xp, g_h, inv_t)
+        coef = coef - xp.rounded(_scaled(xp, g_h, inv_t)
                                  * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0))
     dr = xp.rounded(p * coef)
     if cfg.HAS_TEACHER:
-        q = xp.exp(_row_scaled(xp, xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.inv_t_kl)
+        q = xp.exp(_scaled(xp, xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.inv_t_kl)
                    - stats.la_u[:, None])
-        dr = dr + xp.rounded(_row_scaled(xp, g_kl, inv_t) * (p - q))
+        dr = dr + xp.rounded(_scaled(xp, g_kl, inv_t) * (p - q))
     if cfg.SEPARATE_CE:
-        dr = dr - xp.rounded(g_p * xp.exp(_row_scaled(xp, d, cfg.inv_t_ce)
+        dr = dr - xp.rounded(g_p * xp.exp(_scaled(xp, d, cfg.inv_t_ce)
                                           - stats.la_ce[:, None]))
     dr = dr[:, 0] + xp.where(x == targets, g_y, 0.0)
     if g_u is not None:  # the shifted column is a valid one (``found``)
