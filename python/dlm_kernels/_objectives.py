@@ -308,17 +308,20 @@ class Objectives:
     def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
                         return_entropy=False, backend=None):
         """Target log-probs [B, L] at ``temperature`` (and the entropy [B, L] when
-        ``return_entropy``); exactly 0 at inactive positions; detached when ``stop_gradient``."""
+        ``return_entropy``); exactly 0 at inactive positions; detached when ``stop_gradient``.
+        The entropy's sums are taken whether it is returned or not, as the denoising step and
+        ``policy_loss`` take them: XLA sums a tile's Σ e^x in another order when the
+        entropy's Σ e^x·x is reduced beside it, and a row's log-prob came out an ulp apart
+        with and without ``return_entropy`` (JAX chunked, bfloat16)."""
         temperature = check_positive_float("temperature", temperature)
         stop_gradient = flag("stop_gradient", stop_gradient)
         return_entropy = flag("return_entropy", return_entropy)
         self.validate_diffusion_logits(batch, logits)
         stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
-                                 temperature=temperature, entropy=return_entropy,
-                                 backend=backend)
+                                 temperature=temperature, entropy=True, backend=backend)
         bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))  # unread: NaN there
         logps = _nan_where(self.xp, bad, stats.logp)
-        entropy = None if stats.entropy is None else _nan_where(self.xp, bad, stats.entropy)
+        entropy = _nan_where(self.xp, bad, stats.entropy) if return_entropy else None
         if stop_gradient:
             logps = self.xp.stop_gradient(logps)
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)

@@ -234,7 +234,7 @@ def _moved(xp, f, delta, a, b):
     """f·(b + δ·a): a sum Σ e^x·x moved to another maximum (b_i relative to the part's
     maximum: Σ e^{x+δ}(x + δ) = e^δ·(b_i + δ·a_i)), and exactly 0 where the part's rescale
     f = e^δ is 0 (where δ·a may be -inf: a part masked with finfo.min)."""
-    return xp.where(f > 0, f * (b + delta * a), 0.0)
+    return xp.where(f > 0, f * (b + xp.rounded(delta * a)), 0.0)
 
 
 def teacher_at(xp, st: State, f, delta, g, delta_u):
@@ -247,28 +247,31 @@ def teacher_at(xp, st: State, f, delta, g, delta_u):
 
     A part with g = 0 adds no teacher mass (its g-terms are exactly 0); one with f = 0 adds
     the teacher's mass where the student's probability is 0 (fu and cu of order -h·au)."""
+    r = xp.rounded  # every product a sum takes (``_scaled``)
     h = delta - delta_u
     live = g > 0
-    cu = xp.where(live, g * (st.cu - h * st.au), 0.0)
+    cu = xp.where(live, g * (st.cu - r(h * st.au)), 0.0)
     gap = st.cu - st.fu  # Σ e^{x_u} - e^x, formed without cancellation
     near = live & (abs(h) < PSI_SMALL) & xp.isfinite(gap)
-    fu_near = g * (st.fu - h * gap + st.a * h * h * _psi_series(-h))
-    fu_far = xp.where(live, g * (st.fu - h * st.au - st.a), 0.0) + f * st.a
+    fu_near = g * (st.fu - r(h * gap) + r(st.a * h * h * _psi_series(-h)))
+    fu_far = xp.where(live, g * (st.fu - r(h * st.au) - st.a), 0.0) + r(f * st.a)
     return cu, xp.where(near, fu_near, fu_far)
 
 
 def _moved_parts(xp, state: State, m, mu, cfg: Lowered):
     """The sums of ``state`` relative to the maxima m and mu: (a, b, a2, au, cu, fu)."""
+    # each a product the merge's sum takes: rounded on its own (``_scaled``)
     f, delta = _rescale(xp, state.m, m, cfg.inv_t)
-    a, b, a2 = f * state.a, state.b, f * state.a  # b: 0 without entropy; a2 = a at T_ce = T
+    a = xp.rounded(f * state.a)
+    b, a2 = state.b, a  # b: 0 without entropy; a2 = a at T_ce = T
     if cfg.HAS_ENTROPY:
         b = _moved(xp, f, delta, state.a, state.b)
     if cfg.SEPARATE_CE:
-        a2 = _rescale(xp, state.m, m, cfg.inv_t_ce)[0] * state.a2
+        a2 = xp.rounded(_rescale(xp, state.m, m, cfg.inv_t_ce)[0] * state.a2)
     au, cu, fu = state.au, state.cu, state.fu  # 0 without a teacher
     if cfg.HAS_TEACHER:
         g, delta_u = _rescale(xp, state.mu, mu, cfg.inv_t_kl)
-        au = g * state.au
+        au = xp.rounded(g * state.au)
         cu, fu = teacher_at(xp, state, f, delta, g, delta_u)
     return a, b, a2, au, cu, fu
 
