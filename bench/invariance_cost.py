@@ -32,21 +32,24 @@ from .timing import _stats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-#: (name, N, K, dtype, chunk_size): the quick CPU grid's and the full CPU grid's
-#: token-statistics shapes (bench/shapes.py: QUICK_CPU_SHAPES, CPU_SHAPES), then two calls
-#: the current tree pads to min_block_rows(C) rows: 8 rows of a small vocabulary (to 64),
-#: and 64 rows in a user's chunks of 256 columns (to 64) and of 16 (to 1024: a copy of
-#: 1024 x 4096 logits)
+#: (name, N, K, dtype, chunk_size, temperature, teacher): the quick CPU grid's and the full
+#: CPU grid's token-statistics shapes (bench/shapes.py: QUICK_CPU_SHAPES, CPU_SHAPES) at
+#: T = 1; the largest at T = 0.7, alone and with a teacher (its KL: where every product a sum
+#: takes is rounded on its own, JaxOps.rounded); then three calls the current tree pads to
+#: min_block_rows(C) rows: 8 rows of a small vocabulary (to 64), and 64 rows in a user's
+#: chunks of 256 columns (to 64) and of 16 (to 1024: a copy of 1024 x 4096 logits)
 CASES = [
-    ("N256-K2k", 256, 2048, "float32", None),
-    ("N256-K16k", 256, 16384, "float32", None),
-    ("N256-K16k-bf16", 256, 16384, "bfloat16", None),
-    ("N512-K4k", 512, 4096, "float32", None),
-    ("N512-K32k", 512, 32768, "float32", None),
-    ("N512-K32k-bf16", 512, 32768, "bfloat16", None),
-    ("N8-K256", 8, 256, "float32", None),
-    ("N64-K4k-chunk256", 64, 4096, "float32", 256),
-    ("N64-K4k-chunk16", 64, 4096, "float32", 16),
+    ("N256-K2k", 256, 2048, "float32", None, 1.0, False),
+    ("N256-K16k", 256, 16384, "float32", None, 1.0, False),
+    ("N256-K16k-bf16", 256, 16384, "bfloat16", None, 1.0, False),
+    ("N512-K4k", 512, 4096, "float32", None, 1.0, False),
+    ("N512-K32k", 512, 32768, "float32", None, 1.0, False),
+    ("N512-K32k-bf16", 512, 32768, "bfloat16", None, 1.0, False),
+    ("N512-K32k-T0.7", 512, 32768, "float32", None, 0.7, False),
+    ("N512-K32k-T0.7-teacher", 512, 32768, "float32", None, 0.7, True),
+    ("N8-K256", 8, 256, "float32", None, 1.0, False),
+    ("N64-K4k-chunk256", 64, 4096, "float32", 256, 1.0, False),
+    ("N64-K4k-chunk16", 64, 4096, "float32", 16, 1.0, False),
 ]
 MODES = ("fwd", "fwd+bwd")
 
@@ -60,14 +63,16 @@ import dlm_kernels.jax as D
 
 reps, cases = int(sys.argv[1]), json.loads(sys.argv[2])
 out = {"module": D.__file__}
-for name, n, k, dtype, chunk in cases:
+for name, n, k, dtype, chunk, t, teacher in cases:
     rng = np.random.default_rng(0)
     z = jnp.asarray(rng.standard_normal((n, k)) * 4, dtype)
     y = jnp.asarray(rng.integers(0, k, n), jnp.int32)
-    stats = lambda z: D.token_stats(z, y, chunk_size=chunk, backend="chunked")
-    fwd = jax.jit(lambda z: (lambda s: (s.logp, s.entropy))(stats(z)))
-    both = jax.jit(jax.value_and_grad(lambda z: (lambda s: s.logp.sum() + s.entropy.sum())(
-        stats(z))))
+    u = jnp.asarray(rng.standard_normal((n, k)), dtype) if teacher else None
+    stats = lambda z: D.token_stats(z, y, teacher_logits=u, temperature=t, chunk_size=chunk,
+                                    backend="chunked")
+    fwd = jax.jit(lambda z: (lambda s: (s.logp, s.entropy, s.kl))(stats(z)))
+    both = jax.jit(jax.value_and_grad(lambda z: (lambda s: s.logp.sum() + s.entropy.sum()
+                                                 + s.kl.sum())(stats(z))))
     for mode, fn in (("fwd", fwd), ("fwd+bwd", both)):
         for _ in range(2):
             jax.block_until_ready(fn(z))

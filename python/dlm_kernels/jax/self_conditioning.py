@@ -18,7 +18,7 @@ from .._checks import shape_str
 from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_positive_float,
                        check_positive_int, check_temperature)
 from .._jax.ops import JaxOps
-from ..linear_head.head import VOCAB_MAJOR, as_logits, resolve_softcap
+from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
 from ..linear_head.jax_head import LinearHead
 from ..token_stats import formulas
 
@@ -45,6 +45,13 @@ def _mm(a, b, acc):
     return jnp.matmul(a, b, preferred_element_type=acc).astype(acc)
 
 
+def _rows_mm(a, b, acc):
+    """``_mm`` for a product whose rows are rows' own values, over a's rows padded to
+    ``head_rows`` (a CPU's matmul rounds a row by the row count below a multiple of 64: one
+    row, one answer, docs/design.md §2)."""
+    return _mm(JaxOps.pad_rows(a, head_rows(a.shape[0])), b, acc)[:a.shape[0]]
+
+
 def _capped(z, cap):
     return z if cap is None else formulas.softcap(JaxOps, z, cap)
 
@@ -66,7 +73,7 @@ def _z_fn(layout, acc, dense, h, w, b):
 
     def z(c0, c1):
         w_c = w[c0:c1] if layout == VOCAB_MAJOR else w[:, c0:c1].T  # [C, D]
-        out = _mm(h, w_c.T, acc)
+        out = _rows_mm(h, w_c.T, acc)
         return out if b is None else out + b[c0:c1].astype(acc)
     return z
 
@@ -83,7 +90,7 @@ def _forward(z_of, emb, cap, inv_t, chunk, n, acc):
         alpha = jnp.where(jnp.isneginf(m), 0.0, rescale)
         p = jnp.exp(_exponents(cz, m_new, inv_t))
         l = l * alpha + p.sum(axis=1)
-        a = a * alpha[:, None] + _mm(p, emb[c0:c1], acc)
+        a = a * alpha[:, None] + _rows_mm(p, emb[c0:c1], acc)
         m = m_new
     return a / l[:, None], m, jnp.log(l)
 
@@ -100,7 +107,7 @@ def _backward(z_of, layout, dense, h, w, b, emb, cap, inv_t, chunk, out, m, log_
         cz = _capped(z, cap)
         p = jnp.exp(_exponents(cz, m_safe, inv_t) - log_l[:, None])
         de.append(_mm(p.T, g, acc).astype(emb.dtype))
-        dz = p * (_mm(g, emb[c0:c1].T, acc) - go[:, None])
+        dz = p * (_rows_mm(g, emb[c0:c1].T, acc) - go[:, None])
         if inv_t != 1.0:
             dz = dz * inv_t
         if cap is not None:
@@ -109,7 +116,7 @@ def _backward(z_of, layout, dense, h, w, b, emb, cap, inv_t, chunk, out, m, log_
             d_dense.append(dz.astype(dense.dtype))
             continue
         w_c = w[c0:c1] if layout == VOCAB_MAJOR else w[:, c0:c1].T
-        dh = dh + _mm(dz, w_c, acc)
+        dh = dh + _rows_mm(dz, w_c, acc)
         dw_c = _mm(dz.T, h, acc).astype(w.dtype)
         dw.append(dw_c if layout == VOCAB_MAJOR else dw_c.T)
         if b is not None:
@@ -213,8 +220,11 @@ def soft_embedding(
         z = (dense.astype(acc) if dense is not None else
              _z_fn(head.weight_layout, acc, None, head.hidden.reshape(n, -1), head.weight,
                    head.bias)(0, vocab).reshape(*lead, vocab))
+        # rows padded as whole-row arithmetic and a matmul round a row alike at any N
+        z = JaxOps.pad_rows(z.reshape(n, vocab), head_rows(JaxOps.whole_row_rows(n, vocab)))
         p = jax.nn.softmax(_capped(z, softcap) / temperature, axis=-1)
-        return (p @ embedding.astype(acc)).astype(embedding.dtype)
+        out = _mm(p, embedding.astype(acc), acc)[:n]
+        return out.astype(embedding.dtype).reshape(*lead, width)
     on_cpu = jax.default_backend() == "cpu"
     chunk = chunk_size if chunk_size is not None else _vocab_chunk(vocab, on_cpu)
     if dense is not None:

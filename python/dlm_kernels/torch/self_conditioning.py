@@ -34,7 +34,7 @@ from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_posit
                        check_positive_int, check_temperature)
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps
-from ..linear_head.head import VOCAB_MAJOR, as_logits, resolve_softcap
+from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
 from ..linear_head.torch_head import LinearHead
 from ..token_stats import formulas
 
@@ -68,6 +68,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a.to(acc) @ b.to(acc)
 
 
+def _rows_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``_mm`` for a product whose rows are rows' own values, over a's rows padded to
+    ``head_rows`` (a CPU's matmul rounds a row by the row count below a multiple of 64: one
+    row, one answer, docs/design.md §2)."""
+    return _mm(_padded_rows(a), b, acc)[:a.shape[0]]
+
+
 class _Source:
     """The logits of one call, read a vocabulary chunk at a time: dense [N, V] or a head."""
 
@@ -87,7 +94,7 @@ class _Source:
         if self.dense is not None:
             return self.dense[:, c0:c1].to(self.acc)
         assert self.hidden is not None
-        z = _mm(self.hidden, self.w_rows(c0, c1).t(), self.acc)
+        z = _rows_mm(self.hidden, self.w_rows(c0, c1).t(), self.acc)
         return z if self.bias is None else z + self.bias[c0:c1].to(self.acc)
 
 
@@ -121,7 +128,7 @@ def _forward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float,
         alpha = torch.where(torch.isneginf(m), 0.0, rescale)
         p = torch.exp(_exponents(cz, m_new, inv_t))  # [N, C], the unnormalised weights
         l = l * alpha + p.sum(dim=1)
-        a = a * alpha[:, None] + _mm(p, emb[c0:c1], acc_t)
+        a = a * alpha[:, None] + _rows_mm(p, emb[c0:c1], acc_t)
         m = m_new
     out = a / l[:, None]
     return out, m, torch.log(l)
@@ -153,7 +160,7 @@ def _backward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float, 
             de[c0:c1] = _mm(p.t(), g, acc_t).to(de.dtype)
         if not (need_dense or need_h or need_w or need_b):
             continue
-        ge = _mm(g, e_c.t(), acc_t)  # [N, C]  g_n·E[k]
+        ge = _rows_mm(g, e_c.t(), acc_t)  # [N, C]  g_n·E[k]
         dz = p * (ge - go[:, None])
         if inv_t != 1.0:
             dz = dz * inv_t
@@ -163,7 +170,7 @@ def _backward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float, 
             d_dense[:, c0:c1] = dz.to(d_dense.dtype)
             continue
         if dh is not None:
-            dh += _mm(dz, src.w_rows(c0, c1), acc_t)
+            dh += _rows_mm(dz, src.w_rows(c0, c1), acc_t)
         if dw is not None:
             dw_c = _mm(dz.t(), src.hidden, acc_t).to(dw.dtype)  # [C, D]
             if src.layout == VOCAB_MAJOR:
@@ -205,17 +212,28 @@ class _SoftEmbedding(torch.autograd.Function):
 
 
 def _reference(dense, head, emb, cap, temperature):
-    """The materialised formula: float32 (float64) logits, softmax, p @ E, by torch autograd."""
+    """The materialised formula: float32 (float64) logits, softmax, p @ E, by torch autograd,
+    over rows padded to ``head_rows`` (its matmuls' row count: one row, one answer)."""
     if head is not None:
         h, w, b = head.hidden, head.weight, head.bias
+        lead = h.shape[:-1]
+        h = _padded_rows(h.reshape(-1, h.shape[-1]))
         acc_t = _acc_dtype(h.dtype, emb.dtype)
         z = F.linear(h.to(acc_t), w.to(acc_t) if head.weight_layout == VOCAB_MAJOR
                      else w.to(acc_t).t(), None if b is None else b.to(acc_t))
     else:
+        lead = dense.shape[:-1]
         acc_t = _acc_dtype(dense.dtype, emb.dtype)
-        z = dense.to(acc_t)
+        z = _padded_rows(dense.reshape(-1, dense.shape[-1])).to(acc_t)
     p = torch.softmax(_capped(z, cap) / temperature, dim=-1)
-    return (p @ emb.to(acc_t)).to(emb.dtype)
+    n = math.prod(lead)
+    return (p @ emb.to(acc_t))[:n].to(emb.dtype).reshape(*lead, emb.shape[1])
+
+
+def _padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """[N, C] with zero rows appended up to ``head_rows(N)``."""
+    n = x.shape[0]
+    return x if head_rows(n) == n else torch.cat([x, x.new_zeros(head_rows(n) - n, x.shape[1])])
 
 
 class _Parts:
