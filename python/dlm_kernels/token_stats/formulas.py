@@ -131,7 +131,9 @@ def _scaled(xp, x, inv_t):
     frameworks, same values), rounded before any sum takes it (``xp.rounded``: in one fused
     loop XLA contracts a product and its sum into one multiply-add, in some programs and not
     in others, docs/design.md §2). Every product in these formulas that a sum takes is
-    rounded so, a tile's or a row's."""
+    rounded so, a tile's or a row's, but for the steps of a polynomial by Horner's rule
+    (one fused loop always holds such a chain whole, so each step is always contracted).
+    A select in between (``where``) rounds a product as well."""
     return x if inv_t == 1.0 else xp.rounded(x * inv_t)
 
 
