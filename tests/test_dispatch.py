@@ -185,9 +185,11 @@ def test_non_editable_install_ships_kernels(tmp_path):
 @pytest.mark.parametrize("fw_name", FWS)
 def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
     """The kernels leave out what no output needs: CE-type objectives run without the
-    entropy's sums, distillation adds the T = 1 CE sums only with a hard term, and only
-    per_token_logps(return_entropy=True) and policy_loss (its entropy metric) compute the
-    entropy."""
+    entropy's sums, distillation adds the T = 1 CE sums only with a hard term; the RL
+    functions, per_token_logps (with or without return_entropy) and policy_loss (its entropy
+    metric), take the entropy's sums, so that their log-probs come from one program shape
+    (XLA summed Σ e^x in another order beside the entropy's sum: test_invariance.py,
+    test_logp_ignores_entropy)."""
     fw = framework(fw_name)
     impl = fw.registry.IMPLEMENTATIONS["chunked"]
     seen = []
@@ -227,7 +229,7 @@ def test_objectives_ask_only_for_what_they_use(fw_name, monkeypatch):
     assert got == {
         "weighted_cross_entropy": (False, False),
         "diffusion_sft_loss": (False, False),
-        "per_token_logps": (False, False),
+        "per_token_logps": (True, False),  # the entropy's sums either way
         "per_token_logps+entropy": (True, False),
         "opd soft+hard": (False, True),
         "opd soft only": (False, False),
