@@ -248,9 +248,11 @@ HEAD_CASES = {
 @pytest.mark.parametrize("backend", ["chunked", "reference"])
 @pytest.mark.parametrize("fw_name", ["torch", "jax"])
 def test_linear_head_rows_alone(fw_name, backend, case):
-    """A LinearHead (D 64, K 300) at T 0.7: every statistic and d hidden of rows alone (0,
-    7, 69), and of rows 3-7, against the same rows among 70 (past one matmul group of 64
-    rows). A head's logits and d hidden come from the platform's matmul, which on a CPU
+    """A LinearHead (D 64, K 300) at T 0.7: every statistic, d hidden and d shift of rows
+    alone (0, 7, 69), and of rows 3-7, against the same rows among 70 (past one matmul group
+    of 64 rows). The shift's gradient reads the shifted column's logit, one product of D per
+    row summed (``LinearHead.column``): in JAX it differed alone before its rows were padded
+    as whole-row arithmetic's. A head's logits and d hidden come from the platform's matmul, which on a CPU
     rounds a row by its row count (XLA: 1 row, and up to 48 rows at D 64; torch's: 1 and 2
     rows): before every such matmul ran on rows padded to a multiple of 64
     (``linear_head.head.head_rows``), a row alone differed from the batch's in both
@@ -275,7 +277,7 @@ def test_linear_head_rows_alone(fw_name, backend, case):
     softcap, row_chunk = head_kw.get("softcap"), head_kw.get("row_chunk")
 
     def run(idx):
-        def fn(hidden, weight, b, ids, sid, d_, th, tw):
+        def fn(hidden, d_, weight, b, ids, sid, th, tw):
             head = api.LinearHead(hidden, weight, b, softcap, weight_layout="KD",
                                   row_chunk=row_chunk)
             kw = {}
@@ -286,14 +288,15 @@ def test_linear_head_rows_alone(fw_name, backend, case):
                                                         row_chunk=row_chunk))
             return tuple(api.token_stats(head, ids, temperature=0.7, backend=backend, **kw))
 
-        outs, (dh,) = fw.vjp(fn, [fw.array(h[idx])], [c[idx] for c in cots], args=(
+        outs, (dh, dd) = fw.vjp(fn, [fw.array(h[idx]), fw.array(shift[idx])],
+                                [c[idx] for c in cots], args=(
             fw.array(w), None if bias is None else fw.array(bias), fw.array(y[idx]),
-            fw.array(x[idx]), fw.array(shift[idx]), fw.array(ht[idx]), fw.array(wt)))
-        return [*outs, dh]
+            fw.array(x[idx]), fw.array(ht[idx]), fw.array(wt)))
+        return [*outs, dh, dd]
 
     batch = run(np.arange(n))
     for rows in ([0], [7], [69], [3, 4, 5, 6, 7]):
-        for name, a, b in zip(("lse", "logp", "entropy", "kl", "d hidden"),
+        for name, a, b in zip(("lse", "logp", "entropy", "kl", "d hidden", "d shift"),
                               run(np.array(rows)), batch):
             a, b = np.asarray(a), np.asarray(b)[rows]
             assert np.array_equal(a, b, equal_nan=True), (

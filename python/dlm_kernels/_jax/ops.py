@@ -50,6 +50,14 @@ class JaxOps:
         return jnp.where(jnp.isnan(x), jnp.nan, x)
 
     @staticmethod
+    def rows_matmul(a, b, acc):
+        """a @ b accumulated and returned in ``acc``, for a product whose rows are rows' own
+        values: over a's rows padded to ``head_rows`` (a CPU's matmul rounds a row by the
+        row count below a multiple of 64: one row, one answer, docs/design.md §2)."""
+        n = a.shape[0]
+        return jnp.matmul(JaxOps.pad_rows(a, head_rows(n)), b, preferred_element_type=acc)[:n]
+
+    @staticmethod
     def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
         if x is None or x.shape[0] == n:
             return x

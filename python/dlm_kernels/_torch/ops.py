@@ -110,8 +110,7 @@ class TorchOps:
         lead, d = h.shape[:-1], h.shape[-1]
         h = h.reshape(-1, d)
         n = h.shape[0]
-        if head_rows(n) != n:
-            h = torch.cat([h, h.new_zeros(head_rows(n) - n, d)])
+        h = TorchOps.pad_rows(h, head_rows(n))
         if head.weight_layout == VOCAB_MAJOR:
             z = F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
         else:

@@ -45,11 +45,8 @@ def _mm(a, b, acc):
     return jnp.matmul(a, b, preferred_element_type=acc).astype(acc)
 
 
-def _rows_mm(a, b, acc):
-    """``_mm`` for a product whose rows are rows' own values, over a's rows padded to
-    ``head_rows`` (a CPU's matmul rounds a row by the row count below a multiple of 64: one
-    row, one answer, docs/design.md §2)."""
-    return _mm(JaxOps.pad_rows(a, head_rows(a.shape[0])), b, acc)[:a.shape[0]]
+def _rows_mm(a, b, acc):  # ``_mm`` of a product whose rows are rows' own values
+    return JaxOps.rows_matmul(a, b, acc).astype(acc)
 
 
 def _capped(z, cap):

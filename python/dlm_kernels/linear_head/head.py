@@ -383,8 +383,10 @@ class LinearHead(LogitsSource[A]):
       on each chunk's logits; passing ``softcap=`` as well is an error unless the two are
       equal. Elsewhere (a teacher head, the sampler's chunks, ``dense``) the cap is applied
       to the logits as they are formed (``capped``).
-    row_chunk: rows per token chunk (default: a heuristic per platform, ``row_chunk_for``);
-      for JAX's fused Pallas head, the most rows per block.
+    row_chunk: rows per token chunk (default: a heuristic per platform, ``row_chunk_for``, a
+      multiple of 64); for JAX's fused Pallas head, the most rows per block. A chunk's
+      matmuls run on its rows padded to a multiple of 64 (``head_rows``: one row, one
+      answer), so a row_chunk below 64 does the matmul work of 64 rows per chunk.
 
     It behaves like the logits it stands for where shapes are concerned (``shape``,
     ``dtype``, ``ndim``), so every shape check of the API applies to it unchanged.
@@ -523,9 +525,14 @@ class LinearHead(LogitsSource[A]):
         return self.capped(xp, xp.head_logits(self.map_arrays(xp.f32)))
 
     def column(self, xp: Any, idx: A) -> A:
-        # one dot product of D per row with the gathered row of the weight: O(N·D)
+        # one dot product of D per row with the gathered row of the weight: O(N·D), over
+        # rows padded as whole-row arithmetic wants them (JAX: XLA sums a [1, D] product in
+        # another order than the rows of a larger one; one row, one answer)
         w = self.weight if self.weight_layout == VOCAB_MAJOR else self.weight.T  # [K, D]
-        z = xp.rowsum(xp.f32(self.hidden) * xp.f32(w[idx]))
+        n = idx.shape[0]
+        rows = xp.whole_row_rows(n, self.width)
+        h, i = xp.pad_rows(self.hidden, rows), xp.pad_rows(idx, rows)
+        z = xp.rowsum(xp.f32(h) * xp.f32(w[i]))[:n]
         return self.capped(xp, z if self.bias is None else z + xp.f32(self.bias[idx]))
 
     def accept(self, kinds: LogitsKinds[A, T]) -> T:

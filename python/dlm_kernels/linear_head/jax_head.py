@@ -73,11 +73,8 @@ def _dot_f32(a, b):  # a @ b accumulated and returned in float32 (float64 stays 
     return jnp.matmul(a, b, preferred_element_type=out)
 
 
-def _rows_dot_f32(a, b):
-    """``_dot_f32`` for a product whose rows are rows' own values (d hidden = dZ·Wᵀ), over
-    a's rows padded to ``head_rows``: a row's bits do not depend on the row count."""
-    n = a.shape[0]
-    return _dot_f32(JaxOps.pad_rows(a, base.head_rows(n)), b)[:n]
+def _rows_dot_f32(a, b):  # ``_dot_f32`` of rows' own values (d hidden): JaxOps.rows_matmul
+    return JaxOps.rows_matmul(a, b, jnp.promote_types(a.dtype, jnp.float32))
 
 
 def _acc_dtype(x):
@@ -275,7 +272,8 @@ class _Sweep:
                 gc = tuple(_slice(g, start, r) for g in grads)
                 dz, du_c = self.impl.backward(rc, sc, gc, cfg, offset=b0)  # stale rows: 0
                 # [R, K_b] x [K_b, D] -> dH rows; [K_b, R] x [R, D] -> dW_b: R·K_b·D each
-                dh = _put(dh, start, _slice(dh, start, r) + _dot_f32(dz, w_b if major else w_b.T),
+                dh = _put(dh, start,
+                          _slice(dh, start, r) + _rows_dot_f32(dz, w_b if major else w_b.T),
                           fresh)
                 dw_b = dw_b + (_dot_f32(dz.T, h) if major else _dot_f32(h.T, dz))
                 if db is not None:
@@ -286,10 +284,11 @@ class _Sweep:
                     du = lax.dynamic_update_slice(du, jnp.where(fresh[:, None], du_c, old), at)
                 return dh, dw_b, db, du
 
-            carry = body(0, (dh, jnp.zeros(w_b.shape, _acc_dtype(w_b)), db, du))
-            if self.n_chunks > 1:
-                carry = lax.fori_loop(1, self.n_chunks, body, carry)
-            dh, dw_b, db, du = carry
+            # every chunk in one loop of opaque trip count, as in ``run``
+            carry = jax.tree.map(lambda x: varying_like(x, rows, stats, grads),
+                                 (dh, jnp.zeros(w_b.shape, _acc_dtype(w_b)), db, du))
+            count = lax.optimization_barrier(jnp.int32(self.n_chunks))
+            dh, dw_b, db, du = lax.fori_loop(0, count, body, carry)
             dw.append(dw_b.astype(z.weight.dtype))
         return stats, ((dh, jnp.concatenate(dw, axis=0 if major else 1), db), du)
 

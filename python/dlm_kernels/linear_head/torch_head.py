@@ -56,12 +56,11 @@ def _rows_mm_f32(a, b, out, accumulate):
     count. Accumulated, the product is formed first and then added (a matmul that adds into
     ``out`` itself rounds the sum block by block of its own)."""
     n = a.shape[0]
-    if head_rows(n) != n:
-        a = torch.cat([a, a.new_zeros(head_rows(n) - n, a.shape[1])])
-    elif not accumulate:
-        return _mm_f32(a, b, out, False)
-    product = _mm_f32(a, b, out.new_empty((a.shape[0], out.shape[1])), False)
-    return out.add_(product[:n]) if accumulate else out.copy_(product[:n])
+    if head_rows(n) == n and not accumulate:
+        return _mm_f32(a, b, out, False)  # straight into out
+    a = TorchOps.pad_rows(a, head_rows(n))
+    product = _mm_f32(a, b, out.new_empty((a.shape[0], out.shape[1])), False)[:n]
+    return out.add_(product) if accumulate else out.copy_(product)
 
 
 class _HeadGrads:

@@ -126,18 +126,18 @@ def _add_at(xp, x, ids, col0, vals):
     return xp.add_at_cols(x, xp.where(hit, local, 0), xp.where(hit, vals, 0.0))
 
 
-def _scaled(xp, x, inv_t, rounded=True):
+def _scaled(xp, x, inv_t, summed=True):
     """x / T as x·(1/T), ``inv_t`` = 1/T (x itself at T = 1: one [N, C] pass less in eager
     frameworks, same values), rounded before any sum takes it (``xp.rounded``: in one fused
     loop XLA contracts a product and its sum into one multiply-add, in some programs and not
     in others, docs/design.md §2). Every product in these formulas that a sum takes is
     rounded so, a tile's or a row's, but for the steps of a polynomial by Horner's rule
     (one fused loop always holds such a chain whole, so each step is always contracted).
-    A select in between (``where``) rounds a product as well. ``rounded=False``: for a
+    A select in between (``where``) rounds a product as well. ``summed=False``: for a
     product that no sum takes (an exponent), which the select would only slow down."""
     if inv_t == 1.0:
         return x
-    return xp.rounded(x * inv_t) if rounded else x * inv_t
+    return xp.rounded(x * inv_t) if summed else x * inv_t
 
 
 def _safe(xp, m):
@@ -214,12 +214,12 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered, pointwise_shift=Fal
     m, ms = _safe_max(xp, r)
     d = r - ms[:, None]  # [N, C] logit differences, shared by every sum below
     # exponents, which no sum takes (the teacher's y rounds x where it takes it)
-    x = _scaled(xp, d, cfg.inv_t, rounded=False)
+    x = _scaled(xp, d, cfg.inv_t, summed=False)
     a, b, e = _row_sums(xp, x, cfg.HAS_ENTROPY)
     zero = xp.zeros_like(a)
     a2 = a
     if cfg.SEPARATE_CE:
-        a2, _, _ = _row_sums(xp, _scaled(xp, d, cfg.inv_t_ce, rounded=False), False)
+        a2, _, _ = _row_sums(xp, _scaled(xp, d, cfg.inv_t_ce, summed=False), False)
     mu, au, cu, fu = m, zero, zero, zero
     if cfg.HAS_TEACHER:
         u = xp.f32(u)

@@ -72,7 +72,7 @@ def _rows_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor
     """``_mm`` for a product whose rows are rows' own values, over a's rows padded to
     ``head_rows`` (a CPU's matmul rounds a row by the row count below a multiple of 64: one
     row, one answer, docs/design.md §2)."""
-    return _mm(_padded_rows(a), b, acc)[:a.shape[0]]
+    return _mm(TorchOps.pad_rows(a, head_rows(a.shape[0])), b, acc)[:a.shape[0]]
 
 
 class _Source:
@@ -217,23 +217,20 @@ def _reference(dense, head, emb, cap, temperature):
     if head is not None:
         h, w, b = head.hidden, head.weight, head.bias
         lead = h.shape[:-1]
-        h = _padded_rows(h.reshape(-1, h.shape[-1]))
+        h = h.reshape(-1, h.shape[-1])
+        h = TorchOps.pad_rows(h, head_rows(h.shape[0]))
         acc_t = _acc_dtype(h.dtype, emb.dtype)
         z = F.linear(h.to(acc_t), w.to(acc_t) if head.weight_layout == VOCAB_MAJOR
                      else w.to(acc_t).t(), None if b is None else b.to(acc_t))
     else:
         lead = dense.shape[:-1]
         acc_t = _acc_dtype(dense.dtype, emb.dtype)
-        z = _padded_rows(dense.reshape(-1, dense.shape[-1])).to(acc_t)
+        z = dense.reshape(-1, dense.shape[-1])
+        z = TorchOps.pad_rows(z, head_rows(z.shape[0])).to(acc_t)
     p = torch.softmax(_capped(z, cap) / temperature, dim=-1)
     n = math.prod(lead)
     return (p @ emb.to(acc_t))[:n].to(emb.dtype).reshape(*lead, emb.shape[1])
 
-
-def _padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """[N, C] with zero rows appended up to ``head_rows(N)``."""
-    n = x.shape[0]
-    return x if head_rows(n) == n else torch.cat([x, x.new_zeros(head_rows(n) - n, x.shape[1])])
 
 
 class _Parts:
