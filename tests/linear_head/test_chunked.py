@@ -171,3 +171,27 @@ def test_head_plan_decides_the_schedule_from_the_two_kinds():
         case = (type(student).__name__, type(teacher).__name__, teacher_grad)
         assert plan.overwrite_chunks == overwrite, case
         assert plan.student_head_grad_only == one, case
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_no_rows(fw_name):
+    """A LinearHead of no rows ([0, D] hidden) on the chunked backend: every statistic an
+    empty [0] array, d hidden [0, D] and d weight exact zeros, as logits of no rows give (it
+    raised in both frameworks: torch built its statistics from no chunks, JAX sliced a token
+    chunk of one row out of none)."""
+    fw = framework(fw_name)
+    api = fw.api
+    d, k = 6, 29
+    w = np.random.default_rng(0).normal(size=(k, d)).astype(np.float32)
+
+    def fn(hidden, weight, ids):
+        st = api.token_stats(api.LinearHead(hidden, weight, weight_layout="KD"), ids,
+                             temperature=0.7, backend="chunked")
+        return st.lse, st.logp, st.entropy
+
+    outs, (dh, dw) = fw.vjp(fn, [fw.array(np.zeros((0, d), np.float32)), fw.array(w)],
+                            [np.zeros(0, np.float32)] * 3,
+                            args=(fw.array(np.zeros(0, np.int64)),))
+    assert [np.shape(o) for o in outs] == [(0,)] * 3
+    assert np.shape(dh) == (0, d) and np.shape(dw) == (k, d)
+    assert not np.any(dw), "d weight of no rows"

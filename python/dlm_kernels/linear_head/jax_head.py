@@ -294,6 +294,10 @@ class _Sweep:
 
     def run(self, stats=None, grads=None):
         """-> (Stats [N] f32 fields, accumulators or None)."""
+        if self.n == 0:  # no rows: no token chunk (a chunk of one row cannot be sliced)
+            empty = Stats(*(jnp.zeros((0,), jnp.float32) for _ in Stats._fields))
+            return (empty if stats is None else stats,
+                    None if grads is None else self._zero_grads())
         fused = self.fused
         if stats is not None and grads is not None:
             blocks = None if fused is not None else self.blocks()

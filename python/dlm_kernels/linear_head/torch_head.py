@@ -302,7 +302,9 @@ class _Sweep:
                     kw["inplace"] = True  # the chunk's logits are formed here: overwrite them
                 dz, du = self.impl.backward(rc, sc, tuple(g[r0:r1] for g in grads), cfg, **kw)
                 acc.add(dz, du, r0, r1)
-        if stats is None:
+        if stats is None and not parts:  # no rows, no chunks: empty statistics
+            stats = Stats(*(torch.zeros(0, device=rows.targets.device) for _ in Stats._fields))
+        elif stats is None:
             stats = Stats(*(torch.cat(f) for f in zip(*parts)))
         if acc is not None and self.group is not None:
             acc.reduce(self.group)
