@@ -29,7 +29,7 @@ from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
 from .._jax.vocab_parallel import vocab_parallel_stats
 from .._dispatch import FUSED_HEAD, registry
-from ..token_stats.jax_chunked import varying_like
+from ..token_stats.jax_chunked import unseen_trip_loop, varying_like
 
 #: kernels that run a whole head, by backend name (``linear_head.jax_pallas``)
 _FUSED_HEADS = registry(FUSED_HEAD, "jax")
@@ -284,11 +284,8 @@ class _Sweep:
                     du = lax.dynamic_update_slice(du, jnp.where(fresh[:, None], du_c, old), at)
                 return dh, dw_b, db, du
 
-            # every chunk in one loop of opaque trip count, as in ``run``
-            carry = jax.tree.map(lambda x: varying_like(x, rows, stats, grads),
-                                 (dh, jnp.zeros(w_b.shape, _acc_dtype(w_b)), db, du))
-            count = lax.optimization_barrier(jnp.int32(self.n_chunks))
-            dh, dw_b, db, du = lax.fori_loop(0, count, body, carry)
+            dh, dw_b, db, du = self._chunk_loop(
+                body, (dh, jnp.zeros(w_b.shape, _acc_dtype(w_b)), db, du), rows, stats, grads)
             dw.append(dw_b.astype(z.weight.dtype))
         return stats, ((dh, jnp.concatenate(dw, axis=0 if major else 1), db), du)
 
@@ -332,13 +329,15 @@ class _Sweep:
                        self._add(acc[1], rows.teacher, du, start, fresh))
             return stats, acc
 
-        # Every chunk, the first and a lone one too, runs in one loop whose trip count XLA
-        # cannot see (as the chunked backend's row blocks, ``fold_row_blocks``): a chunk
-        # peeled out of the loop compiled to other bits (a row's d hidden with a softcap and
-        # a teacher head). The carry starts varying over the shard_map axes of the inputs.
-        carry = jax.tree.map(lambda x: varying_like(x, rows, stats, grads), (stats0, acc0))
-        count = lax.optimization_barrier(jnp.int32(self.n_chunks))
-        return lax.fori_loop(0, count, body, carry)
+        return self._chunk_loop(body, (stats0, acc0), rows, stats, grads)
+
+    def _chunk_loop(self, body, carry, *like):
+        """``body(i, carry)`` over the token chunks: every chunk, the first and a lone one
+        too, in one loop whose trip count XLA cannot see (``unseen_trip_loop``; a chunk
+        peeled out of the loop compiled to other bits: a row's d hidden with a softcap and a
+        teacher head), the carry made to vary over the shard_map axes of ``like``."""
+        carry = jax.tree.map(lambda x: varying_like(x, *like), carry)
+        return unseen_trip_loop(self.n_chunks, body, carry)
 
 
 def _summed_like(g, primal):

@@ -420,7 +420,7 @@ def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: Lowered):
     logp = logp_y
     if cfg.SMOOTH:
         eps = cfg.label_smoothing
-        # (each per-row product rounded on its own: _row_scaled)
+        # (each per-row product rounded on its own: _scaled)
         mean = _scaled(xp, xp.rounded(sr * cfg.smooth_mean) - m, cfg.inv_t_ce) - la_ce
         logp = xp.rounded((1.0 - eps) * logp) + xp.rounded(eps * mean)
     if cfg.Z_LOSS:

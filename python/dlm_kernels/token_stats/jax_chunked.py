@@ -67,13 +67,20 @@ def fold_row_blocks(step, n, r, carry, least):
     rb, full, tail = row_blocks(n, r, least)
 
     def blocks(carry, first, count, rows):
-        first, count = lax.optimization_barrier((jnp.int32(first), jnp.int32(count)))
-        return lax.fori_loop(0, count, lambda j, c: step(c, first + j * rows, rows), carry)
+        first = lax.optimization_barrier(jnp.int32(first))
+        return unseen_trip_loop(count, lambda j, c: step(c, first + j * rows, rows), carry)
 
     carry = blocks(carry, 0, full, rb)
     if tail:
         carry = blocks(carry, n - tail, 1, tail)
     return carry
+
+
+def unseen_trip_loop(count, body, carry):
+    """``lax.fori_loop(0, count, body, carry)`` whose trip count XLA cannot see (an
+    optimization barrier): every trip, a lone one too, runs the one compiled loop body (XLA
+    unrolls a loop of one trip and compiles a body peeled out of a loop to other bits)."""
+    return lax.fori_loop(0, lax.optimization_barrier(jnp.int32(count)), body, carry)
 
 
 def fold_row_outputs(block, n, r, least, dtypes, like):
