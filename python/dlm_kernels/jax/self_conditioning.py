@@ -13,14 +13,18 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .._checks import shape_str
-from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_positive_float,
-                       check_positive_int, check_temperature)
+from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, ROW_GROUP,
+                       check_positive_float, check_positive_int, check_temperature,
+                       min_block_rows, row_blocks, rows_per_block)
 from .._jax.ops import JaxOps
 from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
 from ..linear_head.jax_head import LinearHead
 from ..token_stats import formulas
+from ..token_stats.jax_chunked import (carry_dtype, fold_row_blocks, in_loop, to_carry,
+                                      varying_like)
 
 __all__ = ["soft_embedding", "BACKENDS"]
 
@@ -56,7 +60,7 @@ def _capped(z, cap):
 def _exponents(cz, m, inv_t):
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
     d = cz - m_safe[:, None]
-    return d if inv_t == 1.0 else d * inv_t
+    return d if inv_t == 1.0 else JaxOps.rounded(d * inv_t)
 
 
 def _chunks(vocab, chunk):
@@ -75,89 +79,178 @@ def _z_fn(layout, acc, dense, h, w, b):
     return z
 
 
-def _forward(z_of, emb, cap, inv_t, chunk, n, acc):
+class _Rows:
+    """The row blocks of one call: every per-row value (the online softmax's state, a row's
+    logits, d logits and d hidden) is computed in blocks of rows under
+    ``jax_chunked.fold_row_blocks`` (at least ``min_block_rows`` of the chunk, a multiple of
+    ROW_GROUP, inside a loop of unseen trip count), never in an [N, ...] array whose shape
+    XLA's CPU code rounds a row by (one row, one answer, docs/design.md §2). A call of fewer
+    rows than a block runs padded to one (``n_pad`` rows); the last block of a call may
+    overlap the one before it (``_config.row_blocks``): there ``fresh`` keeps the running
+    state and d hidden of the rows an earlier block already updated for this chunk, and
+    ``owned`` also masks the padding out of the vocabulary's gradients (dE, dW, db)."""
+
+    def __init__(self, n, chunk, on_cpu):
+        self.n, self.least = n, min_block_rows(chunk)
+        self.n_pad = max(n, self.least)
+        self.rows = max(self.least,
+                        rows_per_block(self.n_pad, chunk, on_cpu) // ROW_GROUP * ROW_GROUP)
+        rb, full, _ = row_blocks(self.n_pad, self.rows, self.least)
+        self.full_end = rb * full
+
+    def pad(self, x):
+        return JaxOps.pad_rows(x, self.n_pad)
+
+    def fold(self, step, carry):
+        return fold_row_blocks(step, self.n_pad, self.rows, carry, self.least)
+
+    def fresh(self, row0, nb):
+        """[nb, 1] bool: the block's rows that no earlier block took (the last block's
+        overlap is False: those rows' running state and sums are already updated)."""
+        first = jnp.where(row0 + nb > self.full_end, self.full_end, row0)
+        return (row0 + jnp.arange(nb) >= first)[:, None]
+
+    def owned(self, row0, nb):
+        """[nb, 1] bool: ``fresh`` rows within the call's N (not padding)."""
+        return self.fresh(row0, nb) & (row0 + jnp.arange(nb) < self.n)[:, None]
+
+
+def _block_rows(i, x, row0, nb):
+    """Rows [row0, row0 + nb) of x, read loop-variant (``jax_chunked.in_loop``: a 16-bit
+    x is converted a block at a time, never whole)."""
+    x, _ = in_loop(i, x, None)
+    return lax.dynamic_slice_in_dim(x, row0, nb, axis=0)
+
+
+def _forward(x, layout, w, b, emb, cap, inv_t, chunk, rows, acc):
+    """(out [N, D], m [N], log l [N]) in acc: per vocabulary chunk, the online softmax's state
+    of every row block; the last chunk finishes it. One carried [N, D + 2] buffer holds the
+    state (a, m, l), then (out, m, log l)."""
     vocab, d = emb.shape
-    m = jnp.full((n,), -jnp.inf, acc)
-    l = jnp.zeros((n,), acc)
-    a = jnp.zeros((n, d), acc)
-    for c0, c1 in _chunks(vocab, chunk):
-        cz = _capped(z_of(c0, c1), cap)
-        m_new = jnp.maximum(m, cz.max(axis=1))
-        rescale = jnp.exp(_exponents(m[:, None], m_new, inv_t)[:, 0])
-        alpha = jnp.where(jnp.isneginf(m), 0.0, rescale)
-        p = jnp.exp(_exponents(cz, m_new, inv_t))
-        l = l * alpha + p.sum(axis=1)
-        a = a * alpha[:, None] + _rows_mm(p, emb[c0:c1], acc)
-        m = m_new
-    return a / l[:, None], m, jnp.log(l)
+    chunks = _chunks(vocab, chunk)
+    x_pad = rows.pad(x)
+    state = jnp.concatenate([jnp.zeros((rows.n_pad, d), acc),
+                             jnp.full((rows.n_pad, 1), -jnp.inf, acc),
+                             jnp.zeros((rows.n_pad, 1), acc)], axis=1)
+    state = varying_like(state, x, w, b, emb)
+    for c0, c1 in chunks:
+        last = c1 == vocab
+
+        def step(state, row0, nb, c0=c0, c1=c1, last=last):
+            x_b = _block_rows(row0, x_pad, row0, nb)
+            dense, h = (x_b, None) if w is None else (None, x_b)
+            cz = _capped(_z_fn(layout, acc, dense, h, w, b)(c0, c1), cap)  # [nb, C]
+            s = lax.dynamic_slice_in_dim(state, row0, nb, axis=0)
+            a, m, l = s[:, :d], s[:, d], s[:, d + 1]
+            m_new = jnp.maximum(m, cz.max(axis=1))
+            rescale = jnp.exp(_exponents(m[:, None], m_new, inv_t)[:, 0])
+            alpha = jnp.where(jnp.isneginf(m), 0.0, rescale)
+            p = jnp.exp(_exponents(cz, m_new, inv_t))
+            l = JaxOps.rounded(l * alpha) + p.sum(axis=1)
+            a = JaxOps.rounded(a * alpha[:, None]) + _rows_mm(p, emb[c0:c1], acc)
+            if last:
+                a, l = a / l[:, None], jnp.log(l)
+            s_new = jnp.concatenate([a, m_new[:, None], l[:, None]], axis=1)
+            s = jnp.where(rows.fresh(row0, nb), s_new, s)
+            return lax.dynamic_update_slice_in_dim(state, s, row0, axis=0)
+
+        state = rows.fold(step, state)
+    state = state[:rows.n]
+    return state[:, :d], state[:, d], state[:, d + 1]
 
 
-def _backward(z_of, layout, dense, h, w, b, emb, cap, inv_t, chunk, out, m, log_l, g, acc):
-    vocab = emb.shape[0]
-    g = g.astype(acc)
-    go = (g * out).sum(axis=1)
-    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-    d_dense, de, dw, db = [], [], [], []
-    dh = None if h is None else jnp.zeros(h.shape, acc)
+def _backward(x, layout, w, b, emb, cap, inv_t, chunk, rows, out, m, log_l, g, on_cpu, acc):
+    """The gradients of (x, w[, b], emb) (x the logits or the hidden states): per vocabulary
+    chunk, over the row blocks, each row's d logits (written into the [N, V] gradient) or its
+    d hidden (accumulated in [N, Dh]), and the chunk's dE, dW, db summed over the rows each
+    block owns (``_Rows.owned``), rounded once per chunk."""
+    vocab, d = emb.shape
+    dense = w is None
+    x_pad, out, m, log_l, g = (rows.pad(a) for a in (x, out, m, log_l, g.astype(acc)))
+    if dense:
+        dx_dtype = carry_dtype(x.dtype, on_cpu)
+        dx = jnp.zeros((rows.n_pad, vocab), dx_dtype)
+    else:
+        dx = jnp.zeros(x_pad.shape, acc)
+    dx = varying_like(dx, x, w, b, emb, g)
+    de, dw, db = [], [], []
     for c0, c1 in _chunks(vocab, chunk):
-        z = z_of(c0, c1)
-        cz = _capped(z, cap)
-        p = jnp.exp(_exponents(cz, m_safe, inv_t) - log_l[:, None])
-        de.append(_mm(p.T, g, acc).astype(emb.dtype))
-        dz = p * (_rows_mm(g, emb[c0:c1].T, acc) - go[:, None])
-        if inv_t != 1.0:
-            dz = dz * inv_t
-        if cap is not None:
-            dz = dz * formulas.softcap_slope(JaxOps, z, cap)
-        if dense is not None:
-            d_dense.append(dz.astype(dense.dtype))
-            continue
-        w_c = w[c0:c1] if layout == VOCAB_MAJOR else w[:, c0:c1].T
-        dh = dh + _rows_mm(dz, w_c, acc)
-        dw_c = _mm(dz.T, h, acc).astype(w.dtype)
-        dw.append(dw_c if layout == VOCAB_MAJOR else dw_c.T)
-        if b is not None:
-            db.append(dz.sum(axis=0).astype(b.dtype))
+        c = c1 - c0
+        sums = tuple(varying_like(jnp.zeros(shape, acc), x, w, b, emb, g)
+                     for shape in ((c, d), (c, x.shape[1]), (c,)))
+
+        def step(carry, row0, nb, c0=c0, c1=c1):
+            dx, (de_c, dw_c, db_c) = carry
+            x_b = _block_rows(row0, x_pad, row0, nb)
+            out_b, m_b, l_b, g_b = (lax.dynamic_slice_in_dim(a, row0, nb, axis=0)
+                                    for a in (out, m, log_l, g))
+            owned = rows.owned(row0, nb)
+            z = _z_fn(layout, acc, x_b if dense else None, None if dense else x_b, w, b)(c0, c1)
+            p = jnp.exp(_exponents(_capped(z, cap), m_b, inv_t) - l_b[:, None])  # [nb, C]
+            de_c = de_c + _mm(jnp.where(owned, p, 0.0).T, g_b, acc)
+            go = JaxOps.rounded(g_b * out_b).sum(axis=1)
+            dz = p * (_rows_mm(g_b, emb[c0:c1].T, acc) - go[:, None])
+            if inv_t != 1.0:
+                dz = dz * inv_t
+            if cap is not None:
+                dz = dz * formulas.softcap_slope(JaxOps, z, cap)
+            if dense:
+                return lax.dynamic_update_slice(dx, to_carry(dz, x.dtype, dx_dtype),
+                                                (jnp.int32(row0), jnp.int32(c0))), (de_c, dw_c,
+                                                                                     db_c)
+            w_c = w[c0:c1] if layout == VOCAB_MAJOR else w[:, c0:c1].T  # [C, Dh]
+            dh_b = lax.dynamic_slice_in_dim(dx, row0, nb, axis=0)
+            dh_b = jnp.where(rows.fresh(row0, nb), dh_b + _rows_mm(dz, w_c, acc), dh_b)
+            dz_owned = jnp.where(owned, dz, 0.0)
+            dw_c = dw_c + _mm(dz_owned.T, x_b, acc)
+            db_c = db_c + dz_owned.sum(axis=0)
+            return lax.dynamic_update_slice_in_dim(dx, dh_b, row0, axis=0), (de_c, dw_c, db_c)
+
+        dx, (de_c, dw_c, db_c) = rows.fold(step, (dx, sums))
+        de.append(de_c.astype(emb.dtype))
+        if not dense:
+            dw.append(dw_c.astype(w.dtype) if layout == VOCAB_MAJOR else dw_c.T.astype(w.dtype))
+            if b is not None:
+                db.append(db_c.astype(b.dtype))
+    dx = dx[:rows.n]
     d_emb = jnp.concatenate(de, axis=0)
-    if dense is not None:
-        return (jnp.concatenate(d_dense, axis=1), d_emb)
-    d_w = jnp.concatenate(dw, axis=0 if layout == VOCAB_MAJOR else 1)
-    grads = (dh.astype(h.dtype), d_w)
+    if dense:
+        return (dx if dx_dtype == x.dtype else lax.bitcast_convert_type(dx, x.dtype), d_emb)
+    grads = (dx.astype(x.dtype), jnp.concatenate(dw, axis=0 if layout == VOCAB_MAJOR else 1))
     if b is not None:
         grads = grads + (jnp.concatenate(db),)
     return grads + (d_emb,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _soft(cap, inv_t, chunk, layout, *arrays):
-    return _soft_fwd(cap, inv_t, chunk, layout, *arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _soft(cap, inv_t, chunk, layout, on_cpu, *arrays):
+    return _soft_fwd(cap, inv_t, chunk, layout, on_cpu, *arrays)[0]
 
 
-def _unpack(layout, arrays):
-    """(dense, h, w, b, emb) from the differentiable arrays: (z, emb) or (h, w[, b], emb)."""
+def _unpack(arrays):
+    """(x, w, b, emb) from the differentiable arrays: (z, emb) or (h, w[, b], emb); w and b
+    None for dense logits z."""
     if len(arrays) == 2:
-        return arrays[0], None, None, None, arrays[1]
+        return arrays[0], None, None, arrays[1]
     if len(arrays) == 3:
-        return None, arrays[0], arrays[1], None, arrays[2]
-    return None, *arrays
+        return arrays[0], arrays[1], None, arrays[2]
+    return arrays
 
 
-def _soft_fwd(cap, inv_t, chunk, layout, *arrays):
-    dense, h, w, b, emb = _unpack(layout, arrays)
+def _soft_fwd(cap, inv_t, chunk, layout, on_cpu, *arrays):
+    x, w, b, emb = _unpack(arrays)
     acc = _acc(*arrays)
-    z_of = _z_fn(layout, acc, dense, h, w, b)
-    n = (dense if dense is not None else h).shape[0]
-    out, m, log_l = _forward(z_of, emb, cap, inv_t, chunk, n, acc)
+    rows = _Rows(x.shape[0], chunk, on_cpu)
+    out, m, log_l = _forward(x, layout, w, b, emb, cap, inv_t, chunk, rows, acc)
     return out.astype(emb.dtype), (arrays, out, m, log_l)
 
 
-def _soft_bwd(cap, inv_t, chunk, layout, res, g):
+def _soft_bwd(cap, inv_t, chunk, layout, on_cpu, res, g):
     arrays, out, m, log_l = res
-    dense, h, w, b, emb = _unpack(layout, arrays)
-    acc = out.dtype
-    z_of = _z_fn(layout, acc, dense, h, w, b)
-    return _backward(z_of, layout, dense, h, w, b, emb, cap, inv_t, chunk, out, m, log_l, g,
-                     acc)
+    x, w, b, emb = _unpack(arrays)
+    rows = _Rows(x.shape[0], chunk, on_cpu)
+    return _backward(x, layout, w, b, emb, cap, inv_t, chunk, rows, out, m, log_l, g, on_cpu,
+                     out.dtype)
 
 
 _soft.defvjp(_soft_fwd, _soft_bwd)
@@ -213,7 +306,7 @@ def soft_embedding(
                          f"logits, but embedding has shape {shape_str(embedding.shape)}")
     n = math.prod(lead)
     if backend == "reference":
-        acc = _acc(embedding, *(source.arrays()))
+        acc = _acc(embedding, *(a for a in source.arrays() if a is not None))
         z = (dense.astype(acc) if dense is not None else
              _z_fn(head.weight_layout, acc, None, head.hidden.reshape(n, -1), head.weight,
                    head.bias)(0, vocab).reshape(*lead, vocab))
@@ -232,5 +325,5 @@ def soft_embedding(
         arrays = ((h, head.weight, embedding) if head.bias is None
                   else (h, head.weight, head.bias, embedding))
         layout = head.weight_layout
-    out = _soft(softcap, 1.0 / temperature, chunk, layout, *arrays)
+    out = _soft(softcap, 1.0 / temperature, chunk, layout, on_cpu, *arrays)
     return out.reshape(*lead, width)

@@ -17,7 +17,7 @@ from jax import lax
 from . import core as sampling
 from .._jax.ops import JaxOps as xp
 from .._config import SAMPLE_CHUNK_BYTES_CPU, group_rows_per_block
-from ..token_stats.jax_chunked import (_in_loop, fold_row_outputs, least_rows, tile,
+from ..token_stats.jax_chunked import (in_loop, fold_row_outputs, least_rows, tile,
                                        vocab_chunk)
 
 
@@ -44,15 +44,15 @@ def _sample_block(z, zu, keys, suppress, cfg, row0, nb, on_cpu):
     keys = lax.dynamic_slice_in_dim(keys, row0, nb, axis=0)
     # loop-variant operands, in the loop of blocks and in the chunk loop, so that XLA's CPU
     # compiler converts each bfloat16 tile, never the whole logits, to float32
-    # (token_stats.jax_chunked._in_loop)
-    z, zu = _in_loop(row0, z, zu)
+    # (token_stats.jax_chunked.in_loop)
+    z, zu = in_loop(row0, z, zu)
     noisy = sampling.noisy_scores(xp, keys)
     row_ids = row0 + jnp.arange(nb)
 
     def read(i):  # chunk i -> z, s, sd [nb, C] (columns an earlier chunk saw at -inf), cols [C]
         start = jnp.minimum(i * c, k - c)
         cols = start + jnp.arange(c, dtype=jnp.int32)
-        z_i, zu_i = _in_loop(i, z, zu)
+        z_i, zu_i = in_loop(i, z, zu)
         scores = sampling.scaled_logits(xp, tile(z_i, row0, nb, start, c),
                                         tile(zu_i, row0, nb, start, c), cols, suppress, cfg)
         fresh = (cols >= i * c)[None, :]

@@ -147,7 +147,7 @@ def _block(rows, row0, n):
                             for f in ("targets", "active", "shift_ids", "shift")})
 
 
-def _in_loop(i, z, u):
+def in_loop(i, z, u):
     """z, u as seen from iteration i of a chunk loop or row ``i`` of the loop of row blocks
     (same values, no copy).
 
@@ -164,7 +164,7 @@ def _is_half(dtype):
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
 
 
-def _carry_dtype(dtype, on_cpu):
+def carry_dtype(dtype, on_cpu):
     """The gradient buffer's dtype in the backward loop: on CPU a 16-bit float gradient is
     carried as its uint16 bits. XLA's CPU compiler has no 16-bit float dynamic-update-slice:
     it would convert the *whole* [N, K] buffer to float32 and back at every chunk (forward +
@@ -174,7 +174,7 @@ def _carry_dtype(dtype, on_cpu):
     return jnp.uint16 if on_cpu and _is_half(dtype) else dtype
 
 
-def _to_carry(g, dtype, carry):
+def to_carry(g, dtype, carry):
     """A float32 gradient chunk in ``dtype``, bitcast to the carry's dtype when it differs."""
     g = g.astype(dtype)
     return g if carry == dtype else lax.bitcast_convert_type(g, carry)
@@ -187,12 +187,12 @@ def _from_carry(buf, dtype):
 def _block_partial(rows, target, cfg, offset, row0, nb, on_cpu):
     """(State, r_y, found) of [nb] float32 for rows [row0, row0 + nb): the chunk loop.
     ``target``: (found [N] bool, z_y [N]) of ``_targets``."""
-    z, u = _in_loop(row0, rows.logits, rows.teacher)  # loop-variant in the loop of blocks too
+    z, u = in_loop(row0, rows.logits, rows.teacher)  # loop-variant in the loop of blocks too
     k, c, n_chunks, _ = _plan(z, cfg, on_cpu)
     block = _block(rows, row0, nb)
 
     def body(i, state):
-        z_i, u_i = _in_loop(i, z, u)
+        z_i, u_i = in_loop(i, z, u)
         start = jnp.minimum(i * c, k - c)
         local = start + jnp.arange(c, dtype=jnp.int32)  # [C]
         cols = offset + local  # global column ids
@@ -283,18 +283,18 @@ class ChunkedJax(BackendBase):
 
         def gradient(on_cpu):
             k, c, n_chunks, r = _plan(z, cfg, on_cpu)
-            carry_z = _carry_dtype(z.dtype, on_cpu)
-            carry_u = None if u is None else _carry_dtype(u.dtype, on_cpu)
+            carry_z = carry_dtype(z.dtype, on_cpu)
+            carry_u = None if u is None else carry_dtype(u.dtype, on_cpu)
 
             def block_step(carry, row0, nb):
-                z_b, u_b = _in_loop(row0, z, u)  # loop-variant in the loop of blocks too
+                z_b, u_b = in_loop(row0, z, u)  # loop-variant in the loop of blocks too
                 block = _block(rows, row0, nb)
                 block_stats = type(stats)(*(_row_slice(s, row0, nb) for s in stats))
                 block_grads = tuple(_row_slice(g, row0, nb) for g in grads)
 
                 def body(i, carry):
                     dz, du = carry
-                    z_i, u_i = _in_loop(i, z_b, u_b)
+                    z_i, u_i = in_loop(i, z_b, u_b)
                     start = jnp.minimum(i * c, k - c)
                     cols = offset + start + jnp.arange(c, dtype=jnp.int32)
                     chunk = block.columns(tile(z_i, row0, nb, start, c),
@@ -302,7 +302,7 @@ class ChunkedJax(BackendBase):
                     gz, gu = stats_math.chunk_grads(xp, chunk, cols, block_stats, block_grads,
                                                     cfg)
                     update = lambda buf, g, dtype, carry: lax.dynamic_update_slice(
-                        buf, _to_carry(g, dtype, carry), (jnp.int32(row0), jnp.int32(start)))
+                        buf, to_carry(g, dtype, carry), (jnp.int32(row0), jnp.int32(start)))
                     dz = update(dz, gz, z.dtype, carry_z)
                     if du is not None:
                         du = update(du, gu, u.dtype, carry_u)
