@@ -467,7 +467,8 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
     monkeypatch.setattr(R, "parity", lambda env: [])
     monkeypatch.setattr(R, "vocab_parallel_comm", lambda env: None)
     monkeypatch.setattr(S, "SMOKE_SHAPES", [("a", 8, 130, "float32"), ("b", 4, 70, "float32")])
-    R.main(["--smoke", "--reps", "1", "--objectives", "ce", "--no-linear-head",
+    # (the denoising step runs after the grid, never through run_group: test_bench_smoke's)
+    R.main(["--smoke", "--reps", "1", "--objectives", "ce", "--no-linear-head", "--no-sampling",
             "--out", str(tmp_path)])
     frameworks = [fw for fw, _ in order]
     assert frameworks == sorted(frameworks, key=["torch", "jax"].index), order
@@ -476,8 +477,10 @@ def test_torch_grid_is_timed_before_any_jax_case(monkeypatch, tmp_path):
 
 def test_sampling_bench(tmp_path):
     """python -m bench.sampling at a small shape: every variant asked for is timed (torch and
-    JAX side by side), with the bytes of its one read, % of copy and its peak memory."""
-    variants = ["ours", "ours-jax", "float32", "upstream-step", "ours-step"]
+    JAX side by side), with the bytes of its one read, % of copy and its peak memory. (ours and
+    float32, torch's SampleCase as the steps here are, run through the same bench.sampling.run
+    in test_bench_smoke, timed and probed for their peak.)"""
+    variants = ["ours-jax", "upstream-step", "ours-step"]
     subprocess.run([sys.executable, "-m", "bench.sampling", "--n", "64", "--k", "1000",
                     "--dtype", "float32", "--reps", "2", "--variants", ",".join(variants),
                     "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")],

@@ -571,9 +571,11 @@ class ObjectivesSuite:
         u = (rng.normal(size=(2, 6, 41)) * 3).astype(np.float32)
         self.check_opd(z, u, np.where(w == 0, 0, y), w, temperature, 1.0, 0.5, f"T={temperature}")
 
-    #: [N, K] of test_opd_loss_with_a_masked_vocabulary_tail: N = 512 makes the CPU chunk of
-    #: the framework-native chunked backends 4096 columns, so the tail is the second chunk
-    MASKED_TAIL_SHAPE = (512, 8192)
+    #: [N, K] of test_opd_loss_with_a_masked_vocabulary_tail: the CPU chunk of the
+    #: framework-native chunked backends is 4096 columns at any N (``_config.chunk_size_for``,
+    #: a function of K alone), so the tail is the second chunk (and K = 8192 takes torch's
+    #: compiled loops, COMPILE_MIN_VOCAB, whose forward tiles are 4096 columns too)
+    MASKED_TAIL_SHAPE = (16, 8192)
 
     @pytest.mark.parametrize("masked", ["student and teacher", "teacher"])
     def test_opd_loss_with_a_masked_vocabulary_tail(self, rng, masked):
