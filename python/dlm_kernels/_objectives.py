@@ -60,7 +60,7 @@ def _invalid_weights(xp, w):
 
 def _any(xp, bad):
     """[..., L] bool -> [...] bool: any along the last axis."""
-    return xp.rowsum(xp.where(bad, 1.0, 0.0)) > 0.0
+    return xp.any_last(bad)
 
 
 def _nan_where(xp, bad, x):

@@ -76,6 +76,14 @@ class JaxOps:
         return jnp.sum(x, axis=-1)
 
     @staticmethod
+    def any_last(x):  # [..., L] bool -> [...] bool: any along the last axis
+        return jnp.any(x, axis=-1)
+
+    @staticmethod
+    def zero_where(dead, x):  # x with exact zeros where ``dead``
+        return jnp.where(dead, 0.0, x).astype(x.dtype)
+
+    @staticmethod
     def logsumexp(x):  # [N, K] -> [N]
         return jax.nn.logsumexp(x, axis=-1)
 

@@ -63,6 +63,14 @@ class TorchOps:
         return x.sum(dim=-1)
 
     @staticmethod
+    def any_last(x):  # [..., L] bool -> [...] bool: any along the last axis
+        return x.any(dim=-1)
+
+    @staticmethod
+    def zero_where(dead, x):  # x with exact zeros where ``dead``: one op, no scalar tensor
+        return x.masked_fill(dead, 0.0)
+
+    @staticmethod
     def logsumexp(x):  # [N, K] -> [N]
         return torch.logsumexp(x, dim=-1)
 

@@ -471,7 +471,8 @@ def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
     mu = state.mu if cfg.HAS_TEACHER else zero
     stats = dict(lse=lse, logp=logp, entropy=entropy, kl=kl, kl_shift=kl_shift, m=state.m,
                  la=la, la_ce=la_ce, mu=mu, la_u=la_u)
-    return Stats(*(xp.where(active, stats[field], 0.0) for field in ROW_STATS))
+    dead = ~active
+    return Stats(*(xp.zero_where(dead, stats[field]) for field in ROW_STATS))
 
 
 def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered, pointwise=False):

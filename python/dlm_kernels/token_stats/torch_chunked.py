@@ -67,7 +67,8 @@ class ChunkedTorch(BackendBase):
         if state is None and use_row_blocks(z) and n > 0:  # tiles on single-threaded workers
             parts = run_blocks(lambda r0, r1: _block_partial(_row_slice(rows, r0, r1), cfg,
                                                              offset), n, k)
-            state = stats_math.State(*(torch.cat(f) for f in zip(*parts)))
+            state = (parts[0] if len(parts) == 1 else
+                     stats_math.State(*(torch.cat(f) for f in zip(*parts))))
         if state is None:
             state = _partial(rows, cfg, offset)
         return (state, *stats_math.target_logit(xp, rows, cfg, offset))
@@ -94,8 +95,9 @@ class ChunkedTorch(BackendBase):
 
         def block(r0, r1):
             sl = slice(r0, r1)
-            part = (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
-                    tuple(g[sl] for g in grads))
+            part = ((rows, stats, grads) if (r0, r1) == (0, n) else
+                    (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
+                     tuple(g[sl] for g in grads)))
             if _fast_grads(cfg):
                 _tile_grads_into(dz[sl], *part, cfg, offset)
             else:
@@ -107,7 +109,10 @@ class ChunkedTorch(BackendBase):
 
 
 def _row_slice(rows, r0, r1):
-    """The bundle's rows [r0, r1) (every field is per row, or None)."""
+    """The bundle's rows [r0, r1) (every field is per row, or None); the bundle itself when
+    that is all of its rows (no views to make: a small call's host time)."""
+    if r0 == 0 and r1 == rows.logits.shape[0]:
+        return rows
     return type(rows)(*(None if f is None else f[r0:r1] for f in rows))
 
 
