@@ -33,8 +33,8 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
     empty without top_k)."""
     z, zu = _unit_col(z), _unit_col(zu)
     n, k = z.shape
-    cfg = plan(z, zu, block_k)
-    s = cfg["splits"]
+    launch = plan(z, zu, block_k)
+    s = launch["splits"]
     state = _empty((len(SAMPLE_STATE), s, n), torch.float32, z.device)  # 28·S bytes per row
     ids = _empty((len(SAMPLE_IDS), s, n), torch.int32, z.device)  # 8·S bytes per row
     slots = (s, n, top_k) if top_k else (0,)
@@ -44,13 +44,13 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
         sampler.sample_partial_kernel[(n, s)](
             z, z if zu is None else zu, keys, keys if suppress is None else suppress, n, k,
             0 if suppress is None else suppress.shape[0], z.stride(0),
-            0 if zu is None else zu.stride(0), cfg["cols_per_split"],
+            0 if zu is None else zu.stride(0), launch["cols_per_split"],
             temperature, stat_temperature, cfg_c, inv_t, state, ids, top_v, top_i,
             GREEDY=greedy, TWO_T=two_t, HAS_UNCOND=zu is not None,
             HAS_SUPPRESS=suppress is not None, TOP_K=top_k,
-            TOP_KP=sampler.slot_count(top_k), BLOCK_K=cfg["block_k"], VEC=cfg["vec"],
+            TOP_KP=sampler.slot_count(top_k), BLOCK_K=launch["block_k"], VEC=launch["vec"],
             ROWS_ALIGNED=kernels.rows_aligned(z.stride(0), 0 if zu is None else zu.stride(0)),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             # with guidance its multiply and add round as on the host; without, the
             # statistics' sums compile as the token statistics' kernel (contraction on)
             enable_fp_fusion=zu is None)
