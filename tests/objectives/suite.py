@@ -186,26 +186,42 @@ class ObjectivesSuite:
         from dlm_kernels import _checks
 
         fw = self.fw
-        logits, x0, xt, t, mask = sft_inputs(rng, empty_row=False)
+        bad_values = {"t > 1": ("t", 1.5), "t < 0": ("t", -0.25), "t NaN": ("t", np.nan)}
+        for value in (-1.0, np.nan, np.inf):
+            bad_values[f"loss_mask {value}"] = ("loss_mask", value)
+        # a sequence for each bad value (the odd ones) between good sequences
+        logits, x0, xt, t, mask = sft_inputs(rng, b=2 * len(bad_values) + 1, empty_row=False)
         good = self.sft_call("diffusion_sft_loss", (logits, x0, xt, t, mask), "reweighted-loo-ce")
         good = fw.numpy(good)
-        bad_cases = {"t > 1": (np.array([t[0], 1.5, t[2]], np.float32), mask),
-                     "t < 0": (np.array([t[0], -0.25, t[2]], np.float32), mask),
-                     "t NaN": (np.array([t[0], np.nan, t[2]], np.float32), mask)}
-        for value in (-1.0, np.nan, np.inf):
-            m = mask.copy()
-            m[1, 2] = value
-            bad_cases[f"loss_mask {value}"] = (t, m)
-        for name, (t_bad, m_bad) in bad_cases.items():
+
+        def with_bad(where):
+            """(t, loss_mask) with the bad value ``where[seq]`` names in each sequence seq."""
+            t_bad, m_bad = t.copy(), mask.copy()
+            for seq, name in where.items():
+                what, value = bad_values[name]
+                if what == "t":
+                    t_bad[seq] = value
+                else:
+                    m_bad[seq, 2] = value
+            return t_bad, m_bad
+
+        for name in bad_values:  # each alone
+            t_bad, m_bad = with_bad({1: name})
             with pytest.raises(ValueError):
                 self.sft_call("diffusion_sft_loss", (logits, x0, xt, t_bad, m_bad), "reweighted-loo-ce")
         monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
-        for name, (t_bad, m_bad) in bad_cases.items():
-            for fn in ("diffusion_sft_loss", "diffusion_sft_logps"):
-                got = fw.numpy(self.sft_call(fn, (logits, x0, xt, t_bad, m_bad), "reweighted-loo-ce"))
-                assert np.isnan(got[1]), f"{fn} with {name}: {got}"
-                if fn == "diffusion_sft_loss":
-                    assert_close(got[[0, 2]], good[[0, 2]], "float32", f"{fn} with {name}")
+        # every bad value at once, each in its own sequence (a sequence's loss and log-probs
+        # are its own): each bad sequence NaN, every good one its exact value
+        bad_seqs = {2 * i + 1: name for i, name in enumerate(bad_values)}
+        good_seqs = [seq for seq in range(len(t)) if seq not in bad_seqs]
+        t_bad, m_bad = with_bad(bad_seqs)
+        for fn in ("diffusion_sft_loss", "diffusion_sft_logps"):
+            got = fw.numpy(self.sft_call(fn, (logits, x0, xt, t_bad, m_bad), "reweighted-loo-ce"))
+            for seq, name in bad_seqs.items():
+                assert np.isnan(got[seq]), f"{fn} with {name} in sequence {seq}: {got}"
+            if fn == "diffusion_sft_loss":
+                assert_close(got[good_seqs], good[good_seqs], "float32",
+                             f"{fn}: the good sequences among the bad")
         batch, y, w = self.batch(rng)
         z = fw.array(rng.normal(size=(2, 6, 41)), "float32")
         u = fw.array(rng.normal(size=(2, 6, 41)), "float32")

@@ -48,13 +48,14 @@ FEATURES = {
 MASKS = {"finfo.min": float(np.finfo(np.float32).min), "-inf": -np.inf}
 MASK_TEMPERATURES = (0.5, 1.0, 2.0, 1e3, 1e4)
 MASK_K = 1271  # = 31 x 41: unaligned to every block size, divided by a chunk of 41
+# where the span is masked: both halves of one call's rows (``masked_pair``), each half a
+# ``masked_case`` of its own
 WHERE_MASKED = ("student and teacher", "teacher")
-MASKED_SPANS = tuple((mask, where, T) for mask in MASKS for where in WHERE_MASKED
-                     for T in MASK_TEMPERATURES)
+MASKED_SPANS = tuple((mask, T) for mask in MASKS for T in MASK_TEMPERATURES)
 STUDENT_MASKS = tuple((mask, T) for mask in MASKS for T in MASK_TEMPERATURES)
 # An interpreted kernel's cases (seconds each): finfo.min (finite, or -inf at T < 1) at every
 # temperature, -inf at one
-KERNEL_MASKED_SPANS = tuple((mask, where, T) for mask, where, T in MASKED_SPANS
+KERNEL_MASKED_SPANS = tuple((mask, T) for mask, T in MASKED_SPANS
                             if mask == "finfo.min" or T == 2.0)
 KERNEL_STUDENT_MASKS = (("finfo.min", 0.5), ("finfo.min", 2.0), ("finfo.min", 1e4), ("-inf", 1.0))
 
@@ -91,6 +92,28 @@ def masked_case(fw, rng, temperature, mask, student, teacher, *, teacher_grad=Tr
     case.update(z=fw.array(z.reshape(shape), "float32"), z_np=z, y_np=y,
                 y=fw.array(y.reshape(case["rows"])), u=fw.array(u.reshape(shape), "float32"))
     case["ora_kw"]["u"] = u
+    return case
+
+
+def masked_pair(fw, rng, temperature, mask):
+    """The ``masked_case`` of each place in ``WHERE_MASKED`` (the span masked in the student
+    and the teacher, or in the teacher alone) as the two halves of one (4, 3)-row call: rows
+    0-5 and 6-11, each half with its own active and poisoned rows (a row's statistics and
+    gradients are its own on every backend). ``case["groups"]``: (where, [N] bool) of each
+    half, which ``check_masked`` checks on its own."""
+    halves = [masked_case(fw, rng, temperature, mask, student=where != "teacher", teacher=True)
+              for where in WHERE_MASKED]
+    cat = lambda key: np.concatenate([h[key] for h in halves])  # noqa: E731
+    z_np, y_np, u_np = cat("z_np"), cat("y_np"), np.concatenate([h["ora_kw"]["u"] for h in halves])
+    w = np.concatenate([fw.numpy(h["w"]).reshape(-1) for h in halves]).astype(np.float32)
+    rows, k = (4, 3), MASK_K
+    n = halves[0]["n"]
+    case = dict(halves[0], rows=rows, n=2 * n, z_np=z_np, y_np=y_np, active=cat("active"),
+                z=fw.array(z_np.reshape(rows + (k,)), "float32"), y=fw.array(y_np.reshape(rows)),
+                w=fw.array(w.reshape(rows)), u=fw.array(u_np.reshape(rows + (k,)), "float32"),
+                ora_kw=dict(halves[0]["ora_kw"], u=u_np),
+                groups=[(where, np.arange(2 * n) // n == i)
+                        for i, where in enumerate(WHERE_MASKED)])
     return case
 
 
@@ -304,11 +327,16 @@ class TokenStatsSuite:
         assert_close(grads[0].reshape(n, k), dz, "float32", "d logits",
                      slack=oracle.saved_lse_slack(*args, cots, **case["ora_kw"]))
         act = case["active"]
-        u, z = case["ora_kw"]["u"][act], case["z_np"][act]
-        live = u > np.finfo(np.float32).min  # the teacher's unmasked columns
-        scale = cancellation_scale(cots[3], np.where(live, u, 0) / T, np.where(live, z, 0) / T,
-                                   temperature=T)
-        assert_close(grads[1].reshape(n, k), du, "float32", "d teacher_logits", scale=scale)
+        for where, rows in case.get("groups", [("", np.ones(n, bool))]):
+            # each group of rows (``masked_pair``'s halves) at its own cancellation scale
+            on = act & rows
+            u, z = case["ora_kw"]["u"][on], case["z_np"][on]
+            live = u > np.finfo(np.float32).min  # the teacher's unmasked columns
+            scale = cancellation_scale(cots[3][rows], np.where(live, u, 0) / T,
+                                       np.where(live, z, 0) / T, temperature=T)
+            assert_close(grads[1].reshape(n, k)[rows], du[rows], "float32",
+                         f"d teacher_logits (masked in the {where})" if where
+                         else "d teacher_logits", scale=scale)
         assert_exact_zero(grads[0].reshape(n, k)[~act], "d logits of inactive rows")
         assert_exact_zero(grads[1].reshape(n, k)[~act], "d teacher of inactive rows")
 
@@ -320,14 +348,14 @@ class TokenStatsSuite:
 
     def test_masked_spans_match_the_oracle(self, rng, masked_span):
         """Spans of the vocabulary masked with finfo.min or -inf (``masked_columns``: whole
-        chunks, blocks, lanes and vocabulary splits), in the student and the teacher alike or
-        in the teacher alone: a masked column has probability 0 and adds exactly nothing, so
-        every statistic and gradient is the oracle's, at T = 0.5 (finfo.min / T is -inf),
-        1, 2, 1e3 and 1e4. (A part of the vocabulary whose maximum is finfo.min once merged as
-        0 · -inf = NaN: entropy, KL and their gradients.)"""
-        mask, where, temperature = masked_span
-        case = masked_case(self.fw, rng, temperature, mask, student=where != "teacher",
-                           teacher=True)
+        chunks, blocks, lanes and vocabulary splits), in the student and the teacher alike
+        (rows 0-5 of the call) and in the teacher alone (rows 6-11, ``masked_pair``): a
+        masked column has probability 0 and adds exactly nothing, so every statistic and
+        gradient is the oracle's, at T = 0.5 (finfo.min / T is -inf), 1, 2, 1e3 and 1e4. (A
+        part of the vocabulary whose maximum is finfo.min once merged as 0 · -inf = NaN:
+        entropy, KL and their gradients.)"""
+        mask, temperature = masked_span
+        case = masked_pair(self.fw, rng, temperature, mask)
         for chunk_size in self.MASK_CHUNK_SIZES or self.CHUNK_SIZES:
             self.check_masked(case, rng, chunk_size)
 

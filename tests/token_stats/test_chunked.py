@@ -402,3 +402,10 @@ class TestJaxChunked(ChunkedSuite):
     # one cast as each chunk is read, the same at every shape (the chunk loop is what the
     # shapes test): each shape once, the dtypes in turn, as the JAX reference
     shape_dtype = cases(*ROTATED_SHAPE_DTYPES)
+    # The features at ragged chunks of 100 only: one chunk (chunk_size None at K <= 4096) is
+    # the peeled first chunk that every call runs, its lax.fori_loop of zero trips
+    # (jax_chunked._block_partial, the backward's block_step); a call of chunks of 100 runs
+    # that first chunk and then the loop and its merges. The shape sweep and the shift ties
+    # keep both (one chunk at every K up to 1271, the CPU plan's chunks of 4096 at 50257).
+    CHUNK_SIZES = (100,)
+    SHAPE_CHUNK_SIZES = (None, 100)
