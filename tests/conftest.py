@@ -147,6 +147,21 @@ def _poisoned_outputs():
 
 
 @pytest.fixture(autouse=True)
+def _jax_programs_traced_afresh(request):
+    """A test that patches the package (``monkeypatch``) runs no JAX program traced before
+    its patch, and leaves none traced under it: the package's VJPs are cached programs
+    (``jax.jit`` keyed by the call's shapes and configuration, not by module constants such
+    as a budget a test lowers), so JAX's caches are dropped before and after such a test. A
+    test that patches in the middle drops them itself (``jax.clear_caches``)."""
+    patches = "monkeypatch" in request.fixturenames and "jax" in sys.modules
+    if patches:
+        sys.modules["jax"].clear_caches()
+    yield
+    if patches:
+        sys.modules["jax"].clear_caches()
+
+
+@pytest.fixture(autouse=True)
 def _torch_configs_restored():
     """Whatever a test does to torch's Dynamo and Inductor configuration, the next test in the
     worker starts from the values before it: by construction, not by each test's care

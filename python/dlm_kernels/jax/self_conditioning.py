@@ -254,6 +254,9 @@ def _soft_bwd(cap, inv_t, chunk, layout, on_cpu, res, g):
 
 
 _soft.defvjp(_soft_fwd, _soft_bwd)
+#: one program per (cap, temperature, chunk, layout, platform, shapes), cached: an eager
+#: call otherwise traces its row-block loops afresh every time; inside a jit it is inlined
+_soft_program = jax.jit(_soft, static_argnums=(0, 1, 2, 3, 4))
 
 
 class _Parts:
@@ -325,5 +328,5 @@ def soft_embedding(
         arrays = ((h, head.weight, embedding) if head.bias is None
                   else (h, head.weight, head.bias, embedding))
         layout = head.weight_layout
-    out = _soft(softcap, 1.0 / temperature, chunk, layout, on_cpu, *arrays)
+    out = _soft_program(softcap, 1.0 / temperature, chunk, layout, on_cpu, *arrays)
     return out.reshape(*lead, width)

@@ -486,8 +486,15 @@ def _head_total_backward(impl, cfg, axis, residuals, cotangents):
 _head_total.defvjp(_head_total_fwd, _head_total_bwd, symbolic_zeros=True)
 
 
+#: the two VJPs as one program per (backend, lowered configuration, axis, shapes), cached:
+#: an eager call otherwise traces its loops afresh every time (as the token statistics'
+#: ``jax_vjp._token_stats_program``); inside an enclosing jit they are inlined
+_head_stats_program = jax.jit(_head_stats, static_argnums=(0, 1, 2))
+_head_total_program = jax.jit(_head_total, static_argnums=(0, 1, 2))
+
+
 def apply_head(impl, cfg, rows, axis, coefficients):
     """(lse, logp, entropy, kl, total) of rows whose logits and/or teacher are heads."""
     if coefficients is None:
-        return (*_head_stats(impl, cfg, axis, rows), None)
-    return _head_total(impl, cfg, axis, rows, tuple(coefficients))
+        return (*_head_stats_program(impl, cfg, axis, rows), None)
+    return _head_total_program(impl, cfg, axis, rows, tuple(coefficients))

@@ -75,6 +75,12 @@ def _token_stats_bwd(impl, cfg, residuals, cotangents):
 
 _token_stats_vjp.defvjp(_token_stats_fwd, _token_stats_bwd)
 
+#: ``_token_stats_vjp`` as one program per (backend, lowered configuration, shapes), cached:
+#: an eager call (no enclosing jit) otherwise traces its loops afresh every time (a
+#: ``lax.fori_loop`` of a new closure compiles again: about 0.2 s a call on a CPU), and its
+#: values are then those of the same call under ``jax.jit`` (inside one, it is inlined)
+_token_stats_program = jax.jit(_token_stats_vjp, static_argnums=(0, 1))
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _vocab_parallel_vjp(impl, cfg, axis, rows):
@@ -111,7 +117,7 @@ class JaxVJP:
     def apply(impl, cfg, rows, inplace, axis):
         if axis is not None:
             return _vocab_parallel_vjp(impl, cfg, axis, rows)
-        return _token_stats_vjp(impl, cfg, rows)
+        return _token_stats_program(impl, cfg, rows)
 
     @staticmethod
     def check_shard(axis, bound=True):
