@@ -598,7 +598,8 @@ def test_a_sampler_or_head_missing_a_method_is_refused_at_registration(case):
     assert registry.available() == ("declared",)
 
 
-@pytest.mark.parametrize("case", ["token_stats", "gradient", "head", "soft_embedding"])
+@pytest.mark.parametrize("case", ["token_stats", "gradient", "head", "soft_embedding",
+                                  "sample_tokens"])
 def test_eager_jax_calls_compile_once(case):
     """An eager JAX call (no enclosing jit) of the chunked backend compiles its program once
     per shape and configuration: a second call with new values compiles nothing. Before the
@@ -623,6 +624,8 @@ def test_eager_jax_calls_compile_once(case):
         "head": lambda z, w: dk.weighted_cross_entropy(dk.LinearHead(z[None, :, :d], w),
                                                        batch).compute(),
         "soft_embedding": lambda z, w: soft_embedding(z, w.T, chunk_size=128),
+        "sample_tokens": lambda z, w: dk.sample_tokens(z, temperature=0.8, top_k=3, seed=5,
+                                                       step=0).token,
     }
     rng = np.random.default_rng(new_seed())
 

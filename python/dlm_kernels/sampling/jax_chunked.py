@@ -119,7 +119,9 @@ class ChunkedSampler:
     def unsupported_reason(platform):
         return None
 
-    sample = staticmethod(sample)
+    #: one program per (configuration, shapes), cached: an eager call otherwise traces its
+    #: loops afresh every time (as the token statistics' ``jax_vjp._token_stats_program``)
+    sample = staticmethod(jax.jit(sample, static_argnums=(4,)))
 
 
 IMPLEMENTATION = ChunkedSampler()
