@@ -122,10 +122,17 @@ def poisoned_outputs():
 def pallas_race_detection():
     """Within this block the Pallas kernels run in TPU interpret mode with race detection
     between grid steps (slow; for a test)."""
+    import jax
+
     from dlm_kernels._jax.pallas import RaceDetection
 
+    # the kernels read the switch when a program is traced, and the package's programs are
+    # cached by shapes and configuration: none traced outside the block runs inside it, and
+    # none traced inside it outlives it
+    jax.clear_caches()
     previous, RaceDetection.enabled = RaceDetection.enabled, True
     try:
         yield
     finally:
         RaceDetection.enabled = previous
+        jax.clear_caches()

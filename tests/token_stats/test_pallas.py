@@ -29,14 +29,31 @@ class TestJaxPallas(TokenStatsSuite):
     SHAPE_CHUNK_SIZES = (128,)  # the shape sweep: many steps (the budget: the features)
 
 
-def test_race_detection_finds_no_races(rng):
+def test_race_detection_finds_no_races(rng, monkeypatch):
+    """Inside ``pallas_race_detection`` the kernels run with race detection (its reads are
+    checked: a spy counts them), also after a call of the same shapes outside the block (the
+    package's programs are cached: the block traces its own, and drops it after), and it
+    finds no race; outside the block nothing is checked."""
     interp = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
+    checks = []
+    check_read = interp.RaceDetectionState.check_read
+
+    def spy(self, *args, **kwargs):
+        checks.append(1)
+        return check_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(interp.RaceDetectionState, "check_read", spy)
     suite = TestJaxPallas()
     case = make_case(framework("jax"), rng, (9, 3), 300, "float32", FEATURES["all"])
+    suite.check(case, rng, "float32", chunk_size=128)
+    assert not checks, "race detection ran outside pallas_race_detection()"
     with pallas_race_detection():
         suite.check(case, rng, "float32", chunk_size=128)
-    assert interp.races is not None, "race detection did not run"
-    assert not interp.races.races_found
+    assert checks, "race detection did not run inside pallas_race_detection()"
+    assert interp.races is not None and not interp.races.races_found
+    checks.clear()
+    suite.check(case, rng, "float32", chunk_size=128)
+    assert not checks, "race detection still ran after pallas_race_detection()"
 
 
 LOWERING = [(16384, 262144, "bfloat16", False, True), (16384, 262144, "bfloat16", True, True),

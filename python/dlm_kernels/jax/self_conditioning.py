@@ -19,6 +19,7 @@ from .._checks import shape_str
 from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, ROW_GROUP,
                        check_positive_float, check_positive_int, check_temperature,
                        min_block_rows, row_blocks, rows_per_block)
+from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
 from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
 from ..linear_head.jax_head import LinearHead
@@ -81,28 +82,28 @@ def _z_fn(layout, acc, dense, h, w, b):
 
 class _Rows:
     """The row blocks of one call: every per-row value (the online softmax's state, a row's
-    logits, d logits and d hidden) is computed in blocks of rows under
-    ``jax_chunked.fold_row_blocks`` (at least ``min_block_rows`` of the chunk, a multiple of
-    ROW_GROUP, inside a loop of unseen trip count), never in an [N, ...] array whose shape
-    XLA's CPU code rounds a row by (one row, one answer, docs/design.md §2). A call of fewer
-    rows than a block runs padded to one (``n_pad`` rows); the last block of a call may
-    overlap the one before it (``_config.row_blocks``): there ``fresh`` keeps the running
-    state and d hidden of the rows an earlier block already updated for this chunk, and
-    ``owned`` also masks the padding out of the vocabulary's gradients (dE, dW, db)."""
+    logits, d logits and d hidden) is computed in blocks of exactly ``rows`` rows under
+    ``jax_chunked.fold_row_blocks`` (inside a loop of unseen trip count), never in an
+    [N, ...] array whose shape XLA's CPU code rounds a row by (one row, one answer,
+    docs/design.md §2). The block's size is a function of the chunk and the widths alone
+    (``block_rows``), so every matmul and every tile of a call has the same shape at any N: a
+    call of fewer rows runs padded to one block (``n_pad`` rows), and the last block of a
+    call ends at row N, overlapping the one before it (``_config.row_blocks``): there
+    ``fresh`` keeps the running state and d hidden of the rows an earlier block already
+    updated for this chunk, and ``owned`` also masks the padding out of the vocabulary's
+    gradients (dE, dW, db)."""
 
-    def __init__(self, n, chunk, on_cpu):
-        self.n, self.least = n, min_block_rows(chunk)
-        self.n_pad = max(n, self.least)
-        self.rows = max(self.least,
-                        rows_per_block(self.n_pad, chunk, on_cpu) // ROW_GROUP * ROW_GROUP)
-        rb, full, _ = row_blocks(self.n_pad, self.rows, self.least)
+    def __init__(self, n, chunk, on_cpu, widths):
+        self.n, self.rows = n, block_rows(chunk, widths, on_cpu)
+        self.n_pad = max(n, self.rows)
+        rb, full, _ = row_blocks(self.n_pad, self.rows, self.rows)
         self.full_end = rb * full
 
     def pad(self, x):
         return JaxOps.pad_rows(x, self.n_pad)
 
     def fold(self, step, carry):
-        return fold_row_blocks(step, self.n_pad, self.rows, carry, self.least)
+        return fold_row_blocks(step, self.n_pad, self.rows, carry, self.rows)
 
     def fresh(self, row0, nb):
         """[nb, 1] bool: the block's rows that no earlier block took (the last block's
@@ -113,6 +114,21 @@ class _Rows:
     def owned(self, row0, nb):
         """[nb, 1] bool: ``fresh`` rows within the call's N (not padding)."""
         return self.fresh(row0, nb) & (row0 + jnp.arange(nb) < self.n)[:, None]
+
+
+#: the most rows a block takes unless its widths need more (``block_rows``)
+MAX_BLOCK_ROWS = 1024
+
+
+def block_rows(chunk, widths, on_cpu):
+    """Rows R of every block of a call: the rows whose float32 [R, C] chunk fits the
+    platform's budget (``_config.rows_per_block``), at most MAX_BLOCK_ROWS, and at least
+    ``min_block_rows`` of the chunk and of every row width (the [R, D] and [R, Dh] row values
+    hold at least MIN_BLOCK_ELEMENTS too), a multiple of HEAD_ROW_GROUP (the matmuls' rows).
+    A function of the chunk and the widths, never of N."""
+    least = max(min_block_rows(c) for c in (chunk, *widths))
+    r = min(rows_per_block(1 << 30, chunk, on_cpu), MAX_BLOCK_ROWS)
+    return head_rows(max(r, least))
 
 
 def _block_rows(i, x, row0, nb):
@@ -237,20 +253,33 @@ def _unpack(arrays):
     return arrays
 
 
+def _rows_of(x, w, emb, chunk, on_cpu):
+    """The row blocks of a call: x the logits [N, V] (w None) or the hidden states [N, Dh]."""
+    widths = (emb.shape[1],) if w is None else (emb.shape[1], x.shape[1])
+    return _Rows(x.shape[0], chunk, on_cpu, widths)
+
+
 def _soft_fwd(cap, inv_t, chunk, layout, on_cpu, *arrays):
+    return first_order("chunked", lambda arrays: _soft_forward(
+        cap, inv_t, chunk, layout, on_cpu, arrays), arrays)
+
+
+def _soft_forward(cap, inv_t, chunk, layout, on_cpu, arrays):
     x, w, b, emb = _unpack(arrays)
     acc = _acc(*arrays)
-    rows = _Rows(x.shape[0], chunk, on_cpu)
+    rows = _rows_of(x, w, emb, chunk, on_cpu)
     out, m, log_l = _forward(x, layout, w, b, emb, cap, inv_t, chunk, rows, acc)
     return out.astype(emb.dtype), (arrays, out, m, log_l)
 
 
 def _soft_bwd(cap, inv_t, chunk, layout, on_cpu, res, g):
-    arrays, out, m, log_l = res
-    x, w, b, emb = _unpack(arrays)
-    rows = _Rows(x.shape[0], chunk, on_cpu)
-    return _backward(x, layout, w, b, emb, cap, inv_t, chunk, rows, out, m, log_l, g, on_cpu,
-                     out.dtype)
+    def backward(res, g):
+        arrays, out, m, log_l = res
+        x, w, b, emb = _unpack(arrays)
+        rows = _rows_of(x, w, emb, chunk, on_cpu)
+        return _backward(x, layout, w, b, emb, cap, inv_t, chunk, rows, out, m, log_l, g,
+                         on_cpu, out.dtype)
+    return first_order("chunked", backward, res, g)
 
 
 _soft.defvjp(_soft_fwd, _soft_bwd)
