@@ -172,11 +172,11 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
     made, seen, launched = _lowered_once(monkeypatch), [], []
     _stats_math_spies(monkeypatch, seen)
     for name in ("stats_forward", "stats_backward"):
-        _spy(monkeypatch, pallas_kernels, name, launched, lambda a, kw: kw)
+        _spy(monkeypatch, pallas_kernels, name, launched, lambda a, kw, name=name: (name, kw))
     if backend == "triton":
         module = request.getfixturevalue("jax_triton_on_cpu")
         _spy(monkeypatch, module, "_scalars", seen, lambda a, kw: a[0])
-        _spy(monkeypatch, module, "_launch", launched, lambda a, kw: kw)
+        _spy(monkeypatch, module, "_launch", launched, lambda a, kw: ("triton", kw))
     n, k = 3, 37
     z = fw.array(rng.normal(size=(n, k)), "float32")
     u = fw.array(rng.normal(size=(n, k)), "float32")
@@ -187,17 +187,20 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
                                backend=backend, **KEYWORDS)
         return sum(jnp.sum(v) for v in s)
 
-    jax.jit(jax.grad(loss, argnums=(0, 1)))(z, u)  # one trace, one program
+    # one program: the front end lowers once; the forward's kernels are traced twice (the
+    # package's cached program is traced for its primal, then for its JVP under grad)
+    jax.jit(jax.grad(loss, argnums=(0, 1)))(z, u)
     (low,) = made
     assert low.HAS_SHIFT and low.TEACHER_GRAD and low.SEPARATE_CE and low.CE_TERMS
     assert all(got is low for got in seen), seen
+    kinds = [kind for kind, _ in launched]
     if backend == "pallas":
-        assert len(launched) == 2
+        assert kinds.count("stats_backward") == 1 and 1 <= kinds.count("stats_forward") <= 2
         statics = low.pallas_statics()
-        assert all({key: kw[key] for key in statics} == statics for kw in launched)
+        assert all({key: kw[key] for key in statics} == statics for _, kw in launched)
     elif backend == "triton":
-        assert seen and len(launched) == 3  # partial, finalize, gradient
-        assert all(kw.items() >= low.triton_flags().items() for kw in launched)
+        assert seen and 3 <= len(launched) <= 5  # partial, finalize (once or twice), gradient
+        assert all(kw.items() >= low.triton_flags().items() for _, kw in launched)
     else:
         assert seen and not launched
 

@@ -117,10 +117,10 @@ class _Rows:
 
 
 #: the most rows a block takes unless its widths need more (``block_rows``)
-MAX_BLOCK_ROWS = 1024
+MAX_BLOCK_ROWS: int = 1024
 
 
-def block_rows(chunk, widths, on_cpu):
+def block_rows(chunk: int, widths: tuple[int, ...], on_cpu: bool) -> int:
     """Rows R of every block of a call: the rows whose float32 [R, C] chunk fits the
     platform's budget (``_config.rows_per_block``), at most MAX_BLOCK_ROWS, and at least
     ``min_block_rows`` of the chunk and of every row width (the [R, D] and [R, Dh] row values
