@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._checks import shape_str
-from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, ROW_GROUP,
-                       check_positive_float, check_positive_int, check_temperature,
-                       min_block_rows, row_blocks, rows_per_block)
+from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_positive_float,
+                       check_positive_int, check_temperature, min_block_rows, row_blocks,
+                       rows_per_block)
 from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
 from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
@@ -68,14 +68,15 @@ def _chunks(vocab, chunk):
     return [(c0, min(c0 + chunk, vocab)) for c0 in range(0, vocab, chunk)]
 
 
-def _z_fn(layout, acc, dense, h, w, b):
-    """A function (c0, c1) -> the logits' columns [c0, c1) of every row, [N, C] in acc."""
-    if dense is not None:
-        return lambda c0, c1: dense[:, c0:c1].astype(acc)
+def _z_fn(layout, acc, x, w, b):
+    """A function (c0, c1) -> the logits' columns [c0, c1) of every row, [N, C] in acc: of
+    the logits x [N, V] (w None), or of the head's hidden states x [N, D] and weight w."""
+    if w is None:
+        return lambda c0, c1: x[:, c0:c1].astype(acc)
 
     def z(c0, c1):
         w_c = w[c0:c1] if layout == VOCAB_MAJOR else w[:, c0:c1].T  # [C, D]
-        out = _rows_mm(h, w_c.T, acc)
+        out = _rows_mm(x, w_c.T, acc)
         return out if b is None else out + b[c0:c1].astype(acc)
     return z
 
@@ -154,8 +155,7 @@ def _forward(x, layout, w, b, emb, cap, inv_t, chunk, rows, acc):
 
         def step(state, row0, nb, c0=c0, c1=c1, last=last):
             x_b = _block_rows(row0, x_pad, row0, nb)
-            dense, h = (x_b, None) if w is None else (None, x_b)
-            cz = _capped(_z_fn(layout, acc, dense, h, w, b)(c0, c1), cap)  # [nb, C]
+            cz = _capped(_z_fn(layout, acc, x_b, w, b)(c0, c1), cap)  # [nb, C]
             s = lax.dynamic_slice_in_dim(state, row0, nb, axis=0)
             a, m, l = s[:, :d], s[:, d], s[:, d + 1]
             m_new = jnp.maximum(m, cz.max(axis=1))
@@ -201,9 +201,10 @@ def _backward(x, layout, w, b, emb, cap, inv_t, chunk, rows, out, m, log_l, g, o
             out_b, m_b, l_b, g_b = (lax.dynamic_slice_in_dim(a, row0, nb, axis=0)
                                     for a in (out, m, log_l, g))
             owned = rows.owned(row0, nb)
-            z = _z_fn(layout, acc, x_b if dense else None, None if dense else x_b, w, b)(c0, c1)
+            z = _z_fn(layout, acc, x_b, w, b)(c0, c1)
             p = jnp.exp(_exponents(_capped(z, cap), m_b, inv_t) - l_b[:, None])  # [nb, C]
             de_c = de_c + _mm(jnp.where(owned, p, 0.0).T, g_b, acc)
+            # (g·out per row, again per chunk: an [N, D] sum of its own would round a row by N)
             go = JaxOps.rounded(g_b * out_b).sum(axis=1)
             dz = p * (_rows_mm(g_b, emb[c0:c1].T, acc) - go[:, None])
             if inv_t != 1.0:
@@ -211,9 +212,9 @@ def _backward(x, layout, w, b, emb, cap, inv_t, chunk, rows, out, m, log_l, g, o
             if cap is not None:
                 dz = dz * formulas.softcap_slope(JaxOps, z, cap)
             if dense:
-                return lax.dynamic_update_slice(dx, to_carry(dz, x.dtype, dx_dtype),
-                                                (jnp.int32(row0), jnp.int32(c0))), (de_c, dw_c,
-                                                                                     db_c)
+                dx = lax.dynamic_update_slice(dx, to_carry(dz, x.dtype, dx_dtype),
+                                              (jnp.int32(row0), jnp.int32(c0)))
+                return dx, (de_c, dw_c, db_c)
             w_c = w[c0:c1] if layout == VOCAB_MAJOR else w[:, c0:c1].T  # [C, Dh]
             dh_b = lax.dynamic_slice_in_dim(dx, row0, nb, axis=0)
             dh_b = jnp.where(rows.fresh(row0, nb), dh_b + _rows_mm(dz, w_c, acc), dh_b)
@@ -340,7 +341,7 @@ def soft_embedding(
     if backend == "reference":
         acc = _acc(embedding, *(a for a in source.arrays() if a is not None))
         z = (dense.astype(acc) if dense is not None else
-             _z_fn(head.weight_layout, acc, None, head.hidden.reshape(n, -1), head.weight,
+             _z_fn(head.weight_layout, acc, head.hidden.reshape(n, -1), head.weight,
                    head.bias)(0, vocab).reshape(*lead, vocab))
         # rows padded as whole-row arithmetic and a matmul round a row alike at any N
         z = JaxOps.pad_rows(z.reshape(n, vocab), head_rows(JaxOps.whole_row_rows(n, vocab)))
