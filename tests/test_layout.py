@@ -385,3 +385,178 @@ def test_the_import_graph_sees_every_form(tmp_path):
     assert edges["p.sub.d"] == {"p.a"}
     assert inside == [("p.b", 2, "p.sub.d")]
     assert cycles(edges) == [["p.a", "p.b", "p.sub", "p.sub.d"]]
+
+
+# -- the call path from a public function to its op ------------------------------------------
+
+class CallWalker:
+    """What a reader (or a static tool) can follow from a function without running it: calls
+    of functions and classes by name (imports resolved), ``NAME.method(...)`` where the
+    module-level NAME is ``Class(...)`` or a module, ``self.method(...)``, and
+    ``self.attr.method(...)`` where ``__init__`` sets ``self.attr`` from a parameter annotated
+    with a class. A callable passed in as a plain value is where sight is lost."""
+
+    def __init__(self, modules: dict[str, pathlib.Path]):
+        self.modules = modules
+        self.trees = {name: ast.parse(path.read_text(), str(path))
+                      for name, path in modules.items()}
+
+    def _package(self, module: str) -> str:
+        return module if self.modules[module].name == "__init__.py" \
+            else module.rpartition(".")[0]
+
+    def lookup(self, module: str, name: str):
+        """('def', module, node) / ('class', module, node) / ('module', dotted, None) /
+        ('instance', module, class node) for a name bound at the top of ``module``."""
+        for node in self.trees[module].body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                return ("class" if isinstance(node, ast.ClassDef) else "def", module, node)
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
+                                                     for t in node.targets):
+                if isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+                    found = self.lookup(module, node.value.func.id)
+                    if found and found[0] == "class":
+                        return ("instance", found[1], found[2])
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if (alias.asname or alias.name) != name:
+                        continue
+                    base = node.module or ""
+                    if node.level:
+                        parts = self._package(module).split(".")
+                        parts = parts[:len(parts) - node.level + 1]
+                        base = ".".join(parts + ([base] if base else []))
+                    if f"{base}.{alias.name}" in self.modules:
+                        return ("module", f"{base}.{alias.name}", None)
+                    if base in self.modules:
+                        return self.lookup(base, alias.name)
+        return None
+
+    @staticmethod
+    def method(cls: ast.ClassDef, name: str):
+        return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name),
+                    None)
+
+    def attribute_class(self, module: str, cls: ast.ClassDef, attr: str):
+        """The class ``__init__`` gives ``self.attr``, from a parameter's annotation."""
+        init = self.method(cls, "__init__")
+        if init is None:
+            return None
+        notes = {a.arg: a.annotation for a in init.args.args + init.args.kwonlyargs}
+        for node in ast.walk(init):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name)
+                    and any(isinstance(t, ast.Attribute) and t.attr == attr
+                            and isinstance(t.value, ast.Name) and t.value.id == "self"
+                            for t in node.targets)):
+                note = notes.get(node.value.id)
+                if note is not None:
+                    name = note.value if isinstance(note, ast.Constant) else ast.unparse(note)
+                    found = self.lookup(module, name)
+                    if found and found[0] == "class":
+                        return found[1], found[2]
+        return None
+
+    def callees(self, module: str, fn: ast.FunctionDef, cls=None):
+        """(module, qualified name, node, class) of each call in ``fn`` the walker follows."""
+        out = []
+        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+            f = call.func
+            if isinstance(f, ast.Name):
+                found = self.lookup(module, f.id)
+                if found and found[0] == "def":
+                    out.append((found[1], f.id, found[2], None))
+                elif found and found[0] == "class":
+                    init = self.method(found[2], "__init__")
+                    if init is not None:
+                        out.append((found[1], f"{f.id}.__init__", init, (found[1], found[2])))
+            elif isinstance(f, ast.Attribute):
+                owner = None  # (module, class node) whose method f.attr is
+                if isinstance(f.value, ast.Name) and f.value.id == "self" and cls:
+                    owner = cls
+                elif isinstance(f.value, ast.Name):
+                    found = self.lookup(module, f.value.id)
+                    if found and found[0] == "instance":
+                        owner = (found[1], found[2])
+                    elif found and found[0] == "module":
+                        sub = self.lookup(found[1], f.attr)
+                        if sub and sub[0] == "def":
+                            out.append((sub[1], f.attr, sub[2], None))
+                elif (isinstance(f.value, ast.Attribute) and isinstance(f.value.value, ast.Name)
+                      and f.value.value.id == "self" and cls):
+                    owner = self.attribute_class(cls[0], cls[1], f.value.attr)
+                if owner is not None:
+                    node = self.method(owner[1], f.attr)
+                    if node is not None:
+                        out.append((owner[0], f"{owner[1].name}.{f.attr}", node, owner))
+        return out
+
+    def reach(self, module: str, name: str) -> set[str]:
+        """'module:qualified name' of every function reachable from ``module.name``."""
+        found = self.lookup(module, name)
+        todo = [(found[1], name, found[2], None)]
+        seen = set()
+        while todo:
+            mod, qual, node, cls = todo.pop()
+            if f"{mod}:{qual}" in seen:
+                continue
+            seen.add(f"{mod}:{qual}")
+            todo.extend(self.callees(mod, node, cls))
+        return seen
+
+
+@pytest.mark.parametrize("front", ["dlm_kernels.torch", "dlm_kernels.jax"])
+@pytest.mark.parametrize("objective", ["diffusion_sft_loss", "weighted_cross_entropy"])
+def test_a_static_walk_reaches_the_op(front, objective):
+    """From a public objective, the calls a reader can follow (no callable handed in as a
+    value) reach the token-statistics op's one entry point, and never re-enter a public
+    front-end function on the way. Failed while the objectives received the public
+    ``token_stats`` as a callback (the walk stopped at ``self.token_stats``)."""
+    walker = CallWalker(package_modules())
+    reached = walker.reach(front, objective)
+    assert "dlm_kernels.token_stats.op:TokenStatsFrontEnd.token_stats_total" in reached, \
+        sorted(reached)
+    public = {f"{front}:{name}" for name in __import__(front, fromlist=["_"]).__all__}
+    assert reached & public == {f"{front}:{objective}"}, sorted(reached & public)
+
+
+def test_the_call_walker_follows_each_form(tmp_path):
+    """Names, imported functions, module-level instances, ``self.method`` and an annotated
+    ``self.attr``; a callable stored unannotated is not followed."""
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "op.py").write_text("class Op:\n    def run(self):\n        return leaf()\n"
+                               "def leaf():\n    return 1\n")
+    (pkg / "obj.py").write_text(
+        "from .op import Op\n"
+        "class Obj:\n"
+        "    def __init__(self, op: Op, fn):\n        self.op = op\n        self.fn = fn\n"
+        "    def a(self):\n        return self.b()\n"
+        "    def b(self):\n        return self.op.run()\n"
+        "    def c(self):\n        return self.fn()\n")
+    (pkg / "front.py").write_text("from .obj import Obj as _Obj\nfrom .op import Op\n"
+                                  "_O = _Obj(Op(), None)\n"
+                                  "def a():\n    return _O.a()\n"
+                                  "def c():\n    return _O.c()\n")
+    walker = CallWalker(package_modules(tmp_path, {"p": "p"}))
+    assert walker.reach("p.front", "a") == {"p.front:a", "p.obj:Obj.a", "p.obj:Obj.b",
+                                            "p.op:Op.run", "p.op:leaf"}
+    assert walker.reach("p.front", "c") == {"p.front:c", "p.obj:Obj.c"}
+
+
+#: the host files (python/dlm_kernels, the kernels' folder aside) that may name an option of
+#: the CE term: the checked CeTerm (_config), each front end's signatures (torch, jax, nn),
+#: the lowering that turns it into kernel constants, and the math that reads those
+MAX_FILES_NAMING_AN_OPTION = 6
+
+
+@pytest.mark.parametrize("option", ["label_smoothing", "z_loss_weight"])
+def test_an_option_is_declared_once(option):
+    """An option reaches the kernels as one typed object (``_config.CeTerm``), so it is named
+    in few host files; the objectives and the op pass the object along (label_smoothing was
+    named in 8 files while each layer took it as a keyword)."""
+    top = ROOT / "python" / "dlm_kernels"
+    files = sorted(str(p.relative_to(top)) for p in top.rglob("*.py")
+                   if not any((top / part).is_symlink() for part in p.relative_to(top).parts[:1])
+                   and option in p.read_text())
+    assert len(files) <= MAX_FILES_NAMING_AN_OPTION, files

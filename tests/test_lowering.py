@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from dlm_kernels._config import make_config
+from dlm_kernels._config import CeTerm, make_config
 from dlm_kernels.token_stats.lowering import Lowered, lower
 from dlm_kernels.kernels.layout import NO_VOCAB_LIMIT
 from harness import assert_close, framework
@@ -25,14 +25,15 @@ CASES = {
         chunk_size=None, smooth_mean=0.0, smooth_weight=0.0, HAS_ENTROPY=True)),
     "every feature": (dict(temperature=0.5, ce_temperature=2.0, teacher_temperature=4.0,
                            softcap=30.0, has_teacher=True, teacher_grad=True, entropy=False,
-                           chunk_size=130, vocab_size=37, label_smoothing=0.1,
-                           z_loss_weight=0.01, smoothing_vocab=40), True, dict(
+                           chunk_size=130, vocab_size=37,
+                           ce=CeTerm(label_smoothing=0.1, z_loss_weight=0.01),
+                           smoothing_vocab=40), True, dict(
         inv_t=2.0, inv_t_ce=0.5, inv_t_kl=0.25, softcap=30.0, vocab_limit=37, chunk_size=130,
         label_smoothing=0.1, z_loss_weight=0.01, smooth_mean=1.0 / 40, smooth_weight=0.1 / 40,
         HAS_TEACHER=True, HAS_SHIFT=True, HAS_SOFTCAP=True, SEPARATE_CE=True, SMOOTH=True,
         Z_LOSS=True, CE_TERMS=True, TEACHER_GRAD=True, PADDED=True)),
     "z-loss, T_ce given equal to T": (dict(temperature=3.0, ce_temperature=3.0,
-                                           z_loss_weight=1e-4), False, dict(
+                                           ce=CeTerm(z_loss_weight=1e-4)), False, dict(
         inv_t=1.0 / 3.0, inv_t_ce=1.0 / 3.0, inv_t_kl=1.0 / 3.0, z_loss_weight=1e-4,
         HAS_ENTROPY=True, Z_LOSS=True, CE_TERMS=True)),
 }

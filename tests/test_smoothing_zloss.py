@@ -412,10 +412,10 @@ def test_bad_arguments_name_themselves(fw_name):
 def test_default_configuration_is_unchanged():
     """ε = λ = 0 is the configuration without the options (equal, same hash): no new
     specialisation, no Σ r, no CE coefficients."""
-    from dlm_kernels._config import make_config
+    from dlm_kernels._config import CeTerm, make_config
     from dlm_kernels.token_stats.lowering import lower
 
-    plain, zero = make_config(), make_config(label_smoothing=0, z_loss_weight=0.0,
+    plain, zero = make_config(), make_config(ce=CeTerm(label_smoothing=0, z_loss_weight=0.0),
                                              smoothing_vocab=37)
     assert plain == zero and hash(plain) == hash(zero)
     low = lower(zero, has_shift=False)

@@ -81,6 +81,37 @@ def check_label_smoothing(value) -> float:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class CeTerm:
+    """The options of the CE term (``logp``), declared once: every objective and
+    ``token_stats`` take them as keywords and pass this one object down to the lowering.
+
+    label_smoothing: ε in [0, 1]: the CE term's target distribution is (1 - ε)·onehot(y) + ε/K
+                     over the K valid columns (``logp`` = Σ_k target_k·log p'_k).
+    z_loss_weight:   λ >= 0, finite: ``logp`` also carries -λ·lse_ce², lse_ce the logsumexp
+                     of the logits at ``ce_temperature``.
+
+    Constructed checked (an error names the keyword); the defaults are the plain CE.
+    """
+
+    label_smoothing: float = 0.0
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "label_smoothing", check_label_smoothing(self.label_smoothing))
+        object.__setattr__(self, "z_loss_weight",
+                           check_loss_weight("z_loss_weight", self.z_loss_weight))
+
+    @property
+    def smooths(self) -> bool:
+        """Label smoothing is on: the uniform term needs the vocabulary's size."""
+        return self.label_smoothing > 0.0
+
+
+#: the plain CE: no label smoothing, no z-loss
+PLAIN_CE = CeTerm()
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:
     """A positive int (``_checks.number``: NumPy integers too, not bools or floats)."""
     if value is None and allow_none:
@@ -115,13 +146,10 @@ class StatsConfig:
     chunk_size:        vocabulary chunk of the chunked backends (None = heuristic).
     vocab_size:        vocabulary-parallel calls only: the true vocabulary, so padding
                        columns >= vocab_size (global ids) are excluded and get 0 gradient.
-    label_smoothing:   ε of the CE term: its target distribution is (1 - ε)·onehot(y) + ε/K
-                       over the K valid columns (``logp`` = Σ_k target_k·log p'_k).
-    z_loss_weight:     λ: the CE term's ``logp`` also carries -λ·lse_ce², lse_ce the
-                       logsumexp of the logits at ``ce_temperature``.
-    smoothing_vocab:   K of the uniform term (the global, valid vocabulary); None unless
-                       label_smoothing > 0, so configurations without it compare and hash
-                       as before.
+    ce:                the CE term's options (``CeTerm``: label smoothing and z-loss).
+    smoothing_vocab:   K of label smoothing's uniform term (the global, valid vocabulary);
+                       None unless it smooths, so configurations without it compare and
+                       hash as before.
     """
 
     temperature: float = 1.0
@@ -133,8 +161,7 @@ class StatsConfig:
     entropy: bool = True
     chunk_size: Optional[int] = None
     vocab_size: Optional[int] = None
-    label_smoothing: float = 0.0
-    z_loss_weight: float = 0.0
+    ce: CeTerm = PLAIN_CE
     smoothing_vocab: Optional[int] = None
 
 
@@ -149,12 +176,12 @@ def make_config(
     entropy=True,
     chunk_size=None,
     vocab_size=None,
-    label_smoothing=0.0,
-    z_loss_weight=0.0,
+    ce: CeTerm = PLAIN_CE,
     smoothing_vocab=None,
 ) -> StatsConfig:
-    """The checked configuration; ``smoothing_vocab`` is the K of label smoothing's uniform
-    term (the caller's: the global vocabulary under vocabulary parallelism)."""
+    """The checked configuration; ``ce`` the CE term's options (checked when made),
+    ``smoothing_vocab`` the K of label smoothing's uniform term (the caller's: the global
+    vocabulary under vocabulary parallelism)."""
     temperature = check_temperature("temperature", temperature)
     ce_temperature = check_temperature("ce_temperature", ce_temperature, allow_none=True)
     teacher_temperature = check_temperature(
@@ -164,8 +191,8 @@ def make_config(
     chunk_size = check_positive_int("chunk_size", chunk_size, allow_none=True)
     if vocab_size is not None:
         vocab_size = check_vocab_size(vocab_size)
-    label_smoothing = check_label_smoothing(label_smoothing)
-    z_loss_weight = check_loss_weight("z_loss_weight", z_loss_weight)
+    if not isinstance(ce, CeTerm):
+        raise TypeError(f"ce must be a CeTerm; got {type(ce).__name__}")
     teacher_grad, entropy = flag("teacher_grad", teacher_grad), flag("entropy", entropy)
     if teacher_grad and not has_teacher:
         raise ValueError("teacher_grad=True needs teacher_logits")
@@ -179,9 +206,8 @@ def make_config(
         entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
-        label_smoothing=label_smoothing,
-        z_loss_weight=z_loss_weight,
-        smoothing_vocab=int(smoothing_vocab) if label_smoothing > 0.0 else None,
+        ce=ce,
+        smoothing_vocab=int(smoothing_vocab) if ce.smooths else None,
     )
 
 

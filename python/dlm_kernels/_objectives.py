@@ -1,22 +1,26 @@
 """Every objective of docs/design.md §3, written once on top of the token-statistics primitive.
 
-:class:`Objectives` binds the objectives to one framework's ops adapter (``xp``), its
-``token_stats`` and its contract classes; ``dlm_kernels.torch`` and ``dlm_kernels.jax`` each
-make one, privately, and their typed public functions call its methods. Each objective does only cheap ``[B, L]`` arithmetic
-around one primitive call, so autodiff flows through the primitive's VJP.
+:class:`Objectives` binds the objectives to one framework's token-statistics op (its
+``token_stats.op.TokenStatsFrontEnd``, which holds the framework's ops adapter) and its contract
+classes (``Contract``); ``dlm_kernels.torch`` and ``dlm_kernels.jax`` each make one, privately,
+and their typed public functions call its methods. Each objective does only cheap ``[B, L]``
+arithmetic around one call of the op's one entry point, ``token_stats_total`` (never the
+public ``token_stats`` again), so autodiff flows through the primitive's VJP.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import dataclasses
+from typing import Any, TypeVar
 
 from . import _checks as checks
 from . import _policy
 from ._checks import flag, number, shape_str
 from .linear_head.head import as_logits
-from ._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
-                      check_positive_float, check_vocab_size)
+from ._config import (PLAIN_CE, CeTerm, check_distillation_scalars, check_positive_float,
+                      check_vocab_size)
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
+from .token_stats.op import TokenStatsFrontEnd
 
 T = TypeVar("T")  # an array type (or a float): the schedules map t to its kind
 
@@ -75,20 +79,27 @@ def _bad_weighted_sum(xp, w):
             | ((den > 0.0) & (den < checks.F32_TINY)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """The result and batch classes of one front end (each framework's own dataclasses, as
+    upstream's: the same fields, its array type)."""
+
+    weighted_sum: Any
+    token_batch: Any
+    distillation_batch: Any
+    policy_result: Any
+
+
 class Objectives:
     """The public objectives of one front end (see the module docstring)."""
 
-    def __init__(self, xp, token_stats, token_stats_total, weighted_sum, token_batch,
-                 distillation_batch, vocab_extent=lambda logits: logits.shape[-1],
-                 policy_result=None):
-        self.xp = xp
-        self.token_stats = token_stats
-        self.token_stats_total = token_stats_total  # (stats, Σ c·stats): a scalar objective
-        self.vocab_extent = vocab_extent  # full K (K_local x shards when vocab-parallel)
-        self.WeightedSum = weighted_sum
-        self.DiffusionTokenBatch = token_batch
-        self.DiffusionDistillationBatch = distillation_batch
-        self.PolicyLossResult = policy_result
+    def __init__(self, front: TokenStatsFrontEnd, contract: Contract):
+        self.front = front  # token_stats_total, vocab_extent: the op, entered once per call
+        self.xp = front.xp
+        self.WeightedSum = contract.weighted_sum
+        self.DiffusionTokenBatch = contract.token_batch
+        self.DiffusionDistillationBatch = contract.distillation_batch
+        self.PolicyLossResult = contract.policy_result
 
     # -- schedule -------------------------------------------------------------------------
 
@@ -136,7 +147,7 @@ class Objectives:
         inside ``vocab_parallel``). A smaller one marks the ids in [0, vocab_size) as valid and
         is the K of the LOO shift; every column still takes part in the softmax."""
         vocab_size = check_vocab_size(vocab_size)
-        extent = self.vocab_extent(logits)
+        extent = self.front.vocab_extent(logits)
         if vocab_size > extent:
             raise ValueError(f"vocab_size must be <= the logits' vocabulary K = {extent} "
                              f"(logits.shape[-1]); got {vocab_size}")
@@ -186,10 +197,9 @@ class Objectives:
     # -- Megatron-Bridge DiffusionGemma SFT ----------------------------------------------------
 
     def _sft_terms(self, logits, x0, xt, t, loss_mask, variant, vocab_size,
-                   diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend, ce_options):
+                   diffusion_weight_clip, alpha_fn, alpha_dot_fn, backend, ce):
         """(w [B], s·Σ_l M·CE [B], s·Σ_l M [B], s [B]) for one SFT batch, s each row's
-        ``_weight_scale`` (``ce_options``: the CE term's label_smoothing and z_loss_weight,
-        checked)."""
+        ``_weight_scale`` (``ce``: the CE term's options, a ``CeTerm``)."""
         xp = self.xp
         variant = normalize_variant(variant)
         clip = check_positive_float("diffusion_weight_clip", diffusion_weight_clip,
@@ -243,16 +253,16 @@ class Objectives:
         shift_ids = shift = None
         if loo:
             shift_ids, shift = xt, self._loo_delta(alpha, vocab_size, bl, t, "alpha_fn(t)")
-        stats = self.token_stats(logits, x0, mask, shift_ids=shift_ids, shift=shift,
-                                 entropy=False, backend=backend, **ce_options)
+        stats, _ = self.front.token_stats_total(logits, x0, mask, None, shift_ids=shift_ids,
+                                                shift=shift, entropy=False, ce=ce,
+                                                backend=backend)
         scale = _weight_scale(xp, mask)[:, None]  # [B, 1]
         ce_sum = -xp.rowsum((mask * scale) * stats.logp)
         return w, ce_sum, xp.rowsum(mask * scale), scale[:, 0]
 
     def diffusion_sft_loss(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                            diffusion_weight_clip=None, alpha_fn=rf_alpha,
-                           alpha_dot_fn=rf_alpha_dot, label_smoothing=0.0, z_loss_weight=0.0,
-                           backend=None):
+                           alpha_dot_fn=rf_alpha_dot, ce: CeTerm = PLAIN_CE, backend=None):
         """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
 
         loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
@@ -269,27 +279,26 @@ class Objectives:
         negative or non-finite mask, a t outside [0, 1]. Elsewhere (accelerators, ``jit``,
         ``torch.compile``) such an id makes that sequence's loss NaN, never a plausible number.
 
-        ``label_smoothing`` ε in [0, 1] and ``z_loss_weight`` λ >= 0 (default 0: the plain
-        CE) make each CE_bl the smoothed CE plus λ·lse_bl², the target distribution
+        ``ce`` (the front end's label-smoothing ε and z-loss λ, default the plain CE) makes
+        each CE_bl the smoothed CE plus λ·lse_bl², the target distribution
         (1 - ε)·onehot(x0) + ε/K over the logits' K columns (those the softmax runs over:
         the global K under ``vocab_parallel``) and lse_bl the logsumexp of the
         (LOO-shifted) logits, as ``token_stats`` takes them.
         """
         w, ce_sum, count, scale = self._sft_terms(
             logits, x0, xt, t, loss_mask, variant, vocab_size, diffusion_weight_clip,
-            alpha_fn, alpha_dot_fn, backend, _ce_options(label_smoothing, z_loss_weight))
+            alpha_fn, alpha_dot_fn, backend, ce)
         # Σ M·CE / max(Σ M, 1), both sums times the row's scale; no w·Σ M·CE overflow
         return w * (ce_sum / self.xp.maximum(count, scale))
 
     def diffusion_sft_logps(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                             diffusion_weight_clip=None, alpha_fn=rf_alpha,
-                            alpha_dot_fn=rf_alpha_dot, label_smoothing=0.0, z_loss_weight=0.0,
-                            backend=None):
+                            alpha_dot_fn=rf_alpha_dot, ce: CeTerm = PLAIN_CE, backend=None):
         """Sequence log-probs -w_b · Σ_l M_bl·CE_bl, [B] float32 (arguments as the loss,
-        ``label_smoothing`` and ``z_loss_weight`` included)."""
+        ``ce`` included)."""
         w, ce_sum, _, scale = self._sft_terms(
             logits, x0, xt, t, loss_mask, variant, vocab_size, diffusion_weight_clip,
-            alpha_fn, alpha_dot_fn, backend, _ce_options(label_smoothing, z_loss_weight))
+            alpha_fn, alpha_dot_fn, backend, ce)
         return -w * (ce_sum / scale)  # a sum: beyond float32's range, ±inf
 
     # -- Tunix batch contract --------------------------------------------------------------
@@ -302,7 +311,7 @@ class Objectives:
         checks.require_instance("batch", batch, self.DiffusionTokenBatch)
         checks.check_logits_for_batch(self.xp, name, as_logits(logits), batch.target_ids.shape)
         checks.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
-                                   self.vocab_extent(logits), allow_sync=False)
+                                   self.front.vocab_extent(logits), allow_sync=False)
         return logits
 
     def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
@@ -317,8 +326,9 @@ class Objectives:
         stop_gradient = flag("stop_gradient", stop_gradient)
         return_entropy = flag("return_entropy", return_entropy)
         self.validate_diffusion_logits(batch, logits)
-        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
-                                 temperature=temperature, entropy=True, backend=backend)
+        stats, _ = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
+                                                None, temperature=temperature, entropy=True,
+                                                backend=backend)
         bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))  # unread: NaN there
         logps = _nan_where(self.xp, bad, stats.logp)
         entropy = _nan_where(self.xp, bad, stats.entropy) if return_entropy else None
@@ -348,40 +358,37 @@ class Objectives:
                                     stop_gradient=stop_gradient,
                                     return_entropy=return_entropy, backend=backend)
 
-    def weighted_cross_entropy(self, logits, batch, *, label_smoothing=0.0, z_loss_weight=0.0,
-                               backend=None):
+    def weighted_cross_entropy(self, logits, batch, *, ce: CeTerm = PLAIN_CE, backend=None):
         """WeightedSum(Σ w·CE, Σ w) at T = 1 (both times 2^-64 when a weight reaches 2^64:
         ``BIG_WEIGHT``).
 
-        ``label_smoothing`` ε in [0, 1]: CE against (1 - ε)·onehot(target) + ε/K over the K
-        valid columns (torch's ``cross_entropy(label_smoothing=ε)``); ``z_loss_weight``
-        λ >= 0 adds λ·lse² per row (PaLM's z-loss). Both default to 0 (the plain CE)."""
-        ce_options = _ce_options(label_smoothing, z_loss_weight)
+        ``ce``: label smoothing ε, CE against (1 - ε)·onehot(target) + ε/K over the K valid
+        columns (torch's ``cross_entropy`` with smoothing ε), and z-loss λ, λ·lse² per row
+        (PaLM's z-loss); the default is the plain CE."""
         self.validate_diffusion_logits(batch, logits)
         xp = self.xp
         w = xp.f32(batch.loss_weights)
         ws = w * _weight_scale(xp, w.reshape(-1))  # [B, L]
         # one scalar: Σ (-w)·logp, so a linear head forms its gradient in the forward
-        _, total = self.token_stats_total(logits, batch.target_ids, batch.loss_weights,
-                                          (None, -ws, None, None), entropy=False,
-                                          backend=backend, **ce_options)
+        _, total = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
+                                                (None, -ws, None, None), entropy=False, ce=ce,
+                                                backend=backend)
         total = _nan_where(xp, _bad_weighted_sum(xp, w), total)
         return self.WeightedSum(total, _total(xp, ws))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
-                 hard_loss_weight=0.0, label_smoothing=0.0, z_loss_weight=0.0, backend=None):
+                 hard_loss_weight=0.0, ce: CeTerm = PLAIN_CE, backend=None):
         """On-policy distillation: (WeightedSum total, {"distill/soft_loss", "distill/hard_loss"}).
 
         soft = T²·KL(softmax(u/T) ‖ softmax(z/T)), hard = CE(z) at T = 1; one pass over the
         student logits serves both. The teacher is stop-gradient. A disabled term (weight 0)
         neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
-        ``label_smoothing`` ε and ``z_loss_weight`` λ apply to the hard term only (as in
-        ``weighted_cross_entropy``: smoothed CE plus λ·lse² at T = 1); both default to 0.
+        ``ce`` (label smoothing ε and z-loss λ) applies to the hard term only (as in
+        ``weighted_cross_entropy``: smoothed CE plus λ·lse² at T = 1); default the plain CE.
         """
         xp = self.xp
         temperature, soft_w, hard_w = check_distillation_scalars(
             temperature, soft_loss_weight, hard_loss_weight)
-        ce_options = _ce_options(label_smoothing, z_loss_weight)
         checks.require_instance("batch", batch, self.DiffusionDistillationBatch)
         student = batch.student_batch
         checks.check_logits_for_batch(xp, "student_logits", as_logits(student_logits),
@@ -396,7 +403,8 @@ class Objectives:
                     f"{shape_str(teacher.shape)}")
             checks.check_teacher_values(xp, as_logits(teacher), student.loss_weights)
         checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
-                                   self.vocab_extent(student_logits) if hard_w > 0.0 else None,
+                                   self.front.vocab_extent(student_logits) if hard_w > 0.0
+                                   else None,
                                    allow_sync=False)
         # the hard term's T = 1 sums ride along in the same pass only when that term is on
         w_given = xp.f32(student.loss_weights)
@@ -406,11 +414,11 @@ class Objectives:
         # linear head forms its gradient in the forward; the aux terms stay differentiable
         coefficients = (None, -hard_w * w if hard_w > 0.0 else None, None,
                         soft_w * t2 * w if soft_w > 0.0 else None)
-        stats, total = self.token_stats_total(
+        stats, total = self.front.token_stats_total(
             student_logits, student.target_ids, student.loss_weights, coefficients,
             temperature=temperature, ce_temperature=1.0 if hard_w > 0.0 else None,
-            teacher_logits=teacher, entropy=False, backend=backend,
-            **(ce_options if hard_w > 0.0 else {}))
+            teacher_logits=teacher, entropy=False, ce=ce if hard_w > 0.0 else PLAIN_CE,
+            backend=backend)
         denominator = _total(xp, w)
         zero = denominator * 0.0
         soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
@@ -438,8 +446,9 @@ class Objectives:
         self.validate_diffusion_logits(batch, logits)
         inputs = _policy.policy_inputs(self.xp, opts, batch, old_logps, advantages, ref_logps,
                                        num_items_in_batch)
-        stats = self.token_stats(logits, batch.target_ids, batch.loss_weights,
-                                 temperature=opts.temperature, entropy=True, backend=backend)
+        stats, _ = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
+                                                None, temperature=opts.temperature,
+                                                entropy=True, backend=backend)
         terms = _policy.policy_terms(self.xp, opts, stats.logp, stats.entropy,
                                      self.xp.f32(batch.loss_weights), *inputs)
         return self.PolicyLossResult(**terms)
@@ -524,12 +533,6 @@ class Objectives:
             columns = zip(*per_batch)  # leaf j of every batch
             merged[field] = xp.tree_unflatten(treedef, [xp.concat_leaves(c) for c in columns])
         return merged
-
-
-def _ce_options(label_smoothing, z_loss_weight):
-    """The CE term's options of an objective, checked (errors name the argument)."""
-    return dict(label_smoothing=check_label_smoothing(label_smoothing),
-                z_loss_weight=check_loss_weight("z_loss_weight", z_loss_weight))
 
 
 def _same_trailing(name, arrays):

@@ -24,11 +24,13 @@ from .._checks import sync_checks
 from .._dispatch import SAMPLING as _SAMPLING
 from .._dispatch import BackendUnavailableError
 from .._dispatch import registry as _registry
+from .._config import CeTerm as _CeTerm
+from .._objectives import Contract as _Contract
 from .._objectives import Objectives as _Objectives
 from .._objectives import rf_alpha, rf_alpha_dot
 from ..sampling.core import Sample
-from ..sampling.core import make_sampling_api as _make_sampling_api
-from ..sampling.upstream import make_step_api as _make_step_api
+from ..sampling.core import Sampler as _Sampler
+from ..sampling.upstream import StepFunctions as _StepFunctions
 from .._schedule import EPS, VARIANTS, normalize_variant
 from ..token_stats.op import TokenStats
 from ..linear_head.jax_head import LinearHead
@@ -266,12 +268,13 @@ def token_stats(
       TokenStats(lse, logp, entropy, kl), each float32 of shape [...] (entropy None when
       ``entropy=False``).
     """
-    return _FRONT.token_stats(
-        logits, targets, weights, temperature=temperature, ce_temperature=ce_temperature,
+    stats, _ = _FRONT.token_stats_total(
+        logits, targets, weights, None, temperature=temperature, ce_temperature=ce_temperature,
         softcap=softcap, shift_ids=shift_ids, shift=shift, teacher_logits=teacher_logits,
         teacher_temperature=teacher_temperature, teacher_grad=teacher_grad, entropy=entropy,
         chunk_size=chunk_size, inplace_grad=inplace_grad, vocab_size=vocab_size,
-        label_smoothing=label_smoothing, z_loss_weight=z_loss_weight, shard=vocab_axis, backend=backend)
+        ce=_CeTerm(label_smoothing, z_loss_weight), shard=vocab_axis, backend=backend)
+    return stats
 
 
 def backend_for(logits: Logits, backend: str | None = None) -> str:
@@ -289,9 +292,8 @@ def vocab_parallel(vocab_axis: VocabAxis,
 
 # -- the objectives ----------------------------------------------------------------------------
 
-_OBJECTIVES = _Objectives(_JaxOps, token_stats, _FRONT.token_stats_total, WeightedSum,
-                         DiffusionTokenBatch, DiffusionDistillationBatch, _FRONT.vocab_extent,
-                         PolicyLossResult)
+_OBJECTIVES = _Objectives(_FRONT, _Contract(WeightedSum, DiffusionTokenBatch,
+                                           DiffusionDistillationBatch, PolicyLossResult))
 
 
 def reweight(variant: str, t: jax.Array, alpha: jax.Array,
@@ -350,8 +352,7 @@ def diffusion_sft_loss(
     return _OBJECTIVES.diffusion_sft_loss(
         logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
         diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
-        alpha_dot_fn=alpha_dot_fn, label_smoothing=label_smoothing,
-        z_loss_weight=z_loss_weight, backend=backend)
+        alpha_dot_fn=alpha_dot_fn, ce=_CeTerm(label_smoothing, z_loss_weight), backend=backend)
 
 
 def diffusion_sft_logps(
@@ -375,8 +376,7 @@ def diffusion_sft_logps(
     return _OBJECTIVES.diffusion_sft_logps(
         logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
         diffusion_weight_clip=diffusion_weight_clip, alpha_fn=alpha_fn,
-        alpha_dot_fn=alpha_dot_fn, label_smoothing=label_smoothing,
-        z_loss_weight=z_loss_weight, backend=backend)
+        alpha_dot_fn=alpha_dot_fn, ce=_CeTerm(label_smoothing, z_loss_weight), backend=backend)
 
 
 def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: Logits,
@@ -454,8 +454,7 @@ def weighted_cross_entropy(logits: Logits, batch: DiffusionTokenBatch, *,
     valid columns (torch's ``cross_entropy(label_smoothing=ε)``); ``z_loss_weight`` λ >= 0
     adds λ·lse² per active position (PaLM's z-loss). Both default to 0.
     """
-    return _OBJECTIVES.weighted_cross_entropy(logits, batch, label_smoothing=label_smoothing,
-                                              z_loss_weight=z_loss_weight, backend=backend)
+    return _OBJECTIVES.weighted_cross_entropy(logits, batch, ce=_CeTerm(label_smoothing, z_loss_weight), backend=backend)
 
 
 def opd_loss(
@@ -480,7 +479,7 @@ def opd_loss(
     return _OBJECTIVES.opd_loss(student_logits, batch, temperature=temperature,
                                 soft_loss_weight=soft_loss_weight,
                                 hard_loss_weight=hard_loss_weight,
-                                label_smoothing=label_smoothing, z_loss_weight=z_loss_weight,
+                                ce=_CeTerm(label_smoothing, z_loss_weight),
                                 backend=backend)
 
 
@@ -578,7 +577,7 @@ def policy_loss(
 
 # -- the denoising step ------------------------------------------------------------------------
 
-_sample_tokens, _commit_tokens = _make_sampling_api(_JaxOps, _registry(_SAMPLING, "jax"))
+_SAMPLER = _Sampler(_JaxOps, _registry(_SAMPLING, "jax"))
 
 
 def sample_tokens(
@@ -645,7 +644,7 @@ def sample_tokens(
       (docs/design.md §3, "Rollout = trainer"): an on-policy importance ratio is exactly 1.
       Not differentiable.
     """
-    return _sample_tokens(logits, temperature=temperature, seed=seed, step=step, top_k=top_k,
+    return _SAMPLER.sample_tokens(logits, temperature=temperature, seed=seed, step=step, top_k=top_k,
                           suppress_ids=suppress_ids, uncond_logits=uncond_logits,
                           cfg_scale=cfg_scale, chunk_size=chunk_size,
                           stats_temperature=stats_temperature, backend=backend)
@@ -698,15 +697,14 @@ def commit_tokens(
     ``get_transfer_index`` is that upstream step itself.
     A row with no valid draw (token -1) is never committed and never ranks above a valid one.
     """
-    return _commit_tokens(canvas, sample, masked, rule=rule, k=k, threshold=threshold,
+    return _SAMPLER.commit_tokens(canvas, sample, masked, rule=rule, k=k, threshold=threshold,
                           budget=budget, confidence=confidence, inclusive=inclusive,
                           exclusive=exclusive)
 
 
 # -- the upstream denoising step (LLaDA, Fast-dLLM, Megatron-Bridge) ---------------------------
 
-_add_gumbel_noise, _get_num_transfer_tokens, _get_transfer_index = _make_step_api(
-    _JaxOps, _sample_tokens)
+_STEP = _StepFunctions(_SAMPLER)
 
 
 def add_gumbel_noise(
@@ -729,7 +727,7 @@ def add_gumbel_noise(
     [..., K], as upstream's does; ``get_transfer_index`` and ``sample_tokens`` never do.
     temperature: 0 or in [1e-3, 3.4e38] (``sample_tokens``'s range).
     """
-    return _add_gumbel_noise(logits, temperature, seed=seed, step=step)
+    return _STEP.add_gumbel_noise(logits, temperature, seed=seed, step=step)
 
 
 def get_num_transfer_tokens(mask_index: jax.Array, steps: int) -> jax.Array:
@@ -737,7 +735,7 @@ def get_num_transfer_tokens(mask_index: jax.Array, steps: int) -> jax.Array:
     linear schedule, in JAX's default integer (int32; int64 under x64). Row b gives mask_count_b
     // steps per step, and its first mask_count_b % steps steps one more, mask_count_b the
     number of True (non-zero) entries of mask_index [B, L]. ``steps`` is a positive int."""
-    return _get_num_transfer_tokens(mask_index, steps)
+    return _STEP.get_num_transfer_tokens(mask_index, steps)
 
 
 def get_transfer_index(
@@ -784,6 +782,6 @@ def get_transfer_index(
     confidences (float32 here, float64 upstream). x0 has x's dtype; a position whose logits
     have no valid draw (NaN, +inf, none finite) keeps x and is never ranked above a valid one.
     """
-    return _get_transfer_index(logits, temperature, remasking, mask_index, x,
+    return _STEP.get_transfer_index(logits, temperature, remasking, mask_index, x,
                                num_transfer_tokens, threshold, neg_entropy, seed=seed,
                                step=step, backend=backend)

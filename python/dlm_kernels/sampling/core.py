@@ -50,6 +50,7 @@ from .._checks import (as_number, dtype_str, flag, host_values, plain, require_a
                        require_float, require_int, require_logits, require_real, require_shape,
                        shape_str)
 from .._config import make_config
+from .._dispatch import Registry
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
@@ -829,14 +830,18 @@ def _kept(sample, skip):
     return sample if skip == 0 else Sample(*(f[skip:] for f in sample))
 
 
-def make_sampling_api(xp, registry):
-    """(sample_tokens, commit_tokens) of one front end: the bodies of its typed public
-    functions (their documentation is there); ``registry``: the sampler's registry of the
-    front end's framework (``_dispatch.registry(SAMPLING, framework)``)."""
+class Sampler:
+    """``sample_tokens`` and ``commit_tokens`` of one front end: the bodies of its typed public
+    functions (their documentation is there), over the framework's ops adapter ``xp`` and
+    the sampler's registry of that framework (``_dispatch.registry(SAMPLING, framework)``)."""
 
-    def sample_tokens(logits, *, temperature=1.0, seed=0, step=0, top_k=None,
+    def __init__(self, xp, registry: Registry):
+        self.xp, self.registry = xp, registry
+
+    def sample_tokens(self, logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
                       stats_temperature=None, backend=None):
+        xp, registry = self.xp, self.registry
         cfg = make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
                                  chunk_size, stats_temperature)
         seed = seed_argument(xp, "seed", seed, logits.shape[:-1])
@@ -871,9 +876,10 @@ def make_sampling_api(xp, registry):
         out = Sample(*(f.reshape(lead) for f in out), vocab_size=k)
         return out if unseen_bad is None else no_draw_where(xp, out, unseen_bad)
 
-    def commit_tokens(canvas, sample, masked, *, rule="topk", k=None, threshold=None,
+    def commit_tokens(self, canvas, sample, masked, *, rule="topk", k=None, threshold=None,
                       budget=None, confidence="probability", inclusive=False,
                       exclusive=False):
+        xp = self.xp
         require_array(xp, "canvas", canvas)
         require_int(xp, "canvas", canvas)
         if len(canvas.shape) != 2:
@@ -896,5 +902,3 @@ def make_sampling_api(xp, registry):
         commit = commit_positions(xp, sample, masked, rule, k, threshold, budget, confidence,
                                   inclusive, exclusive)
         return xp.where(commit, xp.cast_like(sample.token, canvas), canvas), commit
-
-    return sample_tokens, commit_tokens

@@ -17,7 +17,7 @@ import numpy as np
 from .._checks import (OutOfRangeError, as_number, flag, plain, require_array, require_int,
                        require_real, require_shape, shape_str)
 from ..linear_head.head import as_logits
-from .core import (_flat_rows, commit_arguments, confidence, gumbel, make_sample_config,
+from .core import (Sampler, _flat_rows, commit_arguments, confidence, gumbel, make_sample_config,
                    position_uniform, row_keys, scaled_logits, seed_argument, _at_least_one,
                    _commit_topk, _per_sequence_with_host, _unless_nan)
 
@@ -51,11 +51,17 @@ def _at_most_length(host, length):
             + ("" if i is None else f" for sequence {i}"))
 
 
-def make_step_api(xp, sample_tokens):
-    """(add_gumbel_noise, get_num_transfer_tokens, get_transfer_index) of one front end over
-    its ``sample_tokens``: the bodies of its typed public functions (documented there)."""
+class StepFunctions:
+    """``add_gumbel_noise``, ``get_num_transfer_tokens`` and ``get_transfer_index`` of one
+    front end over its ``Sampler``: the bodies of its typed public functions (documented
+    there)."""
 
-    def add_gumbel_noise(logits, temperature, *, seed=0, step=0):
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.xp = sampler.xp
+
+    def add_gumbel_noise(self, logits, temperature, *, seed=0, step=0):
+        xp = self.xp
         cfg = make_sample_config(xp, logits, temperature, None, None, 0.0, None)
         lead, k = _lead(logits), logits.shape[-1]
         if cfg.temperature == 0.0:  # upstream returns its logits as they are
@@ -71,7 +77,8 @@ def make_step_api(xp, sample_tokens):
         keys = row_keys(xp, seed, step, n, like)
         return (s + gumbel(xp, keys, cols)).reshape(lead + (k,))
 
-    def get_num_transfer_tokens(mask_index, steps):
+    def get_num_transfer_tokens(self, mask_index, steps):
+        xp = self.xp
         require_array(xp, "mask_index", mask_index)
         require_real(xp, "mask_index", mask_index)
         if len(mask_index.shape) != 2:
@@ -85,9 +92,10 @@ def make_step_api(xp, sample_tokens):
         first = xp.arange(count, mask_index)[None, :] < extra[:, None]  # [B, steps]
         return base[:, None] + xp.index_ints(first)
 
-    def get_transfer_index(logits, temperature, remasking, mask_index, x, num_transfer_tokens,
-                           threshold=None, neg_entropy=False, *, seed=0, step=0,
-                           backend=None):
+    def get_transfer_index(self, logits, temperature, remasking, mask_index, x,
+                           num_transfer_tokens, threshold=None, neg_entropy=False, *, seed=0,
+                           step=0, backend=None):
+        xp = self.xp
         if remasking not in REMASKING:
             raise NotImplementedError(remasking)  # upstream's class and text
         neg_entropy = flag("neg_entropy", neg_entropy)
@@ -101,7 +109,7 @@ def make_step_api(xp, sample_tokens):
             raise ValueError(f"logits must have shape [B, L, K] with [B, L] = x.shape "
                              f"{shape_str(x.shape)}; got {shape_str(logits.shape)}")
         t = as_number(temperature)
-        sample = sample_tokens(logits, temperature=temperature, seed=seed, step=step,
+        sample = self.sampler.sample_tokens(logits, temperature=temperature, seed=seed, step=step,
                                stats_temperature=None if t == 0.0 else 1.0, backend=backend)
         k = num_transfer_tokens
         if threshold is None:
@@ -133,6 +141,4 @@ def make_step_api(xp, sample_tokens):
             return x0, _commit_topk(xp, conf, masked | ~masked, k)
         commit = _at_least_one(xp, eligible & (conf >= threshold), conf, eligible)
         return x0, _unless_nan(xp, commit, threshold)
-
-    return add_gumbel_noise, get_num_transfer_tokens, get_transfer_index
 

@@ -140,4 +140,4 @@ class JaxVJP:
 
 
 #: the JAX side of the front-end shell: token_stats' body, vocab_parallel, backend_for
-FRONT = TokenStatsFrontEnd(JaxOps, REGISTRY, JaxVJP)
+FRONT = TokenStatsFrontEnd(JaxOps, REGISTRY, JaxVJP())

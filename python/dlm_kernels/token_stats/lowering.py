@@ -94,8 +94,9 @@ _SCHEMA_TYPES = {float: "float", int: "int", Optional[int]: "int?", bool: "bool"
 def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
     """The call ``cfg`` (with a LOO shift column per row when ``has_shift``) as the kernels
     take it. The only place a kernel flag, a scaled constant or a stand-in is derived."""
-    smoothing = cfg.label_smoothing > 0.0
-    z_loss = cfg.z_loss_weight > 0.0
+    ce = cfg.ce
+    smoothing = ce.smooths
+    z_loss = ce.z_loss_weight > 0.0
     return Lowered(
         inv_t=1.0 / cfg.temperature,
         inv_t_ce=1.0 / cfg.ce_temperature,
@@ -103,10 +104,10 @@ def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
         softcap=0.0 if cfg.softcap is None else cfg.softcap,
         vocab_limit=NO_VOCAB_LIMIT if cfg.vocab_size is None else cfg.vocab_size,
         chunk_size=cfg.chunk_size,
-        label_smoothing=cfg.label_smoothing,
-        z_loss_weight=cfg.z_loss_weight,
+        label_smoothing=ce.label_smoothing,
+        z_loss_weight=ce.z_loss_weight,
         smooth_mean=1.0 / cfg.smoothing_vocab if smoothing else 0.0,
-        smooth_weight=cfg.label_smoothing / cfg.smoothing_vocab if smoothing else 0.0,
+        smooth_weight=ce.label_smoothing / cfg.smoothing_vocab if smoothing else 0.0,
         HAS_TEACHER=cfg.has_teacher,
         HAS_SHIFT=bool(has_shift),
         HAS_SOFTCAP=cfg.softcap is not None,

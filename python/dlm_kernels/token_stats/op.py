@@ -7,36 +7,20 @@ the call once (``lowering.lower``) and hands it to the backend the registry reso
 The protocol a backend follows is ``_dispatch.Backend``.
 
 The framework supplies only what differs: its ops adapter (``xp``), its registry, and a
-*VJP adapter*, an object with
-
-  apply(impl, cfg, rows, inplace, shard) -> (lse, logp, entropy, kl)
-      (``cfg``: the call lowered once, ``lowering.Lowered``; every backend reads it)
-      the framework's custom-VJP mechanics around ``impl.forward`` / ``impl.backward``
-      (with a vocabulary ``shard``, the partial states merged by its collectives)
-  shards(shard) -> int
-      how many vocabulary shards a process group / mesh axis splits the logits into
-  apply_head(impl, cfg, rows, shard, coefficients) -> (lse, logp, entropy, kl, total)
-      the same for rows of ``LogitsSource``s whose logits and/or teacher are a
-      ``LinearHead`` (the choice made once, in ``token_stats_total``): token chunks of
-      matmuls feeding ``impl``; ``total`` is None without ``coefficients``, else the planned
-      scalar with its gradient formed in the forward (``linear_head.head``)
-  inplace_grad: bool
-      whether the framework can write a gradient into its logits (torch: yes; JAX: no)
-  check_shard(shard, bound) -> None
-      raises unless ``shard`` is a process group / mesh axis name (``bound``: also one the
-      call can use here, e.g. a JAX axis of the enclosing ``shard_map``)
+*VJP adapter* (``VjpAdapter``: ``token_stats.torch_vjp.TorchVJP``,
+``token_stats.jax_vjp.JaxVJP``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from .. import _checks
 from .._checks import flag
-from .._config import check_vocab_size, make_config
+from .._config import PLAIN_CE, check_vocab_size, make_config
 from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
-                         Capabilities, logger)
+                         Capabilities, Registry, logger)
 from .._rows import Rows
 from ..linear_head.head import as_logits, planned_total, resolve_softcap, weighting_term
 from . import formulas as stats_math
@@ -166,8 +150,7 @@ def shard_capable(registry, impl, requested):
 
 def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softcap, shift_ids,
             shift, teacher_logits, teacher_temperature, teacher_grad, chunk_size,
-            entropy=True, vocab_size=None, label_smoothing=0.0, z_loss_weight=0.0,
-            smoothing_vocab=None):
+            entropy=True, vocab_size=None, ce=PLAIN_CE, smoothing_vocab=None):
     """Validate, build the static config and flatten leading dims into rows.
 
     ``logits`` / ``teacher_logits``: ``LogitsSource``s (``linear_head.head.as_logits``).
@@ -185,8 +168,7 @@ def prepare(xp, logits, targets, weights, *, temperature, ce_temperature, softca
         entropy=entropy,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
-        label_smoothing=label_smoothing,
-        z_loss_weight=z_loss_weight,
+        ce=ce,
         smoothing_vocab=smoothing_vocab,
     )
     lead = tuple(logits.shape[:-1])
@@ -259,10 +241,43 @@ def unit_coefficients(xp, coefficients, cfg):
     return unit, tuple(None if c is None else c / unit for c in coefficients)
 
 
-class TokenStatsFrontEnd:
-    """``token_stats``, ``vocab_extent`` and ``backend_for`` of one framework."""
+class VjpAdapter(Protocol):
+    """What a framework's autodiff adds to the op: its custom-VJP mechanics and its
+    collectives (each member a static method of the framework's class)."""
 
-    def __init__(self, xp, registry, vjp):
+    #: whether the framework can write a gradient into its logits (torch: yes; JAX: no)
+    inplace_grad: bool
+
+    def apply(self, impl: Any, cfg: Any, rows: Rows, inplace: bool, shard: Any, /) -> Any:
+        """(lse, logp, entropy, kl) [N] of rows of arrays, differentiable: the framework's
+        custom VJP around ``impl.forward`` / ``impl.backward`` (``cfg``: the call lowered
+        once, ``lowering.Lowered``; with a vocabulary ``shard``, the partial states merged by
+        the collectives)."""
+        ...
+
+    def apply_head(self, impl: Any, cfg: Any, rows: Rows, shard: Any, coefficients: Any,
+                   /) -> Any:
+        """(lse, logp, entropy, kl, total) of rows whose logits and/or teacher are a
+        ``LinearHead``: token chunks of matmuls feeding ``impl``; ``total`` is None without
+        ``coefficients``, else the planned scalar with its gradient formed in the forward
+        (``linear_head.head``)."""
+        ...
+
+    def check_shard(self, shard: Any, /, bound: bool = True) -> None:
+        """Raises unless ``shard`` is a process group / mesh axis name (``bound``: also one
+        the call can use here, e.g. a JAX axis of the enclosing ``shard_map``)."""
+        ...
+
+    def shards(self, shard: Any, /) -> int:
+        """How many vocabulary shards a process group / mesh axis splits the logits into."""
+        ...
+
+
+class TokenStatsFrontEnd:
+    """``token_stats``, ``vocab_extent`` and ``backend_for`` of one framework: the op's one
+    entry point, ``token_stats_total``, for the public ``token_stats`` and every objective."""
+
+    def __init__(self, xp: Any, registry: Registry, vjp: VjpAdapter):
         self.xp, self.registry, self.vjp = xp, registry, vjp
         self.vocab_parallel = VocabParallel()
 
@@ -291,16 +306,11 @@ class TokenStatsFrontEnd:
         array = as_logits(logits).on_device(self.xp, "logits")
         return self.registry.resolve(backend, self.xp.platform(array)).name
 
-    def token_stats(self, logits, targets, weights=None, **options):
-        """The public ``token_stats`` (its shard keyword named ``shard``)."""
-        stats, _ = self.token_stats_total(logits, targets, weights, None, **options)
-        return stats
-
     def token_stats_total(self, logits, targets, weights, coefficients, *, temperature=1.0,
                           ce_temperature=None, softcap=None, shift_ids=None, shift=None,
                           teacher_logits=None, teacher_temperature=None, teacher_grad=False,
                           entropy=True, chunk_size=None, inplace_grad=False, vocab_size=None,
-                          label_smoothing=0.0, z_loss_weight=0.0, shard=None, backend=None):
+                          ce=PLAIN_CE, shard=None, backend=None):
         """(TokenStats, total): the statistics, and with ``coefficients`` (a TokenStats of
         [...] float32 arrays or None per field) also total = Σ_rows Σ_fields c·stat, the one
         scalar an objective reduces to (``linear_head.head.planned_total``). A linear head then
@@ -326,7 +336,7 @@ class TokenStatsFrontEnd:
         if shard is not None:
             self.vjp.check_shard(shard, bound=True)
         smoothing_vocab = None  # K of label smoothing's uniform term: the global vocabulary
-        if label_smoothing is not None and label_smoothing != 0:
+        if ce.smooths:
             k_local = logits.shape[-1]
             smoothing_vocab = k_local if shard is None else self._extent(shard, vocab_size,
                                                                          k_local)
@@ -335,8 +345,7 @@ class TokenStatsFrontEnd:
             ce_temperature=ce_temperature, softcap=softcap, shift_ids=shift_ids, shift=shift,
             teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
             teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
-            vocab_size=vocab_size, label_smoothing=label_smoothing,
-            z_loss_weight=z_loss_weight, smoothing_vocab=smoothing_vocab)
+            vocab_size=vocab_size, ce=ce, smoothing_vocab=smoothing_vocab)
         low = lower(cfg, has_shift=rows.shift_ids is not None)  # what every backend reads
         n = rows.targets.shape[0]
         weighting = None  # the coefficients as given: differentiable (loss weights, times)

@@ -96,4 +96,4 @@ class TorchVJP:
 
 
 #: the torch side of the front-end shell: token_stats' body, vocab_parallel, backend_for
-FRONT = TokenStatsFrontEnd(TorchOps, REGISTRY, TorchVJP)
+FRONT = TokenStatsFrontEnd(TorchOps, REGISTRY, TorchVJP())
