@@ -712,6 +712,45 @@ def _traced(fw_name, fn):
 
 
 @pytest.mark.parametrize("fw_name", FWS)
+def test_weights_the_checks_read_are_not_guarded_again(fw_name, rng, monkeypatch):
+    """Where the value checks read the weights (host arrays), each objective leaves out the
+    per-element NaN guard (it could only keep the value: a bad weight has raised); where
+    they cannot read them (simulated: no host values, as under jit or torch.compile), the
+    guard is there, once per call. Each objective built it on every call before, a part of a
+    small call's host time."""
+    from dlm_kernels import _checks, _objectives
+
+    fw = framework(fw_name)
+    api = fw.api
+    calls = []
+    guard = _objectives._invalid_weights
+    monkeypatch.setattr(_objectives, "_invalid_weights",
+                        lambda xp, w: calls.append(tuple(w.shape)) or guard(xp, w))
+    b, l, k = 3, 7, 11
+    z = fw.array(rng.normal(size=(b, l, k)), "float32")
+    y = fw.array(rng.integers(0, k, (b, l)))
+    w = fw.array(rng.random((b, l)), "float32")
+    batch = api.DiffusionTokenBatch.create(model_inputs=y, target_ids=y, loss_weights=w)
+    dbatch = api.DiffusionDistillationBatch.create(student_batch=batch, teacher_logits=z)
+    objectives = {
+        "weighted_cross_entropy": lambda: api.weighted_cross_entropy(z, batch),
+        "per_token_logps": lambda: api.per_token_logps(z, batch),
+        "diffusion_sft_loss": lambda: api.diffusion_sft_loss(z, y, y, 0.5, w, variant="loo-ce",
+                                                             vocab_size=k),
+        "opd_loss": lambda: api.opd_loss(z, dbatch, hard_loss_weight=0.5),
+    }
+    for name, call in objectives.items():
+        calls.clear()
+        call()
+        assert calls == [], (name, "guarded weights the checks read", calls)
+    monkeypatch.setattr(_checks, "host_values", lambda xp, x, allow_sync=False: None)
+    for name, call in objectives.items():
+        calls.clear()
+        call()
+        assert calls == [(b, l)], (name, "left unread weights unguarded", calls)
+
+
+@pytest.mark.parametrize("fw_name", FWS)
 def test_unreadable_bad_weights_give_nan_weighted_sums(fw_name, rng, torch_config):
     """Traced weights have no values to check (the eager call raises naming loss_weights):
     a NaN, an infinite or a negative weight, or weights whose sum overflows, make both sums

@@ -257,15 +257,17 @@ def _raise_first(bad, values, message, error=ValueError):
     raise error(f"{message}; got {plain(values[idx])} at index {_index(idx)}")
 
 
-def check_nonnegative(xp, name, x, allow_sync=False):
-    """Every value finite, then every value >= 0 (weights, masks), in Tunix's words."""
+def check_nonnegative(xp, name, x, allow_sync=False) -> bool:
+    """Every value finite, then every value >= 0 (weights, masks), in Tunix's words. Returns
+    whether the values were read (False: they could not be, nothing was checked)."""
     v = host_values(xp, x, allow_sync)
     if v is None:
-        return
+        return False
     if not np.isfinite(v).all():
         _raise_first(~np.isfinite(v), v, f"{name} must contain only finite values")
     if (v < 0).any():
         _raise_first(v < 0, v, f"{name} must be nonnegative")
+    return True
 
 
 def check_unit_interval(xp, name, x, allow_sync=False):
@@ -426,15 +428,18 @@ def check_token_batch_static(xp, model_inputs, target_ids, loss_weights):
     check_model_inputs(xp, model_inputs, target_ids.shape[0])
 
 
-def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None, allow_sync=True):
-    """Finite non-negative weights; active targets in [0, K) (K when known).
+def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None,
+                             allow_sync=True) -> bool:
+    """Finite non-negative weights; active targets in [0, K) (K when known). Returns whether
+    the weights were read (and so checked).
 
     Scoring calls pass ``allow_sync=False``: accelerator arrays are then not pulled to the
     host (an out-of-range active target still shows as a NaN log-prob, never silently).
     """
-    check_nonnegative(xp, "loss_weights", loss_weights, allow_sync)
+    read = check_nonnegative(xp, "loss_weights", loss_weights, allow_sync)
     check_weight_sum(xp, "loss_weights", loss_weights, allow_sync=allow_sync)
     check_active_targets(xp, target_ids, loss_weights, vocab_size, allow_sync)
+    return read
 
 
 def check_logits_for_batch(xp, name, logits, batch_shape):

@@ -56,6 +56,8 @@ def _weight_scale(xp, w):
 
 # Values the checks cannot read (under jit / torch.compile, or on an accelerator outside
 # ``sync_checks()``) are still never turned into a plausible number: what they touch is NaN.
+# Where the checks did read them (they raised on a bad one), the per-element guards are
+# left out: they could only select the value they guard.
 
 def _invalid_weights(xp, w):
     """[..., L] float32 -> [..., L] bool: a weight or mask that is negative or not finite."""
@@ -71,12 +73,14 @@ def _nan_where(xp, bad, x):
     return xp.where(bad, float("nan"), x)
 
 
-def _bad_weighted_sum(xp, w):
+def _bad_weighted_sum(xp, w, read):
     """[] bool: [B, L] weights a WeightedSum cannot hold: one negative or non-finite, or a
-    sum outside 0 and float32's normal range (``_checks.check_weight_sum``)."""
+    sum outside 0 and float32's normal range (``_checks.check_weight_sum``). ``read``: the
+    checks read the weights (each one is finite and non-negative then; the float32 sum is
+    still tested, as it may round past the largest float where the checks' float64 does not)."""
     den = _total(xp, w)
-    return (_any(xp, _any(xp, _invalid_weights(xp, w))) | ~xp.isfinite(den)
-            | ((den > 0.0) & (den < checks.F32_TINY)))
+    bad = ~xp.isfinite(den) | ((den > 0.0) & (den < checks.F32_TINY))
+    return bad if read else bad | _any(xp, _any(xp, _invalid_weights(xp, w)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +223,7 @@ class Objectives:
                                unit_interval=True)
         loo = variant in LOO_VARIANTS
         # values, where they can be read without a device sync (see ``sync_checks``)
-        checks.check_nonnegative(xp, "loss_mask", loss_mask)
+        mask_read = checks.check_nonnegative(xp, "loss_mask", loss_mask)
         checks.check_weight_sum(xp, "loss_mask", loss_mask, per_row=True)
         checks.check_unit_interval(xp, "t", t)
         # upstream's gather / one_hot raise RuntimeError here: ours is that and a ValueError
@@ -245,8 +249,10 @@ class Objectives:
         t32 = xp.as_f32(t)
         # a t outside [0, 1] (NaN included) or a negative / non-finite mask: that sequence's
         # loss is NaN where the checks above could not read the values
-        w = _nan_where(xp, ~((t32 >= 0.0) & (t32 <= 1.0)) | _any(xp, _invalid_weights(xp, mask))
-                       | ~xp.isfinite(xp.rowsum(mask)), w)
+        bad = ~((t32 >= 0.0) & (t32 <= 1.0)) | ~xp.isfinite(xp.rowsum(mask))
+        if not mask_read:
+            bad = bad | _any(xp, _invalid_weights(xp, mask))
+        w = _nan_where(xp, bad, w)
         if vocab_size < extent:  # ids in [vocab_size, K) are out of range too: NaN, not silent
             x0 = xp.where(x0 < vocab_size, x0, -1)
             xt = xp.where(xt < vocab_size, xt, -1) if loo else xt
@@ -308,11 +314,16 @@ class Objectives:
         [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) when
         the arrays are concrete host arrays (no device sync, except inside ``sync_checks()``:
         elsewhere an out-of-range active target shows as a NaN log-prob)."""
+        self._weights_read(batch, logits, name)
+        return logits
+
+    def _weights_read(self, batch, logits, name="logits") -> bool:
+        """``validate_diffusion_logits``'s checks; whether they read the weights' values."""
         checks.require_instance("batch", batch, self.DiffusionTokenBatch)
         checks.check_logits_for_batch(self.xp, name, as_logits(logits), batch.target_ids.shape)
-        checks.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
-                                   self.front.vocab_extent(logits), allow_sync=False)
-        return logits
+        return checks.check_token_batch_values(self.xp, batch.target_ids, batch.loss_weights,
+                                               self.front.vocab_extent(logits),
+                                               allow_sync=False)
 
     def per_token_logps(self, logits, batch, *, temperature=1.0, stop_gradient=True,
                         return_entropy=False, backend=None):
@@ -325,13 +336,15 @@ class Objectives:
         temperature = check_positive_float("temperature", temperature)
         stop_gradient = flag("stop_gradient", stop_gradient)
         return_entropy = flag("return_entropy", return_entropy)
-        self.validate_diffusion_logits(batch, logits)
+        read = self._weights_read(batch, logits)
         stats, _ = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
                                                 None, temperature=temperature, entropy=True,
                                                 backend=backend)
-        bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))  # unread: NaN there
-        logps = _nan_where(self.xp, bad, stats.logp)
-        entropy = _nan_where(self.xp, bad, stats.entropy) if return_entropy else None
+        logps, entropy = stats.logp, stats.entropy if return_entropy else None
+        if not read:  # weights the checks could not read: NaN where one is bad
+            bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))
+            logps = _nan_where(self.xp, bad, logps)
+            entropy = None if entropy is None else _nan_where(self.xp, bad, entropy)
         if stop_gradient:
             logps = self.xp.stop_gradient(logps)
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)
@@ -365,7 +378,7 @@ class Objectives:
         ``ce``: label smoothing ε, CE against (1 - ε)·onehot(target) + ε/K over the K valid
         columns (torch's ``cross_entropy`` with smoothing ε), and z-loss λ, λ·lse² per row
         (PaLM's z-loss); the default is the plain CE."""
-        self.validate_diffusion_logits(batch, logits)
+        read = self._weights_read(batch, logits)
         xp = self.xp
         w = xp.f32(batch.loss_weights)
         ws = w * _weight_scale(xp, w.reshape(-1))  # [B, L]
@@ -373,7 +386,7 @@ class Objectives:
         _, total = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
                                                 (None, -ws, None, None), entropy=False, ce=ce,
                                                 backend=backend)
-        total = _nan_where(xp, _bad_weighted_sum(xp, w), total)
+        total = _nan_where(xp, _bad_weighted_sum(xp, w, read), total)
         return self.WeightedSum(total, _total(xp, ws))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
@@ -402,7 +415,7 @@ class Objectives:
                     f"student_logits {shape_str(student_logits.shape)} and teacher_logits "
                     f"{shape_str(teacher.shape)}")
             checks.check_teacher_values(xp, as_logits(teacher), student.loss_weights)
-        checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
+        read = checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
                                    self.front.vocab_extent(student_logits) if hard_w > 0.0
                                    else None,
                                    allow_sync=False)
@@ -423,7 +436,8 @@ class Objectives:
         zero = denominator * 0.0
         soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
         hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
-        bad = _bad_weighted_sum(xp, w_given)  # what the checks could not read: NaN
+        # what the checks could not read: NaN
+        bad = _bad_weighted_sum(xp, w_given, read)
         total, soft, hard = (_nan_where(xp, bad, v) for v in (total, soft, hard))
         aux = {
             "distill/soft_loss": self.WeightedSum(soft, denominator),
