@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._checks import shape_str
-from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_positive_float,
-                       check_positive_int, check_temperature, min_block_rows, row_blocks,
-                       rows_per_block)
+from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, ROW_GROUP,
+                       check_positive_float, check_positive_int, check_temperature,
+                       min_block_rows, row_blocks, rows_per_block)
 from .._jax.first_order import first_order
 from .._jax.ops import JaxOps
 from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
@@ -88,23 +88,33 @@ class _Rows:
     [N, ...] array whose shape XLA's CPU code rounds a row by (one row, one answer,
     docs/design.md §2). The block's size is a function of the chunk and the widths alone
     (``block_rows``), so every matmul and every tile of a call has the same shape at any N: a
-    call of fewer rows runs padded to one block (``n_pad`` rows), and the last block of a
+    call of fewer rows runs as one block (``n_blocks`` rows), and the last block of a
     call ends at row N, overlapping the one before it (``_config.row_blocks``): there
     ``fresh`` keeps the running state and d hidden of the rows an earlier block already
     updated for this chunk, and ``owned`` also masks the padding out of the vocabulary's
-    gradients (dE, dW, db)."""
+    gradients (dE, dW, db).
+
+    The row arrays (``pad``: ``n_pad`` rows) of a call of at most one block's rows hold
+    ROW_GROUP zero rows past the block: were the block the whole array, XLA would fold its
+    dynamic slices and updates (every row, at any offset) and hoist the block's then
+    loop-invariant work out of the loop of blocks, where XLA's CPU compiler fuses the work
+    around the matmuls otherwise (a row's d logits and d hidden came out an ulp apart from
+    the same row among two blocks, when only d input was read and dE's sums were dropped).
+    With the spare rows every block reads and writes its rows at an offset XLA does not
+    know, inside the loop, at any N."""
 
     def __init__(self, n, chunk, on_cpu, widths):
         self.n, self.rows = n, block_rows(chunk, widths, on_cpu)
-        self.n_pad = max(n, self.rows)
-        rb, full, _ = row_blocks(self.n_pad, self.rows, self.rows)
+        self.n_blocks = max(n, self.rows)
+        self.n_pad = n if n > self.rows else self.rows + ROW_GROUP
+        rb, full, _ = row_blocks(self.n_blocks, self.rows, self.rows)
         self.full_end = rb * full
 
     def pad(self, x):
         return JaxOps.pad_rows(x, self.n_pad)
 
     def fold(self, step, carry):
-        return fold_row_blocks(step, self.n_pad, self.rows, carry, self.rows)
+        return fold_row_blocks(step, self.n_blocks, self.rows, carry, self.rows)
 
     def fresh(self, row0, nb):
         """[nb, 1] bool: the block's rows that no earlier block took (the last block's
