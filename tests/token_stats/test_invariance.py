@@ -241,6 +241,9 @@ HEAD_CASES = {
     "plain": ({}, {}),
     "bias, softcap, shift, teacher head, chunks of 16 rows": (
         dict(bias=True, softcap=20.0, row_chunk=16), dict(shift=True, teacher=True)),
+    # products 7 and 11 columns wide (d hidden, the logits): torch's CPU matmul rounded a row
+    # by its position at output widths 5 to 11 (8 aside) until they were padded to 16
+    "narrow products: D 7, K 11, shift": (dict(d=7, k=11), dict(shift=True)),
 }
 
 
@@ -248,7 +251,7 @@ HEAD_CASES = {
 @pytest.mark.parametrize("backend", ["chunked", "reference"])
 @pytest.mark.parametrize("fw_name", ["torch", "jax"])
 def test_linear_head_rows_alone(fw_name, backend, case):
-    """A LinearHead (D 64, K 300) at T 0.7: every statistic, d hidden and d shift of rows
+    """A LinearHead (D 64, K 300, or a narrow D 7, K 11) at T 0.7: every statistic, d hidden and d shift of rows
     alone (0, 7, 69), and of rows 3-7, against the same rows among 70 (past one matmul group
     of 64 rows). The shift's gradient reads the shifted column's logit, one product of D per
     row summed (``LinearHead.column``): in JAX it differed alone before its rows were padded
@@ -267,7 +270,7 @@ def test_linear_head_rows_alone(fw_name, backend, case):
     api = fw.api
     head_kw, stats_kw = HEAD_CASES[case]
     rng = np.random.default_rng(new_seed())
-    n, d, k = 70, 64, 300
+    n, d, k = 70, head_kw.get("d", 64), head_kw.get("k", 300)
     h, ht = (rng.normal(size=(n, d)).astype(np.float32) for _ in range(2))
     w, wt = ((rng.normal(size=(k, d)) * 0.2).astype(np.float32) for _ in range(2))
     bias = rng.normal(size=k).astype(np.float32) if head_kw.get("bias") else None

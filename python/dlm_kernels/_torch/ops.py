@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from ..linear_head.head import (HEAD_CHUNK_BYTES_CPU, VOCAB_MAJOR, head_rows, head_vocab_chunk,
+from ..linear_head.head import (HEAD_CHUNK_BYTES_CPU, MIN_PRODUCT_WIDTH, VOCAB_MAJOR, head_rows, head_vocab_chunk,
                                 row_chunks)
 from ..token_stats import formulas
 
@@ -49,6 +49,12 @@ class TorchOps:
         if x is None or x.shape[0] == n:
             return x
         return torch.cat([x, x.new_zeros((n - x.shape[0],) + tuple(x.shape[1:]))])
+
+    @staticmethod
+    def pad_cols(x, n):  # x [..., C] with zero columns appended up to n (None stays None)
+        if x is None or x.shape[-1] >= n:
+            return x
+        return F.pad(x, (0, n - x.shape[-1]))
 
     @staticmethod
     def f32(x):
@@ -113,18 +119,26 @@ class TorchOps:
     def head_logits(head):
         """The logits [..., K] of a LinearHead over [..., D] hidden states, in the head's
         dtype (the matmul accumulates in float32), differentiable; one matmul over the rows
-        padded to ``head_rows`` (a row's bits do not depend on the row count)."""
+        padded to ``head_rows`` and, where K or D is narrower than ``MIN_PRODUCT_WIDTH``,
+        over zero columns appended to both products a row's values come from (the logits
+        and, in autograd's backward, d hidden): a row's bits depend on neither the row count
+        nor its position."""
         h, w, b = head.hidden, head.weight, head.bias
         lead, d = h.shape[:-1], h.shape[-1]
+        k = w.shape[0] if head.weight_layout == VOCAB_MAJOR else w.shape[1]
         h = h.reshape(-1, d)
         n = h.shape[0]
-        h = TorchOps.pad_rows(h, head_rows(n))
-        if head.weight_layout == VOCAB_MAJOR:
-            z = F.linear(h, w, b)  # [.., D] x [K, D]ᵀ
-        else:
+        h = TorchOps.pad_cols(TorchOps.pad_rows(h, head_rows(n)), MIN_PRODUCT_WIDTH)
+        if head.weight_layout == VOCAB_MAJOR:  # w [K, D] -> [max(K, 16), max(D, 16)]
+            w = TorchOps.pad_rows(TorchOps.pad_cols(w, MIN_PRODUCT_WIDTH),
+                                  max(k, MIN_PRODUCT_WIDTH))
+            z = F.linear(h, w, TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH))  # [.., D] x [K, D]ᵀ
+        else:  # w [D, K] -> [max(D, 16), max(K, 16)]
+            w = TorchOps.pad_cols(TorchOps.pad_rows(w, max(d, MIN_PRODUCT_WIDTH)),
+                                  MIN_PRODUCT_WIDTH)
             z = h @ w  # [.., D] x [D, K]
-            z = z if b is None else z + b
-        return z[:n].reshape(*lead, z.shape[-1])
+            z = z if b is None else z + TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH)
+        return z[:n, :k].reshape(*lead, k)
 
     # the head path's schedule (``linear_head.torch_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for

@@ -113,6 +113,14 @@ def head_rows(n_rows: int) -> int:
     return -(-n_rows // HEAD_ROW_GROUP) * HEAD_ROW_GROUP
 
 
+#: The fewest columns a torch matmul that forms rows' own values (a head's logits, d hidden)
+#: writes: torch's CPU matmul rounded a row by its position among the rows at output widths
+#: 5 to 11 (8 aside; measured on a two-core EPYC at D 64 and 256; 12 and up, and 1 to 4, not),
+#: so a narrower product is formed over zero columns appended up to this width, then sliced
+#: (tests/token_stats/test_invariance.py::test_linear_head_rows_alone, its narrow case).
+MIN_PRODUCT_WIDTH = 16
+
+
 def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None,
                   cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
     """Rows R of one token chunk: ``requested`` when given, else the most rows whose [R, K]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import head as base
-from .head import VOCAB_MAJOR, head_rows, row_chunk_for, row_chunks
+from .head import MIN_PRODUCT_WIDTH, VOCAB_MAJOR, head_rows, row_chunk_for, row_chunks
 from .._rows import Rows
 from ..token_stats import formulas as stats_math
 from ..token_stats.formulas import Stats
@@ -52,14 +52,14 @@ def _mm_f32(a, b, out, accumulate):
 
 def _rows_mm_f32(a, b, out, accumulate):
     """``_mm_f32`` for a product whose rows are rows' own values (d hidden = dZ·Wᵀ): one
-    matmul over a's rows padded to ``head_rows``, so a row's bits do not depend on the row
-    count. Accumulated, the product is formed first and then added (a matmul that adds into
+    matmul over a's rows padded to ``head_rows`` and b's columns to ``MIN_PRODUCT_WIDTH``, so
+    a row's bits depend on neither the row count nor its position. Accumulated, the product is formed first and then added (a matmul that adds into
     ``out`` itself rounds the sum block by block of its own)."""
-    n = a.shape[0]
-    if head_rows(n) == n and not accumulate:
+    n, width = a.shape[0], b.shape[1]
+    if head_rows(n) == n and width >= MIN_PRODUCT_WIDTH and not accumulate:
         return _mm_f32(a, b, out, False)  # straight into out
-    a = TorchOps.pad_rows(a, head_rows(n))
-    product = _mm_f32(a, b, out.new_empty((a.shape[0], out.shape[1])), False)[:n]
+    a, b = TorchOps.pad_rows(a, head_rows(n)), TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH)
+    product = _mm_f32(a, b, out.new_empty((a.shape[0], b.shape[1])), False)[:n, :width]
     return out.add_(product) if accumulate else out.copy_(product)
 
 

@@ -34,7 +34,7 @@ from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_posit
                        check_positive_int, check_temperature)
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps
-from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
+from ..linear_head.head import MIN_PRODUCT_WIDTH, VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
 from ..linear_head.torch_head import LinearHead
 from ..token_stats import formulas
 
@@ -71,8 +71,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 def _rows_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``_mm`` for a product whose rows are rows' own values, over a's rows padded to
     ``head_rows`` (a CPU's matmul rounds a row by the row count below a multiple of 64: one
-    row, one answer, docs/design.md §2)."""
-    return _mm(TorchOps.pad_rows(a, head_rows(a.shape[0])), b, acc)[:a.shape[0]]
+    row, one answer, docs/design.md §2) and b's columns to ``MIN_PRODUCT_WIDTH`` (where it
+    rounds a row by its position at narrow output widths)."""
+    return _mm(TorchOps.pad_rows(a, head_rows(a.shape[0])),
+               TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH), acc)[:a.shape[0], :b.shape[1]]
 
 
 class _Source:
