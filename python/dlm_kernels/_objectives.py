@@ -20,7 +20,7 @@ from .linear_head.head import as_logits
 from ._config import (PLAIN_CE, CeTerm, check_distillation_scalars, check_positive_float,
                       check_vocab_size)
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
-from .token_stats.op import TokenStatsFrontEnd
+from .token_stats.op import TokenStats, TokenStatsFrontEnd
 
 T = TypeVar("T")  # an array type (or a float): the schedules map t to its kind
 
@@ -384,7 +384,8 @@ class Objectives:
         ws = w * _weight_scale(xp, w.reshape(-1))  # [B, L]
         # one scalar: Σ (-w)·logp, so a linear head forms its gradient in the forward
         _, total = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
-                                                (None, -ws, None, None), entropy=False, ce=ce,
+                                                TokenStats(lse=None, logp=-ws, entropy=None,
+                                                           kl=None), entropy=False, ce=ce,
                                                 backend=backend)
         total = _nan_where(xp, _bad_weighted_sum(xp, w, read), total)
         return self.WeightedSum(total, _total(xp, ws))
@@ -425,8 +426,8 @@ class Objectives:
         t2 = temperature * temperature
         # the total is one scalar Σ c·stats (c: the weights times each term's factor), so a
         # linear head forms its gradient in the forward; the aux terms stay differentiable
-        coefficients = (None, -hard_w * w if hard_w > 0.0 else None, None,
-                        soft_w * t2 * w if soft_w > 0.0 else None)
+        coefficients = TokenStats(lse=None, logp=-hard_w * w if hard_w > 0.0 else None,
+                                  entropy=None, kl=soft_w * t2 * w if soft_w > 0.0 else None)
         stats, total = self.front.token_stats_total(
             student_logits, student.target_ids, student.loss_weights, coefficients,
             temperature=temperature, ce_temperature=1.0 if hard_w > 0.0 else None,

@@ -228,7 +228,8 @@ def unit_coefficients(xp, coefficients, cfg):
     if coefficients is None:
         return None, None
     scale = None
-    inverse_temperatures = (cfg.inv_t, cfg.inv_t_ce, cfg.inv_t, cfg.inv_t)
+    inverse_temperatures = TokenStats(lse=cfg.inv_t, logp=cfg.inv_t_ce, entropy=cfg.inv_t,
+                                      kl=cfg.inv_t)
     for c, inv_t in zip(coefficients, inverse_temperatures):
         if c is not None:
             top = (xp.rowmax(abs(c)) if c.shape[0] else xp.rowsum(c)) * inv_t  # []
