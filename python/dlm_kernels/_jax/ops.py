@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,20 +16,22 @@ from ..token_stats import formulas
 class JaxOps:
     """The few operations whose jax.numpy spelling differs from torch, as static methods."""
 
-    framework = 'jax'  # the arrays this front end takes (``_checks.require_array``)
+    framework: ClassVar[str] = 'jax'  # the arrays this front end takes (``_checks.require_array``)
 
-    exp = staticmethod(jnp.exp)
-    log = staticmethod(jnp.log)
-    log1p = staticmethod(jnp.log1p)
-    tanh = staticmethod(jnp.tanh)
-    isfinite = staticmethod(jnp.isfinite)
-    where = staticmethod(jnp.where)
-    maximum = staticmethod(jnp.maximum)
+    exp: ClassVar = staticmethod(jnp.exp)
+    log: ClassVar = staticmethod(jnp.log)
+    log1p: ClassVar = staticmethod(jnp.log1p)
+    tanh: ClassVar = staticmethod(jnp.tanh)
+    isfinite: ClassVar = staticmethod(jnp.isfinite)
+    @staticmethod
+    def where(condition, x, y, /):
+        return jnp.where(condition, x, y)
+    maximum: ClassVar = staticmethod(jnp.maximum)
 
     #: rows that whole-row arithmetic pads a call to a multiple of (``padded_rows``): XLA's
     #: CPU code computes exp and log of the last N mod 8 rows of a shape, and a [1, C] sum of
     #: a product, with other code than the rest (docs/design.md §2)
-    row_group = ROW_GROUP
+    row_group: ClassVar[int] = ROW_GROUP
 
     @staticmethod
     def whole_row_rows(n, columns):
@@ -159,7 +163,7 @@ class JaxOps:
 
     # the head path's schedule (``linear_head.jax_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for
-    head_chunk_bytes_cpu = HEAD_CHUNK_BYTES_CPU_JAX
+    head_chunk_bytes_cpu: ClassVar[int] = HEAD_CHUNK_BYTES_CPU_JAX
 
     @staticmethod
     def head_token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
@@ -290,8 +294,8 @@ class JaxOps:
         return [jax.tree_util.keystr(path)
                 for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
-    tree_flatten = staticmethod(jax.tree_util.tree_flatten)  # -> (leaves, treedef)
-    tree_unflatten = staticmethod(jax.tree_util.tree_unflatten)
+    tree_flatten: ClassVar = staticmethod(jax.tree_util.tree_flatten)  # -> (leaves, treedef)
+    tree_unflatten: ClassVar = staticmethod(jax.tree_util.tree_unflatten)
 
     @staticmethod
     def concat_leaves(xs):

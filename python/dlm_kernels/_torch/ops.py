@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
@@ -20,18 +22,20 @@ def signed32(c: int) -> int:
 class TorchOps:
     """The few operations whose torch spelling differs from jax.numpy, as static methods."""
 
-    framework = 'torch'  # the arrays this front end takes (``_checks.require_array``)
+    framework: ClassVar[str] = 'torch'  # the arrays this front end takes (``_checks.require_array``)
 
-    exp = staticmethod(torch.exp)
-    log = staticmethod(torch.log)
-    log1p = staticmethod(torch.log1p)
-    tanh = staticmethod(torch.tanh)
-    isfinite = staticmethod(torch.isfinite)
-    where = staticmethod(torch.where)
-    maximum = staticmethod(torch.maximum)
+    exp: ClassVar = staticmethod(torch.exp)
+    log: ClassVar = staticmethod(torch.log)
+    log1p: ClassVar = staticmethod(torch.log1p)
+    tanh: ClassVar = staticmethod(torch.tanh)
+    isfinite: ClassVar = staticmethod(torch.isfinite)
+    @staticmethod
+    def where(condition, x, y, /):
+        return torch.where(condition, x, y)
+    maximum: ClassVar = staticmethod(torch.maximum)
 
     #: torch's CPU kernels give a row the same bits at any row count: no padding
-    row_group = 1
+    row_group: ClassVar[int] = 1
 
     @staticmethod
     def whole_row_rows(n, columns):  # torch's kernels round alike at any shape: N itself
@@ -142,7 +146,7 @@ class TorchOps:
 
     # the head path's schedule (``linear_head.torch_head``): its CPU budget of a token chunk,
     # its token chunks [(start, stop, first)] and the chunk_size it asks a backend for
-    head_chunk_bytes_cpu = HEAD_CHUNK_BYTES_CPU
+    head_chunk_bytes_cpu: ClassVar[int] = HEAD_CHUNK_BYTES_CPU
 
     @staticmethod
     def head_token_chunks(n: int, r: int) -> list[tuple[int, int, int]]:
@@ -289,8 +293,8 @@ class TorchOps:
     def leaf_paths(tree):  # the path of every leaf tree_flatten gives, None leaves too
         return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
 
-    tree_flatten = staticmethod(pytree.tree_flatten)  # -> (leaves, TreeSpec)
-    tree_unflatten = staticmethod(lambda spec, leaves: pytree.tree_unflatten(leaves, spec))
+    tree_flatten: ClassVar = staticmethod(pytree.tree_flatten)  # -> (leaves, TreeSpec)
+    tree_unflatten: ClassVar = staticmethod(lambda spec, leaves: pytree.tree_unflatten(leaves, spec))
 
     @staticmethod
     def concat_leaves(xs):

@@ -51,6 +51,7 @@ from .._checks import (as_number, dtype_str, flag, host_values, plain, require_a
                        shape_str)
 from .._config import make_config
 from .._dispatch import Registry
+from .._ops import Ops
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
@@ -835,7 +836,7 @@ class Sampler:
     functions (their documentation is there), over the framework's ops adapter ``xp`` and
     the sampler's registry of that framework (``_dispatch.registry(SAMPLING, framework)``)."""
 
-    def __init__(self, xp, registry: Registry):
+    def __init__(self, xp: Ops[Any], registry: Registry):
         self.xp, self.registry = xp, registry
 
     def sample_tokens(self, logits, *, temperature=1.0, seed=0, step=0, top_k=None,

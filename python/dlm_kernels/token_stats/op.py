@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 from .. import _checks
 from .._checks import flag
 from .._config import PLAIN_CE, check_vocab_size, make_config
+from .._ops import Ops
 from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
                          Capabilities, Registry, logger)
 from .._rows import Rows
@@ -278,7 +279,7 @@ class TokenStatsFrontEnd:
     """``token_stats``, ``vocab_extent`` and ``backend_for`` of one framework: the op's one
     entry point, ``token_stats_total``, for the public ``token_stats`` and every objective."""
 
-    def __init__(self, xp: Any, registry: Registry, vjp: VjpAdapter):
+    def __init__(self, xp: Ops[Any], registry: Registry, vjp: VjpAdapter):
         self.xp, self.registry, self.vjp = xp, registry, vjp
         self.vocab_parallel = VocabParallel()
 
