@@ -567,3 +567,110 @@ def test_fused_self_conditioning(rng, dtype):
             out = model.generate(prompt, max_new_tokens=L, max_denoising_steps=3)
         runs.append(out if isinstance(out, torch.Tensor) else out.sequences)
     assert torch.equal(runs[0], runs[1]) and ((runs[0] >= 0) & (runs[0] < V)).all()
+
+
+def _recording_steps(model) -> list:
+    """Records every denoising step's outputs (renoised canvas, argmax canvas, carried
+    self-conditioning input) of ``model.generate``, through an instance attribute over the
+    (patched) step."""
+    steps = []
+    step = model._denoising_step
+
+    def recorded(**kwargs):
+        out = step(**kwargs)
+        steps.append(tuple(t.detach().clone() for t in out[:3]))
+        return out
+
+    model._denoising_step = recorded
+    return steps
+
+
+def _generated(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+@pytest.mark.parametrize("fused_sc", [True, False], ids=["signal-from-the-head", "logits"])
+def test_generate_under_the_compiled_decoder(rng, monkeypatch, fused_sc):
+    """A static cache makes ``generate`` compile the decoder (``torch.compile(self.forward,
+    mode="reduce-overhead", fullgraph=True)``, and the sampler's functions): the patched
+    forward and decoder trace whole under it, and every denoising step (renoised canvas,
+    argmax canvas, carried signal or logits) and the tokens equal the eager patched run's
+    (``disable_compile=True``, the same seed) bit for bit. The compile is generate's own call
+    (fullgraph) on ``aot_eager`` (AOTAutograd's graph on ATen's eager kernels: eager's bits;
+    Inductor's code generation is not what is tested); a second generate, on the compiled
+    functions generate keeps on the model, repeats the tokens. Fused self-conditioning without
+    adaptive stopping: the signal enters the compiled decoder as an argument and the step
+    reads the final hidden states the compiled forward returns; the plain patch, with
+    transformers' adaptive stopping: the forward's logits. The experts run as grouped matmuls
+    (transformers' eager experts loop over the experts hit, a data-dependent loop that
+    fullgraph rejects in transformers' own model)."""
+    torch._dynamo.reset()
+    config = tiny_config()
+    config._experts_implementation = config.text_config._experts_implementation = "grouped_mm"
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = DiffusionGemmaForBlockDiffusion(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(150.0)
+    model.eval()
+    compiled_model = copy.deepcopy(model)
+    calls = []
+    real_compile = torch.compile
+
+    def compile_on_aot_eager(fn, **options):
+        calls.append(options)
+        assert options.get("fullgraph") is True, options
+        options.pop("mode", None)
+        return real_compile(fn, backend="aot_eager", **options)
+
+    monkeypatch.setattr(torch, "compile", compile_on_aot_eager)
+    prompt = torch.from_numpy(rng.integers(0, V - 3, (B, S)))
+    options = dict(max_new_tokens=L, max_denoising_steps=3, cache_implementation="static")
+    if fused_sc:  # no adaptive stopping: the head path
+        options.update(stability_threshold=None, confidence_threshold=None)
+    runs = []
+    for m, disable in ((model, True), (compiled_model, False)):
+        apply_dlm_kernels_to_diffusion_gemma(m, fused_self_conditioning=fused_sc)
+        steps = _recording_steps(m)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            runs.append((_generated(m.generate(prompt, disable_compile=disable, **options)),
+                         steps))
+        assert hasattr(m, "_compiled_decoder_forward") == (not disable)
+    (eager, eager_steps), (compiled, compiled_steps) = runs
+    assert calls and len(eager_steps) == len(compiled_steps) >= 2
+    for i, (want, got) in enumerate(zip(eager_steps, compiled_steps)):
+        for name, a, b in zip(("canvas", "argmax", "carry"), want, got):
+            assert a.shape == b.shape and torch.equal(a, b), (i, name)
+    assert compiled_steps[-1][2].shape == ((B, L, D) if fused_sc else (B, L, V))
+    assert torch.equal(eager, compiled)
+    # again: generate keeps its compiled functions on the model, the sampler's bound to the
+    # first call's sampler, and the same seed repeats the tokens
+    torch.manual_seed(7)
+    with torch.no_grad():
+        again = _generated(compiled_model.generate(prompt, **options))
+    assert torch.equal(again, compiled)
+    torch._dynamo.reset()
+
+
+def test_fused_self_conditioning_over_transformers_forward(rng):
+    """fused_linear_loss=False keeps transformers' forward, which returns no hidden states:
+    fused self-conditioning without adaptive stopping then reads its logits (the signal from
+    them, [B, L, D]); the first step's argmax canvas is the head path's."""
+    model = build(rng).eval()
+    head = copy.deepcopy(model)
+    apply_dlm_kernels_to_diffusion_gemma(model, fused_linear_loss=False,
+                                         fused_self_conditioning=True)
+    apply_dlm_kernels_to_diffusion_gemma(head, fused_self_conditioning=True)
+    prompt = torch.from_numpy(rng.integers(0, V - 3, (B, S)))
+    options = dict(max_new_tokens=L, max_denoising_steps=3, stability_threshold=None,
+                   confidence_threshold=None)
+    runs = []
+    for m in (model, head):
+        steps = _recording_steps(m)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            runs.append((_generated(m.generate(prompt, **options)), steps))
+    (seq, steps), (_, head_steps) = runs
+    assert ((seq >= 0) & (seq < V)).all() and seq.shape[1] == S + L
+    assert all(carry.shape == (B, L, D) for _, _, carry in steps)
+    assert torch.equal(steps[0][1], head_steps[0][1])

@@ -22,11 +22,19 @@ softmaxes them, draws with ``torch.multinomial``, takes the argmax and the entro
   transformers' temperature schedule alone, its default), the step reads the decoder's
   final hidden states through the capped tied head instead (``LinearHead``): no [B, L, V]
   buffer at all.
+
+Everything the patched forward and decoder need arrives as an argument (the signal as
+``self_conditioning_embeddings``, the request for the hidden states as
+``return_last_hidden_state``), so ``generate``'s ``torch.compile`` of the forward (a static
+cache: ``mode="reduce-overhead", fullgraph=True``) traces them whole; the sampling runs eagerly
+in the step, between the compiled forward and transformers' compiled renoising.
 """
 
 from __future__ import annotations
 
-import contextvars
+import dataclasses
+import functools
+import inspect
 import types
 from typing import Any
 
@@ -150,6 +158,7 @@ def _forward(
     diffusion_t: torch.Tensor | float | None = None,
     loss_mask: torch.Tensor | None = None,
     diffusion_weight_clip: float | None = None,
+    return_last_hidden_state: bool = False,
     return_dict: bool | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -171,15 +180,19 @@ def _forward(
       num_items_in_batch: the token-mean loss's denominator instead of this batch's count of
         supervised canvas positions (transformers' Trainer passes it under gradient
         accumulation); it normalises the canvas term only.
+      return_last_hidden_state: the output also holds the decoder's final hidden states
+        [B, L, D] as ``last_hidden_state`` (what the head reads; the denoising step's head path
+        takes them); skip_logits then defaults to True.
+      self_conditioning_embeddings (with fused_self_conditioning): the decoder's
+        self-conditioning signal [B, L, D] precomputed, in place of self_conditioning_logits.
     A batch with no supervised position has loss 0 and a zero gradient.
     """
     config = self.config
     return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
     wants_loss = labels is not None or encoder_labels is not None
-    hidden_for_step = _HIDDEN_FOR_STEP.get()  # a head-path denoising step takes the states
     if skip_logits is None:
-        skip_logits = (self.training and wants_loss) or hidden_for_step is not None
-    if skip_logits and not wants_loss and hidden_for_step is None:
+        skip_logits = (self.training and wants_loss) or return_last_hidden_state
+    if skip_logits and not wants_loss and not return_last_hidden_state:
         raise ValueError("skip_logits=True needs labels or encoder_labels: without a loss "
                          "nothing would be returned")
     model_outputs = self.model(
@@ -196,8 +209,6 @@ def _forward(
         **kwargs,
     )
     hidden = model_outputs.last_hidden_state
-    if hidden_for_step is not None:
-        hidden_for_step.append(hidden)
     loss = None
     if labels is not None:
         loss = _diffusion_loss(self, hidden, labels, decoder_input_ids, num_items_in_batch,
@@ -220,8 +231,24 @@ def _forward(
     # attentions, the cache, the encoder's last hidden state, router outputs where recorded)
     passed = {k: v for k, v in model_outputs.items()
               if k in fields and k not in ("loss", "logits", "last_hidden_state")}
-    out = output_class(loss=loss, logits=logits, **passed)
+    if return_last_hidden_state:
+        out = type(self)._dlm_kernels_hidden_output_class(
+            loss=loss, logits=logits, last_hidden_state=hidden, **passed)
+    else:
+        out = output_class(loss=loss, logits=logits, **passed)
     return out if return_dict else out.to_tuple()
+
+
+@functools.cache
+def _with_last_hidden_state(output_class: type) -> type:
+    """transformers' output class with a ``last_hidden_state`` field (the decoder's final
+    hidden states), for ``return_last_hidden_state=True``."""
+
+    @dataclasses.dataclass
+    class OutputWithLastHiddenState(output_class):
+        last_hidden_state: torch.Tensor | None = None
+
+    return OutputWithLastHiddenState
 
 
 def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tensor,
@@ -259,10 +286,8 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
     fused_sc = bool(getattr(self, "_dlm_kernels_fused_self_conditioning", False))
     carry = self_conditioning_logits  # logits [B, L, V], or (fused) soft embeddings [B, L, D]
     sc_kwargs: dict[str, Any] = {"self_conditioning_logits": carry}
-    if fused_sc and getattr(decoder_forward, "__self__", None) is not self:
-        raise NotImplementedError("fused_self_conditioning=True runs with the eager decoder "
-                                  "(generate compiles it for a static cache): patch with "
-                                  "fused_self_conditioning=False, or pass disable_compile=True")
+    # decoder_forward: self.forward, or (a static cache) generate's torch.compile of it, which
+    # traces the patched forward and decoder whole (everything reaches them as arguments)
     if fused_sc and carry is not None:
         if carry.shape[-1] == self.config.text_config.vocab_size:  # logits given to generate
             carry = _soft_signal(self, carry)
@@ -271,7 +296,10 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
                           past_key_values=past_key_values,
                           decoder_position_ids=decoder_position_ids, **sc_kwargs, **model_kwargs)
     temperature = _scheduled_temperature(modeling, logits_processor, cur_step_t)
-    if fused_sc and diffusion_stopping_criteria is None and temperature is not None:
+    # the head path reads the final hidden states, which the patched forward returns on request
+    reads_hidden = getattr(inspect.unwrap(self.forward), "__func__", None) is _forward
+    if fused_sc and diffusion_stopping_criteria is None and temperature is not None \
+            and reads_hidden:
         return _head_step(self, decoder_forward, decoder_kwargs, current_canvas, temperature,
                           step, sampler, cur_step_t, finished_denoising)
     decoder_outputs = decoder_forward(**decoder_kwargs)
@@ -300,12 +328,6 @@ def _denoising_step(self: Any, decoder_forward: Any, current_canvas: torch.Tenso
     if not fused_sc:
         new_carry = processed_logits.to(embeddings_dtype)
     return new_current_canvas, new_argmax_canvas, new_carry, finished_denoising
-
-
-_PENDING_SIGNAL: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
-    "dlm_kernels_pending_self_conditioning_signal", default=None)
-_HIDDEN_FOR_STEP: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "dlm_kernels_hidden_for_step", default=None)
 
 
 def _scheduled_temperature(modeling: Any, logits_processor: Any,
@@ -338,7 +360,16 @@ def _draw_and_accept(logits: torch.Tensor | dk.LinearHead, temperature: float, s
         current_canvas, sample, everywhere, rule="entropy_budget",
         budget=float(sampler.entropy_bound), exclusive=True)
     sampler.accepted_token_mask = accepted
-    return sample, sampler.renoise_canvas(accepted_canvas, cur_step_t)
+    renoise = sampler.renoise_canvas
+    # with a static cache generate puts its torch.compile of renoise_canvas on the sampler,
+    # compiled once per model: bound to the sampler of the model's first such generate, whose
+    # mask it reads (transformers' compiled accept_canvas sets that one)
+    bound = getattr(inspect.unwrap(renoise), "__self__", sampler)
+    if bound is not sampler and type(bound) is type(sampler):
+        bound.accepted_token_mask = accepted
+    # ... under CUDA graphs (mode="reduce-overhead"), whose output the next call overwrites:
+    # a copy, as transformers' step takes
+    return sample, renoise(accepted_canvas, cur_step_t).clone()
 
 
 def _head_step(self: Any, decoder_forward: Any, decoder_kwargs: dict[str, Any],
@@ -352,13 +383,7 @@ def _head_step(self: Any, decoder_forward: Any, decoder_kwargs: dict[str, Any],
     streamed pass, and the next step's signal softmax(cap(h·W) / T)·E·sqrt(D) in another.
     Its probabilities are those of the float32 capped logits over T, where transformers
     rounds its processed logits to the table's dtype before the self-conditioning softmax."""
-    holder: list[torch.Tensor] = []
-    token = _HIDDEN_FOR_STEP.set(holder)
-    try:
-        decoder_forward(**decoder_kwargs)
-    finally:
-        _HIDDEN_FOR_STEP.reset(token)
-    (hidden,) = holder
+    hidden = decoder_forward(**decoder_kwargs, return_last_hidden_state=True).last_hidden_state
     head, _ = _capped_head(hidden, self.lm_head.weight, self.lm_head.bias,
                            self.final_logit_softcapping)
     sample, new_current_canvas = _draw_and_accept(head, temperature, step, current_canvas,
@@ -392,26 +417,30 @@ def _decoder_forward(self: Any, *args: Any,
     (``self_conditioning_embeddings`` [B, L, D], what it forms from ``self_conditioning_logits``
     before its self-conditioning block) in place of the logits."""
     original = getattr(type(self), _ORIGINAL + "forward")
-    if self_conditioning_embeddings is None:
-        return original(self, *args, **kwargs)
-    if kwargs.get("self_conditioning_logits") is not None:
-        raise ValueError("pass self_conditioning_logits or self_conditioning_embeddings, "
-                         "not both")
     signal = self_conditioning_embeddings
-    mask = kwargs.get("self_conditioning_mask")
-    if mask is not None:
-        signal = signal * mask.to(signal.dtype)[:, None, None]
-    token = _PENDING_SIGNAL.set(signal)
+    if signal is not None:
+        if kwargs.get("self_conditioning_logits") is not None:
+            raise ValueError("pass self_conditioning_logits or self_conditioning_embeddings, "
+                             "not both")
+        mask = kwargs.get("self_conditioning_mask")
+        if mask is not None:
+            signal = signal * mask.to(signal.dtype)[:, None, None]
+    # a plain attribute of the block, set here on every call (None: the block runs as
+    # transformers' does) and cleared after: torch.compile (generate's, for a static cache)
+    # traces it whole, the signal one of the compiled forward's inputs, and guards no value
+    # left from an earlier call
+    block = self.self_conditioning
+    block._dlm_kernels_signal = signal
     try:
         return original(self, *args, **kwargs)  # no logits: it hands its block zeros ...
     finally:
-        _PENDING_SIGNAL.reset(token)
+        block._dlm_kernels_signal = None
 
 
 def _self_conditioning_forward(self: Any, inputs_embeds: torch.Tensor,
                                self_conditioning_signal: torch.Tensor) -> torch.Tensor:
     """... which this block replaces by the precomputed signal, when one is pending."""
-    pending = _PENDING_SIGNAL.get()
+    pending = getattr(self, "_dlm_kernels_signal", None)
     if pending is not None:
         if tuple(pending.shape) != tuple(self_conditioning_signal.shape):
             raise ValueError(f"self_conditioning_embeddings must have shape "
@@ -460,12 +489,16 @@ def apply_dlm_kernels_to_diffusion_gemma(
       them; the probabilities are never rounded to the table's dtype (transformers rounds them
       to bfloat16 before its matmul), so a bfloat16 signal differs from transformers' by those
       roundings (about 2^-8 of Σ p·|E|). Without adaptive stopping and with no logits
-      processor but transformers' temperature schedule, the step forms no logits: the draw,
-      the argmax, the entropies and the signal come from the hidden states through the
-      capped head (``_head_step``), the signal from the float32 capped logits over T
-      (transformers' carried logits are rounded to the table's dtype first). Logits given to ``generate`` as
-      ``self_conditioning_logits`` are turned into the signal at the first step. Eager
-      decoder only (not ``generate``'s compiled decoder of a static cache); a streamer that
+      processor but transformers' temperature schedule, the step forms no logits (with
+      fused_linear_loss, whose forward hands it the hidden states): the draw, the argmax,
+      the entropies and the signal come from the hidden states through the capped head
+      (``_head_step``), the signal from the float32 capped logits over T (transformers'
+      carried logits are rounded to the table's dtype first). Logits given to ``generate``
+      as ``self_conditioning_logits`` are turned into the signal at the first step. With a
+      static cache ``generate`` compiles the decoder (``torch.compile(self.forward,
+      fullgraph=True)``): the patched forward and decoder trace whole, the signal reaching
+      them as an argument (transformers' experts must then be a compilable implementation,
+      not its eager loop over the experts hit); a streamer that
       takes logits receives the signal instead.
     """
     for name, value in (("fused_linear_loss", fused_linear_loss),
@@ -484,6 +517,8 @@ def apply_dlm_kernels_to_diffusion_gemma(
         raise TypeError(f"model must be a DiffusionGemmaForBlockDiffusion (or None to patch the "
                         f"class); got {type(model).__name__}")
     cls._dlm_kernels_output_class = modeling.DiffusionGemmaBlockDiffusionOutputWithPast
+    cls._dlm_kernels_hidden_output_class = _with_last_hidden_state(
+        modeling.DiffusionGemmaBlockDiffusionOutputWithPast)
     cls._dlm_kernels_generation_module = generation
     if fused_linear_loss:
         _replace(cls, model, "forward", _forward)
