@@ -50,8 +50,42 @@ def _order_seed(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """xdist, in the controlling process: each worker runs the controller's test order."""
+    """xdist, in the controlling process: each worker runs the controller's test order and
+    shares its compiled-program cache."""
     node.workerinput[ORDER_SEED_ENV] = node.config.stash[ORDER_SEED]
+    node.workerinput[JAX_CACHE_ENV] = os.environ[JAX_CACHE_ENV]
+
+
+# XLA's compiled programs, kept on disk for this run (every worker's): tests build the same
+# programs again and again (a jitted closure made afresh per test or per case compiles the
+# same HLO), and XLA's CPU compile, 0.5-1 s a program, is most of a small JAX test's time.
+# Keyed by the program and the compiler, so a hit is the same executable. A directory given
+# in the environment is used as it is (and kept); else one is made and removed at the end.
+JAX_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_MADE_CACHE = pytest.StashKey[str]()
+
+
+def _share_compiled_programs(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        os.environ.setdefault(JAX_CACHE_ENV, workerinput[JAX_CACHE_ENV])
+    elif JAX_CACHE_ENV not in os.environ:
+        import tempfile
+
+        os.environ[JAX_CACHE_ENV] = config.stash[_MADE_CACHE] = tempfile.mkdtemp(
+            prefix="dlm-kernels-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    if "jax" in sys.modules:  # imported already: tell its configuration too
+        sys.modules["jax"].config.update("jax_compilation_cache_dir", os.environ[JAX_CACHE_ENV])
+        sys.modules["jax"].config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_unconfigure(config):
+    made = config.stash.get(_MADE_CACHE, None)
+    if made:
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_report_header(config):
@@ -121,6 +155,7 @@ def pytest_configure(config):
     import importlib.metadata as md
 
     config.stash[ORDER_SEED] = _order_seed(config)
+    _share_compiled_programs(config)
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         return

@@ -560,3 +560,15 @@ def test_an_option_is_declared_once(option):
                    if not any((top / part).is_symlink() for part in p.relative_to(top).parts[:1])
                    and option in p.read_text())
     assert len(files) <= MAX_FILES_NAMING_AN_OPTION, files
+
+
+def test_the_run_shares_compiled_programs():
+    """The suite keeps XLA's compiled programs on disk for the run (conftest.py), every
+    program cached however fast it compiled: JAX reads the directory the environment names."""
+    import os
+
+    jax = pytest.importorskip("jax")
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    assert directory and os.path.isdir(directory), directory
+    assert jax.config.jax_compilation_cache_dir == directory
+    assert float(jax.config.jax_persistent_cache_min_compile_time_secs) == 0.0
