@@ -23,10 +23,11 @@ class JaxOps:
     log1p: ClassVar = staticmethod(jnp.log1p)
     tanh: ClassVar = staticmethod(jnp.tanh)
     isfinite: ClassVar = staticmethod(jnp.isfinite)
-    @staticmethod
-    def where(condition, x, y, /):
-        return jnp.where(condition, x, y)
     maximum: ClassVar = staticmethod(jnp.maximum)
+
+    @staticmethod
+    def where(condition, x, y, /):  # a def: the library's overloads read as where(condition)
+        return jnp.where(condition, x, y)
 
     #: rows that whole-row arithmetic pads a call to a multiple of (``padded_rows``): XLA's
     #: CPU code computes exp and log of the last N mod 8 rows of a shape, and a [1, C] sum of

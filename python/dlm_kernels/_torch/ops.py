@@ -29,10 +29,11 @@ class TorchOps:
     log1p: ClassVar = staticmethod(torch.log1p)
     tanh: ClassVar = staticmethod(torch.tanh)
     isfinite: ClassVar = staticmethod(torch.isfinite)
-    @staticmethod
-    def where(condition, x, y, /):
-        return torch.where(condition, x, y)
     maximum: ClassVar = staticmethod(torch.maximum)
+
+    @staticmethod
+    def where(condition, x, y, /):  # a def: the library's overloads read as where(condition)
+        return torch.where(condition, x, y)
 
     #: torch's CPU kernels give a row the same bits at any row count: no padding
     row_group: ClassVar[int] = 1
