@@ -7,11 +7,15 @@ methods call the functions here with the framework's ops adapter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from . import _checks as checks
+from ._ops import Ops
 from .linear_head.head import as_logits
 
 
-def weighted_mean(xp, unreduced_sum, denominator):
+def weighted_mean(xp: Ops[Any], unreduced_sum: Any, denominator: Any) -> Any:
     """unreduced_sum / denominator, and exactly 0 (gradient too) when the denominator is 0;
     NaN (never a plausible number) for a NaN or negative denominator, which no weights
     give (what the checks could not read, under jit or torch.compile, is NaN in both sums).
@@ -28,7 +32,7 @@ def weighted_mean(xp, unreduced_sum, denominator):
     return xp.where(empty, 0.0, ratio)
 
 
-def validate_token_batch(xp, batch):
+def validate_token_batch(xp: Ops[Any], batch: Any) -> None:
     """A DiffusionTokenBatch's checks: static ones always (TypeError for a wrong kind or
     dtype, ValueError for a shape); value checks (finite, non-negative weights; active
     targets >= 0) on concrete arrays."""
@@ -36,7 +40,8 @@ def validate_token_batch(xp, batch):
     checks.check_token_batch_values(xp, batch.target_ids, batch.loss_weights)
 
 
-def validate_distillation_batch(xp, batch, token_batch, vocab_extent):
+def validate_distillation_batch(xp: Ops[Any], batch: Any, token_batch: type,
+                                vocab_extent: Callable[[Any], int]) -> None:
     """A DiffusionDistillationBatch's checks: its student batch (a ``token_batch``), the
     teacher logits' shape and dtype against it, and on concrete arrays every active target
     inside the teacher's vocabulary (``vocab_extent(teacher_logits)``)."""
