@@ -175,14 +175,8 @@ class Objectives:
         return xp.as_f32(t) * 0.0 + 1.0
 
     def loo_to_denoiser_logits(self, logits, xt, alpha, vocab_size):
-        """LOO -> denoiser logits: logits [B, L, K] + delta at column xt [B, L]; float32.
-
-        delta = log1p(vocab_size·alpha / max(1 - alpha, EPS)) with alpha [B], [B, 1] or
-        [B, L], or one number for every sequence. An xt outside [0, vocab_size) raises
-        ValueError (also a RuntimeError, as upstream's ``one_hot`` raises) where its values
-        can be read without a device sync, else makes that position's logits NaN. Materialises a [B, L, K] array; the losses apply the same
-        shift inside the fused primitive instead.
-        """
+        """The public ``loo_to_denoiser_logits`` (documented in the front ends): the [B, L, K]
+        float32 logits with delta added at column xt, NaN rows where xt is out of range."""
         xp = self.xp
         checks.require_rank(xp, "logits", as_logits(logits), 3, "[B, L, K]", logits=True)
         checks.require_float(xp, "logits", logits)
@@ -269,28 +263,9 @@ class Objectives:
     def diffusion_sft_loss(self, logits, x0, xt, t, loss_mask, *, variant, vocab_size,
                            diffusion_weight_clip=None, alpha_fn=rf_alpha,
                            alpha_dot_fn=rf_alpha_dot, ce: CeTerm = PLAIN_CE, backend=None):
-        """Megatron-Bridge DiffusionGemma SFT loss, [B] float32.
-
-        loss[b] = w_b · Σ_l M_bl·CE_bl / max(Σ_l M_bl, 1) with logits [B, L, K], clean
-        tokens x0 [B, L], noisy tokens xt [B, L], times t [B] in [0, 1] (or one number for
-        every sequence) and loss_mask M [B, L] (finite, non-negative). ``variant`` picks
-        the time weight w and the LOO shift (``VARIANTS``); ``diffusion_weight_clip`` bounds
-        w from above. ``vocab_size`` <= K. ``alpha_fn`` and ``alpha_dot_fn`` get t as [B]
-        (a number broadcast, as float32); in a reweighted variant each returns [B] or a
-        number, in a LOO variant alpha may also be [B, 1] or [B, L].
-
-        Bad values raise ValueError where they can be read without a device sync (CPU
-        tensors, concrete host arrays; accelerator arrays inside ``sync_checks()``): an x0
-        outside [0, vocab_size) where the mask is set, an xt outside it in a LOO variant, a
-        negative or non-finite mask, a t outside [0, 1]. Elsewhere (accelerators, ``jit``,
-        ``torch.compile``) such an id makes that sequence's loss NaN, never a plausible number.
-
-        ``ce`` (the front end's label-smoothing ε and z-loss λ, default the plain CE) makes
-        each CE_bl the smoothed CE plus λ·lse_bl², the target distribution
-        (1 - ε)·onehot(x0) + ε/K over the logits' K columns (those the softmax runs over:
-        the global K under ``vocab_parallel``) and lse_bl the logsumexp of the
-        (LOO-shifted) logits, as ``token_stats`` takes them.
-        """
+        """The public ``diffusion_sft_loss`` (documented in the front ends): w_b times the
+        masked mean of the row CEs, both sums taken times the row's weight scale
+        (``_weight_scale``) so that w·Σ M·CE never overflows where the mean is finite."""
         w, ce_sum, count, scale = self._sft_terms(
             logits, x0, xt, t, loss_mask, variant, vocab_size, diffusion_weight_clip,
             alpha_fn, alpha_dot_fn, backend, ce)
@@ -372,12 +347,9 @@ class Objectives:
                                     return_entropy=return_entropy, backend=backend)
 
     def weighted_cross_entropy(self, logits, batch, *, ce: CeTerm = PLAIN_CE, backend=None):
-        """WeightedSum(Σ w·CE, Σ w) at T = 1 (both times 2^-64 when a weight reaches 2^64:
-        ``BIG_WEIGHT``).
-
-        ``ce``: label smoothing ε, CE against (1 - ε)·onehot(target) + ε/K over the K valid
-        columns (torch's ``cross_entropy`` with smoothing ε), and z-loss λ, λ·lse² per row
-        (PaLM's z-loss); the default is the plain CE."""
+        """The public ``weighted_cross_entropy`` (documented in the front ends):
+        WeightedSum(Σ w·CE, Σ w), both times 2^-64 when a weight reaches 2^64 (``BIG_WEIGHT``);
+        one planned scalar, so a linear head forms its gradient in the forward."""
         read = self._weights_read(batch, logits)
         xp = self.xp
         w = xp.f32(batch.loss_weights)
@@ -392,14 +364,9 @@ class Objectives:
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
                  hard_loss_weight=0.0, ce: CeTerm = PLAIN_CE, backend=None):
-        """On-policy distillation: (WeightedSum total, {"distill/soft_loss", "distill/hard_loss"}).
-
-        soft = T²·KL(softmax(u/T) ‖ softmax(z/T)), hard = CE(z) at T = 1; one pass over the
-        student logits serves both. The teacher is stop-gradient. A disabled term (weight 0)
-        neither reads nor validates its inputs; its aux entry is WeightedSum(0, Σ w).
-        ``ce`` (label smoothing ε and z-loss λ) applies to the hard term only (as in
-        ``weighted_cross_entropy``: smoothed CE plus λ·lse² at T = 1); default the plain CE.
-        """
+        """The public ``opd_loss`` (documented in the front ends): one pass over the student
+        logits serves the soft (T²·KL) and hard (CE at T = 1, with ``ce``) terms; the total is
+        one planned scalar Σ c·stats."""
         xp = self.xp
         temperature, soft_w, hard_w = check_distillation_scalars(
             temperature, soft_loss_weight, hard_loss_weight)
