@@ -393,12 +393,12 @@ def _row_grads(cotangents, n):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _head_stats(impl, cfg, axis, rows):
-    return tuple(_Sweep(impl, cfg, rows, axis).run()[0][:4])
+    return stats_math.public_stats(_Sweep(impl, cfg, rows, axis).run()[0])
 
 
 def _head_stats_fwd(impl, cfg, axis, rows):
     stats, _ = first_order(impl.name, lambda rows: _Sweep(impl, cfg, rows, axis).run(), rows)
-    return tuple(stats[:4]), (rows, stats)
+    return stats_math.public_stats(stats), (rows, stats)
 
 
 def _head_stats_bwd(impl, cfg, axis, residuals, cotangents):
@@ -422,7 +422,7 @@ _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _head_total(impl, cfg, axis, rows, coefficients):
     stats, _ = _Sweep(impl, cfg, rows, axis).run()
-    return (*stats[:4], base.planned_total(JaxOps, stats, coefficients))
+    return (*stats_math.public_stats(stats), base.planned_total(JaxOps, stats, coefficients))
 
 
 def _head_total_fwd(impl, cfg, axis, rows, coefficients):
@@ -445,7 +445,7 @@ def _head_total_forward(impl, cfg, axis, rows, coefficients):
     else:
         stats, acc = sweep.run(grads=_row_grads(coefficients, n))
     total = base.planned_total(JaxOps, stats, coefficients)
-    return (*stats[:4], total), (rows, stats, acc, coefficients)
+    return (*stats_math.public_stats(stats), total), (rows, stats, acc, coefficients)
 
 
 def _head_total_bwd(impl, cfg, axis, residuals, cotangents):
@@ -475,7 +475,7 @@ def _head_total_backward(impl, cfg, axis, residuals, cotangents):
     if out is None:
         out = _cotangent(rows, (None, None))
     if rows.shift_ids is not None:  # the whole row cotangent, the total's share included
-        grads = _row_grads(cotangents[:4], n)
+        grads = _row_grads(cotangents[:len(stats_math.PUBLIC_STATS)], n)
         if not isinstance(g_total, SymbolicZero):
             g = g_total.astype(jnp.float32)
             grads = tuple(r + c * g for r, c in zip(grads, _row_grads(coefficients, n)))

@@ -339,6 +339,16 @@ def merge_splits(xp, parts, cfg: Lowered) -> State:
 
 
 Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
+
+#: the statistics a call returns (``token_stats.op.TokenStats``' fields), ROW_STATS' first
+PUBLIC_STATS = ("lse", "logp", "entropy", "kl")
+assert ROW_STATS[:len(PUBLIC_STATS)] == PUBLIC_STATS
+
+
+def public_stats(stats) -> tuple:
+    """The returned statistics of a row-statistics tuple (``Stats``), by their names'
+    count: a new returned statistic is a name in PUBLIC_STATS, not an index in each caller."""
+    return tuple(stats[:len(PUBLIC_STATS)])
 Stats.__doc__ = """Per-row outputs and residuals, all [N] float32: lse = logsumexp(s),
 logp = s'_y - logsumexp(s'), entropy = -Σ p log p, kl = KL(q || p) (0 without a teacher);
 the residuals: kl_shift = E_q[x_u - x] = cu / au (so d(teacher) needs no cancellation of

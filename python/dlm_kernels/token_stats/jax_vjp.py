@@ -56,14 +56,14 @@ def _shift_grad(columns, rows, stats, grads, cfg):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _token_stats_vjp(impl, cfg, rows):
-    return tuple(impl.forward(rows, cfg)[:4])
+    return stats_math.public_stats(impl.forward(rows, cfg))
 
 
 def _token_stats_fwd(impl, cfg, rows):
     stats = first_order(impl.name, lambda rows: impl.forward(rows, cfg), rows)
     # Residuals: the row bundle plus the row statistics (one [N] float32 array per field of
     # ROW_STATS, kernels/layout.py), never [N, K].
-    return tuple(stats[:4]), (rows, stats)
+    return stats_math.public_stats(stats), (rows, stats)
 
 
 def _token_stats_bwd(impl, cfg, residuals, cotangents):
@@ -94,7 +94,7 @@ def _vocab_parallel_fwd(impl, cfg, axis, rows):
 
 def _vocab_parallel_forward(impl, cfg, axis, rows):
     stats, offset = vocab_parallel_stats(rows, impl, cfg, axis)
-    return tuple(stats[:4]), (rows, stats, offset)
+    return stats_math.public_stats(stats), (rows, stats, offset)
 
 
 def _vocab_parallel_bwd(impl, cfg, axis, residuals, cotangents):

@@ -48,6 +48,9 @@ class TokenStats(NamedTuple):
     kl: Any
 
 
+assert TokenStats._fields == stats_math.PUBLIC_STATS  # the kernels' returned statistics
+
+
 
 
 def require_dtype(impl, logits):
