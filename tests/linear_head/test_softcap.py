@@ -585,3 +585,45 @@ def test_torch_fused_modules_take_a_softcap(rng):
     with pytest.raises(ValueError, match=r"softcap must be a finite positive real scalar; "
                                          r"got -1"):
         dn.FusedLinearDiffusionSFTLoss(**sft_kw, softcap=-1.0)
+
+
+def test_torch_cap_outside_autograd_by_column_blocks(rng):
+    """Outside autograd (a sampler's or a teacher's token chunk of the whole vocabulary) the
+    torch cap is formed SOFTCAP_COLUMNS at a time into one output: the bits of the formula
+    over the whole chunk (a ragged last block, finite and infinite logits, both signs), and
+    no float32 temporary of the chunk's size but the output. Over the whole chunk its dozen
+    temporaries held 512 MiB of DiffusionGemma's denoising step ([64, 262144] float32 each);
+    the sampler from a capped head made 27 of them per token chunk. With autograd, the
+    formula as it is (its graph)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dlm_kernels._torch.ops import SOFTCAP_COLUMNS, TorchOps
+    from dlm_kernels.token_stats import formulas
+
+    rows, k = 8, 3 * SOFTCAP_COLUMNS + 5
+    z = torch.tensor(rng.normal(size=(rows, k)) * 40, dtype=torch.float32)
+    z[0, :3] = torch.tensor([float("inf"), -float("inf"), 0.0])
+
+    class ChunkSized(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 \
+                    and out.numel() >= rows * k:
+                self.ops.append(str(func))
+            return out
+
+    with ChunkSized() as seen:
+        got = TorchOps.softcap(z, CAP)
+    assert seen.ops == ["aten.empty_like.default"], seen.ops
+    want = formulas.softcap(TorchOps, z, CAP)
+    bad = np.flatnonzero((got != want).numpy() & ~(got.isnan() & want.isnan()).numpy())
+    assert bad.size == 0, f"first element off the whole chunk's formula: {bad[:1]}"
+    zg = z.clone().requires_grad_(True)
+    with ChunkSized() as seen:
+        TorchOps.softcap(zg, CAP)
+    assert len(seen.ops) > 1  # the formula's graph over the whole chunk

@@ -19,6 +19,10 @@ def signed32(c: int) -> int:
     return c - (1 << 32) if c >= 1 << 31 else c
 
 
+#: columns of one block of a softcap formed outside autograd (``TorchOps.softcap``)
+SOFTCAP_COLUMNS = 4096
+
+
 class TorchOps:
     """The few operations whose torch spelling differs from jax.numpy, as static methods."""
 
@@ -117,8 +121,18 @@ class TorchOps:
     def softcap(z, c):
         """cap(z) = c·tanh(z / c) of float32 z, the kernels' formula
         (``token_stats.formulas.softcap``): a LinearHead's softcap where its logits are formed
-        (``LinearHead.capped``)."""
-        return formulas.softcap(TorchOps, z, c)
+        (``LinearHead.capped``). Outside autograd (a sampler's or a teacher's token chunk, an
+        [R, K] of the whole vocabulary) it is formed SOFTCAP_COLUMNS at a time into one
+        output, so its dozen float32 temporaries are of a block, not of the chunk (eight
+        [64, 262144] float32 temporaries held 512 MiB in the denoising step); elementwise,
+        the same bits."""
+        if (z.requires_grad and torch.is_grad_enabled()) or z.shape[-1] <= SOFTCAP_COLUMNS:
+            return formulas.softcap(TorchOps, z, c)
+        out = torch.empty_like(z)
+        for c0 in range(0, z.shape[-1], SOFTCAP_COLUMNS):
+            out[..., c0:c0 + SOFTCAP_COLUMNS] = formulas.softcap(
+                TorchOps, z[..., c0:c0 + SOFTCAP_COLUMNS], c)
+        return out
 
     @staticmethod
     def head_logits(head):
