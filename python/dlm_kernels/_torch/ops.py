@@ -60,6 +60,27 @@ class TorchOps:
         return torch.cat([x, x.new_zeros((n - x.shape[0],) + tuple(x.shape[1:]))])
 
     @staticmethod
+    def matmul(a, b, acc):
+        """a @ b with the products summed in ``acc`` (float32 or float64), the result in acc:
+        16-bit operands as one mixed-precision GEMM on a GPU, upcast on a CPU (which has none)."""
+        if a.dtype == acc and b.dtype == acc:
+            return a @ b
+        if a.is_cuda and a.dtype == b.dtype and acc == torch.float32:
+            return torch.mm(a, b, out_dtype=acc)  # 16-bit operands, float32 products and sums
+        return a.to(acc) @ b.to(acc)
+
+    @staticmethod
+    def rows_matmul(a, b, acc):
+        """``matmul`` of a product whose rows are rows' own values (logits, d hidden), as
+        ``JaxOps.rows_matmul``: over a's rows padded to ``head_rows`` (a CPU's matmul rounds a
+        row by the row count below a multiple of 64) and b's columns to ``MIN_PRODUCT_WIDTH``
+        (torch's rounds a row by its position at narrow output widths): one row, one answer,
+        docs/design.md §2."""
+        n, width = a.shape[0], b.shape[1]
+        return TorchOps.matmul(TorchOps.pad_rows(a, head_rows(n)),
+                               TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH), acc)[:n, :width]
+
+    @staticmethod
     def pad_cols(x, n):  # x [..., C] with zero columns appended up to n (None stays None)
         if x is None or x.shape[-1] >= n:
             return x

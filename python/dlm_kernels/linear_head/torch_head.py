@@ -51,15 +51,14 @@ def _mm_f32(a, b, out, accumulate):
 
 
 def _rows_mm_f32(a, b, out, accumulate):
-    """``_mm_f32`` for a product whose rows are rows' own values (d hidden = dZ·Wᵀ): one
-    matmul over a's rows padded to ``head_rows`` and b's columns to ``MIN_PRODUCT_WIDTH``, so
-    a row's bits depend on neither the row count nor its position. Accumulated, the product is formed first and then added (a matmul that adds into
+    """``_mm_f32`` for a product whose rows are rows' own values (d hidden = dZ·Wᵀ):
+    ``TorchOps.rows_matmul``, so a row's bits depend on neither the row count nor its
+    position. Accumulated, the product is formed first and then added (a matmul that adds into
     ``out`` itself rounds the sum block by block of its own)."""
-    n, width = a.shape[0], b.shape[1]
-    if head_rows(n) == n and width >= MIN_PRODUCT_WIDTH and not accumulate:
+    if head_rows(a.shape[0]) == a.shape[0] and b.shape[1] >= MIN_PRODUCT_WIDTH \
+            and not accumulate:
         return _mm_f32(a, b, out, False)  # straight into out
-    a, b = TorchOps.pad_rows(a, head_rows(n)), TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH)
-    product = _mm_f32(a, b, out.new_empty((a.shape[0], b.shape[1])), False)[:n, :width]
+    product = TorchOps.rows_matmul(a, b, out.dtype)
     return out.add_(product) if accumulate else out.copy_(product)
 
 

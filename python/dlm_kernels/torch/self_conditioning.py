@@ -34,7 +34,7 @@ from .._config import (CHUNK_COLUMNS_ACCELERATOR, CHUNK_COLUMNS_CPU, check_posit
                        check_positive_int, check_temperature)
 from .._torch.buffers import empty
 from .._torch.ops import TorchOps
-from ..linear_head.head import MIN_PRODUCT_WIDTH, VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
+from ..linear_head.head import VOCAB_MAJOR, as_logits, head_rows, resolve_softcap
 from ..linear_head.torch_head import LinearHead
 from ..token_stats import formulas
 
@@ -59,24 +59,6 @@ def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b with the product accumulated in ``acc`` (float32 or float64), the result in acc."""
-    if a.dtype == acc and b.dtype == acc:
-        return a @ b
-    if a.is_cuda and a.dtype == b.dtype and acc == torch.float32:
-        return torch.mm(a, b, out_dtype=acc)  # 16-bit operands, float32 products and sums
-    return a.to(acc) @ b.to(acc)
-
-
-def _rows_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``_mm`` for a product whose rows are rows' own values, over a's rows padded to
-    ``head_rows`` (a CPU's matmul rounds a row by the row count below a multiple of 64: one
-    row, one answer, docs/design.md §2) and b's columns to ``MIN_PRODUCT_WIDTH`` (where it
-    rounds a row by its position at narrow output widths)."""
-    return _mm(TorchOps.pad_rows(a, head_rows(a.shape[0])),
-               TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH), acc)[:a.shape[0], :b.shape[1]]
-
-
 class _Source:
     """The logits of one call, read a vocabulary chunk at a time: dense [N, V] or a head."""
 
@@ -96,7 +78,7 @@ class _Source:
         if self.dense is not None:
             return self.dense[:, c0:c1].to(self.acc)
         assert self.hidden is not None
-        z = _rows_mm(self.hidden, self.w_rows(c0, c1).t(), self.acc)
+        z = TorchOps.rows_matmul(self.hidden, self.w_rows(c0, c1).t(), self.acc)
         return z if self.bias is None else z + self.bias[c0:c1].to(self.acc)
 
 
@@ -130,7 +112,7 @@ def _forward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float,
         alpha = torch.where(torch.isneginf(m), 0.0, rescale)
         p = torch.exp(_exponents(cz, m_new, inv_t))  # [N, C], the unnormalised weights
         l = l * alpha + p.sum(dim=1)
-        a = a * alpha[:, None] + _rows_mm(p, emb[c0:c1], acc_t)
+        a = a * alpha[:, None] + TorchOps.rows_matmul(p, emb[c0:c1], acc_t)
         m = m_new
     out = a / l[:, None]
     return out, m, torch.log(l)
@@ -159,10 +141,10 @@ def _backward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float, 
         e_c = emb[c0:c1]
         p = torch.exp(_exponents(cz, m_safe, inv_t) - log_l[:, None])  # [N, C]
         if de is not None:
-            de[c0:c1] = _mm(p.t(), g, acc_t).to(de.dtype)
+            de[c0:c1] = TorchOps.matmul(p.t(), g, acc_t).to(de.dtype)
         if not (need_dense or need_h or need_w or need_b):
             continue
-        ge = _rows_mm(g, e_c.t(), acc_t)  # [N, C]  g_n·E[k]
+        ge = TorchOps.rows_matmul(g, e_c.t(), acc_t)  # [N, C]  g_n·E[k]
         dz = p * (ge - go[:, None])
         if inv_t != 1.0:
             dz = dz * inv_t
@@ -172,9 +154,9 @@ def _backward(src: _Source, emb: torch.Tensor, cap: float | None, inv_t: float, 
             d_dense[:, c0:c1] = dz.to(d_dense.dtype)
             continue
         if dh is not None:
-            dh += _rows_mm(dz, src.w_rows(c0, c1), acc_t)
+            dh += TorchOps.rows_matmul(dz, src.w_rows(c0, c1), acc_t)
         if dw is not None:
-            dw_c = _mm(dz.t(), src.hidden, acc_t).to(dw.dtype)  # [C, D]
+            dw_c = TorchOps.matmul(dz.t(), src.hidden, acc_t).to(dw.dtype)  # [C, D]
             if src.layout == VOCAB_MAJOR:
                 dw[c0:c1] = dw_c
             else:
