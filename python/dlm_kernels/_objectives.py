@@ -383,10 +383,9 @@ class Objectives:
                     f"student_logits {shape_str(student_logits.shape)} and teacher_logits "
                     f"{shape_str(teacher.shape)}")
             checks.check_teacher_values(xp, as_logits(teacher), student.loss_weights)
+        vocab = self.front.vocab_extent(student_logits) if hard_w > 0.0 else None
         read = checks.check_token_batch_values(xp, student.target_ids, student.loss_weights,
-                                   self.front.vocab_extent(student_logits) if hard_w > 0.0
-                                   else None,
-                                   allow_sync=False)
+                                               vocab, allow_sync=False)
         # the hard term's T = 1 sums ride along in the same pass only when that term is on
         w_given = xp.f32(student.loss_weights)
         w = w_given * _weight_scale(xp, w_given.reshape(-1))  # [B, L] (``BIG_WEIGHT``)
