@@ -105,8 +105,9 @@ class DiffusionTokenBatch:
 
     def validate(self) -> DiffusionTokenBatch:
         """Static checks always (TypeError for a wrong kind or dtype, ValueError for a
-        shape); value checks (finite, non-negative weights; active targets >= 0) on
-        concrete host arrays. Returns self."""
+        shape); value checks (finite, non-negative weights; active targets >= 0) on every
+        array that holds values (not a traced one; accelerator arrays too, one device sync
+        each). Returns self."""
         _contract.validate_token_batch(_JaxOps, self)
         return self
 
@@ -120,9 +121,10 @@ class DiffusionDistillationBatch:
     """A student batch plus the teacher's logits at the same positions.
 
     student_batch: DiffusionTokenBatch;  teacher_logits: [B, L, K] float (or a LinearHead).
-    On concrete host arrays, active targets must lie in [0, K) of the teacher logits. Teacher values
-    (finite at active positions) are checked by ``opd_loss`` when its soft term is enabled,
-    so a batch for a hard-only loss may carry any finite-shaped teacher.
+    Active targets must lie in [0, K) of the teacher logits (checked where the student batch's
+    value checks run). Teacher values (finite at active positions) are checked by
+    ``opd_loss`` when its soft term is enabled, so a batch for a hard-only loss may carry
+    any finite-shaped teacher.
     """
 
     student_batch: DiffusionTokenBatch
@@ -135,8 +137,9 @@ class DiffusionDistillationBatch:
         return cls(student_batch=student_batch, teacher_logits=teacher_logits).validate()
 
     def validate(self) -> DiffusionDistillationBatch:
-        """The student batch's checks, the teacher's shape against it, and (concrete host arrays)
-        every active target inside the teacher's vocabulary. Returns self."""
+        """The student batch's checks, the teacher's shape against it, and every active
+        target inside the teacher's vocabulary (where the student batch's value checks
+        run). Returns self."""
         _contract.validate_distillation_batch(_JaxOps, self, DiffusionTokenBatch,
                                               _FRONT.vocab_extent)
         return self
@@ -237,13 +240,13 @@ def token_stats(
         and returns ``entropy=None``.
       chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
         backends (default: a heuristic). The chunked backend runs a call of fewer than
-        ``16384 // chunk_size`` rows padded to that many (one row, one answer: docs/design.md
-        §2), so a chunk under 2048 columns with few rows copies up to 16384 x K / chunk_size
-        logits (1024 rows of K at a chunk of 16).
+        ``16384 // chunk_size`` rows padded to that many (one row, one answer:
+        docs/design.md §2), so a chunk under 2048 columns with few rows copies up to
+        16384 x K / chunk_size logits (1024 rows of K at a chunk of 16).
       inplace_grad: torch only (JAX arrays are immutable): True raises a ValueError; donate
         the logits buffer to ``jit`` to let XLA reuse it instead.
       vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
-        are excluded and get a zero gradient (with a vocab_axis: the global size).
+        are excluded and get a zero gradient (with a ``vocab_axis``: the global size).
       label_smoothing: ε in [0, 1] (default 0). ``logp`` becomes minus the smoothed CE,
         Σ_k q_k·log p'_k with q = (1 - ε)·onehot(y) + ε/K over the K valid columns (K =
         ``vocab_size`` when given, else the logits' last dim; the global K under vocabulary
@@ -254,9 +257,10 @@ def token_stats(
         ``lse_square_scale``). Both options change ``logp`` only; with ε = λ = 0 it is the
         target's log-probability.
       vocab_axis: vocabulary parallelism (inside ``jax.shard_map``). The logits are this
-        device's contiguous shard of the vocabulary along that mesh axis; targets and shift ids are global ids. Partial states merge with two
-        all-reduces of per-row floats (40 bytes per row); the backward is local.
-        ``vocab_parallel(...)`` applies the same to every objective inside a ``with`` block.
+        device's contiguous shard of the vocabulary along that mesh axis.
+        Targets and shift ids are global ids. Partial states merge with two all-reduces of
+        per-row floats (40 bytes per row); the backward is local. ``vocab_parallel(...)``
+        applies the same to every objective inside a ``with`` block.
       backend: None (auto), or one of "reference", "chunked", "triton", "pallas".
 
     Non-finite student logits in an active row: an entry at -inf has probability 0 (a
@@ -284,9 +288,9 @@ def backend_for(logits: Logits, backend: str | None = None) -> str:
 
 def vocab_parallel(vocab_axis: VocabAxis,
                    vocab_size: int | None = None) -> AbstractContextManager[None]:
-    """Within this block (traced inside ``jax.shard_map``), every objective treats its logits
-    as this device's shard of the mesh axis ``vocab_axis`` (as ``token_stats(...,
-    vocab_axis=..., vocab_size=...)`` does)."""
+    """Within this block (traced inside ``jax.shard_map``), every objective treats its logits as
+    this device's shard of the mesh axis ``vocab_axis``
+    (as ``token_stats(..., vocab_axis=..., vocab_size=...)`` does)."""
     return _FRONT.within(vocab_axis, vocab_size)
 
 
@@ -343,11 +347,11 @@ def diffusion_sft_loss(
     ``label_smoothing`` ε in [0, 1] and ``z_loss_weight`` λ >= 0 (default 0: the plain
     CE) make CE_bl the label-smoothed CE plus λ·lse² (see ``token_stats``).
 
-    Bad values raise ValueError where they can be read without a device sync (concrete host
-    arrays; accelerator arrays inside ``sync_checks()``): an x0 outside [0, vocab_size) where the mask is
-    set, an xt outside it in a LOO variant, a negative or non-finite mask, a t outside
-    [0, 1]. Elsewhere (accelerators, ``jit``) such a value makes that sequence's loss NaN,
-    never a plausible number.
+    Bad values raise ValueError where they can be read without a device sync
+    (concrete host arrays; accelerator arrays inside ``sync_checks()``): an x0 outside
+    [0, vocab_size) where the mask is set, an xt outside it in a LOO variant, a negative or
+    non-finite mask, a t outside [0, 1]. Elsewhere (accelerator arrays, ``jit``) such a
+    value makes that sequence's loss NaN, never a plausible number.
     """
     return _OBJECTIVES.diffusion_sft_loss(
         logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
@@ -383,8 +387,8 @@ def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: Logits,
                               name: str = "logits") -> Logits:
     """Check logits [B, L, K] against a DiffusionTokenBatch and return ``logits``: rank,
     [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) on
-    concrete host arrays (accelerator arrays inside ``sync_checks()``; elsewhere an out-of-range active target
-    shows as a NaN log-prob). ``name`` is the logits' name in the errors."""
+    concrete host arrays (accelerator arrays inside ``sync_checks()``; elsewhere an out-of-range
+    active target shows as a NaN log-prob). ``name`` is the logits' name in the errors."""
     return _OBJECTIVES.validate_diffusion_logits(batch, logits, name)
 
 
@@ -407,8 +411,8 @@ def per_token_logps(
     backend: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Target log-probs [B, L] at ``temperature`` (and the entropy [B, L] when
-    ``return_entropy``: a tuple); exactly 0 at inactive positions; detached when
-    ``stop_gradient``."""
+    ``return_entropy``: a tuple); exactly 0 at inactive positions; constants (no gradient)
+    when ``stop_gradient``."""
     return _OBJECTIVES.per_token_logps(logits, batch, temperature=temperature,
                                        stop_gradient=stop_gradient,
                                        return_entropy=return_entropy, backend=backend)
@@ -563,7 +567,7 @@ def policy_loss(
     they can be read without a device sync (concrete host arrays; accelerator arrays inside
     ``sync_checks()``): non-finite advantages, old_logps or ref_logps non-finite where the
     weight is set, a negative or non-finite num_items_in_batch, and the batch's own checks.
-    Elsewhere (accelerators, ``jit``) they make the loss and every metric NaN, never a
+    Elsewhere (accelerator arrays, ``jit``) they make the loss and every metric NaN, never a
     plausible number.
     """
     return _OBJECTIVES.policy_loss(
@@ -604,15 +608,16 @@ def sample_tokens(
       temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
         statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]: below 1e-3 the
         float32 rounding of z / T would swamp the noise, so a smaller T raises.
-      seed, step: ints (or integer scalar arrays, traced is fine) keying the counter-based noise
-        (docs/design.md §3): the same (seed, step) draws the same tokens on every backend;
-        change ``step`` every denoising step. ``seed`` may also be a [B] integer array, one
-        per sequence (B = logits.shape[0]): sequence b's noise is then keyed on (seed[b],
-        step, its position inside the sequence, column), so it draws the same tokens alone
-        or at any batch index, whatever its neighbours. One seed s keys the flattened row
-        index instead: a batch of one with seed s equals seed [s]. Under ``jax.vmap`` an
-        unmapped seed draws alike in every mapped instance; map a seed per instance
-        (``jax.vmap(f)(logits, seeds)``, f passing ``seed=s``) to draw them independently.
+      seed, step: ints (or integer scalar arrays, traced ones too) keying the counter-based
+        noise (docs/design.md §3): the same (seed, step) draws the same tokens on every
+        backend; change ``step`` every denoising step. ``seed`` may also be a [B] integer
+        array, one per sequence (B = logits.shape[0]): sequence b's noise is then keyed on
+        (seed[b], step, its position inside the sequence, column), so it draws the same tokens
+        alone or at any batch index, whatever its neighbours. One seed s keys the flattened
+        row index instead: a batch of one with seed s equals seed [s].
+        Under ``jax.vmap`` an unmapped seed draws alike in every mapped instance; map a
+        seed per instance (``jax.vmap(f)(logits, seeds)``, f passing ``seed=s``) to
+        draw them independently.
       top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
         statistic is taken under that distribution).
       suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer array,
@@ -621,8 +626,8 @@ def sample_tokens(
       uncond_logits, cfg_scale: classifier-free guidance, z = z_u + (s + 1)(z_c - z_u), both
         read in the same pass.
       chunk_size: the vocabulary chunk of the chunked backend (default: a heuristic); as in
-        ``token_stats``, a call of fewer than ``16384 // chunk_size`` rows runs padded to
-        that many.
+        ``token_stats``, a call of fewer than ``16384 // chunk_size`` rows runs padded
+        to that many.
       stats_temperature: T_s of the returned statistics (logp, top1_logp, top2_logp,
         entropy, hence of every confidence of ``commit_tokens``): None takes the draw's T
         (softmax(z) at T = 0); 1.0 gives LLaDA's, Fast-dLLM's and Megatron-Bridge's
@@ -732,9 +737,9 @@ def add_gumbel_noise(
 
 def get_num_transfer_tokens(mask_index: jax.Array, steps: int) -> jax.Array:
     """Upstream's ``get_num_transfer_tokens``: [B, steps] tokens to commit per step for a
-    linear schedule, in JAX's default integer (int32; int64 under x64). Row b gives mask_count_b
-    // steps per step, and its first mask_count_b % steps steps one more, mask_count_b the
-    number of True (non-zero) entries of mask_index [B, L]. ``steps`` is a positive int."""
+    linear schedule, int32 (int64 under x64). Row b gives mask_count_b // steps per step,
+    and its first mask_count_b % steps steps one more, mask_count_b the number of True
+    (non-zero) entries of mask_index [B, L]. ``steps`` is a positive int."""
     return _STEP.get_num_transfer_tokens(mask_index, steps)
 
 
@@ -769,7 +774,8 @@ def get_transfer_index(
         confidence is -inf; past the masked count upstream's topk fills k with unmasked
         positions, where x0 = x, and so does this: the lowest ones). A k above L raises
         an error that is both a ValueError and upstream's RuntimeError (torch.topk's); where
-        k cannot be read (traced), every position is committed.
+        k cannot be read without a device sync (traced, or accelerator arrays outside
+        ``sync_checks()``), every position is committed.
       threshold: a number (or [B]): every masked position whose confidence is >= threshold,
         and always the most confident one (num_transfer_tokens is then ignored).
       neg_entropy: with "low_confidence", the confidence is Σ_k p_k log p_k, p =

@@ -101,8 +101,9 @@ class DiffusionTokenBatch:
 
     def validate(self) -> DiffusionTokenBatch:
         """Static checks always (TypeError for a wrong kind or dtype, ValueError for a
-        shape); value checks (finite, non-negative weights; active targets >= 0) on CPU
-        tensors. Returns self."""
+        shape); value checks (finite, non-negative weights; active targets >= 0) on every
+        tensor that holds values (not a traced one; CUDA tensors too, one device sync
+        each). Returns self."""
         _contract.validate_token_batch(_TorchOps, self)
         return self
 
@@ -116,9 +117,10 @@ class DiffusionDistillationBatch:
     """A student batch plus the teacher's logits at the same positions.
 
     student_batch: DiffusionTokenBatch;  teacher_logits: [B, L, K] float (or a LinearHead).
-    On CPU tensors, active targets must lie in [0, K) of the teacher logits. Teacher values
-    (finite at active positions) are checked by ``opd_loss`` when its soft term is enabled,
-    so a batch for a hard-only loss may carry any finite-shaped teacher.
+    Active targets must lie in [0, K) of the teacher logits (checked where the student batch's
+    value checks run). Teacher values (finite at active positions) are checked by
+    ``opd_loss`` when its soft term is enabled, so a batch for a hard-only loss may carry
+    any finite-shaped teacher.
     """
 
     student_batch: DiffusionTokenBatch
@@ -131,8 +133,9 @@ class DiffusionDistillationBatch:
         return cls(student_batch=student_batch, teacher_logits=teacher_logits).validate()
 
     def validate(self) -> DiffusionDistillationBatch:
-        """The student batch's checks, the teacher's shape against it, and (CPU tensors)
-        every active target inside the teacher's vocabulary. Returns self."""
+        """The student batch's checks, the teacher's shape against it, and every active
+        target inside the teacher's vocabulary (where the student batch's value checks
+        run). Returns self."""
         _contract.validate_distillation_batch(_TorchOps, self, DiffusionTokenBatch,
                                               _FRONT.vocab_extent)
         return self
@@ -220,11 +223,12 @@ def token_stats(
       chunk_size: vocabulary chunk of the chunked backend, block size of the kernel
         backends (default: a heuristic).
       inplace_grad: opt-in. Write d(logits) into the logits buffer itself instead of a new
-        tensor (saves one [..., K] allocation); after backward the logits tensor holds the
-        gradient, so nothing else may read those logits afterwards. Supported by the
-        chunked and triton backends.
+        tensor (saves one [..., K] allocation); after backward the logits tensor
+        holds the gradient, so nothing else may read those logits afterwards.
+        Supported by the chunked and triton backends, for logits given as a tensor
+        (with a LinearHead, student or teacher, it is a ValueError).
       vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
-        are excluded and get a zero gradient (with a process group: the global size).
+        are excluded and get a zero gradient (with a ``process_group``: the global size).
       label_smoothing: ε in [0, 1] (default 0). ``logp`` becomes minus the smoothed CE,
         Σ_k q_k·log p'_k with q = (1 - ε)·onehot(y) + ε/K over the K valid columns (K =
         ``vocab_size`` when given, else the logits' last dim; the global K under vocabulary
@@ -235,9 +239,10 @@ def token_stats(
         ``lse_square_scale``). Both options change ``logp`` only; with ε = λ = 0 it is the
         target's log-probability.
       process_group: vocabulary parallelism. The logits are this rank's contiguous shard of
-        the vocabulary; targets and shift ids are global ids. Partial states merge with two
-        all-reduces of per-row floats (40 bytes per row); the backward is local.
-        ``vocab_parallel(...)`` applies the same to every objective inside a ``with`` block.
+        the vocabulary.
+        Targets and shift ids are global ids. Partial states merge with two all-reduces of
+        per-row floats (40 bytes per row); the backward is local. ``vocab_parallel(...)``
+        applies the same to every objective inside a ``with`` block.
       backend: None (auto), or one of "reference", "chunked", "triton".
 
     Non-finite student logits in an active row: an entry at -inf has probability 0 (a
@@ -265,8 +270,9 @@ def backend_for(logits: Logits, backend: str | None = None) -> str:
 
 def vocab_parallel(process_group: torch.distributed.ProcessGroup,
                    vocab_size: int | None = None) -> AbstractContextManager[None]:
-    """Within this block every objective treats its logits as this rank's vocabulary shard
-    of ``process_group`` (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
+    """Within this block, every objective treats its logits as
+    this rank's vocabulary shard of ``process_group``
+    (as ``token_stats(..., process_group=..., vocab_size=...)`` does)."""
     return _FRONT.within(process_group, vocab_size)
 
 
@@ -323,11 +329,11 @@ def diffusion_sft_loss(
     ``label_smoothing`` ε in [0, 1] and ``z_loss_weight`` λ >= 0 (default 0: the plain
     CE) make CE_bl the label-smoothed CE plus λ·lse² (see ``token_stats``).
 
-    Bad values raise ValueError where they can be read without a device sync (CPU tensors;
-    CUDA tensors inside ``sync_checks()``): an x0 outside [0, vocab_size) where the mask is
-    set, an xt outside it in a LOO variant, a negative or non-finite mask, a t outside
-    [0, 1]. Elsewhere (CUDA, ``torch.compile``) such a value makes that sequence's loss NaN,
-    never a plausible number.
+    Bad values raise ValueError where they can be read without a device sync
+    (CPU tensors; CUDA tensors inside ``sync_checks()``): an x0 outside
+    [0, vocab_size) where the mask is set, an xt outside it in a LOO variant, a negative or
+    non-finite mask, a t outside [0, 1]. Elsewhere (CUDA tensors, ``torch.compile``) such a
+    value makes that sequence's loss NaN, never a plausible number.
     """
     return _OBJECTIVES.diffusion_sft_loss(
         logits, x0, xt, t, loss_mask, variant=variant, vocab_size=vocab_size,
@@ -362,9 +368,9 @@ def diffusion_sft_logps(
 def validate_diffusion_logits(batch: DiffusionTokenBatch, logits: Logits,
                               name: str = "logits") -> Logits:
     """Check logits [B, L, K] against a DiffusionTokenBatch and return ``logits``: rank,
-    [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) on CPU
-    tensors (CUDA tensors inside ``sync_checks()``; elsewhere an out-of-range active target
-    shows as a NaN log-prob). ``name`` is the logits' name in the errors."""
+    [B, L] alignment, a floating dtype and K >= 1 always; active targets in [0, K) on
+    CPU tensors (CUDA tensors inside ``sync_checks()``; elsewhere an out-of-range
+    active target shows as a NaN log-prob). ``name`` is the logits' name in the errors."""
     return _OBJECTIVES.validate_diffusion_logits(batch, logits, name)
 
 
@@ -387,8 +393,8 @@ def per_token_logps(
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Target log-probs [B, L] at ``temperature`` (and the entropy [B, L] when
-    ``return_entropy``: a tuple); exactly 0 at inactive positions; detached when
-    ``stop_gradient``."""
+    ``return_entropy``: a tuple); exactly 0 at inactive positions; constants (no gradient)
+    when ``stop_gradient``."""
     return _OBJECTIVES.per_token_logps(logits, batch, temperature=temperature,
                                        stop_gradient=stop_gradient,
                                        return_entropy=return_entropy, backend=backend)
@@ -543,8 +549,8 @@ def policy_loss(
     they can be read without a device sync (CPU tensors; CUDA tensors inside
     ``sync_checks()``): non-finite advantages, old_logps or ref_logps non-finite where the
     weight is set, a negative or non-finite num_items_in_batch, and the batch's own checks.
-    Elsewhere (CUDA tensors, ``torch.compile``) they make the loss and every metric NaN,
-    never a plausible number.
+    Elsewhere (CUDA tensors, ``torch.compile``) they make the loss and every metric NaN, never a
+    plausible number.
     """
     return _OBJECTIVES.policy_loss(
         logits, batch, old_logps=old_logps, advantages=advantages, loss_type=loss_type,
@@ -584,13 +590,13 @@ def sample_tokens(
       temperature: T of softmax(z / T): 0 is greedy (the argmax, ties to the lowest id; the
         statistics are then those of softmax(z)), else T in [1e-3, 3.4e38]: below 1e-3 the
         float32 rounding of z / T would swamp the noise, so a smaller T raises.
-      seed, step: ints (or integer scalar tensors) keying the counter-based noise
-        (docs/design.md §3): the same (seed, step) draws the same tokens on every backend;
-        change ``step`` every denoising step. ``seed`` may also be a [B] integer tensor, one
-        per sequence (B = logits.shape[0]): sequence b's noise is then keyed on (seed[b],
-        step, its position inside the sequence, column), so it draws the same tokens alone
-        or at any batch index, whatever its neighbours. One seed s keys the flattened row
-        index instead: a batch of one with seed s equals seed [s].
+      seed, step: ints (or integer scalar tensors, traced ones too) keying the counter-based
+        noise (docs/design.md §3): the same (seed, step) draws the same tokens on every
+        backend; change ``step`` every denoising step. ``seed`` may also be a [B] integer
+        tensor, one per sequence (B = logits.shape[0]): sequence b's noise is then keyed on
+        (seed[b], step, its position inside the sequence, column), so it draws the same tokens
+        alone or at any batch index, whatever its neighbours. One seed s keys the flattened
+        row index instead: a batch of one with seed s equals seed [s].
       top_k: None or k in [1, 64]: draw among the k most likely tokens (renormalised; every
         statistic is taken under that distribution).
       suppress_ids: ids in [0, K) never drawn (e.g. the mask token): an [S] integer tensor,
@@ -605,8 +611,8 @@ def sample_tokens(
         confidence softmax(z)[token] while drawing at T. The token is drawn at ``temperature``
         either way, in the same pass; at T = 0 only None or 1 is accepted. With top_k the
         statistics are those of the k kept tokens renormalised at T_s.
-      backend: None (auto), or one of "reference", "chunked", "triton". Every backend draws
-        the same tokens for the same (seed, step).
+      backend: None (auto), or one of "reference", "chunked", "triton". Every
+        backend draws the same tokens for the same (seed, step).
 
     Returns:
       Sample(token, logp, argmax, top1_logp, top2_logp, entropy) with the logits' leading
@@ -708,9 +714,9 @@ def add_gumbel_noise(
 
 def get_num_transfer_tokens(mask_index: torch.Tensor, steps: int) -> torch.Tensor:
     """Upstream's ``get_num_transfer_tokens``: [B, steps] tokens to commit per step for a
-    linear schedule, int64. Row b gives mask_count_b // steps per step, and its first
-    mask_count_b % steps steps one more, mask_count_b the number of True (non-zero)
-    entries of mask_index [B, L]. ``steps`` is a positive int."""
+    linear schedule, int64. Row b gives mask_count_b // steps per step,
+    and its first mask_count_b % steps steps one more, mask_count_b the number of True
+    (non-zero) entries of mask_index [B, L]. ``steps`` is a positive int."""
     return _STEP.get_num_transfer_tokens(mask_index, steps)
 
 
@@ -745,7 +751,8 @@ def get_transfer_index(
         confidence is -inf; past the masked count upstream's topk fills k with unmasked
         positions, where x0 = x, and so does this: the lowest ones). A k above L raises
         an error that is both a ValueError and upstream's RuntimeError (torch.topk's); where
-        k cannot be read (traced), every position is committed.
+        k cannot be read without a device sync (traced, or CUDA tensors outside
+        ``sync_checks()``), every position is committed.
       threshold: a number (or [B]): every masked position whose confidence is >= threshold,
         and always the most confident one (num_transfer_tokens is then ignored).
       neg_entropy: with "low_confidence", the confidence is Σ_k p_k log p_k, p =
