@@ -255,8 +255,8 @@ def soft_embedding(
       temperature: T > 0 (at least 2^-102), applied after the cap.
       softcap: c > 0 for cap(z) = c·tanh(z / c), or None (a LinearHead's own softcap is
         used when it has one; both given must be equal).
-      chunk_size: vocabulary columns per chunk of the chunked backend (default: one float32
-        the token statistics' width, 4096 columns on a CPU and 32768 elsewhere: fixed by V).
+      chunk_size: vocabulary columns per chunk of the chunked backend (default: the token
+        statistics' width, 4096 columns on a CPU and 32768 elsewhere, at most V: fixed by V).
       backend: None or "chunked" (streamed), or "reference" (the materialised formula).
     Returns:
       [..., D] in the embedding's dtype (accumulated in float32, rounded once). A row whose
