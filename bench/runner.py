@@ -105,20 +105,20 @@ def variants(env, framework, objective, smoke=False):
     a user would run instead (bench/upstream.py; torch.compile of it outside --smoke, where
     its compile would take most of the run; Liger on a GPU)."""
     if framework == "torch":
-        from dlm_kernels.token_stats.torch_vjp import REGISTRY
+        from dlm_kernels._torch.framework import TORCH
 
         # the backends auto would use here, from the backend table (on a CPU the chunked
         # one alone: interpreters are not timed)
-        native = list(REGISTRY.native("cuda" if env["cuda"] else "cpu"))
+        native = list(TORCH.token_stats.native("cuda" if env["cuda"] else "cpu"))
         baselines = ["reference", "upstream"] + ([] if smoke else ["upstream+compile"])
         if env["cuda"]:
             baselines.append("reference+compile")
             if objective == "ce" and try_import("liger_kernel") is not None:
                 baselines.append("liger")
         return native, baselines
-    from dlm_kernels.token_stats.jax_vjp import REGISTRY as JAX_REGISTRY
+    from dlm_kernels._jax.framework import JAX
 
-    return list(JAX_REGISTRY.native(env["jax_backend"])), ["reference", "upstream"]
+    return list(JAX.token_stats.native(env["jax_backend"])), ["reference", "upstream"]
 
 
 def missing_peers(env, smoke=False):

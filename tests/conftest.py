@@ -250,8 +250,7 @@ def jax_triton_on_cpu(monkeypatch):
     import dlm_kernels.sampling
     import dlm_kernels.token_stats
     import jax_triton_emulator
-    from dlm_kernels._dispatch import SAMPLING, registry
-    from dlm_kernels.token_stats import jax_vjp as _primitive
+    from dlm_kernels._jax.framework import JAX
 
     monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
     packages = (dlm_kernels.token_stats, dlm_kernels.sampling)  # the stats module first
@@ -280,6 +279,6 @@ def jax_triton_on_cpu(monkeypatch):
         def unsupported_reason(platform):
             return None
 
-    monkeypatch.setitem(_primitive.REGISTRY.IMPLEMENTATIONS, "triton", OnCpu())
-    monkeypatch.setitem(registry(SAMPLING, "jax").IMPLEMENTATIONS, "triton", SamplerOnCpu())
+    monkeypatch.setitem(JAX.token_stats.IMPLEMENTATIONS, "triton", OnCpu())
+    monkeypatch.setitem(JAX.sampling.IMPLEMENTATIONS, "triton", SamplerOnCpu())
     yield stats

@@ -52,9 +52,9 @@ class TorchFW:
         import torch
 
         import dlm_kernels.torch as api
-        from dlm_kernels.token_stats.torch_vjp import REGISTRY
+        from dlm_kernels._torch.framework import TORCH
 
-        self.torch, self.api, self.registry = torch, api, REGISTRY
+        self.torch, self.api, self.registry = torch, api, TORCH.token_stats
         # DLM_TEST_DEVICE=cuda runs the same suites on a GPU (bench/gpu_check.sh does).
         self.device = os.environ.get("DLM_TEST_DEVICE", "cpu")
         self.dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -92,9 +92,9 @@ class JaxFW:
         import jax.numpy as jnp
 
         import dlm_kernels.jax as api
-        from dlm_kernels.token_stats.jax_vjp import REGISTRY
+        from dlm_kernels._jax.framework import JAX
 
-        self.jax, self.jnp, self.api, self.registry = jax, jnp, api, REGISTRY
+        self.jax, self.jnp, self.api, self.registry = jax, jnp, api, JAX.token_stats
         self.dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
     def array(self, a, dtype=None):

@@ -262,16 +262,16 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     from dlm_kernels import _dispatch
 
     import dlm_kernels.torch as T
-    from dlm_kernels.token_stats import torch_vjp as _primitive
+    from dlm_kernels._torch.framework import TORCH
     from bench.runner import variants
 
     row = _dispatch.BackendSpec("throwaway", {"torch": "throwaway_backend"}, ("cpu",),
                                 "a test's backend")
     monkeypatch.setattr(_dispatch, "BACKENDS", _dispatch.BACKENDS + (row,))
-    monkeypatch.setattr(_primitive.REGISTRY, "IMPLEMENTATIONS", dict(_primitive.REGISTRY.IMPLEMENTATIONS))
-    _primitive.REGISTRY.load()
+    monkeypatch.setattr(TORCH.token_stats, "IMPLEMENTATIONS", dict(TORCH.token_stats.IMPLEMENTATIONS))
+    TORCH.token_stats.load()
     assert "throwaway" in _dispatch.backend_names()
-    assert _primitive.REGISTRY.native("cpu") == ("throwaway", "chunked")
+    assert TORCH.token_stats.native("cpu") == ("throwaway", "chunked")
     assert '"throwaway" (a test\'s backend)' in _dispatch.backends_doc()
     assert variants({"cuda": False}, "torch", "ce")[0] == ["throwaway", "chunked"]
     rng = np.random.default_rng(new_seed())
@@ -279,7 +279,7 @@ def test_a_new_backend_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     y = torch_tensor(rng.integers(0, 11, 3))
     assert T.backend_for(z) == "throwaway"  # its row prefers the CPU
     ref = T.token_stats(z, y, backend="reference")
-    impl = _primitive.REGISTRY.IMPLEMENTATIONS["throwaway"]
+    impl = TORCH.token_stats.IMPLEMENTATIONS["throwaway"]
     before = type(impl).calls
     for got, exp in zip(T.token_stats(z, y, backend="throwaway"), ref):
         np.testing.assert_array_equal(got.numpy(), exp.numpy())

@@ -247,3 +247,79 @@ def test_a_type_checker_accepts_both_adapters(tmp_path):
     problems += [f"snippet line {i + 1} ({lines[i].strip()}): {m}"
                  for i, ms in sorted(errors.items()) for m in ms]
     assert not problems, "\n\n".join(problems)
+
+
+# -- the binding: one object per framework ---------------------------------------------------
+
+def test_each_front_end_runs_on_one_binding():
+    """Every shared object of a front end (the token-statistics shell, the objectives, the
+    sampler and the step functions) holds that framework's one ``Framework`` binding, and
+    the binding's members are that framework's: nothing is wired twice."""
+    import dlm_kernels.jax as J
+    import dlm_kernels.torch as T
+    from dlm_kernels._dispatch import SAMPLING, TOKEN_STATS, registry
+    from dlm_kernels._jax.framework import JAX
+    from dlm_kernels._torch.framework import TORCH
+
+    for front, binding, adapter, name in ((T, TORCH, TorchOps, "torch"),
+                                          (J, JAX, JaxOps, "jax")):
+        assert binding.name == name and binding.xp is adapter
+        assert binding.token_stats is registry(TOKEN_STATS, name)
+        assert binding.sampling is registry(SAMPLING, name)
+        shell = front._FRONT
+        assert shell.framework is binding and shell.xp is adapter
+        assert shell.registry is binding.token_stats and shell.vjp is binding.vjp
+        assert front._OBJECTIVES.front is shell and front._OBJECTIVES.xp is adapter
+        assert front._SAMPLER.framework is binding and front._SAMPLER.registry is binding.sampling
+        assert front._STEP.sampler is front._SAMPLER
+
+
+BINDING_SNIPPET = '''
+import jax
+import torch
+
+from dlm_kernels._dispatch import SAMPLING, TOKEN_STATS, registry
+from dlm_kernels._framework import Framework
+from dlm_kernels._jax.framework import JAX
+from dlm_kernels._jax.ops import JaxOps
+from dlm_kernels._torch.framework import TORCH
+from dlm_kernels.token_stats.torch_vjp import TorchVJP
+
+torch_binding: Framework[torch.Tensor] = TORCH
+jax_binding: Framework[jax.Array] = JAX
+control_xp: Framework[torch.Tensor] = Framework(
+    name="torch", xp=JaxOps, vjp=TorchVJP(), token_stats=registry(TOKEN_STATS, "torch"),
+    sampling=registry(SAMPLING, "torch"))
+control_vjp: Framework[jax.Array] = Framework(
+    name="jax", xp=JaxOps, vjp=object(), token_stats=registry(TOKEN_STATS, "jax"),
+    sampling=registry(SAMPLING, "jax"))
+'''
+
+
+def test_a_type_checker_accepts_both_bindings(tmp_path):
+    """basedpyright (where installed) accepts ``TORCH`` as ``Framework[torch.Tensor]`` and
+    ``JAX`` as ``Framework[jax.Array]`` (their adapters ``Ops`` of that array type, their VJP
+    adapters ``VjpAdapter``s), and rejects a binding with the other framework's adapter or
+    with no VJP adapter (the check is a real one)."""
+    exe = shutil.which("basedpyright")
+    if exe is None:
+        pytest.skip("basedpyright is not installed (pip install -e '.[test]')")
+    snippet = tmp_path / "binding_conformance.py"
+    snippet.write_text(BINDING_SNIPPET, encoding="utf-8")
+    run = subprocess.run([exe, "--outputjson", str(snippet)], capture_output=True, text=True,
+                         timeout=120, cwd=str(REPO))
+    try:
+        diagnostics = json.loads(run.stdout)["generalDiagnostics"]
+    except (ValueError, KeyError):
+        pytest.fail(f"{exe} gave no report:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    lines = BINDING_SNIPPET.splitlines()
+    first = {line.split(":")[0]: i for i, line in enumerate(lines) if ": Framework[" in line}
+    errors: dict[str, list[str]] = {}
+    for d in diagnostics:
+        if d["severity"] == "error":
+            line = d["range"]["start"]["line"]
+            owner = max((i, name) for name, i in first.items() if i <= line)[1]
+            errors.setdefault(owner, []).append(d["message"])
+    assert errors.pop("control_xp", None), "basedpyright took JaxOps for torch: checks nothing"
+    assert errors.pop("control_vjp", None), "basedpyright took object() as a VJP adapter"
+    assert not errors, "\n".join(f"{k}: {m}" for k, ms in errors.items() for m in ms)

@@ -57,10 +57,10 @@ def _skip_without_jax_triton_on_gpu():
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":
         pytest.skip("JAX has no GPU backend here")
-    from dlm_kernels.token_stats import jax_vjp as _primitive
+    from dlm_kernels._jax.framework import JAX
 
-    if "triton" not in _primitive.REGISTRY.IMPLEMENTATIONS:
-        pytest.skip(f"jax triton backend unavailable: {_primitive.REGISTRY._unavailable.get('triton')}")
+    if "triton" not in JAX.token_stats.IMPLEMENTATIONS:
+        pytest.skip(f"jax triton backend unavailable: {JAX.token_stats._unavailable.get('triton')}")
 
 
 @needs_cuda

@@ -21,9 +21,7 @@ import jax
 
 from .. import _contract
 from .._checks import sync_checks
-from .._dispatch import SAMPLING as _SAMPLING
 from .._dispatch import BackendUnavailableError
-from .._dispatch import registry as _registry
 from .._config import CeTerm as _CeTerm
 from .._objectives import Contract as _Contract
 from .._objectives import Objectives as _Objectives
@@ -34,8 +32,8 @@ from ..sampling.upstream import StepFunctions as _StepFunctions
 from .._schedule import EPS, VARIANTS, normalize_variant
 from ..token_stats.op import TokenStats
 from ..linear_head.jax_head import LinearHead
-from .._jax.ops import JaxOps as _JaxOps
-from ..token_stats.jax_vjp import FRONT as _FRONT
+from .._jax.framework import JAX as _JAX
+from ..token_stats.op import TokenStatsFrontEnd as _TokenStatsFrontEnd
 
 __all__ = [
     "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
@@ -49,6 +47,10 @@ __all__ = [
     "sample_tokens", "commit_tokens", "add_gumbel_noise", "get_num_transfer_tokens",
     "get_transfer_index",
 ]
+
+#: the token-statistics op's front-end shell over jax's binding: token_stats' body,
+#: vocab_parallel, backend_for, and the one entry point every objective calls
+_FRONT = _TokenStatsFrontEnd(_JAX)
 
 VocabAxis = str | tuple[str, ...]
 """A mesh axis name, or a tuple of them (vocabulary parallelism inside ``jax.shard_map``)."""
@@ -73,7 +75,7 @@ class WeightedSum:
     def compute(self) -> jax.Array:
         """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator, NaN
         for a NaN or negative one."""
-        return _contract.weighted_mean(_JaxOps, self.unreduced_sum, self.denominator)
+        return _contract.weighted_mean(_JAX.xp, self.unreduced_sum, self.denominator)
 
     def replace(self, **fields: jax.Array) -> WeightedSum:
         """A copy with some fields replaced."""
@@ -108,7 +110,7 @@ class DiffusionTokenBatch:
         shape); value checks (finite, non-negative weights; active targets >= 0) on every
         array that holds values (not a traced one; accelerator arrays too, one device sync
         each). Returns self."""
-        _contract.validate_token_batch(_JaxOps, self)
+        _contract.validate_token_batch(_JAX.xp, self)
         return self
 
     def replace(self, **fields: Any) -> DiffusionTokenBatch:
@@ -140,7 +142,7 @@ class DiffusionDistillationBatch:
         """The student batch's checks, the teacher's shape against it, and every active
         target inside the teacher's vocabulary (where the student batch's value checks
         run). Returns self."""
-        _contract.validate_distillation_batch(_JaxOps, self, DiffusionTokenBatch,
+        _contract.validate_distillation_batch(_JAX.xp, self, DiffusionTokenBatch,
                                               _FRONT.vocab_extent)
         return self
 
@@ -581,7 +583,7 @@ def policy_loss(
 
 # -- the denoising step ------------------------------------------------------------------------
 
-_SAMPLER = _Sampler(_JaxOps, _registry(_SAMPLING, "jax"))
+_SAMPLER = _Sampler(_JAX)
 
 
 def sample_tokens(

@@ -50,8 +50,7 @@ from .._checks import (as_number, dtype_str, flag, host_values, plain, require_a
                        require_float, require_int, require_logits, require_real, require_shape,
                        shape_str)
 from .._config import make_config
-from .._dispatch import Registry
-from .._ops import Ops
+from .._framework import Framework
 from .._rows import Rows
 from ..linear_head.head import as_logits
 from ..kernels.layout import SAMPLE_IDS, SAMPLE_STATE
@@ -833,11 +832,12 @@ def _kept(sample, skip):
 
 class Sampler:
     """``sample_tokens`` and ``commit_tokens`` of one front end: the bodies of its typed public
-    functions (their documentation is there), over the framework's ops adapter ``xp`` and
-    the sampler's registry of that framework (``_dispatch.registry(SAMPLING, framework)``)."""
+    functions (their documentation is there), over the framework's binding: its ops adapter
+    ``xp`` and its sampler registry."""
 
-    def __init__(self, xp: Ops[Any], registry: Registry):
-        self.xp, self.registry = xp, registry
+    def __init__(self, framework: Framework[Any]):
+        self.framework = framework
+        self.xp, self.registry = framework.xp, framework.sampling
 
     def sample_tokens(self, logits, *, temperature=1.0, seed=0, step=0, top_k=None,
                       suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,

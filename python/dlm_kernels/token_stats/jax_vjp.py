@@ -8,19 +8,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._dispatch import TOKEN_STATS, registry
 from . import formulas as stats_math
-from .op import TokenStatsFrontEnd
 from .._jax.first_order import first_order
 from ..linear_head.jax_head import apply_head
 from .._jax.ops import JaxOps
 from .._jax.vocab_parallel import vocab_parallel_stats
 from .._config import ROW_GROUP, padded_rows
 from .._rows import Rows
-
-#: every row of the backend table (_dispatch.BACKENDS) with a JAX module
-REGISTRY = registry(TOKEN_STATS, "jax")
-
 
 def _cotangent(rows, stats, grads, cfg, impl, offset=None, axis=None):
     """The bundle's cotangent: the backend's d(logits), d(teacher), and d(shift) from the
@@ -137,7 +131,3 @@ class JaxVJP:
     @staticmethod
     def shards(axis) -> int:
         return 1 if axis is None else jax.lax.axis_size(axis)
-
-
-#: the JAX side of the front-end shell: token_stats' body, vocab_parallel, backend_for
-FRONT = TokenStatsFrontEnd(JaxOps, REGISTRY, JaxVJP())

@@ -6,22 +6,22 @@ with its ops adapter, registry and VJP adapter: the body of ``token_stats``, whi
 the call once (``lowering.lower``) and hands it to the backend the registry resolves.
 The protocol a backend follows is ``_dispatch.Backend``.
 
-The framework supplies only what differs: its ops adapter (``xp``), its registry, and a
-*VJP adapter* (``VjpAdapter``: ``token_stats.torch_vjp.TorchVJP``,
-``token_stats.jax_vjp.JaxVJP``).
+The framework supplies only what differs, as one binding (``_framework.Framework``): its ops
+adapter (``xp``), its registry, and a *VJP adapter* (``_framework.VjpAdapter``:
+``token_stats.torch_vjp.TorchVJP``, ``token_stats.jax_vjp.JaxVJP``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from .. import _checks
 from .._checks import flag
 from .._config import PLAIN_CE, check_vocab_size, make_config
-from .._ops import Ops
+from .._framework import Framework
 from .._dispatch import (BackendBase, FALLBACK, NATIVE_DTYPES, BackendUnavailableError,
-                         Capabilities, Registry, logger)
+                         Capabilities, logger)
 from .._rows import Rows
 from ..linear_head.head import as_logits, planned_total, resolve_softcap, weighting_term
 from . import formulas as stats_math
@@ -246,44 +246,13 @@ def unit_coefficients(xp, coefficients, cfg):
     return unit, tuple(None if c is None else c / unit for c in coefficients)
 
 
-class VjpAdapter(Protocol):
-    """What a framework's autodiff adds to the op: its custom-VJP mechanics and its
-    collectives (each member a static method of the framework's class)."""
-
-    #: whether the framework can write a gradient into its logits (torch: yes; JAX: no)
-    inplace_grad: bool
-
-    def apply(self, impl: Any, cfg: Any, rows: Rows, inplace: bool, shard: Any, /) -> Any:
-        """(lse, logp, entropy, kl) [N] of rows of arrays, differentiable: the framework's
-        custom VJP around ``impl.forward`` / ``impl.backward`` (``cfg``: the call lowered
-        once, ``lowering.Lowered``; with a vocabulary ``shard``, the partial states merged by
-        the collectives)."""
-        ...
-
-    def apply_head(self, impl: Any, cfg: Any, rows: Rows, shard: Any, coefficients: Any,
-                   /) -> Any:
-        """(lse, logp, entropy, kl, total) of rows whose logits and/or teacher are a
-        ``LinearHead``: token chunks of matmuls feeding ``impl``; ``total`` is None without
-        ``coefficients``, else the planned scalar with its gradient formed in the forward
-        (``linear_head.head``)."""
-        ...
-
-    def check_shard(self, shard: Any, /, bound: bool = True) -> None:
-        """Raises unless ``shard`` is a process group / mesh axis name (``bound``: also one
-        the call can use here, e.g. a JAX axis of the enclosing ``shard_map``)."""
-        ...
-
-    def shards(self, shard: Any, /) -> int:
-        """How many vocabulary shards a process group / mesh axis splits the logits into."""
-        ...
-
-
 class TokenStatsFrontEnd:
     """``token_stats``, ``vocab_extent`` and ``backend_for`` of one framework: the op's one
     entry point, ``token_stats_total``, for the public ``token_stats`` and every objective."""
 
-    def __init__(self, xp: Ops[Any], registry: Registry, vjp: VjpAdapter):
-        self.xp, self.registry, self.vjp = xp, registry, vjp
+    def __init__(self, framework: Framework[Any]):
+        self.framework = framework
+        self.xp, self.registry, self.vjp = framework.xp, framework.token_stats, framework.vjp
         self.vocab_parallel = VocabParallel()
 
     def vocab_extent(self, logits) -> int:

@@ -6,18 +6,12 @@ from __future__ import annotations
 import torch
 
 from . import formulas as stats_math
-from .._dispatch import TOKEN_STATS, registry
-from .op import TokenStatsFrontEnd
 from .._rows import Rows
 from .formulas import Stats
 from .._torch.first_order import first_order_only
 from ..linear_head.torch_head import apply_head
 from .._torch.ops import TorchOps
 from .._torch.vocab_parallel import vocab_parallel_stats
-
-#: every row of the backend table (_dispatch.BACKENDS) with a torch module
-REGISTRY = registry(TOKEN_STATS, "torch")
-
 
 _N_FIELDS = len(Rows._fields)
 
@@ -93,7 +87,3 @@ class TorchVJP:
         import torch.distributed as dist
 
         return dist.get_world_size(process_group)
-
-
-#: the torch side of the front-end shell: token_stats' body, vocab_parallel, backend_for
-FRONT = TokenStatsFrontEnd(TorchOps, REGISTRY, TorchVJP())

@@ -20,9 +20,7 @@ import torch
 
 from .. import _contract
 from .._checks import sync_checks
-from .._dispatch import SAMPLING as _SAMPLING
 from .._dispatch import BackendUnavailableError
-from .._dispatch import registry as _registry
 from .._config import CeTerm as _CeTerm
 from .._objectives import Contract as _Contract
 from .._objectives import Objectives as _Objectives
@@ -33,8 +31,8 @@ from ..sampling.upstream import StepFunctions as _StepFunctions
 from .._schedule import EPS, VARIANTS, normalize_variant
 from ..token_stats.op import TokenStats
 from ..linear_head.torch_head import LinearHead
-from .._torch.ops import TorchOps as _TorchOps
-from ..token_stats.torch_vjp import FRONT as _FRONT
+from .._torch.framework import TORCH as _TORCH
+from ..token_stats.op import TokenStatsFrontEnd as _TokenStatsFrontEnd
 
 __all__ = [
     "EPS", "VARIANTS", "normalize_variant", "rf_alpha", "rf_alpha_dot", "loo_to_denoiser_logits",
@@ -48,6 +46,10 @@ __all__ = [
     "sample_tokens", "commit_tokens", "add_gumbel_noise", "get_num_transfer_tokens",
     "get_transfer_index",
 ]
+
+#: the token-statistics op's front-end shell over torch's binding: token_stats' body,
+#: vocab_parallel, backend_for, and the one entry point every objective calls
+_FRONT = _TokenStatsFrontEnd(_TORCH)
 
 Logits = torch.Tensor | LinearHead
 """What every ``logits`` argument takes: a [..., K] tensor, or a LinearHead standing for one."""
@@ -69,7 +71,7 @@ class WeightedSum:
     def compute(self) -> torch.Tensor:
         """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator, NaN
         for a NaN or negative one."""
-        return _contract.weighted_mean(_TorchOps, self.unreduced_sum, self.denominator)
+        return _contract.weighted_mean(_TORCH.xp, self.unreduced_sum, self.denominator)
 
     def replace(self, **fields: torch.Tensor) -> WeightedSum:
         """A copy with some fields replaced."""
@@ -104,7 +106,7 @@ class DiffusionTokenBatch:
         shape); value checks (finite, non-negative weights; active targets >= 0) on every
         tensor that holds values (not a traced one; CUDA tensors too, one device sync
         each). Returns self."""
-        _contract.validate_token_batch(_TorchOps, self)
+        _contract.validate_token_batch(_TORCH.xp, self)
         return self
 
     def replace(self, **fields: Any) -> DiffusionTokenBatch:
@@ -136,7 +138,7 @@ class DiffusionDistillationBatch:
         """The student batch's checks, the teacher's shape against it, and every active
         target inside the teacher's vocabulary (where the student batch's value checks
         run). Returns self."""
-        _contract.validate_distillation_batch(_TorchOps, self, DiffusionTokenBatch,
+        _contract.validate_distillation_batch(_TORCH.xp, self, DiffusionTokenBatch,
                                               _FRONT.vocab_extent)
         return self
 
@@ -563,7 +565,7 @@ def policy_loss(
 
 # -- the denoising step ------------------------------------------------------------------------
 
-_SAMPLER = _Sampler(_TorchOps, _registry(_SAMPLING, "torch"))
+_SAMPLER = _Sampler(_TORCH)
 
 
 def sample_tokens(
