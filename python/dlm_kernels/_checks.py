@@ -10,8 +10,18 @@ argument (for a pytree leaf, its path) and what was seen, as plain numbers.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar, overload
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from ._ops import Array, Ops, Typed
+
+#: the front end's array type (torch.Tensor, jax.Array): ``_ops.A``
+A = TypeVar("A", bound="Array")
 
 
 def is_real_scalar(value) -> bool:
@@ -42,7 +52,7 @@ def plain(value) -> str:
     return repr(value)
 
 
-def shape_str(shape) -> str:
+def shape_str(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
@@ -65,7 +75,7 @@ class _SyncChecks:
 
 
 @contextlib.contextmanager
-def sync_checks(enabled: bool = True):
+def sync_checks(enabled: bool = True) -> Iterator[None]:
     """Within this block, the value checks of every objective also run on accelerator arrays
     (CUDA tensors, JAX arrays on a GPU or TPU) by copying the checked ``[B, L]`` arrays to the
     host: one device synchronisation per checked array. Outside it, a bad id or weight on an
@@ -79,7 +89,7 @@ def sync_checks(enabled: bool = True):
         _SyncChecks.enabled = previous
 
 
-def host_values(xp, x, allow_sync=False):
+def host_values(xp: Ops[A], x: A, allow_sync: bool = False) -> NDArray[Any] | None:
     """x as a NumPy array (float64 for floats) when its values can be read here, else None:
     never for a tracer; for an accelerator array only when ``allow_sync`` or inside
     ``sync_checks()``."""
@@ -119,7 +129,15 @@ def _item(value):
     return value
 
 
-def as_number(value, integer=False):
+@overload
+def as_number(value: object, integer: Literal[True]) -> int | None: ...
+
+
+@overload
+def as_number(value: object, integer: bool = False) -> float | None: ...
+
+
+def as_number(value: object, integer: bool = False) -> float | None:
     """The one reader of numbers in both front ends: ``value`` as a Python int
     (``integer``) or float, or None when it is not one. A Python int or float, a NumPy
     integer or floating scalar (``np.int64(13)``, ``np.float32(0.5)``) or a 0-d array of such
@@ -136,7 +154,15 @@ def as_number(value, integer=False):
     return None
 
 
-def number(name, value, what, *, integer=False):
+@overload
+def number(name: str, value: object, what: str, *, integer: Literal[True]) -> int: ...
+
+
+@overload
+def number(name: str, value: object, what: str, *, integer: bool = False) -> float: ...
+
+
+def number(name: str, value: object, what: str, *, integer: bool = False) -> float:
     """``value`` as a Python int (``integer``) or float (``as_number``), for a scalar argument
     whose range the caller checks; anything else raises ValueError ``{name} must be {what};
     got ...`` (for a traced value: that it must be static)."""
@@ -178,7 +204,7 @@ def array_library(x):
 _ARRAYS = {"torch": "a torch tensor", "jax": "a JAX/NumPy array or ShapeDtypeStruct"}
 
 
-def _wrong_library(xp, name, x):
+def _wrong_library(xp: Ops[Any], name: str, x: object) -> str | None:
     """The message for an array of a library this front end does not take, or None."""
     library = array_library(x)
     if library is None or library == xp.framework:
@@ -194,7 +220,7 @@ def _wrong_library(xp, name, x):
             f"jnp.asarray({name}.detach().cpu().numpy())")
 
 
-def require_array(xp, name, x):
+def require_array(xp: Ops[Any], name: str, x: object) -> None:
     if not xp.is_array(x):
         raise TypeError(_wrong_library(xp, name, x)
                         or f"{name} must be {_ARRAYS[xp.framework]}; got {type(x).__name__}")
@@ -213,7 +239,7 @@ def require_instance(name, value, cls):
     raise TypeError(f"{name} must be a {cls.__name__}; got {got.__name__}")
 
 
-def require_logits(xp, name, source):
+def require_logits(xp: Ops[Any], name: str, source) -> None:
     """A logits argument, given as its source (``linear_head.head.as_logits`` of it: an array
     or a ``LinearHead``, its parts checked). The checks that take logits read only the
     ``LogitsSource`` protocol; their callers resolve the argument, so this module imports
@@ -221,24 +247,27 @@ def require_logits(xp, name, source):
     source.check(xp, name)
 
 
-def require_rank(xp, name, x, rank, layout, logits=False):
+def require_rank(xp: Ops[Any], name: str, x, rank: int, layout: str,
+                 logits: bool = False) -> None:
     """x an array of rank ``rank`` (``logits``: x is a logits source, ``require_logits``)."""
     (require_logits if logits else require_array)(xp, name, x)
     if len(x.shape) != rank:
         raise ValueError(f"{name} must have shape {layout}; got {shape_str(x.shape)}")
 
 
-def require_int(xp, name, x):
+def require_int(xp: Ops[Any], name: str, x: Typed) -> None:
     if not xp.is_int(x):
         raise TypeError(f"{name} must have an integer dtype; got {dtype_str(x)}")
 
 
-def require_float(xp, name, x):
+def require_float(xp: Ops[Any], name: str, x: Typed) -> None:
     if not xp.is_float(x):
         raise TypeError(f"{name} must have a floating-point dtype; got {dtype_str(x)}")
 
 
-def require_real(xp, name, x, what="a real numeric or boolean dtype (bool, integer or floating)"):
+def require_real(xp: Ops[Any], name: str, x: Typed,
+                 what: str = "a real numeric or boolean dtype (bool, integer or floating)"
+                 ) -> None:
     if not xp.is_real(x):
         raise TypeError(f"{name} must have {what}; got {dtype_str(x)}")
 
@@ -252,12 +281,13 @@ def require_shape(name, x, shape, layout):
 
 # -- value checks (concrete arrays only) ----------------------------------------------------
 
-def _raise_first(bad, values, message, error=ValueError):
+def _raise_first(bad: NDArray[Any], values: NDArray[Any], message: str,
+                 error: type[Exception] = ValueError) -> NoReturn:
     idx = tuple(np.argwhere(bad)[0])
     raise error(f"{message}; got {plain(values[idx])} at index {_index(idx)}")
 
 
-def check_nonnegative(xp, name, x, allow_sync=False) -> bool:
+def check_nonnegative(xp: Ops[A], name: str, x: A, allow_sync: bool = False) -> bool:
     """Every value finite, then every value >= 0 (weights, masks), in Tunix's words. Returns
     whether the values were read (False: they could not be, nothing was checked)."""
     v = host_values(xp, x, allow_sync)
@@ -270,7 +300,7 @@ def check_nonnegative(xp, name, x, allow_sync=False) -> bool:
     return True
 
 
-def check_unit_interval(xp, name, x, allow_sync=False):
+def check_unit_interval(xp: Ops[A], name: str, x: A, allow_sync: bool = False) -> None:
     """Every value in [0, 1] (diffusion times); NaN is out of range."""
     v = host_values(xp, x, allow_sync)
     if v is None:
@@ -286,7 +316,8 @@ def check_unit_interval(xp, name, x, allow_sync=False):
 F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
-def check_weight_sum(xp, name, x, per_row=False, allow_sync=False):
+def check_weight_sum(xp: Ops[A], name: str, x: A, per_row: bool = False,
+                     allow_sync: bool = False) -> None:
     """Σ x (per row of the last axis with ``per_row``, else in all) is 0 or within float32's
     normal range (``per_row``: only finite, for sums that divide as max(Σ, 1))."""
     v = host_values(xp, x, allow_sync)
@@ -303,7 +334,8 @@ def check_weight_sum(xp, name, x, per_row=False, allow_sync=False):
             f"{float(sums[tuple(idx)]):.3g}{where}: rescale them")
 
 
-def check_finite(xp, name, x, where=None, at="", allow_sync=False):
+def check_finite(xp: Ops[A], name: str, x: A, where: A | None = None, at: str = "",
+                 allow_sync: bool = False) -> None:
     """Every value of ``x`` finite, at the positions where ``where`` (an array whose non-zero
     entries select) is set, or everywhere when ``where`` is None; ``at`` says which positions
     in the message (" where loss_weights is set")."""
@@ -320,8 +352,9 @@ def check_finite(xp, name, x, where=None, at="", allow_sync=False):
         _raise_first(bad, v, f"{name}{at} must be finite")
 
 
-def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False,
-              error=ValueError):
+def check_ids(xp: Ops[A], name: str, ids: A, high: int | None = None, where: A | None = None,
+              at: str = "", allow_sync: bool = False,
+              error: type[Exception] = ValueError) -> None:
     """ids in [0, high) (>= 0 when high is None) at the positions where ``where`` (an array
     whose non-zero entries select) is set, or everywhere when ``where`` is None; ``at`` says
     which positions in the message (" where loss_mask is set"); ``error`` the class raised."""
@@ -339,11 +372,14 @@ def check_ids(xp, name, ids, high=None, where=None, at="", allow_sync=False,
         _raise_first(bad, y, f"{name}{at} must be {bound}", error)
 
 
-def check_active_targets(xp, target_ids, loss_weights, vocab_size=None, allow_sync=False):
+def check_active_targets(xp: Ops[A], target_ids: A, loss_weights: A,
+                         vocab_size: int | None = None, allow_sync: bool = False) -> None:
     """Active targets (non-zero weight) >= 0, then < ``vocab_size`` when it is given, in
     Tunix's words (its batch checks the first, its logits validation the second)."""
     y = host_values(xp, target_ids, allow_sync)
-    w = None if y is None else host_values(xp, loss_weights, allow_sync)
+    if y is None:
+        return
+    w = host_values(xp, loss_weights, allow_sync)
     if w is None:
         return
     active = w != 0
@@ -356,7 +392,8 @@ def check_active_targets(xp, target_ids, loss_weights, vocab_size=None, allow_sy
 
 # -- the token-statistics primitive ------------------------------------------------
 
-def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_logits):
+def check_stats_inputs(xp: Ops[A], logits, targets: A, weights: A | None, shift_ids: A | None,
+                       shift, teacher_logits) -> None:
     """Static checks of ``token_stats`` arguments (leading dims ``...`` = rows; ``logits``
     and ``teacher_logits`` as sources, ``require_logits``)."""
     require_logits(xp, "logits", logits)
@@ -395,7 +432,7 @@ def check_stats_inputs(xp, logits, targets, weights, shift_ids, shift, teacher_l
 
 # -- the Tunix batch contract --------------------------------------------------------
 
-def check_model_inputs(xp, model_inputs, batch_size):
+def check_model_inputs(xp: Ops[Any], model_inputs, batch_size: int) -> None:
     """A batch-major pytree of arrays: at least one leaf; every leaf an array (not a scalar)
     of a bool or real numeric dtype whose leading dimension is ``batch_size``."""
     leaves = xp.leaves_with_paths(model_inputs)
@@ -417,7 +454,7 @@ def check_model_inputs(xp, model_inputs, batch_size):
         require_real(xp, name, leaf)
 
 
-def check_token_batch_static(xp, model_inputs, target_ids, loss_weights):
+def check_token_batch_static(xp: Ops[A], model_inputs, target_ids: A, loss_weights: A) -> None:
     require_rank(xp, "target_ids", target_ids, 2, "[batch, length]")
     require_int(xp, "target_ids", target_ids)
     require_array(xp, "loss_weights", loss_weights)
@@ -428,8 +465,8 @@ def check_token_batch_static(xp, model_inputs, target_ids, loss_weights):
     check_model_inputs(xp, model_inputs, target_ids.shape[0])
 
 
-def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None,
-                             allow_sync=True) -> bool:
+def check_token_batch_values(xp: Ops[A], target_ids: A, loss_weights: A,
+                             vocab_size: int | None = None, allow_sync: bool = True) -> bool:
     """Finite non-negative weights; active targets in [0, K) (K when known). Returns whether
     the weights were read (and so checked).
 
@@ -442,7 +479,8 @@ def check_token_batch_values(xp, target_ids, loss_weights, vocab_size=None,
     return read
 
 
-def check_logits_for_batch(xp, name, logits, batch_shape):
+def check_logits_for_batch(xp: Ops[Any], name: str, logits, batch_shape: tuple[int, ...]
+                           ) -> None:
     """Logits [B, L, K] (a source, ``require_logits``) for a batch of shape ``batch_shape``,
     in Tunix's words and order (rank, alignment, a non-empty vocabulary, a floating dtype)."""
     require_rank(xp, name, logits, 3, "[batch, length, vocab]", logits=True)
@@ -457,13 +495,13 @@ def check_logits_for_batch(xp, name, logits, batch_shape):
     require_float(xp, name, logits)
 
 
-def check_teacher_values(xp, teacher_logits, loss_weights):
+def check_teacher_values(xp: Ops[A], teacher_logits, loss_weights: A) -> None:
     """Teacher logits (a source, ``require_logits``) must be finite at active positions
     (``LogitsSource.check_finite``: a head's are never built, nothing to read)."""
     teacher_logits.check_finite(xp, "teacher_logits", loss_weights)
 
 
-def require_finite_at_active(xp, name, logits, weights):
+def require_finite_at_active(xp: Ops[A], name: str, logits: A, weights: A) -> None:
     """Logits [..., K] must be finite at the rows of nonzero ``weights`` [...] (concrete host
     arrays only, unless inside ``sync_checks()``: a scoring call never syncs an accelerator
     by default; a non-finite teacher there gives a NaN loss)."""
@@ -477,6 +515,7 @@ def require_finite_at_active(xp, name, logits, weights):
     if sums is None or np.isfinite(sums)[w != 0].all():
         return
     u = host_values(xp, logits)  # [..., K] float64: only when a row may be bad
+    assert u is not None  # readable as its row sums were: the same array, device, tracing
     bad = ~np.isfinite(u) & (w != 0)[..., None]
     if bad.any():
         _raise_first(bad, u, f"active {name} must contain only finite values")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Literal, Optional, overload
 
 from ._checks import flag, number, plain
 
@@ -22,7 +22,16 @@ from ._checks import flag, number, plain
 FLOAT32_MIN_TEMPERATURE = 2.0 ** -102
 
 
-def check_temperature(name: str, value, *, allow_none: bool = False) -> Optional[float]:
+@overload
+def check_temperature(name: str, value: object, *,
+                      allow_none: Literal[False] = False) -> float: ...
+
+
+@overload
+def check_temperature(name: str, value: object, *, allow_none: bool) -> Optional[float]: ...
+
+
+def check_temperature(name: str, value: object, *, allow_none: bool = False) -> Optional[float]:
     """A temperature: a finite positive Python scalar of at least FLOAT32_MIN_TEMPERATURE."""
     value = check_positive_float(name, value, allow_none=allow_none)
     if value is not None and value < FLOAT32_MIN_TEMPERATURE:
@@ -32,7 +41,17 @@ def check_temperature(name: str, value, *, allow_none: bool = False) -> Optional
     return value
 
 
-def check_positive_float(name: str, value, *, allow_none: bool = False) -> Optional[float]:
+@overload
+def check_positive_float(name: str, value: object, *,
+                         allow_none: Literal[False] = False) -> float: ...
+
+
+@overload
+def check_positive_float(name: str, value: object, *, allow_none: bool) -> Optional[float]: ...
+
+
+def check_positive_float(name: str, value: object, *,
+                         allow_none: bool = False) -> Optional[float]:
     """A finite, strictly positive number (``_checks.number``: NumPy scalars too, not bools),
     in the words of Tunix's policy scorer ("must be a finite positive real scalar")."""
     if value is None and allow_none:
@@ -112,7 +131,16 @@ class CeTerm:
 PLAIN_CE = CeTerm()
 
 
-def check_positive_int(name: str, value, *, allow_none: bool = False) -> Optional[int]:
+@overload
+def check_positive_int(name: str, value: object, *,
+                       allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def check_positive_int(name: str, value: object, *, allow_none: bool) -> Optional[int]: ...
+
+
+def check_positive_int(name: str, value: object, *, allow_none: bool = False) -> Optional[int]:
     """A positive int (``_checks.number``: NumPy integers too, not bools or floats)."""
     if value is None and allow_none:
         return None
@@ -177,7 +205,7 @@ def make_config(
     chunk_size=None,
     vocab_size=None,
     ce: CeTerm = PLAIN_CE,
-    smoothing_vocab=None,
+    smoothing_vocab: Optional[int] = None,
 ) -> StatsConfig:
     """The checked configuration; ``ce`` the CE term's options (checked when made),
     ``smoothing_vocab`` the K of label smoothing's uniform term (the caller's: the global
@@ -196,6 +224,10 @@ def make_config(
     teacher_grad, entropy = flag("teacher_grad", teacher_grad), flag("entropy", entropy)
     if teacher_grad and not has_teacher:
         raise ValueError("teacher_grad=True needs teacher_logits")
+    smoothing = None
+    if ce.smooths:
+        assert smoothing_vocab is not None  # the caller's K wherever it smooths
+        smoothing = int(smoothing_vocab)
     return StatsConfig(
         temperature=temperature,
         ce_temperature=temperature if ce_temperature is None else ce_temperature,
@@ -207,7 +239,7 @@ def make_config(
         chunk_size=chunk_size,
         vocab_size=vocab_size,
         ce=ce,
-        smoothing_vocab=int(smoothing_vocab) if ce.smooths else None,
+        smoothing_vocab=smoothing,
     )
 
 

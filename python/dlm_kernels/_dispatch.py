@@ -88,16 +88,16 @@ class Backend(Protocol):
         """(lse, logp, entropy, kl), each [N] float32 (custom_vjp False)."""
         ...
 
-    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats[Array]:
         """Stats of [N] float32 fields: the outputs and what the backward reads."""
         ...
 
     def forward_partial(self, rows: Rows, cfg: Lowered,
-                        offset: int = 0) -> Tuple[State, Array, Array]:
+                        offset: int = 0) -> Tuple[State[Array], Array, Array]:
         """(State, r_y, found) of a vocabulary shard starting at column ``offset``."""
         ...
 
-    def backward(self, rows: Rows, stats: Stats, grads: Grads, cfg: Lowered,
+    def backward(self, rows: Rows, stats: Stats[Array], grads: Grads, cfg: Lowered,
                  **options: Any) -> Tuple[Array, Optional[Array]]:
         """(d_logits, d_teacher or None) from the row cotangents ``grads``; ``options``:
         ``offset: int = 0`` (vocab_shards), ``inplace: bool = False`` (inplace_grad)."""
@@ -121,14 +121,14 @@ class BackendBase:
     def compute(self, rows: Rows, cfg: Lowered) -> Tuple[Array, Array, Array, Array]:
         raise self._missing("compute (it has a custom VJP: forward / backward)")
 
-    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats[Array]:
         raise self._missing("forward (no custom VJP: compute)")
 
     def forward_partial(self, rows: Rows, cfg: Lowered,
-                        offset: int = 0) -> Tuple[State, Array, Array]:
+                        offset: int = 0) -> Tuple[State[Array], Array, Array]:
         raise self._missing("forward_partial (capabilities.vocab_shards is False)")
 
-    def backward(self, rows: Rows, stats: Stats, grads: Grads, cfg: Lowered,
+    def backward(self, rows: Rows, stats: Stats[Array], grads: Grads, cfg: Lowered,
                  **options: Any) -> Tuple[Array, Optional[Array]]:
         raise self._missing("backward (no custom VJP: compute)")
 
@@ -164,11 +164,11 @@ class FusedHead(Protocol):
         """Whether the kernels take these rows (else the token-chunked sweep runs)."""
         ...
 
-    def forward(self, rows: Rows, cfg: Lowered) -> Stats:
+    def forward(self, rows: Rows, cfg: Lowered) -> Stats[Array]:
         """Stats of [N] float32 fields."""
         ...
 
-    def backward(self, rows: Rows, stats: Stats, grads: Grads,
+    def backward(self, rows: Rows, stats: Stats[Array], grads: Grads,
                  cfg: Lowered) -> Tuple[Tuple[Array, Array, Optional[Array]], Optional[Array]]:
         """((dH, dW, db or None), the teacher's gradient or None)."""
         ...
@@ -187,7 +187,8 @@ _HEAD_PROMISES = {"takes": ("rows", "axis", "plan"), "forward": ("rows", "cfg"),
                   "backward": ("rows", "stats", "grads", "cfg")}
 
 
-def _takes_no(method: str, function: Callable[..., Any], params: Tuple[str, ...]) -> list:
+def _takes_no(method: str, function: Callable[..., Any],
+              params: Tuple[str, ...]) -> list[str]:
     have = inspect.signature(function).parameters
     return [f"{method} (takes no {p!r})" for p in params if p not in have]
 
@@ -367,7 +368,7 @@ class Registry:
         if name not in self.IMPLEMENTATIONS:
             self._unavailable[name] = reason
 
-    def available(self) -> tuple:
+    def available(self) -> Tuple[str, ...]:
         return tuple(self.IMPLEMENTATIONS)
 
     def load(self) -> None:

@@ -22,12 +22,20 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from ._dispatch import Registry
-    from ._ops import Ops
+    from ._ops import Array, Ops
     from ._rows import Rows
 
 #: the front end's array type (torch.Tensor, jax.Array)
-A = TypeVar("A")
+A = TypeVar("A", bound="Array")
+
+
+class OpRegistry(Protocol):
+    """What shared code reads of an op's registry (``_dispatch.Registry``; a protocol, so that
+    the binding does not import the dispatch layer, whose protocols name the ops' types)."""
+
+    def resolve(self, backend: str | None, platform: str) -> Any:
+        """The implementation ``backend`` (None = auto) names on ``platform``."""
+        ...
 
 
 class VjpAdapter(Protocol):
@@ -73,6 +81,6 @@ class Framework(Generic[A]):
     #: the token-statistics op's custom VJP and collectives
     vjp: VjpAdapter
     #: the token-statistics op's backends for this framework
-    token_stats: Registry
+    token_stats: OpRegistry
     #: the denoising step's sampler backends for this framework
-    sampling: Registry
+    sampling: OpRegistry

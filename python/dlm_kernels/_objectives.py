@@ -11,7 +11,7 @@ public ``token_stats`` again), so autodiff flows through the primitive's VJP.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from . import _checks as checks
 from . import _policy
@@ -22,15 +22,34 @@ from ._config import (PLAIN_CE, CeTerm, check_distillation_scalars, check_positi
 from ._schedule import EPS, LOO_VARIANTS, REWEIGHTED_VARIANTS, normalize_variant
 from .token_stats.op import TokenStats, TokenStatsFrontEnd
 
-T = TypeVar("T")  # an array type (or a float): the schedules map t to its kind
+if TYPE_CHECKING:
+    from ._ops import Array
+
+A = TypeVar("A", bound="Array")  # an array type: the schedules map t to its kind (or a float)
 
 
-def rf_alpha(t: T) -> T:
+@overload
+def rf_alpha(t: float) -> float: ...
+
+
+@overload
+def rf_alpha(t: A) -> A: ...
+
+
+def rf_alpha(t: A | float) -> A | float:
     """Rectified-flow schedule alpha(t) = 1 - t."""
     return 1.0 - t
 
 
-def rf_alpha_dot(t: T) -> T:
+@overload
+def rf_alpha_dot(t: float) -> float: ...
+
+
+@overload
+def rf_alpha_dot(t: A) -> A: ...
+
+
+def rf_alpha_dot(t: A | float) -> A | float:
     """Rectified-flow schedule derivative alpha'(t) = -1 (same shape as t)."""
     return 0.0 * t - 1.0
 
@@ -323,7 +342,10 @@ class Objectives:
         if stop_gradient:
             logps = self.xp.stop_gradient(logps)
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)
-        return (logps, entropy) if return_entropy else logps
+        if not return_entropy:
+            return logps
+        assert entropy is not None  # read above wherever it is returned
+        return logps, entropy
 
     def compute_diffusion_logits(self, model, batch, logits_fn):
         """Tunix's entry point: ``batch.validate()``, then ``logits_fn(model,

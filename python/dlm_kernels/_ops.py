@@ -5,9 +5,10 @@ The shared code (``_objectives``, ``_policy``, ``_checks``, ``_contract``,
 ``linear_head.head``) never imports torch or jax: it takes a framework's ops adapter as ``xp``
 and calls the handful of operations whose spelling differs between the two through it.
 ``Ops[A]`` declares those members, generic in the front end's array type ``A``
-(``torch.Tensor``, ``jax.Array``). ``dlm_kernels._torch.ops.TorchOps`` and
-``dlm_kernels._jax.ops.JaxOps`` implement it as classes of static methods and constants (the
-class itself is the adapter, never an instance), and shared code annotates ``xp: Ops``
+(``torch.Tensor``, ``jax.Array``), which is bound to ``Array``: what shared code does with
+an array itself (shape, indexing, elementwise arithmetic). ``dlm_kernels._torch.ops.TorchOps``
+and ``dlm_kernels._jax.ops.JaxOps`` implement it as classes of static methods and constants
+(the class itself is the adapter, never an instance), and shared code annotates ``xp: Ops``
 (``Ops[A]`` in a function generic in its arrays, ``Ops[Any]`` where the type is open).
 
 A parameter is positional-only here where the two implementations name it differently (or
@@ -20,15 +21,105 @@ this protocol.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+    from typing_extensions import Self
 
-    from .linear_head.head import LinearHead
+
+class Array(Protocol):
+    """What framework-neutral code does with an array itself, beside ``xp``: read its shape
+    and dtype, index, reshape and transpose it, and elementwise arithmetic and comparisons
+    with another array of its type or a Python number (``torch.Tensor`` and ``jax.Array``
+    both have these, each returning its own type). For type checkers only: nothing tests
+    it at run time."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...  # torch.dtype or a NumPy dtype: the framework's own
+
+    @property
+    def T(self) -> Self: ...
+
+    @overload
+    def reshape(self, shape: tuple[int, ...], /) -> Self: ...
+
+    @overload
+    def reshape(self, *shape: int) -> Self: ...
+
+    def __getitem__(self, key: Any, /) -> Self: ...  # ints, slices, None, ..., index arrays
+
+    def __add__(self, other: Self | float, /) -> Self: ...
+
+    def __radd__(self, other: float, /) -> Self: ...
+
+    def __sub__(self, other: Self | float, /) -> Self: ...
+
+    def __rsub__(self, other: float, /) -> Self: ...
+
+    def __mul__(self, other: Self | float, /) -> Self: ...
+
+    def __rmul__(self, other: float, /) -> Self: ...
+
+    def __truediv__(self, other: Self | float, /) -> Self: ...
+
+    def __rtruediv__(self, other: float, /) -> Self: ...
+
+    def __neg__(self) -> Self: ...
+
+    def __abs__(self) -> Self: ...
+
+    def __invert__(self) -> Self: ...
+
+    def __and__(self, other: Self, /) -> Self: ...
+
+    def __or__(self, other: Self, /) -> Self: ...
+
+    def __lt__(self, other: Self | float, /) -> Self: ...
+
+    def __le__(self, other: Self | float, /) -> Self: ...
+
+    def __gt__(self, other: Self | float, /) -> Self: ...
+
+    def __ge__(self, other: Self | float, /) -> Self: ...
+
+    # elementwise: an array of bools, where object's __eq__ / __ne__ return a bool (torch and
+    # jax declare theirs so too, over the same objection of the checker)
+    def __eq__(self, other: Self | float, /) -> Self: ...  # pyright: ignore[reportIncompatibleMethodOverride]
+
+    def __ne__(self, other: Self | float, /) -> Self: ...  # pyright: ignore[reportIncompatibleMethodOverride]
+
 
 #: the front end's array type (torch.Tensor, jax.Array)
-A = TypeVar("A")
+A = TypeVar("A", bound=Array)
+
+
+class Typed(Protocol):
+    """What the dtype tests (``Ops.is_real``, ``is_int``, ``is_float``) read: an array's
+    ``dtype``, or that of a ``LogitsSource`` standing for one."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+
+class HeadArrays(Protocol[A]):
+    """What ``Ops.head_logits`` reads of a ``linear_head.head.LinearHead`` (declared here, so
+    that this module, which ``linear_head.head`` imports, imports nothing of the package)."""
+
+    @property
+    def hidden(self) -> A: ...
+
+    @property
+    def weight(self) -> A: ...
+
+    @property
+    def bias(self) -> A | None: ...
+
+    @property
+    def weight_layout(self) -> str: ...
 
 
 class Ops(Protocol[A]):
@@ -201,6 +292,12 @@ class Ops(Protocol[A]):
         """The rows whole-row arithmetic over N rows of ``columns`` runs on (N, or N padded)."""
         ...
 
+    @overload
+    def pad_rows(self, x: A, n: int) -> A: ...
+
+    @overload
+    def pad_rows(self, x: None, n: int) -> None: ...
+
     def pad_rows(self, x: A | None, n: int) -> A | None:
         """x [N, ...] with zero rows appended up to n rows: [n, ...] (None stays None)."""
         ...
@@ -239,7 +336,7 @@ class Ops(Protocol[A]):
         ...
 
     # -- the linear head path ---------------------------------------------------------------
-    def head_logits(self, head: LinearHead[A]) -> A:
+    def head_logits(self, head: HeadArrays[A]) -> A:
         """A LinearHead's [..., K] logits of its [..., D] hidden states, differentiable."""
         ...
 
@@ -279,15 +376,15 @@ class Ops(Protocol[A]):
         """Whether x is an array this front end takes."""
         ...
 
-    def is_real(self, x: A) -> bool:
+    def is_real(self, x: Typed) -> bool:
         """Whether x's dtype is bool, integer or floating (not complex)."""
         ...
 
-    def is_int(self, x: A) -> bool:
+    def is_int(self, x: Typed) -> bool:
         """Whether x's dtype is an integer one (not bool)."""
         ...
 
-    def is_float(self, x: A) -> bool:
+    def is_float(self, x: Typed) -> bool:
         """Whether x's dtype is a floating one."""
         ...
 

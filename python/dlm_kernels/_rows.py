@@ -11,18 +11,22 @@ argument (its cotangent is a bundle too, None for the fields with no gradient).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Rows(NamedTuple):
+    # Every field is a framework's array (torch.Tensor, jax.Array: this module imports
+    # neither), or None, typed Any: the bundle is one value of either front end, whose
+    # logits are a LogitsSource in a head path, and a JAX pytree whose leaves a
+    # transformation replaces (tracers, cotangents, None).
     # [N, K] student logits (float32, bfloat16 or float16); from ``prepare`` to the dispatch
     # and in a framework's head path a ``linear_head.head.LogitsSource`` (an array or a head)
-    logits: object
-    teacher: object = None  # [N, K] teacher logits (likewise), or None
-    targets: object = None  # [N] int target ids
-    active: object = None  # [N] bool: rows whose weight is non-zero
-    shift_ids: object = None  # [N] int column of the LOO shift, or None
-    shift: object = None  # [N] float32 LOO shift, or None
+    logits: Any
+    teacher: Any = None  # [N, K] teacher logits (likewise), or None
+    targets: Any = None  # [N] int target ids
+    active: Any = None  # [N] bool: rows whose weight is non-zero
+    shift_ids: Any = None  # [N] int column of the LOO shift, or None
+    shift: Any = None  # [N] float32 LOO shift, or None
 
     def columns(self, logits, teacher) -> "Rows":
         """The same rows over a block of columns: ``logits`` / ``teacher`` are [N, C] slices."""

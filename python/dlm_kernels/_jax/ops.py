@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import jax
+import jax.core  # jax.core.Tracer below: loaded by ``import jax``, named here for a checker
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,8 +63,17 @@ class JaxOps:
         n = a.shape[0]
         return jnp.matmul(JaxOps.pad_rows(a, head_rows(n)), b, preferred_element_type=acc)[:n]
 
+    @overload
     @staticmethod
-    def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
+    def pad_rows(x: jax.Array, n: int) -> jax.Array: ...
+
+    @overload
+    @staticmethod
+    def pad_rows(x: None, n: int) -> None: ...
+
+    @staticmethod
+    def pad_rows(x: jax.Array | None, n: int) -> jax.Array | None:
+        # x [N, ...] with zero rows appended up to n rows (None stays None)
         if x is None or x.shape[0] == n:
             return x
         return jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
@@ -136,7 +146,8 @@ class JaxOps:
     def to_varying(x, axes):
         if hasattr(jax.lax, "pcast"):
             return jax.lax.pcast(x, axes, to="varying")
-        return jax.lax.pvary(x, axes)  # jax < 0.10
+        # jax < 0.10, whose pvary the installed jax's stubs (0.10 on) no longer declare
+        return jax.lax.pvary(x, axes)  # pyright: ignore[reportAttributeAccessIssue]
 
     @staticmethod
     def softcap(z, c):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,9 @@ import torch.utils._pytree as pytree
 from ..linear_head.head import (HEAD_CHUNK_BYTES_CPU, MIN_PRODUCT_WIDTH, VOCAB_MAJOR, head_rows, head_vocab_chunk,
                                 row_chunks)
 from ..token_stats import formulas
+
+if TYPE_CHECKING:
+    from .._ops import HeadArrays
 
 
 def signed32(c: int) -> int:
@@ -53,8 +56,17 @@ class TorchOps:
         CPU code (compiled with -ffp-contract=off)."""
         return x
 
+    @overload
     @staticmethod
-    def pad_rows(x, n):  # x [N, ...] with zero rows appended up to n rows (None stays None)
+    def pad_rows(x: torch.Tensor, n: int) -> torch.Tensor: ...
+
+    @overload
+    @staticmethod
+    def pad_rows(x: None, n: int) -> None: ...
+
+    @staticmethod
+    def pad_rows(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        # x [N, ...] with zero rows appended up to n rows (None stays None)
         if x is None or x.shape[0] == n:
             return x
         return torch.cat([x, x.new_zeros((n - x.shape[0],) + tuple(x.shape[1:]))])
@@ -80,8 +92,17 @@ class TorchOps:
         return TorchOps.matmul(TorchOps.pad_rows(a, head_rows(n)),
                                TorchOps.pad_cols(b, MIN_PRODUCT_WIDTH), acc)[:n, :width]
 
+    @overload
     @staticmethod
-    def pad_cols(x, n):  # x [..., C] with zero columns appended up to n (None stays None)
+    def pad_cols(x: torch.Tensor, n: int) -> torch.Tensor: ...
+
+    @overload
+    @staticmethod
+    def pad_cols(x: None, n: int) -> None: ...
+
+    @staticmethod
+    def pad_cols(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        # x [..., C] with zero columns appended up to n (None stays None)
         if x is None or x.shape[-1] >= n:
             return x
         return F.pad(x, (0, n - x.shape[-1]))
@@ -156,7 +177,7 @@ class TorchOps:
         return out
 
     @staticmethod
-    def head_logits(head):
+    def head_logits(head: HeadArrays[torch.Tensor]) -> torch.Tensor:
         """The logits [..., K] of a LinearHead over [..., D] hidden states, in the head's
         dtype (the matmul accumulates in float32), differentiable; one matmul over the rows
         padded to ``head_rows`` and, where K or D is narrower than ``MIN_PRODUCT_WIDTH``,

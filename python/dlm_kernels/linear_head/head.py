@@ -43,10 +43,14 @@ Two gradient schedules (chosen by the objective, never by guessing from the cota
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Generic, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar, cast
 
 from .._checks import require_array, require_finite_at_active, require_float, shape_str
 from .._config import check_positive_float, check_positive_int
+
+if TYPE_CHECKING:
+    from .._ops import Array, Ops
 
 #: weight layouts: [K, D] (torch nn.Linear.weight, a tied nn.Embedding / nnx.Embed table)
 #: and [D, K] (a Flax linen/nnx Dense kernel)
@@ -81,7 +85,8 @@ HEAD_DW_ACC_BYTES = 256 * 1024 * 1024
 HEAD_DW_ACC_BYTES_TORCH_CPU = 16 * 1024 * 1024
 
 
-def dw_blocks(vocab: int, width: int, budget: int, acc_itemsize: int = 4):
+def dw_blocks(vocab: int, width: int, budget: int,
+              acc_itemsize: int = 4) -> list[tuple[int, int]] | None:
     """[(b0, b1)] vocabulary blocks whose float32 dW fits ``budget`` bytes (a multiple of
     128 rows), or None when the whole accumulator does."""
     if vocab * width * acc_itemsize <= budget:
@@ -121,7 +126,8 @@ def head_rows(n_rows: int) -> int:
 MIN_PRODUCT_WIDTH = 16
 
 
-def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requested=None,
+def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool,
+                  requested: int | None = None,
                   cpu_bytes: int = HEAD_CHUNK_BYTES_CPU) -> int:
     """Rows R of one token chunk: ``requested`` when given, else the most rows whose [R, K]
     logits fit the platform's budget (``cpu_bytes`` on a CPU), a multiple of HEAD_ROW_GROUP
@@ -134,13 +140,13 @@ def row_chunk_for(n_rows: int, vocab: int, itemsize: int, on_cpu: bool, requeste
     return max(1, min(r, n_rows))
 
 
-def row_chunks(n_rows: int, r: int):
+def row_chunks(n_rows: int, r: int) -> list[tuple[int, int]]:
     """[(r0, r1)] token chunks of at most r rows covering [0, n_rows)."""
     return [(r0, min(r0 + r, n_rows)) for r0 in range(0, n_rows, r)]
 
 
 #: the array type of a front end's LinearHead (torch.Tensor, jax.Array)
-A = TypeVar("A")
+A = TypeVar("A", bound="Array")
 #: what a ``LogitsKinds`` visitor returns
 T = TypeVar("T")
 
@@ -204,17 +210,22 @@ class LogitsSource(Generic[A]):
     def dtype(self) -> Any:
         raise NotImplementedError
 
-    def on_device(self, xp: Any, name: str) -> A:
+    def on_device(self, xp: Ops[A], name: str) -> A:
         """``device_array``, checked to be one of ``xp``'s arrays (the error names ``name``'s
         part)."""
         raise NotImplementedError
 
-    def check(self, xp: Any, name: str) -> None:
+    def check(self, xp: Ops[A], name: str) -> None:
         """Kinds, ranks and dtypes of the parts; the error names ``name``'s part."""
         raise NotImplementedError
 
     def map_arrays(self, fn: Callable[[A], A]) -> LogitsSource[A]:
         """fn applied to every array (e.g. a stop-gradient)."""
+        raise NotImplementedError
+
+    def without_softcap(self) -> LogitsSource[A]:
+        """The source of the uncapped logits, for a source whose ``softcap`` is set (a head's:
+        ``resolve_softcap``)."""
         raise NotImplementedError
 
     def arrays(self) -> tuple[A | None, ...]:
@@ -233,21 +244,21 @@ class LogitsSource(Generic[A]):
         """The source of the first ``stop`` columns (the vocabulary without its padding)."""
         raise NotImplementedError
 
-    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+    def chunk(self, xp: Ops[A], take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
         """[R, K] logits of the token chunk ``take`` cuts from [N, ...] arrays (the columns
         [b0, b1) = ``cols`` only, when given), in the logits' dtype."""
         raise NotImplementedError
 
-    def dense(self, xp: Any) -> A:
+    def dense(self, xp: Ops[A]) -> A:
         """The whole [..., K] logits array in the logits' dtype (a head's formed)."""
         raise NotImplementedError
 
-    def reference_array(self, xp: Any) -> A:
+    def reference_array(self, xp: Ops[A]) -> A:
         """The logits as the reference backend reads them: an array as it is, a head's
         formed in float32 (the oracle's twin: float32 autodiff of hidden @ weight)."""
         raise NotImplementedError
 
-    def column(self, xp: Any, idx: A) -> A:
+    def column(self, xp: Ops[A], idx: A) -> A:
         """[N] float32: the logit of column idx[n] of each of the [N, K] rows."""
         raise NotImplementedError
 
@@ -255,7 +266,7 @@ class LogitsSource(Generic[A]):
         """``kinds.array(the array)`` or ``kinds.head(the head)``, by this source's kind."""
         raise NotImplementedError
 
-    def check_finite(self, xp: Any, name: str, weights: A) -> None:
+    def check_finite(self, xp: Ops[A], name: str, weights: A) -> None:
         """Raise when the logits are not finite at a row of nonzero ``weights`` (an array on
         the host only, see ``require_finite_at_active``); a head's logits are never built,
         so there is nothing to read (a non-finite head gives a NaN result)."""
@@ -275,7 +286,7 @@ class LogitsSource(Generic[A]):
         ``beside`` wants (all N, at least 1, without one)."""
         raise NotImplementedError
 
-    def vocab_chunk(self, xp: Any, impl_name: str, on_cpu: bool, chunk_size: int | None,
+    def vocab_chunk(self, xp: Ops[A], impl_name: str, on_cpu: bool, chunk_size: int | None,
                     r: int) -> int | None:
         """The vocabulary chunk a backend streams a token chunk of R rows of these logits in
         (its ``chunk_size``): an array's as asked; a head's as the framework's head path asks
@@ -319,11 +330,11 @@ class DenseLogits(LogitsSource[A]):
     def __repr__(self) -> str:
         return f"DenseLogits({self._array!r})"
 
-    def on_device(self, xp: Any, name: str) -> A:
+    def on_device(self, xp: Ops[A], name: str) -> A:
         require_array(xp, name, self._array)
         return self._array
 
-    def check(self, xp: Any, name: str) -> None:
+    def check(self, xp: Ops[A], name: str) -> None:
         require_array(xp, name, self._array)
 
     def map_arrays(self, fn: Callable[[A], A]) -> DenseLogits[A]:
@@ -333,7 +344,9 @@ class DenseLogits(LogitsSource[A]):
         return (self._array,)
 
     def with_arrays(self, arrays: tuple[A | None, ...]) -> DenseLogits[A]:
-        return DenseLogits(arrays[0])
+        # cast, not a check: a spec of the torch head path holds a source over None
+        # placeholders (``torch_head._pack``), unchecked as documented
+        return DenseLogits(cast(A, arrays[0]))
 
     def flat(self, n_rows: int) -> DenseLogits[A]:
         return DenseLogits(self._array.reshape(n_rows, self._array.shape[-1]))
@@ -341,23 +354,23 @@ class DenseLogits(LogitsSource[A]):
     def vocab_slice(self, stop: int) -> DenseLogits[A]:
         return DenseLogits(self._array[..., :stop])
 
-    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+    def chunk(self, xp: Ops[A], take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
         z = take(self._array)  # [R, K]
         return z if cols is None else z[:, cols[0]:cols[1]]
 
-    def dense(self, xp: Any) -> A:
+    def dense(self, xp: Ops[A]) -> A:
         return self._array
 
-    def reference_array(self, xp: Any) -> A:
+    def reference_array(self, xp: Ops[A]) -> A:
         return self._array
 
-    def column(self, xp: Any, idx: A) -> A:
+    def column(self, xp: Ops[A], idx: A) -> A:
         return xp.f32(xp.gather_cols(self._array, idx))
 
     def accept(self, kinds: LogitsKinds[A, T]) -> T:
         return kinds.array(self._array)
 
-    def check_finite(self, xp: Any, name: str, weights: A) -> None:
+    def check_finite(self, xp: Ops[A], name: str, weights: A) -> None:
         require_finite_at_active(xp, name, self._array, weights)
 
     def check_mergeable(self, name: str) -> None:
@@ -369,7 +382,7 @@ class DenseLogits(LogitsSource[A]):
         return (max(1, n_rows) if beside is None
                 else beside.rows_per_chunk(n_rows, on_cpu, cpu_bytes=cpu_bytes))
 
-    def vocab_chunk(self, xp: Any, impl_name: str, on_cpu: bool, chunk_size: int | None,
+    def vocab_chunk(self, xp: Ops[A], impl_name: str, on_cpu: bool, chunk_size: int | None,
                     r: int) -> int | None:
         return chunk_size
 
@@ -469,7 +482,7 @@ class LinearHead(LogitsSource[A]):
         kernels apply the cap themselves: ``resolve_softcap``)."""
         return self._rebuilt(self.hidden, self.weight, self.bias, None)
 
-    def capped(self, xp: Any, z: A) -> A:
+    def capped(self, xp: Ops[A], z: A) -> A:
         """cap(z) of logits z this head formed: float32 c·tanh(z / c) computed as every
         backend's kernels compute the softcap (``xp.softcap``: ``token_stats.formulas``'),
         so a sampler or teacher reading these logits sees the values the student's kernels
@@ -508,7 +521,7 @@ class LinearHead(LogitsSource[A]):
     def device_array(self) -> A:
         return self.hidden
 
-    def on_device(self, xp: Any, name: str) -> A:
+    def on_device(self, xp: Ops[A], name: str) -> A:
         require_array(xp, f"{name}.hidden", self.hidden)
         return self.hidden
 
@@ -517,22 +530,24 @@ class LinearHead(LogitsSource[A]):
 
     def with_arrays(self, arrays: tuple[A | None, ...]) -> LinearHead[A]:
         hidden, weight, bias = arrays
-        return self._rebuilt(hidden, weight, bias, self.softcap)
+        # cast, not a check: a spec of the torch head path holds a head over None
+        # placeholders (``torch_head._pack``), unchecked as documented
+        return self._rebuilt(cast(A, hidden), cast(A, weight), bias, self.softcap)
 
-    def chunk(self, xp: Any, take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
+    def chunk(self, xp: Ops[A], take: Callable[[A], A], cols: tuple[int, int] | None = None) -> A:
         # with a softcap: float32 (capped, not rounded back), the logits as a student's
         # kernels see them after their own cap
         head = self.replace(hidden=take(self.hidden))  # [R, D]
         return self.capped(xp, xp.head_logits(head if cols is None else head._columns(*cols)))
 
-    def dense(self, xp: Any) -> A:
+    def dense(self, xp: Ops[A]) -> A:
         z = xp.head_logits(self)
         return z if self.softcap is None else xp.cast_like(self.capped(xp, z), z)
 
-    def reference_array(self, xp: Any) -> A:
+    def reference_array(self, xp: Ops[A]) -> A:
         return self.capped(xp, xp.head_logits(self.map_arrays(xp.f32)))
 
-    def column(self, xp: Any, idx: A) -> A:
+    def column(self, xp: Ops[A], idx: A) -> A:
         # one dot product of D per row with the gathered row of the weight: O(N·D), over
         # rows padded as whole-row arithmetic wants them (JAX: XLA sums a [1, D] product in
         # another order than the rows of a larger one; one row, one answer)
@@ -546,7 +561,7 @@ class LinearHead(LogitsSource[A]):
     def accept(self, kinds: LogitsKinds[A, T]) -> T:
         return kinds.head(self)
 
-    def check_finite(self, xp: Any, name: str, weights: A) -> None:
+    def check_finite(self, xp: Ops[A], name: str, weights: A) -> None:
         pass  # its logits are never built: a non-finite one gives NaN
 
     def check_mergeable(self, name: str) -> None:
@@ -559,12 +574,12 @@ class LinearHead(LogitsSource[A]):
         return row_chunk_for(n_rows, self.vocab, self.dtype.itemsize, on_cpu, self.row_chunk,
                              cpu_bytes)
 
-    def vocab_chunk(self, xp: Any, impl_name: str, on_cpu: bool, chunk_size: int | None,
+    def vocab_chunk(self, xp: Ops[A], impl_name: str, on_cpu: bool, chunk_size: int | None,
                     r: int) -> int | None:
         return xp.head_vocab_chunk(impl_name, on_cpu, chunk_size, r, self.vocab)
 
     # -- checks ---------------------------------------------------------------------------
-    def check(self, xp: Any, name: str) -> None:
+    def check(self, xp: Ops[A], name: str) -> None:
         """Kinds, ranks, dtypes and the shared width D; the error names ``name``'s part."""
         h, w, b = self.hidden, self.weight, self.bias
         require_array(xp, f"{name}.hidden", h)
@@ -599,7 +614,7 @@ class LinearHead(LogitsSource[A]):
                                 f"{str(arr.dtype).replace('torch.', '')}")
 
 
-def resolve_softcap(logits: LogitsSource, softcap: Any) -> tuple[LogitsSource, Any]:
+def resolve_softcap(logits: LogitsSource[A], softcap: Any) -> tuple[LogitsSource[A], Any]:
     """(logits, softcap) of a call whose student ``logits`` may be a head with its own
     softcap: the head's cap becomes the call's ``softcap`` (applied by the kernels, in
     float32, exactly as for a logits array) and the head is passed on without it. A call's
@@ -617,7 +632,7 @@ def resolve_softcap(logits: LogitsSource, softcap: Any) -> tuple[LogitsSource, A
     return logits.without_softcap(), head_cap
 
 
-def as_logits(x: Any) -> LogitsSource:
+def as_logits(x: Any) -> LogitsSource[Any]:
     """A ``logits`` argument as the source an op reads: a ``LinearHead`` (or a source
     already resolved) as it is, anything else as a ``DenseLogits`` array (its checks say
     what is wrong with it). The one place the kind of a logits argument is decided."""
@@ -639,7 +654,7 @@ class HeadPlan:
     student_head_grad_only: bool
 
 
-def head_plan(logits: LogitsSource, teacher: LogitsSource | None,
+def head_plan(logits: LogitsSource[A], teacher: LogitsSource[A] | None,
               teacher_grad: bool) -> HeadPlan:
     """The ``HeadPlan`` of rows of ``logits`` and ``teacher`` (None: no teacher), with
     ``teacher_grad`` the call's flag: the one place past an op's dispatch where the kinds of
@@ -650,7 +665,8 @@ def head_plan(logits: LogitsSource, teacher: LogitsSource | None,
                     student_head_grad_only=student_head and not (teacher_head and teacher_grad))
 
 
-def weighting_term(xp, stats, weighting, detached):
+def weighting_term(xp: Ops[A], stats: Sequence[A], weighting: Sequence[A | None],
+                   detached: Sequence[A | None]) -> A | float:
     """Σ (c - sg(c))·sg(stat): exactly 0, with the gradient Σ stat·dc that a planned total
     (whose coefficients enter its custom VJP as constants) owes its coefficients: loss
     weights, time weights and whatever they were computed from. A non-finite statistic
@@ -658,12 +674,14 @@ def weighting_term(xp, stats, weighting, detached):
     term = 0.0
     for c, c0, s in zip(weighting, detached, stats):
         if c is not None:
+            assert c0 is not None  # ``detached`` is ``weighting`` under stop_gradient
             s = xp.stop_gradient(s)
             term = term + xp.rowsum((c - c0) * xp.where(xp.isfinite(s), s, 0.0))
     return term
 
 
-def planned_total(xp, stats, coefficients):
+def planned_total(xp: Ops[A], stats: Sequence[A],
+                  coefficients: Sequence[A | None]) -> A | None:
     """Σ_rows Σ_fields c·stat over [N] rows, for the fields whose coefficient is given: the
     one scalar a gradient-in-forward call reduces to (the same expression on every path)."""
     total = None

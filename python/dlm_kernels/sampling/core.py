@@ -111,16 +111,18 @@ class Sample(_SampleFields):
             self.vocab_size = int(vocab_size)
         return self
 
-    def _replace(self, **fields: Any) -> Sample:
+    # typeshed declares NamedTuple._replace final; this one keeps vocab_size, an attribute
+    # beside the fields
+    def _replace(self, **fields: Any) -> Sample:  # pyright: ignore[reportIncompatibleMethodOverride]
         return Sample(*_SampleFields._replace(self, **fields), vocab_size=self.vocab_size)
 
 
 class SampleConfig(NamedTuple):
     temperature: float  # of the draw: 0 is greedy
-    top_k: object  # None or an int in [1, MAX_TOP_K]
+    top_k: int | None  # None or an int in [1, MAX_TOP_K]
     cfg_scale: float
     has_uncond: bool
-    chunk_size: object
+    chunk_size: int | None
     stats_temperature: float = 1.0  # of the statistics (the draw's T unless given; 1 at T = 0)
 
     @property
@@ -633,6 +635,7 @@ def suppressed_ids(xp, ids, vocab, like):
     if xp.is_array(ids):
         require_int(xp, "suppress_ids", ids)
         host = host_values(xp, ids)
+        shape = ids.shape
     else:
         host = np.asarray(ids)
         if host.size == 0:
@@ -640,12 +643,14 @@ def suppressed_ids(xp, ids, vocab, like):
         if host.dtype == object or not np.issubdtype(host.dtype, np.integer):
             raise TypeError(f"suppress_ids must be integer token ids (an array, a list or an "
                             f"int); got {type(ids).__name__} of {host.dtype}")
-    if len(ids.shape if xp.is_array(ids) else host.shape) > 1:
+        shape = host.shape
+    if len(shape) > 1:
         raise ValueError(f"suppress_ids must have shape [S] (or be one id); got "
-                         f"{shape_str(ids.shape if xp.is_array(ids) else host.shape)}")
+                         f"{shape_str(shape)}")
     if host is not None and ((host < 0) | (host >= vocab)).any():
         _raise_outside(vocab, host.reshape(-1).tolist())
     if not xp.is_array(ids):
+        assert host is not None  # the ids' own values (np.asarray above)
         ids = xp.from_host(host.reshape(-1).astype(np.int32), like)
     ids = ids.reshape(-1)
     if ids.shape[0] == 0:
@@ -839,9 +844,9 @@ class Sampler:
         self.framework = framework
         self.xp, self.registry = framework.xp, framework.sampling
 
-    def sample_tokens(self, logits, *, temperature=1.0, seed=0, step=0, top_k=None,
-                      suppress_ids=None, uncond_logits=None, cfg_scale=0.0, chunk_size=None,
-                      stats_temperature=None, backend=None):
+    def sample_tokens(self, logits, *, temperature=1.0, seed: object = 0, step: object = 0,
+                      top_k=None, suppress_ids=None, uncond_logits=None, cfg_scale=0.0,
+                      chunk_size=None, stats_temperature=None, backend=None):
         xp, registry = self.xp, self.registry
         cfg = make_sample_config(xp, logits, temperature, top_k, uncond_logits, cfg_scale,
                                  chunk_size, stats_temperature)
@@ -868,6 +873,7 @@ class Sampler:
         # never [N, K], in the token chunks and vocabulary chunks of the framework's head
         # path, so that the statistics stream the token statistics' own logits chunks
         on_cpu = xp.platform(like) == "cpu"
+        assert z is not None  # the logits' own rows (None stands for absent guidance only)
         r = z.rows_per_chunk(n, on_cpu, zu, xp.head_chunk_bytes_cpu)
         cfg = cfg._replace(chunk_size=z.vocab_chunk(xp, impl.name, on_cpu, cfg.chunk_size, r))
         parts = [_kept(impl.sample(_rows(xp, z, r0, r1), _rows(xp, zu, r0, r1), keys[r0:r1],

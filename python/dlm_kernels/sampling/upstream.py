@@ -40,8 +40,10 @@ def _at_most_length(host, length):
     values [] or [B]; or None, unreadable) at most L, as upstream's torch.topk requires."""
     if isinstance(host, int):
         bad, i, got = host > length, None, host
+    elif host is None:  # unreadable: nothing to check here
+        bad, i, got = False, None, None
     else:
-        bad = host is not None and bool((np.atleast_1d(host) > length).any())
+        bad = bool((np.atleast_1d(host) > length).any())
         i = int(np.argmax(np.atleast_1d(host) > length)) if bad else None
         got = None if i is None else int(np.atleast_1d(host)[i])
     if bad:
@@ -60,7 +62,7 @@ class StepFunctions:
         self.sampler = sampler
         self.xp = sampler.xp
 
-    def add_gumbel_noise(self, logits, temperature, *, seed=0, step=0):
+    def add_gumbel_noise(self, logits, temperature, *, seed: object = 0, step: object = 0):
         xp = self.xp
         cfg = make_sample_config(xp, logits, temperature, None, None, 0.0, None)
         lead, k = _lead(logits), logits.shape[-1]
@@ -93,8 +95,8 @@ class StepFunctions:
         return base[:, None] + xp.index_ints(first)
 
     def get_transfer_index(self, logits, temperature, remasking, mask_index, x,
-                           num_transfer_tokens, threshold=None, neg_entropy=False, *, seed=0,
-                           step=0, backend=None):
+                           num_transfer_tokens, threshold=None, neg_entropy=False, *,
+                           seed: object = 0, step: object = 0, backend=None):
         xp = self.xp
         if remasking not in REMASKING:
             raise NotImplementedError(remasking)  # upstream's class and text

@@ -38,7 +38,8 @@ columns masked with finfo.min) adds exactly nothing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from ..linear_head.head import as_logits
 from .lowering import Lowered
@@ -48,16 +49,37 @@ from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.series import PSI_COEFFS, PSI_SMALL
 from ..kernels.softcap import TANH_SERIES, TANH_SERIES_BOUND
 
+if TYPE_CHECKING:
+    from .._ops import Array, Ops
+    from ..linear_head.head import LogitsSource
+
 NEG_INF = float("-inf")
 
+#: the front end's array type (torch.Tensor, jax.Array): ``_ops.A``
+A = TypeVar("A", bound="Array")
 
 # Field names and order come from the kernels' buffer layout (kernels/layout.py), so the
-# host's tuples and the kernels' buffers cannot drift apart.
-State = NamedTuple("State", [(field, object) for field in PARTIAL_STATE])
+# host's tuples and the kernels' buffers cannot drift apart. A type checker reads the same
+# fields spelled out, generic in the array type (a NamedTuple is generic from Python 3.11
+# on); tests/test_internal_types.py holds the two equal.
+if TYPE_CHECKING:
+    class State(NamedTuple, Generic[A]):
+        m: A
+        a: A
+        b: A
+        a2: A
+        mu: A
+        au: A
+        cu: A
+        fu: A
+        sr: A
+else:
+    State = NamedTuple("State", [(field, object) for field in PARTIAL_STATE])
 State.__doc__ = "The streaming state of each row (module docstring), every field [N] float32."
 
 
-def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: Lowered):
+def shifted_logits(xp: Ops[A], z: A, col_ids: A, shift_ids: A | None, shift: A | None,
+                   cfg: Lowered) -> A:
     """r = cap(z) + d·[k == x].
 
     z: [N, C] any float dtype; col_ids: the column id of each entry, broadcastable to
@@ -65,22 +87,25 @@ def shifted_logits(xp, z, col_ids, shift_ids, shift, cfg: Lowered):
     """
     r = _capped(xp, z, cfg)
     if shift_ids is not None:
+        assert shift is not None  # given with shift_ids (``_checks.check_stats_inputs``)
         r = r + xp.where(col_ids == shift_ids[:, None], shift[:, None], 0.0)
     return r
 
 
-def chunk_logits(xp, z, col0, shift_ids, shift, cfg: Lowered):
+def chunk_logits(xp: Ops[A], z: A, col0: A | int, shift_ids: A | None, shift: A | None,
+                 cfg: Lowered) -> A:
     """r = cap(z) + d·[k == x] of a chunk of contiguous columns whose first global id is
     ``col0``: the same values as ``shifted_logits``, but the shift lands at one column per
     row instead of a compare and a select over [N, C] (in torch those took about half of a
     LOO CE forward at N 512, K 32768 on a CPU). z: [N, C] -> [N, C] float32."""
     r = _capped(xp, z, cfg)
     if shift_ids is not None:
+        assert shift is not None  # given with shift_ids (``_checks.check_stats_inputs``)
         r = _add_at(xp, xp.owned(r, z), shift_ids, col0, shift)
     return r
 
 
-def _capped(xp, z, cfg: Lowered):
+def _capped(xp: Ops[A], z: A, cfg: Lowered) -> A:
     """cap(z) in float32 (z itself when it is float32 and there is no softcap)."""
     r = xp.f32(z)
     if cfg.HAS_SOFTCAP:
@@ -88,7 +113,7 @@ def _capped(xp, z, cfg: Lowered):
     return r
 
 
-def softcap(xp, z, c):
+def softcap(xp: Ops[A], z: A, c: float) -> A:
     """c·tanh(z / c) of float32 z, accurate for every c > 0 (kernels/softcap.py): below
     |z / c| = TANH_SERIES_BOUND as z·(1 + u·Q(u)), u = (z / c)², so z to float32 where z / c
     underflows; beyond, c·sign(x)·(1 - e)/(1 + e), e = e^{-2|x|}, x = z / c (saturating to
@@ -109,7 +134,7 @@ def softcap(xp, z, c):
     return xp.where(small, zs + zs * (u * q), xp.where(x < 0, -th, th) * c)
 
 
-def softcap_slope(xp, z, c):
+def softcap_slope(xp: Ops[A], z: A, c: float) -> A:
     """cap'(z) = 1 - tanh²(z / c) = 4e / (1 + e)², e = e^{-2|z / c|}, of float32 z: precise
     relative to itself for every z (0 at ±inf). 1 - th² from a rounded th is precise only
     to float32's absolute 6e-8: off by 10 % at |z / c| = 8, and 0 past 9."""
@@ -118,7 +143,7 @@ def softcap_slope(xp, z, c):
     return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
-def _add_at(xp, x, ids, col0, vals):
+def _add_at(xp: Ops[A], x: A, ids: A, col0: A | int, vals: A) -> A:
     """x [N, C] + vals [N] at column ``ids - col0`` of each row whose id is in this chunk of
     contiguous columns (x is a temporary: torch updates it in place)."""
     local = ids - col0
@@ -126,7 +151,7 @@ def _add_at(xp, x, ids, col0, vals):
     return xp.add_at_cols(x, xp.where(hit, local, 0), xp.where(hit, vals, 0.0))
 
 
-def _scaled(xp, x, inv_t, summed=True):
+def _scaled(xp: Ops[A], x: A, inv_t: float, summed: bool = True) -> A:
     """x / T as x·(1/T), ``inv_t`` = 1/T (x itself at T = 1: one [N, C] pass less in eager
     frameworks, same values), rounded before any sum takes it (``xp.rounded``: in one fused
     loop XLA contracts a product and its sum into one multiply-add, in some programs and not
@@ -140,12 +165,12 @@ def _scaled(xp, x, inv_t, summed=True):
     return xp.rounded(x * inv_t) if summed else x * inv_t
 
 
-def _safe(xp, m):
+def _safe(xp: Ops[A], m: A) -> A:
     """A running max with -inf (no finite entry yet) replaced by 0, so that no inf - inf forms."""
     return xp.where(m == NEG_INF, 0.0, m)
 
 
-def _row_sums(xp, x, with_b=True):
+def _row_sums(xp: Ops[A], x: A, with_b: bool = True) -> tuple[A, A, A]:
     """(Σ e^x, (with_b) Σ e^x·x else 0, e^x) of x: [N, C] (x <= 0), the sums over the last
     axis."""
     e = xp.exp(x)
@@ -155,13 +180,13 @@ def _row_sums(xp, x, with_b=True):
     return a, xp.rowsum(xp.where(e > 0, e * x, 0.0)), e
 
 
-def _safe_max(xp, v):
+def _safe_max(xp: Ops[A], v: A) -> tuple[A, A]:
     """The row max of v [N, C], and the same with an all -inf row's max at 0 (no inf - inf)."""
     m = xp.rowmax(v)
     return m, _safe(xp, m)
 
 
-def _psi_series(y):
+def _psi_series(y: A) -> A | float:
     """S(y) = psi(y) / y² for |y| < PSI_SMALL (kernels/series.py), by Horner's rule."""
     acc = PSI_COEFFS[-1]
     for c in reversed(PSI_COEFFS[:-1]):
@@ -169,12 +194,12 @@ def _psi_series(y):
     return acc
 
 
-def _psi(xp, y):
+def _psi(xp: Ops[A], y: A) -> A:
     """psi(y) = y - 1 + e^{-y} >= 0, without cancellation for small |y|."""
     return xp.where(abs(y) < PSI_SMALL, y * y * _psi_series(y), y - 1.0 + xp.exp(-y))
 
 
-def teacher_sums(xp, u, x, w, cfg: Lowered):
+def teacher_sums(xp: Ops[A], u: A, x: A, w: A, cfg: Lowered) -> tuple[A, A, A, A]:
     """(mu, au, cu, fu) [N] of the teacher over a block of columns: u [N, C] the float32
     teacher logits, x = (r - m) / T and w = e^x [N, C] the student's (relative to its max m).
 
@@ -192,7 +217,8 @@ def teacher_sums(xp, u, x, w, cfg: Lowered):
     return mu, xp.rowsum(eu), xp.rowsum(ct), xp.rowsum(f)
 
 
-def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered, pointwise_shift=False) -> State:
+def chunk_partial(xp: Ops[A], rows: Rows, cols: A, valid: A | None, cfg: Lowered,
+                  pointwise_shift: bool = False) -> State[A]:
     """Partial state of one vocabulary chunk.
 
     rows: the bundle over the chunk's columns (logits, teacher: [N, C], the teacher may be
@@ -229,21 +255,21 @@ def chunk_partial(xp, rows: Rows, cols, valid, cfg: Lowered, pointwise_shift=Fal
     return State(m, a, b, a2, mu, au, cu, fu, zero if sr is None else sr)
 
 
-def _rescale(xp, m_part, m, inv_t):
+def _rescale(xp: Ops[A], m_part: A, m: A, inv_t: float) -> tuple[A, A]:
     """(e^δ, δ) with δ = (m_part - m) / T, the move of a part's exponents to the merged
     maximum m, an all -inf row guarded (e^δ = 0 for an empty part)."""
     delta = _scaled(xp, m_part - _safe(xp, m), inv_t)
     return xp.exp(delta), delta
 
 
-def _moved(xp, f, delta, a, b):
+def _moved(xp: Ops[A], f: A, delta: A, a: A, b: A) -> A:
     """f·(b + δ·a): a sum Σ e^x·x moved to another maximum (b_i relative to the part's
     maximum: Σ e^{x+δ}(x + δ) = e^δ·(b_i + δ·a_i)), and exactly 0 where the part's rescale
     f = e^δ is 0 (where δ·a may be -inf: a part masked with finfo.min)."""
     return xp.where(f > 0, f * (b + xp.rounded(delta * a)), 0.0)
 
 
-def teacher_at(xp, st: State, f, delta, g, delta_u):
+def teacher_at(xp: Ops[A], st: State[A], f: A, delta: A, g: A, delta_u: A) -> tuple[A, A]:
     """(cu, fu) of a part's teacher sums re-expressed at the merged maxima (the student's
     exponents move by δ, f = e^δ; the teacher's by δ_u, g = e^{δ_u}). y = x_u - x moves by
     -h, h = δ - δ_u, and f = g·e^h:
@@ -264,7 +290,8 @@ def teacher_at(xp, st: State, f, delta, g, delta_u):
     return cu, xp.where(near, fu_near, fu_far)
 
 
-def _moved_parts(xp, state: State, m, mu, cfg: Lowered):
+def _moved_parts(xp: Ops[A], state: State[A], m: A, mu: A,
+                 cfg: Lowered) -> tuple[A, A, A, A, A, A]:
     """The sums of ``state`` relative to the maxima m and mu: (a, b, a2, au, cu, fu)."""
     # each a product the merge's sum takes: rounded on its own (``_scaled``)
     f, delta = _rescale(xp, state.m, m, cfg.inv_t)
@@ -282,7 +309,7 @@ def _moved_parts(xp, state: State, m, mu, cfg: Lowered):
     return a, b, a2, au, cu, fu
 
 
-def merge(xp, s1: State, s2: State, cfg: Lowered) -> State:
+def merge(xp: Ops[A], s1: State[A], s2: State[A], cfg: Lowered) -> State[A]:
     """Associative merge of two partial states (chunks, split-K blocks or vocab shards)."""
     m = xp.maximum(s1.m, s2.m)
     mu = xp.maximum(s1.mu, s2.mu) if cfg.HAS_TEACHER else m
@@ -291,7 +318,9 @@ def merge(xp, s1: State, s2: State, cfg: Lowered) -> State:
     return State(m, a, b, a2, mu, au, cu, fu, s1.sr + s2.sr)
 
 
-def merge_collective(xp, state: State, pmax, psum, cfg: Lowered, extra_sums=()):
+def merge_collective(xp: Ops[A], state: State[A], pmax: Callable[[list[A]], Sequence[A]],
+                     psum: Callable[[list[A]], Sequence[A]], cfg: Lowered,
+                     extra_sums: Sequence[A] = ()) -> tuple[State[A], list[A]]:
     """Merge the partial states of vocabulary shards with two collectives of per-row floats:
     ``pmax`` of the two running maxima, then one ``psum`` of the sums re-expressed at those
     maxima and of ``extra_sums`` (docs/design.md §2): 2 + 6 + len(extra_sums) floats per row
@@ -305,7 +334,9 @@ def merge_collective(xp, state: State, pmax, psum, cfg: Lowered, extra_sums=()):
     return State(m, a, b, a2, mu, au, cu, fu, sr), extra
 
 
-def shard_stats(xp, impl, rows, cfg: Lowered, offset, pmax, psum) -> "Stats":
+def shard_stats(xp: Ops[A], impl: Any, rows: Rows, cfg: Lowered, offset: A | int,
+                pmax: Callable[[list[A]], Sequence[A]],
+                psum: Callable[[list[A]], Sequence[A]]) -> Stats[A]:
     """Megatron-style vocabulary parallelism, the one merge every front end and the linear
     head use: ``rows.logits`` is one shard of columns [offset, offset + K_local); the
     backend's partial state, merged across the shards by the framework's collectives
@@ -324,7 +355,7 @@ def shard_stats(xp, impl, rows, cfg: Lowered, offset, pmax, psum) -> "Stats":
     return stats if m == n else Stats(*(f[:n] for f in stats))
 
 
-def merge_splits(xp, parts, cfg: Lowered) -> State:
+def merge_splits(xp: Ops[A], parts: Iterable[A], cfg: Lowered) -> State[A]:
     """Merge S partial states given as one [N, S] array per State field (the last, Σ r, may
     be absent without label smoothing) into one State of [N] arrays, with the same
     rescaling as ``merge_collective``."""
@@ -338,14 +369,27 @@ def merge_splits(xp, parts, cfg: Lowered) -> State:
     return state._replace(m=state.m[:, 0], mu=state.mu[:, 0], sr=sr)
 
 
-Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
+if TYPE_CHECKING:  # ROW_STATS spelled out, as State's fields above
+    class Stats(NamedTuple, Generic[A]):
+        lse: A
+        logp: A
+        entropy: A
+        kl: A
+        kl_shift: A
+        m: A
+        la: A
+        la_ce: A
+        mu: A
+        la_u: A
+else:
+    Stats = NamedTuple("Stats", [(field, object) for field in ROW_STATS])
 
 #: the statistics a call returns (``token_stats.op.TokenStats``' fields), ROW_STATS' first
 PUBLIC_STATS = ("lse", "logp", "entropy", "kl")
 assert ROW_STATS[:len(PUBLIC_STATS)] == PUBLIC_STATS
 
 
-def public_stats(stats) -> tuple:
+def public_stats(stats: Stats[A]) -> tuple[A, ...]:
     """The returned statistics of a row-statistics tuple (``Stats``), by their names'
     count: a new returned statistic is a name in PUBLIC_STATS, not an index in each caller."""
     return tuple(stats[:len(PUBLIC_STATS)])
@@ -356,7 +400,7 @@ log-normalisers), m = max r, la = log Σ e^x (lse = m / T + la), la_ce = log Σ 
 (== la when T_ce == T), mu = max u and la_u = log Σ e^{x_u} (0 without a teacher)."""
 
 
-def kl_divergence(xp, a, au, cu, fu):
+def kl_divergence(xp: Ops[A], a: A, au: A, cu: A, fu: A) -> A:
     """KL(q || p) [N] from a row's merged sums (module docstring), >= 0 (docs/design.md §2,
     "The KL"). With v = (cu - fu) / a = au / a - 1 and e = log(au / a) = la_u - la:
 
@@ -373,7 +417,7 @@ def kl_divergence(xp, a, au, cu, fu):
     return xp.where(kl < 0, 0.0, kl)  # rounding can leave -ulps; NaN stays NaN
 
 
-def target_logit(xp, rows: Rows, cfg: Lowered, offset=0):
+def target_logit(xp: Ops[A], rows: Rows, cfg: Lowered, offset: A | int = 0) -> tuple[A, A]:
     """(r_y, found), both [N] f32: the shifted logit at the target column when this block of
     columns [offset, offset + C) of ``rows.logits`` holds the target (else 0), and 1.0 / 0.0
     for whether it does. Summed over vocabulary shards, found == 1 exactly when the target is
@@ -384,7 +428,8 @@ def target_logit(xp, rows: Rows, cfg: Lowered, offset=0):
     return shifted_target(xp, xp.gather_cols(z, idx), found, rows, cfg)
 
 
-def target_column(xp, targets, c, offset, cfg: Lowered):
+def target_column(xp: Ops[A], targets: A, c: int, offset: A | int,
+                  cfg: Lowered) -> tuple[A, A]:
     """(found [N] bool, local column [N], 0 where not found) of each target in the block of
     columns [offset, offset + c)."""
     local = targets - offset
@@ -394,21 +439,21 @@ def target_column(xp, targets, c, offset, cfg: Lowered):
     return found, xp.where(found, local, 0)
 
 
-def shifted_target(xp, z_y, found, rows: Rows, cfg: Lowered):
+def shifted_target(xp: Ops[A], z_y: A, found: A, rows: Rows, cfg: Lowered) -> tuple[A, A]:
     """(r_y, found) as ``target_logit`` returns them, from the raw target logits z_y [N]."""
     r = shifted_logits(xp, z_y[:, None], rows.targets[:, None], rows.shift_ids, rows.shift,
                        cfg)[:, 0]
     return xp.where(found, r, 0.0), xp.where(found, 1.0, 0.0)
 
 
-def target_logp(xp, r_y, found, m, la_ce, cfg: Lowered):
+def target_logp(xp: Ops[A], r_y: A, found: A, m: A, la_ce: A, cfg: Lowered) -> A:
     """logp = (r_y - m) / T_ce - la_ce, [N] f32 (m the row's largest logit, la_ce the log of
     the sum relative to it); NaN where the target was not found (out of range: loud, never
     silently wrong)."""
     return xp.where(found > 0, _scaled(xp, r_y - m, cfg.inv_t_ce) - la_ce, float("nan"))
 
 
-def column_mask(xp, cols, cfg: Lowered, valid=None):
+def column_mask(xp: Ops[A], cols: A, cfg: Lowered, valid: A | None = None) -> A | None:
     """[C] bool: columns that count (below ``cfg.vocab_limit``, and ``valid`` when given)."""
     if cfg.PADDED:
         limit = cols < cfg.vocab_limit
@@ -416,19 +461,22 @@ def column_mask(xp, cols, cfg: Lowered, valid=None):
     return valid
 
 
-def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: Lowered):
+def ce_objective(xp: Ops[A], logp_y: A, sr: A | None, m: A, la_ce: A, active: A,
+                 cfg: Lowered) -> A:
     """The CE term's ``logp`` [N]: minus the per-row CE training loss at ``ce_temperature``,
 
         logp = (1 - ε)·log p'_y + ε·Σ_k log p'_k / K - λ·lse_ce²
 
     from the target's log p'_y (``target_logp``), the row's Σ r over its K valid columns
-    (``sr``, logit units), its max m and log-sum la_ce (lse_ce = m / T_ce + la_ce); logp_y
-    itself when ε = λ = 0. Inactive rows give exact zeros. A column at -inf (or finfo.min)
-    makes the smoothed term -inf (or huge): torch's cross_entropy(label_smoothing=ε) alike."""
+    (``sr``, logit units; None without label smoothing), its max m and log-sum la_ce
+    (lse_ce = m / T_ce + la_ce); logp_y itself when ε = λ = 0. Inactive rows give exact
+    zeros. A column at -inf (or finfo.min) makes the smoothed term -inf (or huge): torch's
+    cross_entropy(label_smoothing=ε) alike."""
     if not cfg.CE_TERMS:
         return logp_y
     logp = logp_y
     if cfg.SMOOTH:
+        assert sr is not None  # kept wherever it smooths
         eps = cfg.label_smoothing
         # (each per-row product rounded on its own: _scaled)
         mean = _scaled(xp, xp.rounded(sr * cfg.smooth_mean) - m, cfg.inv_t_ce) - la_ce
@@ -439,7 +487,8 @@ def ce_objective(xp, logp_y, sr, m, la_ce, active, cfg: Lowered):
     return xp.where(active, logp, 0.0)
 
 
-def ce_coefficients(xp, g_lp, stats: Stats, cfg: Lowered):
+def ce_coefficients(xp: Ops[A], g_lp: A, stats: Stats[A],
+                    cfg: Lowered) -> tuple[A, A | None, A]:
     """(g_y, g_u, g_p), each [N] f32: the CE term's gradient with respect to the shifted
     logits r is g_y·[k == y] + g_u·[k valid] - g_p·p'_k (then the softcap's chain), from the
     cotangent g_lp of ``ce_objective``'s logp:
@@ -461,7 +510,8 @@ def ce_coefficients(xp, g_lp, stats: Stats, cfg: Lowered):
     return g_y, g_u, g_p
 
 
-def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
+def finalize(xp: Ops[A], state: State[A], r_y: A, found: A, active: A,
+             cfg: Lowered) -> Stats[A]:
     """Row statistics from a merged state; logp is NaN where the target was not found
     (out of range: loud, never silently wrong) and carries label smoothing and z-loss
     (``ce_objective``); inactive rows give exact zeros."""
@@ -485,7 +535,8 @@ def finalize(xp, state: State, r_y, found, active, cfg: Lowered) -> Stats:
     return Stats(*(xp.zero_where(dead, stats[field]) for field in ROW_STATS))
 
 
-def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered, pointwise=False):
+def chunk_grads(xp: Ops[A], rows: Rows, cols: A, stats: Stats[A], grads: Sequence[A],
+                cfg: Lowered, pointwise: bool = False) -> tuple[A, A | None]:
     """d(student logits) and d(teacher logits) of one chunk, both [N, C] float32 (``rows``:
     the bundle over the chunk's columns, as in ``chunk_partial``).
 
@@ -554,7 +605,8 @@ def chunk_grads(xp, rows: Rows, cols, stats: Stats, grads, cfg: Lowered, pointwi
     return dz, du
 
 
-def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: Lowered):
+def shift_grad(xp: Ops[A], columns: tuple[A, A | None, A], rows: Rows, stats: Stats[A],
+               grads: Sequence[A], cfg: Lowered) -> A:
     """d(Σ cotangent·stats) / d shift, [N] float32: the gradient dr of ``chunk_grads`` at
     each row's shifted column x (the shift is added after the cap, so no cap' factor):
 
@@ -585,6 +637,7 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: Lowered):
                                  * xp.where(p > 0, logp_k + stats.entropy[:, None], 0.0))
     dr = xp.rounded(p * coef)
     if cfg.HAS_TEACHER:
+        assert u_x is not None  # ``shift_columns`` reads it where there is a teacher
         q = xp.exp(_scaled(xp, xp.f32(u_x[:, None]) - stats.mu[:, None], cfg.inv_t_kl)
                    - stats.la_u[:, None])
         dr = dr + xp.rounded(_scaled(xp, g_kl, inv_t) * (p - q))
@@ -597,7 +650,8 @@ def shift_grad(xp, columns, rows: Rows, stats: Stats, grads, cfg: Lowered):
     return xp.where(found & rows.active, dr, 0.0)
 
 
-def shift_columns(xp, rows: Rows, cfg: Lowered, offset=0):
+def shift_columns(xp: Ops[A], rows: Rows, cfg: Lowered,
+                  offset: A | int = 0) -> tuple[A, A | None, A]:
     """(z_x, u_x, found) for ``shift_grad`` from rows whose logits (and teacher) are
     [N, K] arrays holding the columns [offset, offset + K): two gathers, O(N). Read them
     before a backward writes its gradient over the logits (``inplace_grad``)."""
@@ -607,19 +661,19 @@ def shift_columns(xp, rows: Rows, cfg: Lowered, offset=0):
     return z_x, u_x, found
 
 
-def _column(xp, x, idx):
+def _column(xp: Ops[A], x: A | LogitsSource[A], idx: A) -> A:
     """[N] float32: x[n, idx[n]] of [N, K] logits, or of a linear head's (one dot product
     of D per row with the gathered row of the weight: O(N·D), no logits)."""
     return as_logits(x).column(xp, idx)
 
 
-def _finite_max(xp, v):
+def _finite_max(xp: Ops[A], v: A) -> A:
     """The row max of v [N, K] as a constant (no gradient), 0 where it is not finite."""
     m = xp.stop_gradient(xp.rowmax(v))
     return xp.where(xp.isfinite(m), m, 0.0)
 
 
-def reference_stats(xp, rows: Rows, cfg: Lowered):
+def reference_stats(xp: Ops[A], rows: Rows, cfg: Lowered) -> tuple[A, ...]:
     """Full-materialisation float32 statistics, differentiable by the framework's autodiff.
 
     rows.logits, rows.teacher: [N, K]; returns (lse, logp, entropy, kl) [N] f32. Inactive rows
@@ -687,7 +741,7 @@ def reference_stats(xp, rows: Rows, cfg: Lowered):
     return tuple(xp.where(active, v, 0.0) for v in (lse, logp, entropy, kl))
 
 
-def _row_kl(xp, x, u, lse, cfg: Lowered):
+def _row_kl(xp: Ops[A], x: A, u: A, lse: A, cfg: Lowered) -> A:
     """KL(softmax(u / T_kl) || p) [N] of whole rows, x = (r - m) / T and u [N, K], as the
     streaming backends compute it (``teacher_sums`` over one chunk, ``kl_divergence``); NaN
     where lse is not finite (no distribution)."""

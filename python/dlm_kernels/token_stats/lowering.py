@@ -61,7 +61,7 @@ class Lowered(NamedTuple):
     TEACHER_GRAD: bool
     PADDED: bool
 
-    def triton_flags(self) -> dict:
+    def triton_flags(self) -> dict[str, bool]:
         """The constexpr flags every Triton statistics kernel takes
         (``kernels.triton.token_stats``; SMOOTH, CE_TERMS and TEACHER_GRAD are one kernel's
         each, passed by its launch)."""
@@ -69,7 +69,7 @@ class Lowered(NamedTuple):
                     HAS_TEACHER=self.HAS_TEACHER, SEPARATE_CE=self.SEPARATE_CE,
                     HAS_ENTROPY=self.HAS_ENTROPY)
 
-    def pallas_statics(self) -> dict:
+    def pallas_statics(self) -> dict[str, float | int | bool | None]:
         """The static arguments of the Pallas kernels (``kernels.pallas.token_stats``'s
         ``stats_forward`` / ``stats_backward``, ``kernels.pallas.linear_head``), in their
         spelling; has_teacher they take from the teacher operand, teacher_grad per call."""
@@ -97,6 +97,11 @@ def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
     ce = cfg.ce
     smoothing = ce.smooths
     z_loss = ce.z_loss_weight > 0.0
+    smooth_mean = smooth_weight = 0.0
+    if smoothing:
+        k = cfg.smoothing_vocab
+        assert k is not None  # K of the uniform term: given wherever it smooths (make_config)
+        smooth_mean, smooth_weight = 1.0 / k, ce.label_smoothing / k
     return Lowered(
         inv_t=1.0 / cfg.temperature,
         inv_t_ce=1.0 / cfg.ce_temperature,
@@ -106,8 +111,8 @@ def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
         chunk_size=cfg.chunk_size,
         label_smoothing=ce.label_smoothing,
         z_loss_weight=ce.z_loss_weight,
-        smooth_mean=1.0 / cfg.smoothing_vocab if smoothing else 0.0,
-        smooth_weight=ce.label_smoothing / cfg.smoothing_vocab if smoothing else 0.0,
+        smooth_mean=smooth_mean,
+        smooth_weight=smooth_weight,
         HAS_TEACHER=cfg.has_teacher,
         HAS_SHIFT=bool(has_shift),
         HAS_SOFTCAP=cfg.softcap is not None,

@@ -14,7 +14,7 @@ adapter (``xp``), its registry, and a *VJP adapter* (``_framework.VjpAdapter``:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, TypeVar
 
 from .. import _checks
 from .._checks import flag
@@ -26,6 +26,13 @@ from .._rows import Rows
 from ..linear_head.head import as_logits, planned_total, resolve_softcap, weighting_term
 from . import formulas as stats_math
 from .lowering import lower
+
+if TYPE_CHECKING:
+    from .._ops import Array
+    from ..linear_head.head import LogitsSource
+
+#: the front end's array type (torch.Tensor, jax.Array): ``_ops.A``
+A = TypeVar("A", bound="Array")
 
 
 class TokenStats(NamedTuple):
@@ -88,8 +95,7 @@ class ReferenceBackend(BackendBase):
     def __init__(self, xp):
         self.xp = xp
 
-    @staticmethod
-    def unsupported_reason(platform):
+    def unsupported_reason(self, platform: str) -> Optional[str]:
         return None
 
     def compute(self, rows, cfg):
@@ -112,7 +118,8 @@ class ReferenceBackend(BackendBase):
         return stats_math.reference_stats(self.xp, rows, cfg)
 
 
-def trim_vocab(logits, teacher_logits, vocab_size):
+def trim_vocab(logits: LogitsSource[A], teacher_logits: LogitsSource[A] | None,
+               vocab_size: object) -> tuple[LogitsSource[A], LogitsSource[A] | None]:
     """Drop padding columns >= vocab_size of two ``LogitsSource``s (a view in torch;
     autodiff pads the gradient)."""
     vocab_size = check_vocab_size(vocab_size)
@@ -121,11 +128,13 @@ def trim_vocab(logits, teacher_logits, vocab_size):
         raise ValueError(f"vocab_size must be <= logits.shape[-1] = {k}; got {vocab_size}")
     if vocab_size == k:
         return logits, teacher_logits
-    trim = lambda a: None if a is None else a.vocab_slice(vocab_size)
-    return trim(logits), trim(teacher_logits)
+    return (logits.vocab_slice(vocab_size),
+            None if teacher_logits is None else teacher_logits.vocab_slice(vocab_size))
 
 
-def apply_vocab_parallel(shard, context, vocab_size, logits, teacher_logits):
+def apply_vocab_parallel(shard: Any, context: tuple[Any, Any] | None, vocab_size: Any,
+                         logits: LogitsSource[A], teacher_logits: LogitsSource[A] | None
+                         ) -> tuple[Any, Any, LogitsSource[A], LogitsSource[A] | None]:
     """Resolve the vocab-parallel setting of one call: an explicit ``shard`` (process group or
     mesh axis) wins over the ``vocab_parallel`` context (a (shard, vocab_size) pair or None);
     an unsharded call with ``vocab_size`` drops the padding columns instead.
@@ -347,8 +356,10 @@ class TokenStatsFrontEnd:
         else:  # the reference: every logits array whole (a head's formed in float32)
             outs = impl.compute(rows.map_logits(lambda x: x.reference_array(xp)), low)
         if coefficients is not None and total is None:
+            assert weighting is not None  # formed with the coefficients above
             total = planned_total(xp, outs, weighting)
-        elif total is not None:
+        elif total is not None:  # a head's planned total: there were coefficients
+            assert weighting is not None and coefficients is not None
             total = total + weighting_term(xp, outs, weighting, coefficients)
         extent = None
         if rows.shift_ids is not None:  # the full vocabulary the shift ids index
