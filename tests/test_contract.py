@@ -717,14 +717,15 @@ def test_weights_the_checks_read_are_not_guarded_again(fw_name, rng, monkeypatch
     per-element NaN guard (it could only keep the value: a bad weight has raised); where
     they cannot read them (simulated: no host values, as under jit or torch.compile), the
     guard is there, once per call. Each objective built it on every call before, a part of a
-    small call's host time."""
-    from dlm_kernels import _checks, _objectives
+    small call's host time. ``policy_loss`` too (its guard also covers the advantages and
+    the old and reference log-probs, which no check reads)."""
+    from dlm_kernels import _checks, _guards
 
     fw = framework(fw_name)
     api = fw.api
     calls = []
-    guard = _objectives._invalid_weights
-    monkeypatch.setattr(_objectives, "_invalid_weights",
+    guard = _guards.invalid_weights
+    monkeypatch.setattr(_guards, "invalid_weights",
                         lambda xp, w: calls.append(tuple(w.shape)) or guard(xp, w))
     b, l, k = 3, 7, 11
     z = fw.array(rng.normal(size=(b, l, k)), "float32")
@@ -738,6 +739,9 @@ def test_weights_the_checks_read_are_not_guarded_again(fw_name, rng, monkeypatch
         "diffusion_sft_loss": lambda: api.diffusion_sft_loss(z, y, y, 0.5, w, variant="loo-ce",
                                                              vocab_size=k),
         "opd_loss": lambda: api.opd_loss(z, dbatch, hard_loss_weight=0.5),
+        "policy_loss": lambda: api.policy_loss(z, batch, old_logps=None,
+                                               advantages=fw.array(rng.normal(size=b), "float32"),
+                                               loss_type="dapo"),
     }
     for name, call in objectives.items():
         calls.clear()

@@ -26,6 +26,7 @@ FILES = (
     "_policy.py",
     "_contract.py",
     "_checks.py",
+    "_guards.py",
     "_config.py",
     "_dispatch.py",
     "_ops.py",

@@ -362,6 +362,76 @@ def test_in_function_imports_only_go_down():
         f"{len(counted)} in-function imports (besides the front ends'):\n{listing}")
 
 
+#: the package's layers, bottom first (docs/design.md §6): a module belongs to the layer of
+#: the longest name listed that is it or encloses it. Imports go down or stay level.
+LAYERS = (
+    ("kernels", ("dlm_kernels.kernels",)),
+    ("definitions", ("dlm_kernels._checks", "dlm_kernels._config", "dlm_kernels._env",
+                     "dlm_kernels._ops", "dlm_kernels._rows", "dlm_kernels._schedule",
+                     "dlm_kernels._guards", "dlm_kernels._framework", "dlm_kernels._dispatch",
+                     "dlm_kernels._docstrings", "dlm_kernels.token_stats.formulas",
+                     "dlm_kernels.token_stats.lowering", "dlm_kernels.linear_head.head")),
+    ("framework plumbing", ("dlm_kernels._torch", "dlm_kernels._jax")),
+    ("ops", ("dlm_kernels.token_stats", "dlm_kernels.linear_head", "dlm_kernels.sampling")),
+    ("bindings", ("dlm_kernels._torch.framework", "dlm_kernels._jax.framework")),
+    ("objectives", ("dlm_kernels._objectives", "dlm_kernels._policy", "dlm_kernels._contract",
+                    "dlm_kernels.sampling.upstream")),
+    ("front ends", ("dlm_kernels.torch", "dlm_kernels.jax", "dlm_kernels.testing")),
+    ("root", ("dlm_kernels",)),
+    ("benchmark", ("dlm_kernels.bench",)),
+)
+#: arrows back up the layers (issue 41 allows 3): none
+MAX_ARROWS_UP = 0
+
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    best = max(((len(name), i) for i, (_, names) in enumerate(layers) for name in names
+                if module == name or module.startswith(name + ".")), default=None)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[1]
+
+
+def arrows_up(edges: dict[str, set[str]], modules: dict[str, pathlib.Path],
+              layers=LAYERS) -> list[str]:
+    """The imports that go up the layers. An edge to a package whose ``__init__`` imports
+    nothing is not one: importing ``a.b.c`` runs ``a.b``'s empty ``__init__``, a namespace of
+    no layer."""
+    def empty(module):
+        path = modules[module]
+        return path.name == "__init__.py" and not any(_imports(ast.parse(path.read_text())))
+
+    return sorted(f"{a} ({layers[layer_of(a, layers)][0]}) imports {b} "
+                  f"({layers[layer_of(b, layers)][0]})"
+                  for a, targets in edges.items() for b in targets
+                  if not empty(b) and layer_of(b, layers) > layer_of(a, layers))
+
+
+def test_imports_go_down_the_layers():
+    """Every module's imports (function bodies included) go down ``LAYERS`` or stay level:
+    from the front ends through the objectives, the frameworks' bindings, the ops and the
+    frameworks' plumbing to the definitions every layer shares and the kernels."""
+    modules = package_modules()
+    edges, _ = import_graph(modules)
+    found = arrows_up(edges, modules)
+    assert len(found) <= MAX_ARROWS_UP, "imports back up the layers:\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_arrow_up(tmp_path):
+    """A module importing one of a higher layer is found; one importing a module of its own
+    or a lower layer, or a package whose ``__init__`` is empty, is not."""
+    pkg = tmp_path / "p"
+    (pkg / "ops").mkdir(parents=True)
+    files = {"__init__.py": "", "ops/__init__.py": "", "ops/a.py": "from ..front import f\n",
+             "ops/b.py": "from . import a\nfrom .. import low\n", "low.py": "import p.ops\n",
+             "front.py": "from .ops import b\n"}
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    layers = (("low", ("p.low",)), ("ops", ("p.ops",)), ("front", ("p.front", "p")))
+    modules = package_modules(tmp_path, {"p": "p"})
+    edges, _ = import_graph(modules, top="p")
+    assert arrows_up(edges, modules, layers) == ["p.ops.a (ops) imports p.front (front)"]
+
+
 def test_the_import_graph_sees_every_form(tmp_path):
     """Absolute, relative, from-package and in-function imports; a package's ``__init__``
     imported on the way; TYPE_CHECKING imports left out; a cycle through a function found."""

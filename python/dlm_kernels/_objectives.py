@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from . import _checks as checks
+from . import _guards as guards
 from . import _policy
 from ._checks import flag, number, shape_str
 from .linear_head.head import as_logits
@@ -54,10 +55,6 @@ def rf_alpha_dot(t: A | float) -> A | float:
     return 0.0 * t - 1.0
 
 
-def _total(xp, x):  # [B, L] -> []
-    return xp.rowsum(xp.rowsum(x))
-
-
 #: Weights (an SFT row's loss mask) of which one reaches BIG_WEIGHT are summed times
 #: WEIGHT_SCALE (docs/design.md §3): Σ w·CE stays finite wherever the mean is, up to
 #: weights of float32's largest value, and the mean's gradient 1 / Σ w stays a normal number.
@@ -70,36 +67,7 @@ WEIGHT_SCALE = 2.0 ** -64
 def _weight_scale(xp, w):
     """[...] float32: WEIGHT_SCALE where a weight of the last axis of w [..., L] reaches
     BIG_WEIGHT, else 1 (no gradient: a constant of each call)."""
-    return xp.where(_any(xp, w >= BIG_WEIGHT), WEIGHT_SCALE, 1.0)
-
-
-# Values the checks cannot read (under jit / torch.compile, or on an accelerator outside
-# ``sync_checks()``) are still never turned into a plausible number: what they touch is NaN.
-# Where the checks did read them (they raised on a bad one), the per-element guards are
-# left out: they could only select the value they guard.
-
-def _invalid_weights(xp, w):
-    """[..., L] float32 -> [..., L] bool: a weight or mask that is negative or not finite."""
-    return ~((w >= 0.0) & xp.isfinite(w))
-
-
-def _any(xp, bad):
-    """[..., L] bool -> [...] bool: any along the last axis."""
-    return xp.any_last(bad)
-
-
-def _nan_where(xp, bad, x):
-    return xp.where(bad, float("nan"), x)
-
-
-def _bad_weighted_sum(xp, w, read):
-    """[] bool: [B, L] weights a WeightedSum cannot hold: one negative or non-finite, or a
-    sum outside 0 and float32's normal range (``_checks.check_weight_sum``). ``read``: the
-    checks read the weights (each one is finite and non-negative then; the float32 sum is
-    still tested, as it may round past the largest float where the checks' float64 does not)."""
-    den = _total(xp, w)
-    bad = ~xp.isfinite(den) | ((den > 0.0) & (den < checks.F32_TINY))
-    return bad if read else bad | _any(xp, _any(xp, _invalid_weights(xp, w)))
+    return xp.where(xp.any_last(w >= BIG_WEIGHT), WEIGHT_SCALE, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +232,8 @@ class Objectives:
         # loss is NaN where the checks above could not read the values
         bad = ~((t32 >= 0.0) & (t32 <= 1.0)) | ~xp.isfinite(xp.rowsum(mask))
         if not mask_read:
-            bad = bad | _any(xp, _invalid_weights(xp, mask))
-        w = _nan_where(xp, bad, w)
+            bad = bad | xp.any_last(guards.invalid_weights(xp, mask))
+        w = guards.nan_where(xp, bad, w)
         if vocab_size < extent:  # ids in [vocab_size, K) are out of range too: NaN, not silent
             x0 = xp.where(x0 < vocab_size, x0, -1)
             xt = xp.where(xt < vocab_size, xt, -1) if loo else xt
@@ -336,9 +304,9 @@ class Objectives:
                                                 backend=backend)
         logps, entropy = stats.logp, stats.entropy if return_entropy else None
         if not read:  # weights the checks could not read: NaN where one is bad
-            bad = _invalid_weights(self.xp, self.xp.f32(batch.loss_weights))
-            logps = _nan_where(self.xp, bad, logps)
-            entropy = None if entropy is None else _nan_where(self.xp, bad, entropy)
+            bad = guards.invalid_weights(self.xp, self.xp.f32(batch.loss_weights))
+            logps = guards.nan_where(self.xp, bad, logps)
+            entropy = None if entropy is None else guards.nan_where(self.xp, bad, entropy)
         if stop_gradient:
             logps = self.xp.stop_gradient(logps)
             entropy = None if entropy is None else self.xp.stop_gradient(entropy)
@@ -381,8 +349,8 @@ class Objectives:
                                                 TokenStats(lse=None, logp=-ws, entropy=None,
                                                            kl=None), entropy=False, ce=ce,
                                                 backend=backend)
-        total = _nan_where(xp, _bad_weighted_sum(xp, w, read), total)
-        return self.WeightedSum(total, _total(xp, ws))
+        total = guards.nan_where(xp, guards.bad_weighted_sum(xp, w, read), total)
+        return self.WeightedSum(total, guards.total(xp, ws))
 
     def opd_loss(self, student_logits, batch, *, temperature=1.0, soft_loss_weight=1.0,
                  hard_loss_weight=0.0, ce: CeTerm = PLAIN_CE, backend=None):
@@ -421,13 +389,13 @@ class Objectives:
             temperature=temperature, ce_temperature=1.0 if hard_w > 0.0 else None,
             teacher_logits=teacher, entropy=False, ce=ce if hard_w > 0.0 else PLAIN_CE,
             backend=backend)
-        denominator = _total(xp, w)
+        denominator = guards.total(xp, w)
         zero = denominator * 0.0
-        soft = _total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
-        hard = -_total(xp, w * stats.logp) if hard_w > 0.0 else zero
+        soft = guards.total(xp, w * stats.kl) * t2 if soft_w > 0.0 else zero
+        hard = -guards.total(xp, w * stats.logp) if hard_w > 0.0 else zero
         # what the checks could not read: NaN
-        bad = _bad_weighted_sum(xp, w_given, read)
-        total, soft, hard = (_nan_where(xp, bad, v) for v in (total, soft, hard))
+        bad = guards.bad_weighted_sum(xp, w_given, read)
+        total, soft, hard = (guards.nan_where(xp, bad, v) for v in (total, soft, hard))
         aux = {
             "distill/soft_loss": self.WeightedSum(soft, denominator),
             "distill/hard_loss": self.WeightedSum(hard, denominator),
@@ -446,14 +414,14 @@ class Objectives:
             beta=beta, use_bias_correction_kl=use_bias_correction_kl,
             importance_sampling_level=importance_sampling_level, temperature=temperature,
             max_completion_length=max_completion_length)
-        self.validate_diffusion_logits(batch, logits)
+        read = self._weights_read(batch, logits)
         inputs = _policy.policy_inputs(self.xp, opts, batch, old_logps, advantages, ref_logps,
                                        num_items_in_batch)
         stats, _ = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
                                                 None, temperature=opts.temperature,
                                                 entropy=True, backend=backend)
         terms = _policy.policy_terms(self.xp, opts, stats.logp, stats.entropy,
-                                     self.xp.f32(batch.loss_weights), *inputs)
+                                     self.xp.f32(batch.loss_weights), read, *inputs)
         return self.PolicyLossResult(**terms)
 
     def merge_diffusion_batches(self, batches):

@@ -15,6 +15,7 @@ import math
 from typing import Optional
 
 from . import _checks as checks
+from . import _guards as guards
 from ._checks import flag, number, plain, shape_str
 from ._config import check_loss_weight, check_positive_float, check_positive_int
 
@@ -156,10 +157,11 @@ def _indicator(xp, condition):
     return xp.where(condition, 1.0, 0.0)
 
 
-def policy_terms(xp, opts, logp, entropy, weights, old, adv, ref, num_items):
+def policy_terms(xp, opts, logp, entropy, weights, weights_read, old, adv, ref, num_items):
     """The loss and TRL's metrics (a dict of [] float32 arrays; ``kl`` None when beta = 0)
-    from logp, entropy [B, L] at the temperature, the weights [B, L] (float32) and the
-    checked constants of ``policy_inputs``.
+    from logp, entropy [B, L] at the temperature, the weights [B, L] (float32), whether the
+    host checks read the weights (``weights_read``) and the checked constants of
+    ``policy_inputs``.
 
     Inactive positions (weight 0) take no part: their log-ratio and KL argument are 0 before
     any exponential, so a -inf there reaches neither the loss nor a gradient. Values no check
@@ -226,18 +228,17 @@ def policy_terms(xp, opts, logp, entropy, weights, old, adv, ref, num_items):
     terms = dict(loss=loss, clip_ratio_low=clip_mean(low), clip_ratio_high=clip_mean(high),
                  clip_ratio_region=clip_mean(region), kl=None if kl is None else mean(kl),
                  entropy=mean(entropy))
-    bad = _bad_inputs(xp, weights, active, old, adv, ref, num_items)
+    bad = _bad_inputs(xp, weights, weights_read, active, old, adv, ref, num_items)
     return {k: None if v is None else xp.where(bad, float("nan"), v) for k, v in terms.items()}
 
 
-def _bad_inputs(xp, weights, active, old, adv, ref, num_items):
-    """[] bool: a value the checks reject, where they could not read it."""
+def _bad_inputs(xp, weights, weights_read, active, old, adv, ref, num_items):
+    """[] bool: a value the checks reject, where they could not read it (the weights'
+    elements not again where the checks read them: ``guards.bad_weighted_sum``)."""
     def any_(x):  # [B, L] or [B] bool -> [] bool
         return _sum(xp, _indicator(xp, x)) > 0.0
 
-    n = _sum(xp, weights)
-    bad = (any_(~((weights >= 0.0) & xp.isfinite(weights))) | ~xp.isfinite(n)
-           | ((n > 0.0) & (n < checks.F32_TINY)) | any_(~xp.isfinite(adv)))
+    bad = guards.bad_weighted_sum(xp, weights, weights_read) | any_(~xp.isfinite(adv))
     for logps in (old, ref):
         if logps is not None:
             bad = bad | any_(active & ~xp.isfinite(logps))
