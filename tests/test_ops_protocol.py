@@ -209,30 +209,37 @@ control: Ops[torch.Tensor] = object()
 '''
 
 
-def test_a_type_checker_accepts_both_adapters(tmp_path):
-    """basedpyright (where installed) accepts TorchOps as ``Ops[torch.Tensor]`` and JaxOps as
-    ``Ops[jax.Array]``: as the class (how shared code receives it) or, while the adapters do
-    not declare their class attributes ``ClassVar``, as an instance (see ``SNIPPET``); and
-    rejects an object that is no adapter (the check is a real one)."""
+def basedpyright_errors(tmp_path, name, text) -> list[tuple[int, str]]:
+    """(0-based line, message) of every error basedpyright reports in ``text``, checked as
+    the file ``name`` against the installed package; skips where basedpyright is missing."""
     exe = shutil.which("basedpyright")
     if exe is None:
         pytest.skip("basedpyright is not installed (pip install -e '.[test]')")
-    snippet = tmp_path / "ops_conformance.py"
-    snippet.write_text(SNIPPET, encoding="utf-8")
+    snippet = tmp_path / name
+    snippet.write_text(text, encoding="utf-8")
     run = subprocess.run([exe, "--outputjson", str(snippet)], capture_output=True, text=True,
                          timeout=120, cwd=str(REPO))
     try:
         diagnostics = json.loads(run.stdout)["generalDiagnostics"]
     except (ValueError, KeyError):
         pytest.fail(f"{exe} gave no report:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    return [(d["range"]["start"]["line"], d["message"]) for d in diagnostics
+            if d["severity"] == "error"]
+
+
+def test_a_type_checker_accepts_both_adapters(tmp_path):
+    """basedpyright (where installed) accepts TorchOps as ``Ops[torch.Tensor]`` and JaxOps as
+    ``Ops[jax.Array]``: as the class (how shared code receives it) or, while the adapters do
+    not declare their class attributes ``ClassVar``, as an instance (see ``SNIPPET``); and
+    rejects an object that is no adapter (the check is a real one)."""
+    found = basedpyright_errors(tmp_path, "ops_conformance.py", SNIPPET)
     lines = SNIPPET.splitlines()
     line_of = {line.split(":")[0]: i for i, line in enumerate(lines)
                if line.split(":")[0] in ("torch_class", "jax_class", "torch_instance",
                                          "jax_instance", "control")}
     errors: dict[int, list[str]] = {}
-    for d in diagnostics:
-        if d["severity"] == "error":
-            errors.setdefault(d["range"]["start"]["line"], []).append(d["message"])
+    for line, message in found:
+        errors.setdefault(line, []).append(message)
     assert errors.pop(line_of["control"], None), (
         "basedpyright accepted object() as Ops[torch.Tensor]: the check checks nothing")
     problems = []
@@ -301,25 +308,13 @@ def test_a_type_checker_accepts_both_bindings(tmp_path):
     ``JAX`` as ``Framework[jax.Array]`` (their adapters ``Ops`` of that array type, their VJP
     adapters ``VjpAdapter``s), and rejects a binding with the other framework's adapter or
     with no VJP adapter (the check is a real one)."""
-    exe = shutil.which("basedpyright")
-    if exe is None:
-        pytest.skip("basedpyright is not installed (pip install -e '.[test]')")
-    snippet = tmp_path / "binding_conformance.py"
-    snippet.write_text(BINDING_SNIPPET, encoding="utf-8")
-    run = subprocess.run([exe, "--outputjson", str(snippet)], capture_output=True, text=True,
-                         timeout=120, cwd=str(REPO))
-    try:
-        diagnostics = json.loads(run.stdout)["generalDiagnostics"]
-    except (ValueError, KeyError):
-        pytest.fail(f"{exe} gave no report:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    found = basedpyright_errors(tmp_path, "binding_conformance.py", BINDING_SNIPPET)
     lines = BINDING_SNIPPET.splitlines()
     first = {line.split(":")[0]: i for i, line in enumerate(lines) if ": Framework[" in line}
     errors: dict[str, list[str]] = {}
-    for d in diagnostics:
-        if d["severity"] == "error":
-            line = d["range"]["start"]["line"]
-            owner = max((i, name) for name, i in first.items() if i <= line)[1]
-            errors.setdefault(owner, []).append(d["message"])
+    for line, message in found:
+        owner = max((i, name) for name, i in first.items() if i <= line)[1]
+        errors.setdefault(owner, []).append(message)
     assert errors.pop("control_xp", None), "basedpyright took JaxOps for torch: checks nothing"
     assert errors.pop("control_vjp", None), "basedpyright took object() as a VJP adapter"
     assert not errors, "\n".join(f"{k}: {m}" for k, ms in errors.items() for m in ms)
