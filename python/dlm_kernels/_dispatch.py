@@ -55,7 +55,7 @@ NATIVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 Array = Any  # a framework's array (torch.Tensor, jax.Array): this module imports neither
-Grads = Tuple[Array, Array, Array, Array]  # the row cotangents of (lse, logp, entropy, kl), [N] f32
+Grads = Tuple[Array, ...]  # the row cotangents of the returned statistics (PUBLIC_STATS), [N] f32
 
 
 @runtime_checkable

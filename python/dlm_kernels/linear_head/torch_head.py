@@ -437,22 +437,22 @@ class _LinearHeadFunction(torch.autograd.Function):
         # float32 gradients of ``total`` (None: nothing needs one)
         ctx.planned = _RECOMPUTE if blocked else acc
         ctx.save_for_backward(*tensors, *stats)
-        return stats.lse, stats.logp, stats.entropy, stats.kl, total
+        return (*stats_math.public_stats(stats), total)
 
     @staticmethod
-    def backward(ctx, g_lse, g_lp, g_h, g_kl, g_total):
+    def backward(ctx, *cotangents):  # one per returned statistic (PUBLIC_STATS), then the total's
         with torch.no_grad():  # first derivatives, never recorded (see ``_first_order``)
-            grads = _LinearHeadFunction._backward(ctx, g_lse, g_lp, g_h, g_kl, g_total)
-        inputs = (*ctx.saved_tensors, g_lse, g_lp, g_h, g_kl, g_total)
+            grads = _LinearHeadFunction._backward(ctx, cotangents[:-1], cotangents[-1])
+        inputs = (*ctx.saved_tensors, *cotangents)
         return first_order_only(ctx.impl.name, grads, inputs)
 
     @staticmethod
-    def _backward(ctx, g_lse, g_lp, g_h, g_kl, g_total):
+    def _backward(ctx, given, g_total):
+        row_cts = given  # the returned statistics' cotangents (the total's share folded below)
         saved = ctx.saved_tensors
         n_in = len(saved) - len(Stats._fields)
         tensors, stats = saved[:n_in], Stats(*saved[n_in:])
         planned = ctx.planned if g_total is not None else None
-        row_cts = (g_lse, g_lp, g_h, g_kl)
         if planned is _RECOMPUTE:
             # the total's share recomputed from its coefficients, as the row cotangents are
             # (a second backward after the planned gradients were handed out in place, or a
@@ -481,7 +481,7 @@ class _LinearHeadFunction(torch.autograd.Function):
         fields = [None] * (len(tensors) - 2 * _PART)
         if ctx.needs_input_grad[4 + 2 * _PART + _ROW_FIELDS.index("shift")]:
             fields[_ROW_FIELDS.index("shift")] = _shift_grad(ctx, tensors, stats, g_total,
-                                                             (g_lse, g_lp, g_h, g_kl))
+                                                             given)
         return (None, None, None, None, *out, *fields)
 
 

@@ -80,8 +80,8 @@ def public_stats(xp, outs, lead_shape, cfg, rows, vocab_extent):
         x = rows.shift_ids
         bad = rows.active & ((x < 0) | (x >= vocab_extent))  # [N]
         outs = [xp.where(bad, float("nan"), o) for o in outs]
-    lse, logp, entropy, kl = (o.reshape(lead_shape) for o in outs)
-    return TokenStats(lse, logp, entropy if cfg.entropy else None, kl)
+    stats = TokenStats._make(o.reshape(lead_shape) for o in outs)
+    return stats if cfg.entropy else stats._replace(entropy=None)
 
 
 class ReferenceBackend(BackendBase):
