@@ -247,27 +247,30 @@ def jax_triton_on_cpu(monkeypatch):
     afterwards. Yields the token-statistics module."""
     import importlib
 
+    import dlm_kernels._jax
     import dlm_kernels.sampling
     import dlm_kernels.token_stats
     import jax_triton_emulator
     from dlm_kernels._jax.framework import JAX
 
     monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
-    packages = (dlm_kernels.token_stats, dlm_kernels.sampling)  # the stats module first
-    names = [f"{package.__name__}.jax_triton" for package in packages]
-    saved = [(sys.modules.pop(name, None), getattr(package, "jax_triton", None))
-             for name, package in zip(names, packages)]
+    # (package, module): the shared jax-triton host first, then the stats module, the sampler
+    modules = ((dlm_kernels._jax, "triton"), (dlm_kernels.token_stats, "jax_triton"),
+               (dlm_kernels.sampling, "jax_triton"))
+    names = [f"{package.__name__}.{module}" for package, module in modules]
+    saved = [(sys.modules.pop(name, None), getattr(package, module, None))
+             for name, (package, module) in zip(names, modules)]
     try:
-        stats, sampler = (importlib.import_module(name) for name in names)
+        _, stats, sampler = (importlib.import_module(name) for name in names)
     finally:  # the emulated modules are used through the registries only
-        for name, package, (module, attribute) in zip(names, packages, saved):
+        for name, (package, module), (before, attribute) in zip(names, modules, saved):
             sys.modules.pop(name, None)
-            if module is not None:
-                sys.modules[name] = module
+            if before is not None:
+                sys.modules[name] = before
             if attribute is not None:
-                package.jax_triton = attribute
-            elif hasattr(package, "jax_triton"):
-                del package.jax_triton
+                setattr(package, module, attribute)
+            elif hasattr(package, module):
+                delattr(package, module)
 
     class OnCpu(stats.TritonJax):
         @staticmethod

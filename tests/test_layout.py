@@ -432,6 +432,38 @@ def test_the_layer_check_finds_an_arrow_up(tmp_path):
     assert arrows_up(edges, modules, layers) == ["p.ops.a (ops) imports p.front (front)"]
 
 
+def private_imports(modules: dict[str, pathlib.Path]) -> list[str]:
+    """``from M import _name`` where M lies outside the importer's own folder (a private
+    name is its module's folder's business; shared plumbing exports public names)."""
+    found = []
+    for module, path in modules.items():
+        if module.startswith(("dlm_kernels.bench", "dlm_kernels.kernels")):
+            continue
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node, _ in _imports(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            folder = base if base in modules and modules[base].name == "__init__.py" \
+                else base.rpartition(".")[0]
+            private = [a.name for a in node.names  # a module of the package is no name
+                       if a.name.startswith("_") and not a.name.startswith("__")
+                       and f"{base}.{a.name}" not in modules]
+            if private and base.startswith("dlm_kernels") and folder != package:
+                found.append(f"{module} imports {', '.join(private)} from {base}")
+    return sorted(found)
+
+
+def test_no_private_name_crosses_a_folder():
+    """No module takes a private name from a module of another folder (an op's, or the
+    frameworks' plumbing): what two folders share is public in the one that holds it."""
+    found = private_imports(package_modules())
+    assert not found, "private names imported across folders:\n" + "\n".join(found)
+
+
 def test_the_import_graph_sees_every_form(tmp_path):
     """Absolute, relative, from-package and in-function imports; a package's ``__init__``
     imported on the way; TYPE_CHECKING imports left out; a cycle through a function found."""

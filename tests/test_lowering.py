@@ -177,7 +177,7 @@ def test_jax_backends_receive_the_lowered_call(backend, monkeypatch, rng, reques
     if backend == "triton":
         module = request.getfixturevalue("jax_triton_on_cpu")
         _spy(monkeypatch, module, "_scalars", seen, lambda a, kw: a[0])
-        _spy(monkeypatch, module, "_launch", launched, lambda a, kw: ("triton", kw))
+        _spy(monkeypatch, module, "launch", launched, lambda a, kw: ("triton", kw))
     n, k = 3, 37
     z = fw.array(rng.normal(size=(n, k)), "float32")
     u = fw.array(rng.normal(size=(n, k)), "float32")

@@ -111,6 +111,15 @@ def test_unmet_requirement(fake_metadata):
     assert unmet_requirement("not-installed", "triton") is None
 
 
+def _imported_afresh(monkeypatch, name):
+    """The next import of module ``name`` runs it again, and the test leaves sys.modules as
+    it found it (a module it imports is not left behind)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, name, None)
+    del sys.modules[name]
+
+
 def test_jax_triton_release_mismatch_is_an_honest_import_error(fake_metadata, monkeypatch):
     """jax-triton 0.4 imports beside Triton 3.6 but fails at its first lowering with an
     unrelated TypeError; the backend refuses to load instead and says why."""
@@ -122,7 +131,8 @@ def test_jax_triton_release_mismatch_is_an_honest_import_error(fake_metadata, mo
     fake_metadata["jax-triton"] = ("0.4.1", ["triton>=3.7"])
     fake_metadata["triton"] = ("3.6.0", [])
     monkeypatch.setitem(sys.modules, "jax_triton", jax_triton_emulator)
-    monkeypatch.delitem(sys.modules, "dlm_kernels.token_stats.jax_triton", raising=False)
+    for name in ("dlm_kernels._jax.triton", "dlm_kernels.token_stats.jax_triton"):
+        _imported_afresh(monkeypatch, name)
     with pytest.raises(ImportError, match=r"jax-triton 0.4.1 needs triton>=3.7; triton 3.6.0"):
         importlib.import_module("dlm_kernels.token_stats.jax_triton")
 
@@ -136,7 +146,7 @@ def test_jax_triton_import_keeps_the_triton_cache_dir(monkeypatch, tmp_path, use
     import importlib
     import sys
 
-    import dlm_kernels.token_stats as package
+    import dlm_kernels._jax as package  # the jax-triton host every JAX Triton backend imports
 
     (tmp_path / "jax_triton.py").write_text(
         "import os\n"
@@ -144,13 +154,13 @@ def test_jax_triton_import_keeps_the_triton_cache_dir(monkeypatch, tmp_path, use
         "from jax_triton_emulator import triton_call  # noqa: F401\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
-    monkeypatch.delitem(sys.modules, "dlm_kernels.token_stats.jax_triton", raising=False)
-    monkeypatch.setattr(package, "jax_triton", getattr(package, "jax_triton", None), raising=False)
+    _imported_afresh(monkeypatch, "dlm_kernels._jax.triton")
+    monkeypatch.setattr(package, "triton", getattr(package, "triton", None), raising=False)
     if user_dir is None:
         monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     else:
         monkeypatch.setenv("TRITON_CACHE_DIR", user_dir)
-    module = importlib.import_module("dlm_kernels.token_stats.jax_triton")
+    module = importlib.import_module("dlm_kernels._jax.triton")
     assert module.jt.__file__ == str(tmp_path / "jax_triton.py")  # the blanking one ran
     assert os.environ.get("TRITON_CACHE_DIR") == (user_dir or None)
 

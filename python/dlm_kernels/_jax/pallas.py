@@ -41,13 +41,13 @@ class RaceDetection:
     enabled = False
 
 
-def _statics(cfg):
+def kernel_statics(cfg):
     # the lowered call's statics, and how this process runs the kernels
     return dict(cfg.pallas_statics(), interpret=interpret_mode(),
                 detect_races=RaceDetection.enabled)
 
 
-def _ints(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0
+def int_columns(y, x, offset=0):  # [N, 3] int32: target, shift column, global id of column 0
     y = y.astype(jnp.int32)
     return jnp.stack([y, (y if x is None else x).astype(jnp.int32),
                       jnp.zeros_like(y) + jnp.asarray(offset, jnp.int32)], axis=1)
@@ -58,11 +58,11 @@ def _shift(rows):  # [N] float32: the shift of each row (0 without one)
     return jnp.zeros(rows.targets.shape, jnp.float32) if d is None else d.astype(jnp.float32)
 
 
-def _forward_floats(rows, active):  # [N, 2]: shift, active (the forward kernels' F_* columns)
+def forward_float_columns(rows, active):  # [N, 2]: shift, active (the forward's F_* columns)
     return jnp.stack([_shift(rows), active.astype(jnp.float32)], axis=1)
 
 
-def _stats(out, active, cfg):
+def row_stats(out, active, cfg):
     """The Stats of the forward's output [N, stats_width] (ROW_STATS, logp the target's
     log-probability, then Σ r with label smoothing), logp made the CE term (O(N)) with label
     smoothing or z-loss."""
@@ -74,7 +74,7 @@ def _stats(out, active, cfg):
                                                        stats.la_ce, active, cfg))
 
 
-def _backward_floats(rows, stats, grads, cfg):  # [N, 16]: the backward kernels' F_* columns
+def backward_float_columns(rows, stats, grads, cfg):  # [N, 16]: the backward's F_* columns
     n = rows.targets.shape[0]
     cols = [_shift(rows), rows.active.astype(jnp.float32), stats.m, stats.la, stats.entropy,
             stats.kl_shift, stats.la_ce, stats.mu, stats.la_u, *grads]

@@ -27,7 +27,7 @@ def unsupported_reason(platform: str) -> Optional[str]:
             "TRITON_INTERPRET=1, set before triton is imported)")
 
 
-def _unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
+def unit_col(t: Optional[Tensor]) -> Optional[Tensor]:
     """Rows may be strided; columns must be unit-stride (an explicit copy otherwise)."""
     if t is None or t.stride(-1) == 1:
         return t

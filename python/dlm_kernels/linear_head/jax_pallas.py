@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from ..kernels.pallas import linear_head as head_kernels
 from .._jax.batching import map_vmap
-from .._jax.pallas import _statics, _ints, _forward_floats, _backward_floats, _stats
+from .._jax.pallas import (backward_float_columns, forward_float_columns, int_columns,
+                           kernel_statics, row_stats)
 
 
 class _Teacher(NamedTuple):
@@ -65,7 +66,7 @@ class FusedHead:
     @staticmethod
     def _args(rows, cfg):
         head, teacher = rows.logits, rows.teacher
-        statics = dict(_statics(cfg), layout=head.weight_layout, block_n=head.row_chunk)
+        statics = dict(kernel_statics(cfg), layout=head.weight_layout, block_n=head.row_chunk)
         if teacher is not None:
             operand = teacher.accept(_TeacherOperand)
             teacher = operand.operand
@@ -77,9 +78,9 @@ class FusedHead:
         """-> Stats of [N] f32 (one kernel: 1 matmul)."""
         head, teacher, statics = cls._args(rows, cfg)
         run = map_vmap(functools.partial(head_kernels.head_forward, **statics))
-        out = run(head, teacher, _ints(rows.targets, rows.shift_ids),
-                  _forward_floats(rows, rows.active))
-        return _stats(out, rows.active, cfg)
+        out = run(head, teacher, int_columns(rows.targets, rows.shift_ids),
+                  forward_float_columns(rows, rows.active))
+        return row_stats(out, rows.active, cfg)
 
     @classmethod
     def backward(cls, rows, stats, grads, cfg):
@@ -88,8 +89,8 @@ class FusedHead:
         head, teacher, statics = cls._args(rows, cfg)
         run = map_vmap(functools.partial(head_kernels.head_backward,
                                          teacher_grad=cfg.TEACHER_GRAD, **statics))
-        dh, dw, db, du = run(head, teacher, _ints(rows.targets, rows.shift_ids),
-                             _backward_floats(rows, stats, grads, cfg))
+        dh, dw, db, du = run(head, teacher, int_columns(rows.targets, rows.shift_ids),
+                             backward_float_columns(rows, stats, grads, cfg))
         return (dh, dw, db), du
 
 

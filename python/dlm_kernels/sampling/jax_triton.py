@@ -1,9 +1,9 @@
 """The Triton sampler from JAX (``kernels.triton.sampling``, through ``jax_triton.triton_call``)
 and the draw that merges its vocabulary splits.
 
-The jax-triton host (its guarded import, the launch wrapper, the vmap fold) is the one of
-``token_stats.jax_triton``: importing this module raises the same ImportError where
-jax-triton cannot run, and the registry records why. The drawn token's logp and the entropy
+The jax-triton host (its guarded import, the launch wrapper, the vmap fold) is
+``_jax.triton``'s: importing this module raises the same ImportError where jax-triton cannot
+run, and the registry records why. The drawn token's logp and the entropy
 come from the token statistics' finalize kernel over the splits' statistics, as
 ``per_token_logps`` finalises its own (docs/design.md §3, "Rollout = trainer").
 """
@@ -21,8 +21,8 @@ from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._jax.ops import JaxOps
 from ..token_stats import formulas as stats_math
-from ..token_stats.jax_triton import (_launch, _rows_vmappable, finalize,
-                                      unsupported_reason)
+from .._jax.triton import launch, rows_vmappable, unsupported_reason
+from ..token_stats.jax_triton import finalize
 
 
 def _sample_partial(z, zu, keys, suppress_rows, cfg, inv_t):
@@ -41,7 +41,7 @@ def _sample_partial(z, zu, keys, suppress_rows, cfg, inv_t):
         state, ids, top_v, top_i = (jnp.zeros(t.shape, t.dtype) for t in types)
     else:
         n_sup = 0 if suppress_rows is None else suppress_rows.shape[1]
-        state, ids, top_v, top_i = _launch(
+        state, ids, top_v, top_i = launch(
             sampler.sample_partial_kernel,
             (z, z if zu is None else zu, keys,
              keys if suppress_rows is None else suppress_rows[0]),
@@ -69,7 +69,7 @@ def sample(z, zu, keys, suppress, cfg):
     n, k = z.shape
     low = sampling.stats_lowered(cfg)
     sup = None if suppress is None else jnp.broadcast_to(suppress, (n,) + suppress.shape)
-    state, ids, top_v, top_i = _rows_vmappable(
+    state, ids, top_v, top_i = rows_vmappable(
         lambda *a: _sample_partial(*a, cfg, low.inv_t), z, zu,
         jax.lax.bitcast_convert_type(keys, jnp.int32), sup)
     flat = lambda t: t.reshape(n, math.prod(t.shape[1:]))  # [N, S, k] -> [N, S·k]
@@ -92,7 +92,7 @@ def _row_stats(z, zu, state, st, cfg, low):
         part = state[:3]  # PARTIAL_STATE's m, a, b
         rows_first = lambda p, z, y, a: tuple(  # noqa: E731  p: [N, 3, S]
             finalize(jnp.moveaxis(p, 0, 2), z, y, None, None, a, low))
-        stats = _rows_vmappable(rows_first, jnp.moveaxis(part, 2, 0), z, target, active)
+        stats = rows_vmappable(rows_first, jnp.moveaxis(part, 2, 0), z, target, active)
         stats = stats_math.Stats(*stats)
     if zu is not None and not cfg.greedy and cfg.top_k is None:
         stats = stats._replace(logp=stats_math.target_logp(

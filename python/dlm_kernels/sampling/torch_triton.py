@@ -16,7 +16,7 @@ from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._torch.buffers import empty as _empty
 from .._torch.ops import TorchOps
-from .._torch.triton import _unit_col, plan, unsupported_reason
+from .._torch.triton import unit_col, plan, unsupported_reason
 from ..token_stats import formulas as stats_math
 from ..token_stats import torch_triton as _stats  # noqa: F401  (registers the finalize op)
 
@@ -31,7 +31,7 @@ def sample_partial(z: Tensor, zu: Optional[Tensor], keys: Tensor, suppress: Opti
     """The sampler's split states of z: [N, K] (``kernels.triton.sampling``): (state
     [SAMPLE_STATE, S, N] f32, ids [SAMPLE_IDS, S, N] i32, top-k slots [S, N, k] f32 and i32,
     empty without top_k)."""
-    z, zu = _unit_col(z), _unit_col(zu)
+    z, zu = unit_col(z), unit_col(zu)
     n, k = z.shape
     launch = plan(z, zu, block_k)
     s = launch["splits"]

@@ -16,8 +16,8 @@ from .._dispatch import BackendBase, Capabilities
 from ..kernels.pallas import token_stats as kernels
 from .._jax.batching import fold_vmap_into_rows
 from .._jax.ops import JaxOps
-from .._jax.pallas import (_backward_floats, _forward_floats, _ints, _stats, _statics,
-                           unsupported_reason)
+from .._jax.pallas import (backward_float_columns, forward_float_columns, int_columns,
+                           kernel_statics, row_stats, unsupported_reason)
 
 
 class PallasJax(BackendBase):
@@ -32,17 +32,17 @@ class PallasJax(BackendBase):
         z, u, y, x = rows.logits, rows.teacher, rows.targets, rows.shift_ids
         if z.shape[0] == 0:  # no rows: no launch (a grid over zero row blocks reads out of bounds)
             return jnp.zeros((0, kernels.stats_width(cfg.SMOOTH)), jnp.float32)
-        floats = _forward_floats(rows, active)  # [N, 2]
-        statics = dict(_statics(cfg), partial=partial)
+        floats = forward_float_columns(rows, active)  # [N, 2]
+        statics = dict(kernel_statics(cfg), partial=partial)
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_forward(z, rest[0] if u is not None else None, *rest[-2:],
                                              **statics))
-        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)  # [N, F]
+        return call(z, *([u] if u is not None else []), int_columns(y, x, offset), floats)  # [N, F]
 
     @classmethod
     def forward(cls, rows, cfg):
         # rows: [N, K] logits / teacher, [N] per-row inputs -> Stats of [N] f32
-        return _stats(cls._run_forward(rows, rows.active, cfg, 0, False), rows.active, cfg)
+        return row_stats(cls._run_forward(rows, rows.active, cfg, 0, False), rows.active, cfg)
 
     @classmethod
     def forward_partial(cls, rows, cfg, offset=0):
@@ -58,12 +58,12 @@ class PallasJax(BackendBase):
         if z.shape[0] == 0:  # no rows: nothing to launch
             empty = lambda a: jnp.zeros(a.shape, a.dtype)
             return empty(z), (empty(u) if u is not None and cfg.TEACHER_GRAD else None)
-        floats = _backward_floats(rows, stats, grads, cfg)  # [N, 16]
-        statics = _statics(cfg)
+        floats = backward_float_columns(rows, stats, grads, cfg)  # [N, 16]
+        statics = kernel_statics(cfg)
         call = fold_vmap_into_rows(
             lambda z, *rest: kernels.stats_backward(z, rest[0] if u is not None else None, *rest[-2:],
                                               teacher_grad=cfg.TEACHER_GRAD, **statics))
-        return call(z, *([u] if u is not None else []), _ints(y, x, offset), floats)
+        return call(z, *([u] if u is not None else []), int_columns(y, x, offset), floats)
 
 
 def _partial_state(out, cfg):

@@ -2,58 +2,13 @@
 (``dlm_kernels.kernels.triton.token_stats``), called through ``jax_triton.triton_call``
 under the front end's ``custom_vjp``.
 
-jax-triton refuses to import unless jaxlib has GPU support, so on CPU-only machines this
-module raises ImportError and the registry records why (``backend="triton"`` then says so).
-Install it where it can run: ``pip install jax-triton`` beside ``jax[cuda]``. On CPU the
-tests run this module against ``tests/jax_triton_emulator.py`` (jax-triton's calling
-convention, kernels in the Triton interpreter).
-
-What jax-triton leaves to the caller, done here: ``vmap`` (triton_call has no batching rule:
-the mapped axis is folded into the rows), ``shard_map`` typing (its outputs are typed as the
-same on every device: they are cast to vary like their operands), and traced scalars (only
-static Python scalars are passed by value: a shard's column offset travels as an array).
-The JAX Triton sampler (``sampling.jax_triton``) launches through this module's wrapper.
+The jax-triton host (its guarded import, the launch wrapper, the vmap fold) is
+``_jax.triton``'s: where jax-triton cannot import, neither does this module, and the registry
+records why (``backend="triton"`` then says so). Traced scalars are this module's care: only
+static Python scalars are passed by value, so a shard's column offset travels as an array.
 """
 
 from __future__ import annotations
-
-import inspect
-import os
-
-from .._env import unmet_requirement
-
-_CACHE_DIR = "TRITON_CACHE_DIR"
-
-
-def _import_jax_triton():
-    """``import jax_triton``, undoing the one process-wide change it makes on import.
-
-    jax-triton (0.3.1, the H200 image's) sets TRITON_CACHE_DIR to "" when imported. Triton
-    3.x reads an empty value as "no cache directory", so every later ``triton.compile`` in
-    the process (the torch backend's kernels beside this one, Liger's, a benchmark's) would
-    raise "Could not create or locate cache dir". jax-triton compiles without that cache, so
-    the variable goes back to what it was (unset, Triton's default, when it was unset or
-    already blank)."""
-    before = os.environ.get(_CACHE_DIR)
-    try:
-        import jax_triton
-    finally:
-        if os.environ.get(_CACHE_DIR) == "":
-            if before:
-                os.environ[_CACHE_DIR] = before
-            else:
-                del os.environ[_CACHE_DIR]
-    return jax_triton
-
-
-try:
-    jt = _import_jax_triton()
-except Exception as err:  # noqa: BLE001 - jax-triton raises ImportError or RuntimeError
-    raise ImportError(
-        f"jax-triton is not importable here (it needs a GPU-enabled jaxlib): {err}") from err
-_MISMATCH = unmet_requirement("jax-triton", "triton")
-if _MISMATCH is not None:  # it would import, then fail at the first lowering
-    raise ImportError(f"{_MISMATCH} (jax-triton 0.3.1 goes with Triton 3.6)")
 
 import jax
 import jax.numpy as jnp
@@ -64,35 +19,8 @@ from .._dispatch import BackendBase, Capabilities
 from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels
 from .._rows import Rows
-from .._jax.batching import fold_vmap_into_rows
 from .._jax.ops import JaxOps
-
-# jax-triton renamed out_shape= to out_type= (the old name still works, with a warning)
-_OUT_KW = ("out_type" if "out_type" in inspect.signature(jt.triton_call).parameters
-           else "out_shape")
-
-
-_varying = JaxOps.varying_axes
-_to_varying = JaxOps.to_varying
-
-
-def unsupported_reason(platform):
-    """None where the Triton kernels take JAX arrays of ``platform``, else why not."""
-    if platform in ("gpu", "cuda"):
-        return None
-    return f"the Triton kernels run on NVIDIA GPUs only (arrays are on {platform!r})"
-
-
-def _launch(kernel, arrays, scalars, out, grid, **options):
-    """jt.triton_call(*arrays, *scalars) -> out (a ShapeDtypeStruct or a tuple of them).
-    Inside ``jax.shard_map`` the outputs vary over every mesh axis their operands vary over
-    (a type cast, no communication; left invariant, their cotangents would be summed over
-    the devices)."""
-    res = jt.triton_call(*arrays, *scalars, kernel=kernel, grid=grid, **{_OUT_KW: out},
-                         **options)
-    axes = frozenset().union(*map(_varying, arrays))
-    cast = lambda o: _to_varying(o, tuple(sorted(axes - _varying(o)))) if axes - _varying(o) else o
-    return jax.tree_util.tree_map(cast, res)
+from .._jax.triton import launch, rows_vmappable, unsupported_reason
 
 
 def _scalars(cfg):
@@ -118,17 +46,6 @@ def _offsets(offset, n):
     return jnp.full((n,), offset, jnp.int32)
 
 
-def _rows_vmappable(fn, *arrays):
-    """fn(*arrays) with None entries passed through; a vmapped call runs once on B·N rows."""
-    present = [a is not None for a in arrays]
-
-    def call(*given):
-        given = iter(given)
-        return fn(*(next(given) if p else None for p in present))
-
-    return fold_vmap_into_rows(call)(*(a for a in arrays if a is not None))
-
-
 def _state_rows(cfg):
     """Rows of the partial buffer: PARTIAL_STATE, its last (Σ r) only with label smoothing."""
     return len(PARTIAL_STATE) if cfg.SMOOTH else len(PARTIAL_STATE) - 1
@@ -140,7 +57,7 @@ def _partial(z, u, active, x, d, offsets, cfg):
     n, k, lc = _plan(z, cfg)
     if n == 0:  # a zero-size grid is not a launch
         return jnp.zeros((_state_rows(cfg), lc["splits"], 0), jnp.float32)
-    return _launch(
+    return launch(
         kernels.stats_partial_kernel,
         (z, z if u is None else u, *_per_row(x, d), active.astype(jnp.int8), offsets),
         (n, k, k, k, lc["cols_per_split"], cfg.vocab_limit, *_scalars(cfg)),
@@ -175,7 +92,7 @@ def finalize(part, z, y, x, d, active, cfg, with_sr=False):
     n, k = z.shape
     s = part.shape[1]
     smooth = with_sr and cfg.SMOOTH
-    out = _launch(
+    out = launch(
         kernels.stats_finalize_kernel, (part, z, y, *_per_row(x, d), active.astype(jnp.int8)),
         (n, k, s, k, *_scalars(cfg)),
         jax.ShapeDtypeStruct((len(ROW_STATS) + smooth, n), jnp.float32),  # 40 bytes per row
@@ -203,7 +120,7 @@ def _backward(rows, offsets, stats, grads, cfg):
         g_u = jnp.zeros_like(g_y) if g_u is None else g_u
         grads = (grads[0], jnp.stack((g_y, g_u, g_p)), grads[2], grads[3])
         ce_terms = {"CE_TERMS": True}
-    dz, du = _launch(
+    dz, du = launch(
         kernels.stats_grad_kernel,
         (z, z if u is None else u, y, *_per_row(x, d), active.astype(jnp.int8),
          jnp.stack(stats), *grads, offsets),
@@ -225,7 +142,7 @@ class TritonJax(BackendBase):
     @staticmethod
     def forward(rows, cfg):
         # the bundle's fields travel flat through the vmap rule and are rebuilt inside
-        return stats_math.Stats(*_rows_vmappable(lambda *a: tuple(_forward(Rows(*a), cfg)),
+        return stats_math.Stats(*rows_vmappable(lambda *a: tuple(_forward(Rows(*a), cfg)),
                                                  *rows))
 
     @staticmethod
@@ -233,7 +150,7 @@ class TritonJax(BackendBase):
         # one vocabulary shard whose column 0 has global id ``offset`` -> (State, r_y, found)
         z = rows.logits
         rows_first = lambda *a: jnp.moveaxis(_partial(*a, cfg), 2, 0)  # [N, PARTIAL_STATE, S]
-        part = _rows_vmappable(rows_first, z, rows.teacher, jnp.ones(z.shape[:1], jnp.int8),
+        part = rows_vmappable(rows_first, z, rows.teacher, jnp.ones(z.shape[:1], jnp.int8),
                                rows.shift_ids, rows.shift, _offsets(offset, z.shape[0]))
         splits = [part[:, i] for i in range(part.shape[1])]  # one [N, S] per field
         state = stats_math.merge_splits(JaxOps, splits, cfg)
@@ -248,7 +165,7 @@ class TritonJax(BackendBase):
             return _backward(Rows(*flat[:fields]), flat[fields], per_row[:n_stats],
                              per_row[n_stats:], cfg)
 
-        return _rows_vmappable(call, *rows, _offsets(offset, rows.logits.shape[0]), *stats,
+        return rows_vmappable(call, *rows, _offsets(offset, rows.logits.shape[0]), *stats,
                                *grads)
 
 

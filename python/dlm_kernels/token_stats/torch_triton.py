@@ -23,7 +23,7 @@ from ..kernels.triton import token_stats as kernels
 from .formulas import Stats
 from .._torch.buffers import empty as _empty
 from .._torch.ops import TorchOps
-from .._torch.triton import _unit_col, plan, unsupported_reason
+from .._torch.triton import unit_col, plan, unsupported_reason
 
 Tensor = torch.Tensor
 
@@ -154,7 +154,7 @@ def token_stats_fwd(a: FwdArgs, low: Lowered) -> Tensor:
     """Row statistics [ROW_STATS, N] f32 (lse, logp, entropy, kl, then the backward's
     residuals kl_shift, m, la, la_ce, mu, la_u) of z: [N, K]; with label smoothing one more
     row, Σ r over the valid columns."""
-    z, u = _unit_col(a.z), _unit_col(a.u)
+    z, u = unit_col(a.z), unit_col(a.u)
     part = launch_partial(z, u, a.x, a.d, a.active, low)
     return launch_finalize(part, z, a.y, a.x, a.d, a.active, low)
 
@@ -193,7 +193,7 @@ def _finalize_fake(a: FinalizeArgs, low: Lowered):
 def token_stats_finalize(a: FinalizeArgs, low: Lowered) -> Tensor:
     """Row statistics [ROW_STATS, N] f32 of given partial states (no shift, no teacher, no
     label smoothing): the finalize of ``token_stats_fwd`` alone."""
-    return launch_finalize(a.part, _unit_col(a.z), a.y, None, None, a.active, low)
+    return launch_finalize(a.part, unit_col(a.z), a.y, None, None, a.active, low)
 
 
 def _partial_fake(a: PartialArgs, low: Lowered):
@@ -205,7 +205,7 @@ def _partial_fake(a: PartialArgs, low: Lowered):
 def token_stats_partial(a: PartialArgs, low: Lowered) -> Tensor:
     """Partial states [PARTIAL_STATE, S, N] of a vocabulary shard starting at global column
     col_offset (the Σ r row only with label smoothing)."""
-    return launch_partial(_unit_col(a.z), _unit_col(a.u), a.x, a.d, a.active, low,
+    return launch_partial(unit_col(a.z), unit_col(a.u), a.x, a.d, a.active, low,
                           a.col_offset)
 
 
@@ -249,9 +249,9 @@ def _bwd_fake(a: GradArgs, low: Lowered):
 def token_stats_bwd(a: GradArgs, low: Lowered) -> Tuple[Tensor, Tensor]:
     """(dz [N, K] in z's dtype, du [N, K] in u's dtype or an empty tensor). g_lp is [N], or
     with label smoothing / z-loss the CE term's coefficients [3, N] (g_y, g_u, g_p)."""
-    a = a._replace(z=_unit_col(a.z))
+    a = a._replace(z=unit_col(a.z))
     dz = _empty(a.z.shape, a.z.dtype, a.z.device)
-    return dz, _grad(a, low, dz, _unit_col(a.u))
+    return dz, _grad(a, low, dz, unit_col(a.u))
 
 
 @_custom_op("dlm_kernels::token_stats_bwd_", GradArgs, "Tensor",
@@ -261,7 +261,7 @@ def token_stats_bwd_inplace(a: GradArgs, low: Lowered) -> Tensor:
     if a.z.stride(-1) != 1:
         raise ValueError("inplace_grad needs logits with unit stride on the vocabulary axis; "
                          f"got strides {tuple(a.z.stride())}")
-    return _grad(a, low, a.z, _unit_col(a.u))
+    return _grad(a, low, a.z, unit_col(a.u))
 
 
 def _op_rows(rows):
