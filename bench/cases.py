@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .upstream import jax_loss, torch_loss
+
 ROTATE = 2
 #: float32 [N, K] tensors beside its inputs that the eager upstream loss (the hungriest
 #: variant timed) holds at its peak, per objective: autograd's saved tensors and the
@@ -159,8 +161,6 @@ class TorchCase:
         dk, torch, obj = self.dk, self.torch, self.objective
         backend = "reference" if self.variant == "reference+compile" else self.variant
         if self.variant.startswith("upstream"):
-            from .upstream import torch_loss
-
             if self.variant == "upstream":
                 return lambda z, b: torch_loss(obj, z, b)
             torch._dynamo.reset()  # a static graph per case (see reference+compile below)
@@ -245,8 +245,6 @@ class JaxCase:
 
         def loss(z, b):
             if variant == "upstream":
-                from .upstream import jax_loss
-
                 return jax_loss(objective, z, b)
             return objective_loss(dk, objective, z, b, variant)
 

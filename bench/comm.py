@@ -9,6 +9,8 @@ all-reduce bytes per row read off the optimised HLO, next to the analytic 40 byt
 import json
 import os
 
+from .hlo import allreduce_bytes
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -20,8 +22,6 @@ def measure(n, k, shards=8, teacher=True):
     from jax.sharding import Mesh, PartitionSpec as P
 
     import dlm_kernels.jax as dk
-
-    from .hlo import allreduce_bytes
 
     mesh = Mesh(np.array(jax.devices()[:shards]).reshape(1, shards), ("data", "vocab"))
 

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from .cli import add_common_args, write_outputs
+from .cli import add_common_args, detect, write_outputs
 from .memory import (PROBE_ENV, available, cuda_peak_delta, package_cwd, proc_status_bytes,
                      reset_peak_rss, rss_peak_delta)
 from .timing import measure
@@ -307,8 +307,6 @@ def run(ds, v, canvas, batch, dtype, reps=3, cases=CASES, cuda=False, memory=Tru
             results = list(pool.map(one, todo))
     else:
         results = [one(row) for row in todo]
-    from .runner import detect
-
     env = detect()
     return dict(device=env["device"], date=_dt.date.today().isoformat(), versions=env["versions"],
                 load_after=os.getloadavg() if hasattr(os, "getloadavg") else None,

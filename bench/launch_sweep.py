@@ -20,6 +20,9 @@ import json
 import os
 import re
 
+from dlm_kernels._config import make_config
+from dlm_kernels.token_stats.lowering import lower
+
 from .timing import copy_bandwidth, measure
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -29,8 +32,6 @@ def sweep(n, k, dtype, teacher, blocks, warps, reps, save=lambda report: None):
     """Time every plan; ``save(report)`` after each one (a timeout keeps what was measured)."""
     import torch
 
-    from dlm_kernels._config import make_config
-    from dlm_kernels.token_stats.lowering import lower
     from dlm_kernels.kernels.triton import token_stats as kernels
     from dlm_kernels._torch import triton as triton_plan
     from dlm_kernels.token_stats import torch_triton as triton_launch

@@ -38,6 +38,8 @@ import sys
 
 import numpy as np
 
+from dlm_kernels.testing import TOLERANCES, new_seed
+
 from .cli import add_common_args, detect, write_outputs
 from .memory import cuda_peak_delta, probe_in_subprocess, rss_peak_delta
 from .timing import measure
@@ -270,8 +272,6 @@ def parity(frameworks=("torch", "jax"), cuda=False):
     backend), at an awkward shape (N = 37, D = 19, K = 301, several token chunks), float32.
     Returns rows of dict(framework, objective, ok, max_abs_err, seed) on a fresh draw
     (DLM_TEST_SEED=seed draws it again)."""
-    from dlm_kernels.testing import TOLERANCES, new_seed
-
     atol, rtol = TOLERANCES["float32"]
     seed = new_seed()
     rng = np.random.default_rng(seed)

@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+from . import cases
+
 
 # glibc's allocator, left to itself, keeps freed buffers of up to 32 MiB mapped and moves its
 # mapping threshold with what was freed before, so a resident-set peak counts cached memory
@@ -142,11 +144,9 @@ def cpu_peak_bytes(objective, variant, n, k, dtype):
 
 
 def _probe(objective, variant, n, k, dtype):
-    from .cases import TorchCase
-
     # one input set: the peak beyond the inputs is that of one call whatever the timed case
     # rotates through, and a second set could push a large case out of memory
-    case = TorchCase(objective, variant, int(n), int(k), dtype, "cpu", rotate=1)
+    case = cases.TorchCase(objective, variant, int(n), int(k), dtype, "cpu", rotate=1)
     # The warm-up is the same call, at the same shape: every compile it triggers (a
     # torch.compile peer's static graph, our compiled CPU loops) and Inductor's imports fall
     # outside the window. A warm-up at another shape made a static-shape peer compile again

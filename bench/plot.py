@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import shapes
+from .progress import ratio_band
 
 #: the backends that are not ours (bench/runner.py PEERS: our parity reference and the peers)
 PEER_NAMES = ("reference", "reference+compile", "upstream", "upstream+compile", "liger")
@@ -150,8 +151,6 @@ def ratios(rows: list[dict], ours: str) -> dict:
     """{(peer, dtype): [(k, time median, low, high, memory)]}: ours / peer forward+backward
     time (medians, and the band the p20-p80 spreads allow, ``progress.ratio_band``) and peak
     memory, a point per K both timed; our own parity reference left out."""
-    from .progress import ratio_band
-
     index = {(r["backend"], r["dtype"], r["k"]): r for r in rows}
     out = {}
     for (backend, dtype, k), peer in sorted(index.items()):

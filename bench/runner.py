@@ -42,7 +42,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import shapes
+from dlm_kernels.testing import new_seed, tolerance
+
+from . import linear_head, sampling, shapes
 from .cli import detect, device_slug, try_import
 from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets, upstream_bytes
 from .memory import cpu_peak_bytes, cuda_peak_delta, meminfo_bytes, package_cwd
@@ -139,8 +141,6 @@ def missing_peers(env, smoke=False):
 def parity(env):
     """Every native backend vs the reference backend at a small awkward shape, all features,
     on a fresh draw (its seed in every row: DLM_TEST_SEED=seed draws it again)."""
-    from dlm_kernels.testing import new_seed, tolerance
-
     rows = []
     seed = new_seed()
     rng = np.random.default_rng(seed)
@@ -620,8 +620,6 @@ def main(argv=None):
     comm = None if args.cpu_target else vocab_parallel_comm(env)
     head = None
     if head_plan:
-        from . import linear_head
-
 
         def head_progress(line):
             if line.startswith("linear head parity"):
@@ -634,8 +632,6 @@ def main(argv=None):
                                scaling=head_plan.scaling, progress=head_progress)
     draw = None
     if sample_plan:
-        from . import sampling
-
         draw = sampling.run(sample_plan.shapes, reps=args.reps, cuda=env["cuda"],
                             variants=sample_plan.variants, progress=progress.step)
     env["load"]["after"] = load_average()
@@ -643,13 +639,9 @@ def main(argv=None):
     report = save(vocab_parallel_comm=comm, linear_head=head, sampling=draw, summary=lines)
     table = markdown(env, copy_gbps, results, parity_rows, lines)
     if head is not None:
-        from .linear_head import markdown as head_markdown
-
-        table += "\n" + head_markdown(head)
+        table += "\n" + linear_head.markdown(head)
     if draw is not None:
-        from .sampling import markdown as sampling_markdown
-
-        table += "\n" + sampling_markdown(draw)
+        table += "\n" + sampling.markdown(draw)
     if comm:
         table += ("\nVocabulary-parallel communication (JAX, 1 x 8 mesh, compiled HLO all-reduces, "
                   "forward + backward): " + ", ".join(
@@ -832,22 +824,18 @@ def linear_head_plan(env, smoke, full=False):
     few seconds a case, with ``--full`` every variant (torch.compile's too, which compiles for
     tens of seconds) and the 2N row, otherwise a smaller shape without either; at smoke size
     two variants at a tiny awkward shape."""
-    from .linear_head import CPU_MAIN_SHAPE, CPU_QUICK_SHAPE, GPU_SHAPE, QUICK_VARIANTS
-
     if smoke:
         return HeadPlan(dict(n=64, d=16, k=257, dtype="float32"), ["ours-ce", "unfused"], True)
     if env["cuda"]:
-        return HeadPlan(dict(GPU_SHAPE), None, True)
+        return HeadPlan(dict(linear_head.GPU_SHAPE), None, True)
     if full:
-        return HeadPlan(dict(CPU_MAIN_SHAPE), None, True)
-    return HeadPlan(dict(CPU_QUICK_SHAPE), QUICK_VARIANTS, False)
+        return HeadPlan(dict(linear_head.CPU_MAIN_SHAPE), None, True)
+    return HeadPlan(dict(linear_head.CPU_QUICK_SHAPE), linear_head.QUICK_VARIANTS, False)
 
 
 def linear_head_cases(plan, frameworks):
     """How many cases ``linear_head.run`` times for ``plan``: each variant, then the 2N row."""
-    from .linear_head import variants_of
-
-    return sum(len(variants_of(plan.variants, fw)) + plan.scaling for fw in frameworks)
+    return sum(len(linear_head.variants_of(plan.variants, fw)) + plan.scaling for fw in frameworks)
 
 
 def _noise(mine, base):
@@ -891,16 +879,14 @@ def sampling_plan(env, smoke, full=False):
     K 262144, bf16); on a CPU N 1024 with ``--full`` (the issue's shape), else N 256; at
     smoke size ours and the float32 step at a tiny awkward shape. torch.compile's variant
     only with ``--full`` or on a GPU (it compiles for tens of seconds)."""
-    from .sampling import CPU_SHAPES, GPU_SHAPES, VARIANTS
-
     if smoke:
         return SamplePlan([dict(n=40, k=1000, dtype="float32")], ("ours", "float32"))
-    quick = tuple(v for v in VARIANTS if "+compile" not in v)
+    quick = tuple(v for v in sampling.VARIANTS if "+compile" not in v)
     if env["cuda"]:
-        return SamplePlan(GPU_SHAPES[:1], VARIANTS if full else quick)
+        return SamplePlan(sampling.GPU_SHAPES[:1], sampling.VARIANTS if full else quick)
     if full:
-        return SamplePlan(CPU_SHAPES, VARIANTS)
-    return SamplePlan([dict(CPU_SHAPES[0], n=256)], quick)
+        return SamplePlan(sampling.CPU_SHAPES, sampling.VARIANTS)
+    return SamplePlan([dict(sampling.CPU_SHAPES[0], n=256)], quick)
 
 
 def sampling_summary(draw):
@@ -908,8 +894,6 @@ def sampling_summary(draw):
     ours is (ours-step for the whole step; where the p20-p80 spreads are apart, else within
     noise)."""
     lines = ["Denoising step (one draw over [N, K] logits):"]
-    from .sampling import baseline
-
     ours = {(r["variant"], r["n"], r["k"], r["dtype"]): r for r in draw["results"]
             if r["variant"] in ("ours", "ours-step") and "ms" in r}
     for r in draw["results"]:
@@ -917,7 +901,7 @@ def sampling_summary(draw):
         if "ms" not in r:
             lines.append(f"{what} {r['error'][:60]}")
             continue
-        mine = ours.get((baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
+        mine = ours.get((sampling.baseline(r["variant"]), r["n"], r["k"], r["dtype"]))
         vs = (f"{mine['variant']} {_bar_words(mine, r)}"
               if mine and r["variant"] != mine["variant"] and mine["ms"] > 0 else "")
         lines.append(f"{what} {r['ms']:9.1f} ms {r['gbps']:7.1f} GB/s  {vs}")
