@@ -418,3 +418,20 @@ def test_aot_compile_sm90_no_spills(dtype, teacher):
 def report_of(report, kernel):
     (entry,) = [r for name, r in report.items() if name.startswith(kernel + "[")]
     return entry
+
+
+def test_jax_triton_backends_say_jax_triton_is_missing_first(monkeypatch):
+    """Where neither jax-triton nor Triton imports, each op's JAX Triton module fails at the
+    jax-triton guard, so the registry's reason names jax-triton (what to install beside a
+    GPU jaxlib), not Triton's import machinery: the guard's module is each one's first import."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # "import jax_triton" fails
+    monkeypatch.setitem(sys.modules, "triton", None)
+    for name in ("dlm_kernels._jax.triton", "dlm_kernels.token_stats.jax_triton",
+                 "dlm_kernels.sampling.jax_triton"):
+        _imported_afresh(monkeypatch, name)
+    for name in ("dlm_kernels.token_stats.jax_triton", "dlm_kernels.sampling.jax_triton"):
+        with pytest.raises(ImportError, match="jax-triton is not importable here"):
+            importlib.import_module(name)

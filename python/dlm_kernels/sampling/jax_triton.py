@@ -10,6 +10,9 @@ come from the token statistics' finalize kernel over the splits' statistics, as
 
 from __future__ import annotations
 
+# first: where jax-triton cannot run, the import fails here, saying so
+from .._jax.triton import launch, rows_vmappable, unsupported_reason
+
 import math
 
 import jax
@@ -21,7 +24,6 @@ from ..kernels.triton import sampling as sampler
 from ..kernels.triton import token_stats as kernels
 from .._jax.ops import JaxOps
 from ..token_stats import formulas as stats_math
-from .._jax.triton import launch, rows_vmappable, unsupported_reason
 from ..token_stats.jax_triton import finalize
 
 

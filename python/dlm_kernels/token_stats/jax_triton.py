@@ -10,6 +10,9 @@ static Python scalars are passed by value, so a shard's column offset travels as
 
 from __future__ import annotations
 
+# first: where jax-triton cannot run, the import fails here, saying so
+from .._jax.triton import launch, rows_vmappable, unsupported_reason
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -20,7 +23,6 @@ from ..kernels.layout import PARTIAL_STATE, ROW_STATS
 from ..kernels.triton import token_stats as kernels
 from .._rows import Rows
 from .._jax.ops import JaxOps
-from .._jax.triton import launch, rows_vmappable, unsupported_reason
 
 
 def _scalars(cfg):
