@@ -2,7 +2,7 @@
 
 Each front end declares its own typed ``WeightedSum``, ``DiffusionTokenBatch`` and
 ``DiffusionDistillationBatch`` dataclasses (the JAX ones registered as pytrees); their
-methods call the functions here with the framework's ops adapter.
+methods call the functions here with the framework's binding (``_framework.Framework``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _checks as checks
-from ._ops import Ops
+from ._framework import Framework
 from .linear_head.head import as_logits
 
 
-def weighted_mean(xp: Ops[Any], unreduced_sum: Any, denominator: Any) -> Any:
+def weighted_mean(framework: Framework[Any], unreduced_sum: Any, denominator: Any) -> Any:
     """unreduced_sum / denominator, and exactly 0 (gradient too) when the denominator is 0;
     NaN (never a plausible number) for a NaN or negative denominator, which no weights
     give (what the checks could not read, under jit or torch.compile, is NaN in both sums).
@@ -23,6 +23,7 @@ def weighted_mean(xp: Ops[Any], unreduced_sum: Any, denominator: Any) -> Any:
     The denominator's gradient is formed as -ratio / denominator, not as autodiff's
     -unreduced_sum / denominator², whose square underflows float32 for a denominator below
     about 1e-19 (weights summing to 1e-29 would get an infinite gradient)."""
+    xp = framework.xp
     empty = denominator == 0
     safe = xp.where(empty, 1.0, xp.where(denominator > 0, denominator, float("nan")))
     d0 = xp.stop_gradient(safe)
@@ -32,19 +33,21 @@ def weighted_mean(xp: Ops[Any], unreduced_sum: Any, denominator: Any) -> Any:
     return xp.where(empty, 0.0, ratio)
 
 
-def validate_token_batch(xp: Ops[Any], batch: Any) -> None:
+def validate_token_batch(framework: Framework[Any], batch: Any) -> None:
     """A DiffusionTokenBatch's checks: static ones always (TypeError for a wrong kind or
     dtype, ValueError for a shape); value checks (finite, non-negative weights; active
     targets >= 0) on concrete arrays."""
+    xp = framework.xp
     checks.check_token_batch_static(xp, batch.model_inputs, batch.target_ids, batch.loss_weights)
     checks.check_token_batch_values(xp, batch.target_ids, batch.loss_weights)
 
 
-def validate_distillation_batch(xp: Ops[Any], batch: Any, token_batch: type,
+def validate_distillation_batch(framework: Framework[Any], batch: Any, token_batch: type,
                                 vocab_extent: Callable[[Any], int]) -> None:
     """A DiffusionDistillationBatch's checks: its student batch (a ``token_batch``), the
     teacher logits' shape and dtype against it, and on concrete arrays every active target
     inside the teacher's vocabulary (``vocab_extent(teacher_logits)``)."""
+    xp = framework.xp
     checks.require_instance("student_batch", batch.student_batch, token_batch)
     batch.student_batch.validate()
     student = batch.student_batch

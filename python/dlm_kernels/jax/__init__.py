@@ -75,7 +75,7 @@ class WeightedSum:
     def compute(self) -> jax.Array:
         """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator, NaN
         for a NaN or negative one."""
-        return _contract.weighted_mean(_JAX.xp, self.unreduced_sum, self.denominator)
+        return _contract.weighted_mean(_JAX, self.unreduced_sum, self.denominator)
 
     def replace(self, **fields: jax.Array) -> WeightedSum:
         """A copy with some fields replaced."""
@@ -110,7 +110,7 @@ class DiffusionTokenBatch:
         shape); value checks (finite, non-negative weights; active targets >= 0) on every
         array that holds values (not a traced one; accelerator arrays too, one device sync
         each). Returns self."""
-        _contract.validate_token_batch(_JAX.xp, self)
+        _contract.validate_token_batch(_JAX, self)
         return self
 
     def replace(self, **fields: Any) -> DiffusionTokenBatch:
@@ -142,7 +142,7 @@ class DiffusionDistillationBatch:
         """The student batch's checks, the teacher's shape against it, and every active
         target inside the teacher's vocabulary (where the student batch's value checks
         run). Returns self."""
-        _contract.validate_distillation_batch(_JAX.xp, self, DiffusionTokenBatch,
+        _contract.validate_distillation_batch(_JAX, self, DiffusionTokenBatch,
                                               _FRONT.vocab_extent)
         return self
 

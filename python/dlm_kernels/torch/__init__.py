@@ -71,7 +71,7 @@ class WeightedSum:
     def compute(self) -> torch.Tensor:
         """unreduced_sum / denominator; exactly 0 (gradient too) for a 0 denominator, NaN
         for a NaN or negative one."""
-        return _contract.weighted_mean(_TORCH.xp, self.unreduced_sum, self.denominator)
+        return _contract.weighted_mean(_TORCH, self.unreduced_sum, self.denominator)
 
     def replace(self, **fields: torch.Tensor) -> WeightedSum:
         """A copy with some fields replaced."""
@@ -106,7 +106,7 @@ class DiffusionTokenBatch:
         shape); value checks (finite, non-negative weights; active targets >= 0) on every
         tensor that holds values (not a traced one; CUDA tensors too, one device sync
         each). Returns self."""
-        _contract.validate_token_batch(_TORCH.xp, self)
+        _contract.validate_token_batch(_TORCH, self)
         return self
 
     def replace(self, **fields: Any) -> DiffusionTokenBatch:
@@ -138,7 +138,7 @@ class DiffusionDistillationBatch:
         """The student batch's checks, the teacher's shape against it, and every active
         target inside the teacher's vocabulary (where the student batch's value checks
         run). Returns self."""
-        _contract.validate_distillation_batch(_TORCH.xp, self, DiffusionTokenBatch,
+        _contract.validate_distillation_batch(_TORCH, self, DiffusionTokenBatch,
                                               _FRONT.vocab_extent)
         return self
 
