@@ -20,8 +20,13 @@ A = TypeVar("A", bound="Array")
 
 
 def total(xp: Ops[A], x: A) -> A:
-    """[B, L] -> []: the sum over both axes (rows first)."""
-    return xp.rowsum(xp.rowsum(x))
+    """[B, L] or [B] -> []: the sum over every axis (the last first)."""
+    return xp.rowsum(x) if len(x.shape) == 1 else xp.rowsum(xp.rowsum(x))
+
+
+def anywhere(xp: Ops[A], bad: A) -> A:
+    """[B, L] or [B] bool -> [] bool: any element set."""
+    return xp.any_last(bad) if len(bad.shape) == 1 else xp.any_last(xp.any_last(bad))
 
 
 def invalid_weights(xp: Ops[A], w: A) -> A:
@@ -41,4 +46,4 @@ def bad_weighted_sum(xp: Ops[A], w: A, read: bool) -> A:
     still tested, as it may round past the largest float where the checks' float64 does not)."""
     den = total(xp, w)
     bad = ~xp.isfinite(den) | ((den > 0.0) & (den < F32_TINY))
-    return bad if read else bad | xp.any_last(xp.any_last(invalid_weights(xp, w)))
+    return bad if read else bad | anywhere(xp, invalid_weights(xp, w))

@@ -149,10 +149,6 @@ def policy_inputs(xp, opts, batch, old_logps, advantages, ref_logps, num_items_i
 
 # -- the loss ------------------------------------------------------------------------------
 
-def _sum(xp, x):  # [B, L] or [B] -> []
-    return xp.rowsum(x) if len(x.shape) == 1 else xp.rowsum(xp.rowsum(x))
-
-
 def _indicator(xp, condition):
     return xp.where(condition, 1.0, 0.0)
 
@@ -206,9 +202,9 @@ def policy_terms(xp, opts, logp, entropy, weights, weights_read, old, adv, ref, 
     if kl is not None:
         per_token = per_token + opts.beta * kl
     per_seq = xp.rowsum(xp.where(active, per_token * weights, 0.0))  # [B]
-    total, n = _sum(xp, per_seq), _sum(xp, count)
+    total, n = guards.total(xp, per_seq), guards.total(xp, count)
     if opts.loss_type == "grpo":
-        loss = _sum(xp, per_seq / xp.clamp_min(count, 1.0)) / max(b, 1)
+        loss = guards.total(xp, per_seq / xp.clamp_min(count, 1.0)) / max(b, 1)
     elif opts.loss_type == "bnpo":
         loss = total / xp.clamp_min(n, 1.0)
     elif opts.loss_type == "dr_grpo":
@@ -218,12 +214,12 @@ def policy_terms(xp, opts, logp, entropy, weights, weights_read, old, adv, ref, 
         loss = total / xp.clamp_min(n if num_items is None else num_items, 1.0)
 
     def mean(x):  # [B, L] -> []: TRL's masked mean, Σ w·x / max(Σ w, 1)
-        return _sum(xp, xp.where(active, xp.stop_gradient(x) * weights, 0.0)) / \
+        return guards.total(xp, xp.where(active, xp.stop_gradient(x) * weights, 0.0)) / \
             xp.clamp_min(n, 1.0)
 
     # the clip indicators are per token, or per sequence ([B, 1]), where TRL averages them
     # over the B sequences, each counting once (an empty one too)
-    clip_mean = (lambda x: _sum(xp, x[:, 0]) / float(max(b, 1))) if sequence else mean
+    clip_mean = (lambda x: guards.total(xp, x[:, 0]) / float(max(b, 1))) if sequence else mean
     region = xp.where(low + high > 0.0, 1.0, 0.0)
     terms = dict(loss=loss, clip_ratio_low=clip_mean(low), clip_ratio_high=clip_mean(high),
                  clip_ratio_region=clip_mean(region), kl=None if kl is None else mean(kl),
@@ -235,13 +231,11 @@ def policy_terms(xp, opts, logp, entropy, weights, weights_read, old, adv, ref, 
 def _bad_inputs(xp, weights, weights_read, active, old, adv, ref, num_items):
     """[] bool: a value the checks reject, where they could not read it (the weights'
     elements not again where the checks read them: ``guards.bad_weighted_sum``)."""
-    def any_(x):  # [B, L] or [B] bool -> [] bool
-        return _sum(xp, _indicator(xp, x)) > 0.0
-
-    bad = guards.bad_weighted_sum(xp, weights, weights_read) | any_(~xp.isfinite(adv))
+    bad = (guards.bad_weighted_sum(xp, weights, weights_read)
+           | guards.anywhere(xp, ~xp.isfinite(adv)))
     for logps in (old, ref):
         if logps is not None:
-            bad = bad | any_(active & ~xp.isfinite(logps))
+            bad = bad | guards.anywhere(xp, active & ~xp.isfinite(logps))
     if num_items is not None:
         bad = bad | ~(xp.isfinite(num_items) & (num_items >= 0.0))
     return bad

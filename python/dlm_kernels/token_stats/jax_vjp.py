@@ -16,6 +16,7 @@ from .._jax.vocab_parallel import vocab_parallel_stats
 from .._config import ROW_GROUP, padded_rows
 from .._rows import Rows
 
+
 def _cotangent(rows, stats, grads, cfg, impl, offset=None, axis=None):
     """The bundle's cotangent: the backend's d(logits), d(teacher), and d(shift) from the
     shifted column (summed over the vocabulary shards of ``axis``: one of them holds it)."""

@@ -58,8 +58,6 @@ class TokenStats(NamedTuple):
 assert TokenStats._fields == stats_math.PUBLIC_STATS  # the kernels' returned statistics
 
 
-
-
 def require_dtype(impl, logits):
     """The backend declares the logits' dtype among its capabilities, or an error says so."""
     name = str(logits.dtype).replace("torch.", "")
