@@ -243,6 +243,16 @@ def _imports(tree: ast.AST):
     yield from visit(tree, False)
 
 
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The dotted module a ``from ... import`` of a module in ``package`` names, relative
+    levels resolved."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+
+
 def import_graph(modules: dict[str, pathlib.Path], top: str = "dlm_kernels"):
     """({module: modules it imports}, [(module, line, imported module)] of the imports made
     inside a function) over the package's own modules. ``from a import b`` imports ``a.b``
@@ -268,10 +278,7 @@ def import_graph(modules: dict[str, pathlib.Path], top: str = "dlm_kernels"):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = imported_from(node, package)
                 names = [f"{base}.{alias.name}" if owner(f"{base}.{alias.name}")
                          == f"{base}.{alias.name}" else base for alias in node.names]
             for target in {owner(n) for n in names if n.split(".")[0] in (top, *aliases)}:
@@ -443,10 +450,7 @@ def private_imports(modules: dict[str, pathlib.Path]) -> list[str]:
         for node, _ in _imports(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            base = imported_from(node, package)
             folder = base if base in modules and modules[base].name == "__init__.py" \
                 else base.rpartition(".")[0]
             private = [a.name for a in node.names  # a module of the package is no name
