@@ -978,6 +978,10 @@ FLAGS = [
                                                return_entropy=v), "return_entropy"),
     (lambda api, fw, b, v: api.compute_diffusion_per_token_logps(
         fw, b, _model, return_entropy=v), "return_entropy"),
+    (lambda api, fw, b, v: api.policy_loss(
+        _stats_args(fw)[0].reshape(2, 3, 11), b, old_logps=None,
+        advantages=fw.array(np.zeros(2, np.float32)), loss_type="grpo", inplace_grad=v),
+     "inplace_grad"),
 ]
 
 _MODEL_RUNS = []

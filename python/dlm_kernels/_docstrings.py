@@ -303,6 +303,18 @@ entropy: the mean entropy at the temperature.
 """)
 
 
+#: the ``inplace_grad`` argument of ``token_stats`` and ``policy_loss``
+_INPLACE_GRAD = {
+    "torch": ("opt-in. Write d(logits) into the logits buffer itself instead of a new\n"
+              "    tensor (saves one [..., K] allocation); after backward the logits tensor\n"
+              "    holds the gradient, so nothing else may read those logits afterwards.\n"
+              "    Supported by the chunked and triton backends, for logits given as a tensor\n"
+              "    (with a LinearHead, student or teacher, it is a ValueError)."),
+    "jax": ("torch only (JAX arrays are immutable): True raises a ValueError; donate\n"
+            "    the logits buffer to ``jit`` to let XLA reuse it instead."),
+}
+
+
 _doc("token_stats", """\
 Streaming token statistics of docs/design.md §2, differentiable (custom VJP).
 
@@ -369,15 +381,7 @@ Returns:
             "    ``16384 // chunk_size`` rows padded to that many (one row, one answer:\n"
             "    docs/design.md §2), so a chunk under 2048 columns with few rows copies up to\n"
             "    16384 x K / chunk_size logits (1024 rows of K at a chunk of 16)."),
-}, inplace_grad={
-    "torch": ("opt-in. Write d(logits) into the logits buffer itself instead of a new\n"
-              "    tensor (saves one [..., K] allocation); after backward the logits tensor\n"
-              "    holds the gradient, so nothing else may read those logits afterwards.\n"
-              "    Supported by the chunked and triton backends, for logits given as a tensor\n"
-              "    (with a LinearHead, student or teacher, it is a ValueError)."),
-    "jax": ("torch only (JAX arrays are immutable): True raises a ValueError; donate\n"
-            "    the logits buffer to ``jit`` to let XLA reuse it instead."),
-}, shard_of={
+}, inplace_grad=_INPLACE_GRAD, shard_of={
     "torch": ("vocabulary parallelism. The logits are this rank's contiguous shard of\n"
               "    the vocabulary."),
     "jax": ("vocabulary parallelism (inside ``jax.shard_map``). The logits are this\n"
@@ -539,6 +543,7 @@ Args:
   num_items_in_batch: dapo's and cispo's count, a number or a 0-d {array} (default Σ w):
     across data-parallel ranks, the global token count. TRL's trainer passes that count
     divided by the number of processes, whose gradients DDP then averages.
+  inplace_grad: {inplace_grad}
   backend: None (auto), or one of {backends}.
 
 Returns:
@@ -558,7 +563,7 @@ they can be read without a device sync ({host_arrays}; {device_arrays} inside
 weight is set, a negative or non-finite num_items_in_batch, and the batch's own checks.
 Elsewhere ({device_arrays}, {compile}) they make the loss and every metric NaN, never a
 plausible number.
-""")
+""", inplace_grad=_INPLACE_GRAD)
 
 
 _doc("sample_tokens", """\

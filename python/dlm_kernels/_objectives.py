@@ -406,7 +406,7 @@ class Objectives:
                     epsilon_high=None, delta=None, beta=0.0, ref_logps=None,
                     use_bias_correction_kl=False, importance_sampling_level="token",
                     temperature=1.0, max_completion_length=None, num_items_in_batch=None,
-                    backend=None):
+                    inplace_grad=False, backend=None):
         """TRL GRPOTrainer's policy losses (the public ``policy_loss``): one token-statistics
         call for logp and the entropy at the temperature, the rest ``_policy``'s [B, L] math."""
         opts = _policy.check_policy_options(
@@ -419,7 +419,8 @@ class Objectives:
                                        num_items_in_batch)
         stats, _ = self.front.token_stats_total(logits, batch.target_ids, batch.loss_weights,
                                                 None, temperature=opts.temperature,
-                                                entropy=True, backend=backend)
+                                                entropy=True, inplace_grad=inplace_grad,
+                                                backend=backend)
         terms = _policy.policy_terms(self.xp, opts, stats.logp, stats.entropy,
                                      self.xp.f32(batch.loss_weights), read, *inputs)
         return self.PolicyLossResult(**terms)

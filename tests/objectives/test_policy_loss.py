@@ -565,3 +565,53 @@ def test_jax_policy_loss_under_vocab_parallel(rng):
         assert_close(float(got), float(want), "float32", name)
     assert_close(np.asarray(grad)[..., :K], np.asarray(r_grad), "float32", "d logits")
     assert_exact_zero(np.asarray(grad)[..., K:], "d logits of the padding")
+
+
+# -- the gradient written over the logits (torch, opt-in) ----------------------------------------
+
+_INPLACE_BACKENDS = ["chunked"] + (["triton"] if _INTERPRETED else [])
+
+
+@pytest.mark.parametrize("backend", _INPLACE_BACKENDS)
+def test_inplace_grad_writes_the_same_gradient_over_the_logits(rng, backend):
+    """``inplace_grad=True``: the loss and metrics are bitwise those of the default call, and
+    the backward returns the logits' own storage holding bitwise the default gradient (no
+    second [B, L, K] buffer). Every entry of the buffer is overwritten, inactive rows with
+    exact zeros."""
+    import torch
+
+    fw = framework("torch")
+    z, batch, kw, p = _valid(fw, rng)
+    kw = dict(kw, loss_type="cispo", epsilon_high=1.3, use_bias_correction_kl=True,
+              temperature=T, backend=backend)
+    fields = ("loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region", "kl", "entropy")
+    z0 = z.clone().requires_grad_(True)
+    expected = fw.api.policy_loss(z0, batch, **kw)
+    (d_expected,) = torch.autograd.grad(expected.loss, z0)
+    z1 = z.clone().requires_grad_(True)
+    got = fw.api.policy_loss(z1, batch, inplace_grad=True, **kw)
+    for name in fields:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    (d_got,) = torch.autograd.grad(got.loss, z1)
+    assert d_got.data_ptr() == z1.data_ptr(), "the gradient is a new buffer, not the logits"
+    assert torch.equal(d_got, d_expected), "the gradient written in place differs"
+    assert_exact_zero(d_got.detach().reshape(B * L, K)[~p.active].numpy(),
+                      "d logits at inactive rows")
+
+
+def test_inplace_grad_rejections(rng):
+    """In place needs a logits tensor on a backend that writes it: a LinearHead, the reference
+    backend and JAX raise, naming the argument."""
+    fw = framework("torch")
+    z, batch, kw, p = _valid(fw, rng)
+    with pytest.raises(ValueError, match="inplace_grad=True is not supported by backend "
+                                         "'reference'"):
+        fw.api.policy_loss(z, batch, inplace_grad=True, backend="reference", **kw)
+    head = fw.api.LinearHead(fw.array(p.z[:, :5].reshape(B, L, 5), "float32"),
+                             fw.array(np.ones((K, 5), np.float32)), weight_layout="KD")
+    with pytest.raises(ValueError, match="inplace_grad=True applies to a logits tensor"):
+        fw.api.policy_loss(head, batch, inplace_grad=True, **kw)
+    jx = framework("jax")
+    z, batch, kw, _ = _valid(jx, rng)
+    with pytest.raises(ValueError, match="inplace_grad=True is torch-only"):
+        jx.api.policy_loss(z, batch, inplace_grad=True, **kw)

@@ -506,6 +506,7 @@ def policy_loss(
     temperature: float = 1.0,
     max_completion_length: int | None = None,
     num_items_in_batch: jax.Array | float | None = None,
+    inplace_grad: bool = False,
     backend: str | None = None,
 ) -> PolicyLossResult:
     """TRL ``GRPOTrainer``'s policy losses on a diffusion batch: the scalar loss and the
@@ -552,6 +553,8 @@ def policy_loss(
       num_items_in_batch: dapo's and cispo's count, a number or a 0-d array (default Σ w):
         across data-parallel ranks, the global token count. TRL's trainer passes that count
         divided by the number of processes, whose gradients DDP then averages.
+      inplace_grad: torch only (JAX arrays are immutable): True raises a ValueError; donate
+        the logits buffer to ``jit`` to let XLA reuse it instead.
       backend: None (auto), or one of "reference", "chunked", "triton", "pallas".
 
     Returns:
@@ -578,7 +581,7 @@ def policy_loss(
         ref_logps=ref_logps, use_bias_correction_kl=use_bias_correction_kl,
         importance_sampling_level=importance_sampling_level, temperature=temperature,
         max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-        backend=backend)
+        inplace_grad=inplace_grad, backend=backend)
 
 
 # -- the denoising step ------------------------------------------------------------------------

@@ -488,6 +488,7 @@ def policy_loss(
     temperature: float = 1.0,
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
+    inplace_grad: bool = False,
     backend: str | None = None,
 ) -> PolicyLossResult:
     """TRL ``GRPOTrainer``'s policy losses on a diffusion batch: the scalar loss and the
@@ -534,6 +535,11 @@ def policy_loss(
       num_items_in_batch: dapo's and cispo's count, a number or a 0-d tensor (default Σ w):
         across data-parallel ranks, the global token count. TRL's trainer passes that count
         divided by the number of processes, whose gradients DDP then averages.
+      inplace_grad: opt-in. Write d(logits) into the logits buffer itself instead of a new
+        tensor (saves one [..., K] allocation); after backward the logits tensor
+        holds the gradient, so nothing else may read those logits afterwards.
+        Supported by the chunked and triton backends, for logits given as a tensor
+        (with a LinearHead, student or teacher, it is a ValueError).
       backend: None (auto), or one of "reference", "chunked", "triton".
 
     Returns:
@@ -560,7 +566,7 @@ def policy_loss(
         ref_logps=ref_logps, use_bias_correction_kl=use_bias_correction_kl,
         importance_sampling_level=importance_sampling_level, temperature=temperature,
         max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-        backend=backend)
+        inplace_grad=inplace_grad, backend=backend)
 
 
 # -- the denoising step ------------------------------------------------------------------------
