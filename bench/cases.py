@@ -76,12 +76,35 @@ def rotate_sets(objective, n, k, dtype, budget_bytes):
     return ROTATE if case_bytes(objective, n, k, dtype, ROTATE) <= budget_bytes else 1
 
 
-def objective_loss(dk, objective, z, batch, backend):
+#: the suffix of a variant of ours that writes the logits' gradient over the logits
+#: (``inplace_grad=True``; torch, the policy objective): "chunked+inplace"
+INPLACE = "+inplace"
+
+
+def ours_backend(variant):
+    """(backend, inplace_grad) of a variant of ours: "chunked+inplace" -> ("chunked", True)."""
+    if variant.endswith(INPLACE):
+        return variant[:-len(INPLACE)], True
+    return variant, False
+
+
+def writes_inputs(variant):
+    """Whether a variant writes its gradient into its input logits (Liger; ours in place):
+    it needs input sets of its own, and after its first call they hold gradients (the pass
+    structure, and so the timing, is the same; the values are not meaningful)."""
+    return variant == "liger" or variant.endswith(INPLACE)
+
+
+def objective_loss(dk, objective, z, batch, backend, inplace_grad=False):
     """The scalar loss of one benchmarked objective through front end dk (torch or JAX):
     ce = weighted CE; policy = TRL's GRPO loss (``policy_loss``, loss type dapo, off-policy
     ratios, the entropy metric from the same pass);
     opd = on-policy distillation, T = 2 soft KL plus a 0.5-weighted hard CE;
-    sft = the Megatron-Bridge SFT loss, variant reweighted-loo-ce, summed over the batch."""
+    sft = the Megatron-Bridge SFT loss, variant reweighted-loo-ce, summed over the batch.
+    ``inplace_grad``: policy only (the objective that takes it)."""
+    if inplace_grad and objective != "policy":
+        raise ValueError(f"an in-place variant is benchmarked for the policy objective only; "
+                         f"got objective {objective!r}")
     if objective == "sft":
         return dk.diffusion_sft_loss(z, batch.x0, batch.xt, batch.t, batch.loss_mask,
                                      variant=SFT_VARIANT, vocab_size=z.shape[-1],
@@ -91,7 +114,8 @@ def objective_loss(dk, objective, z, batch, backend):
     if objective == "policy":
         return dk.policy_loss(z, batch.batch, old_logps=batch.old_logps,
                               advantages=batch.advantages, loss_type=POLICY_LOSS_TYPE,
-                              epsilon=POLICY_EPSILON, backend=backend).loss
+                              epsilon=POLICY_EPSILON, inplace_grad=inplace_grad,
+                              backend=backend).loss
     total, _ = dk.opd_loss(z, batch, temperature=2.0, soft_loss_weight=1.0, hard_loss_weight=0.5,
                           backend=backend)
     return total.compute()
@@ -104,13 +128,14 @@ def objective_loss(dk, objective, z, batch, backend):
 class TorchCase:
     """``variant``: a backend name, or "reference+compile" (torch.compile of the reference),
     "upstream" / "upstream+compile" (the materialised loss users write, bench/upstream.py,
-    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only). Liger
-    writes its gradient into the logits during the forward pass, so after the first call its
-    inputs hold gradients: the pass structure (and so the timing) is the same, the values are
-    not meaningful. ``rotate``: how many input sets the calls cycle through (``ROTATE``; 1
+    eager or under torch.compile), or "liger" (Liger-Kernel's cross entropy; ce only), or a
+    backend with "+inplace" (ours with ``inplace_grad=True``; policy only). Liger writes its
+    gradient into the logits during the forward pass, ours in place during the backward, so
+    after the first call their inputs hold gradients: the pass structure (and so the timing)
+    is the same, the values are not meaningful. ``rotate``: how many input sets the calls cycle through (``ROTATE``; 1
     where two would not fit in memory, ``rotate_sets``). ``sets``: another case's input sets
     to use instead of drawing new ones (the variants of one shape timed side by side read
-    the same tensors; never Liger's, which writes into them)."""
+    the same tensors; never those of a variant that writes into them, ``writes_inputs``)."""
 
     framework = "torch"
 
@@ -124,8 +149,10 @@ class TorchCase:
         self.device = torch.device(device)
         self._loss = self._make_loss()
         self._graphs = {}
-        # compiled backwards donate their buffers: no retain_graph, so bwd is derived there
-        self.separate_bwd = not variant.endswith("+compile")
+        # compiled backwards donate their buffers, and an in-place backward overwrites the
+        # logits its graph saved (a second backward of one graph raises): no retain_graph,
+        # so bwd is derived there
+        self.separate_bwd = not (variant.endswith("+compile") or variant.endswith(INPLACE))
         if sets is not None:  # another case's inputs (``sets``): the same draw, no copy
             self.rotate, self.sets = len(sets), sets
             return
@@ -159,7 +186,8 @@ class TorchCase:
 
     def _make_loss(self):
         dk, torch, obj = self.dk, self.torch, self.objective
-        backend = "reference" if self.variant == "reference+compile" else self.variant
+        backend, inplace = ours_backend(
+            "reference" if self.variant == "reference+compile" else self.variant)
         if self.variant.startswith("upstream"):
             if self.variant == "upstream":
                 return lambda z, b: torch_loss(obj, z, b)
@@ -174,7 +202,7 @@ class TorchCase:
             return lambda z, b: ce(z.view(-1, z.shape[-1]), b.target_ids.view(-1))
 
         def loss(z, b):
-            return objective_loss(dk, obj, z, b, backend)
+            return objective_loss(dk, obj, z, b, backend, inplace)
 
         if self.variant == "reference+compile":
             # Each case compiles afresh at its static shape. Dynamo keys its cache on the code

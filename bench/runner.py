@@ -3,7 +3,7 @@
     python -m bench              # quick: QUICK_ESTIMATE on a quiet 2-core CPU (its estimate)
     python -m bench --full       # the whole grid: on a GPU the real model vocabularies
     python -m bench --smoke      # seconds; what the test suite runs
-    python -m bench --cpu-target # issue 30's CPU grid (N 4096, K 32k and 128k): an hour or more
+    python -m bench --cpu-target # the CPU target grid (N 4096, K 32k and 128k): an hour or more
     dlm-kernels-bench ...        # the same, installed as a command (any directory)
 
 Per objective (ce, sft, policy, opd) x framework x backend x shape x mode (fwd, bwd, fwd+bwd) it
@@ -21,9 +21,9 @@ summary, what was measured apart first, then what is within noise, then the load
 summary and full tables go to ``<out>/<device>-<date>.{json,md,png}`` (``--out``, by
 default ``./bench-results``).
 
-``--cpu-target`` times issue 30's CPU target grid instead: ce, sft and opd at N 4096,
-K 32768 and 131072, float32 and bf16; torch chunked beside eager and torch.compile of the
-upstream loss, JAX chunked beside jitted upstream; with ``--busy-core`` the torch CE
+``--cpu-target`` times the CPU target grid instead: ce, sft, policy and opd at N 4096,
+K 32768 and 131072, float32 and bf16; torch chunked (for policy also with its gradient
+written over the logits, ``inplace_grad``) beside eager and torch.compile of the upstream loss, JAX chunked beside jitted upstream; with ``--busy-core`` the torch CE
 K 32768 float32 cases once more beside a busy loop. No linear head or denoising step; files
 ``<device>-<date>-cpu-target.*``, a summary per objective, shape and dtype.
 """
@@ -46,7 +46,8 @@ from dlm_kernels.testing import new_seed, tolerance
 
 from . import linear_head, sampling, shapes
 from .cli import detect, device_slug, try_import
-from .cases import ROTATE, JaxCase, TorchCase, case_bytes, rotate_sets, upstream_bytes
+from .cases import (ROTATE, JaxCase, TorchCase, case_bytes, ours_backend, rotate_sets,
+                    upstream_bytes, writes_inputs)
 from .memory import cpu_peak_bytes, cuda_peak_delta, meminfo_bytes, package_cwd
 from .plot import PEER_NAMES, plot
 from .progress import (Progress, clock, load_line, ratio_words, spread_verdict, summary,
@@ -217,12 +218,13 @@ def run_case(env, fw, objective, variant, label, n, k, dtype, copy_gbps, args, r
 
 
 def _make_cases(env, fw, objective, names, n, k, dtype, rotate):
-    """{variant: its case, or the error that building it raised}; every variant but Liger
-    (which writes its gradient into its inputs) reads the first one's input sets."""
+    """{variant: its case, or the error that building it raised}; every variant but those
+    that write their gradient into their inputs (``writes_inputs``) reads the first one's
+    input sets."""
     cuda = env["cuda"] and fw == "torch"
     cases, shared = {}, None
     for variant in names:
-        own = variant == "liger"
+        own = writes_inputs(variant)
         try:
             if fw == "torch":
                 case = TorchCase(objective, variant, n, k, dtype, "cuda" if cuda else "cpu",
@@ -448,10 +450,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case (default: 5 on a CPU, 10 on a GPU)")
     p.add_argument("--cpu-target", action="store_true",
-                   help="issue 30's CPU target grid in place of the quick one: "
+                   help="the CPU target grid in place of the quick one: "
                         f"{', '.join(shapes.CPU_TARGET_OBJECTIVES)} at N 4096, K 32768 and "
-                        "131072, float32 and bf16; torch chunked, upstream and "
-                        "upstream+compile, JAX chunked and upstream (jit); with --busy-core "
+                        "131072, float32 and bf16; torch chunked (policy: also in place), "
+                        "upstream and upstream+compile, JAX chunked and upstream (jit); with --busy-core "
                         "the torch CE K 32768 float32 cases once more beside a busy loop. "
                         "An hour or more on 2 cores (it prints its estimate at start)")
     p.add_argument("--objectives", default=None,
@@ -546,12 +548,13 @@ def main(argv=None):
     if args.cpu_target:
         cases = [(fw, index, shape, obj, variant, False)
                  for fw in frameworks for index, shape in enumerate(grid) for obj in objectives
-                 for variant in shapes.CPU_TARGET_VARIANTS[fw]]
+                 for variant in shapes.cpu_target_variants(fw, obj)]
         repeat = shapes.CPU_TARGET_BUSY
         if (args.busy_core and repeat["framework"] in frameworks
                 and repeat["objective"] in objectives):
             cases += [(repeat["framework"], 0, repeat["shape"], repeat["objective"], variant, True)
-                      for variant in shapes.CPU_TARGET_VARIANTS[repeat["framework"]]]
+                      for variant in shapes.cpu_target_variants(repeat["framework"],
+                                                                repeat["objective"])]
         rotate = cpu_target_memory(cases)
         usable_bytes = 0.85 * (meminfo_bytes("MemAvailable") or float("inf"))
     else:
@@ -699,7 +702,7 @@ def start_busy_loop():
 
 #: rough forward+backward nanoseconds per logit by (framework, variant) and objective on a
 #: 2-core Xeon: chunked, upstream and upstream+compile at N 4096, K 32768 (bench/NOTES.md,
-#: issue 30; the JAX sft and opd ones guessed from its CE), reference at N 256, K 16384
+#: the CPU target grid; the JAX sft and opd ones guessed from its CE), reference at N 256, K 16384
 #: (the quick run of 2026-12-02; its policy and sft taken as CE's), for the run-time estimate
 _NS_PER_LOGIT = {("torch", "chunked"): {"ce": 4.5, "sft": 5.0, "policy": 5.0, "opd": 19.0},
                  ("torch", "upstream"): {"ce": 6.5, "sft": 15.5, "policy": 10.0, "opd": 29.0},
@@ -740,7 +743,7 @@ def case_seconds(fw, n, k, dtype, obj, variant, sets, reps):
     """One case's estimated seconds on a 2-core CPU (``_NS_PER_LOGIT``; fwd taken as 35 % of
     fwd+bwd, as in bench/NOTES.md): its input sets, fwd and fwd+bwd timed, torch's separate
     bwd (not under compile), its memory probe's call, each compile."""
-    ns = _NS_PER_LOGIT.get((fw, variant), {})
+    ns = _NS_PER_LOGIT.get((fw, ours_backend(variant)[0]), {})
     fb = ns.get(obj, max(ns.values(), default=20.0)) * n * k * 1e-9 + _CALL_FLOOR_S
     total = _CASE_S.get(fw, 1.0) + _SETUP_NS * n * k * 1e-9 * sets * (2 if obj == "opd" else 1)
     total += _measure_seconds(0.35 * fb, reps) + _measure_seconds(fb, reps)

@@ -28,7 +28,7 @@ QUICK_CPU_SHAPES = [(f"cpu-N256-K{k // 1024}k" + ("-bf16" if dtype == "bfloat16"
                      256, k, dtype)
                     for dtype in ("float32", "bfloat16") for k in (2048, 4096, 16384)]
 SMOKE_SHAPES = [("smoke-N64-K1271", 64, 1271, "float32")]
-# --cpu-target: issue 30's CPU target grid, the smaller vocabulary first (a run cut short
+# --cpu-target: the CPU target grid, the smaller vocabulary first (a run cut short
 # keeps it): what torch chunked must be at least as fast as torch.compile on
 CPU_TARGET_SHAPES = [(f"cpu-N4096-K{k // 1024}k" + ("-bf16" if dtype == "bfloat16" else ""),
                       4096, k, dtype)
@@ -36,6 +36,15 @@ CPU_TARGET_SHAPES = [(f"cpu-N4096-K{k // 1024}k" + ("-bf16" if dtype == "bfloat1
 CPU_TARGET_OBJECTIVES = ("ce", "sft", "policy", "opd")
 CPU_TARGET_VARIANTS = {"torch": ("chunked", "upstream", "upstream+compile"),
                        "jax": ("chunked", "upstream")}
+#: more variants of ours at the CPU target, by (framework, objective): the policy loss with
+#: its gradient written over the logits (``inplace_grad=True``), the memory target's option
+CPU_TARGET_EXTRA = {("torch", "policy"): ("chunked+inplace",)}
+
+
+def cpu_target_variants(framework, objective):
+    """The variants timed at the CPU target for one framework and objective."""
+    return (CPU_TARGET_VARIANTS[framework][:1] + CPU_TARGET_EXTRA.get((framework, objective), ())
+            + CPU_TARGET_VARIANTS[framework][1:])
 # with --busy-core, these cases once more beside a busy loop (the label gains "-busy")
 CPU_TARGET_BUSY = dict(shape=CPU_TARGET_SHAPES[0], objective="ce", framework="torch")
 

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from harness import assert_close
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -164,10 +166,28 @@ def _same_loss_as_ours(variant, objective="ce"):
         z, batch = case.sets[0]
         value = case._loss(z, batch)
         (grad,) = torch.autograd.grad(value, z)
-        out.append((value.detach().double().numpy(), grad.double().numpy()))
+        out.append((value.detach().double().numpy(), grad.detach().double().numpy()))
     (v_ours, g_ours), (v_peer, g_peer) = out
     assert_close(v_peer, v_ours, "float32", f"{variant} loss")
     assert_close(g_peer, g_ours, "float32", f"{variant} d logits")
+
+
+def test_the_inplace_policy_variant_times_our_loss(monkeypatch):
+    """"chunked+inplace" (policy_loss with inplace_grad=True) is the chunked loss and gradient,
+    on input sets of its own (it writes into them) and with its backward derived (a second
+    backward of one graph would read the overwritten logits); other objectives refuse it."""
+    monkeypatch.syspath_prepend(ROOT)
+    from bench.cases import TorchCase, writes_inputs
+
+    _same_loss_as_ours("chunked+inplace", "policy")
+    case = TorchCase("policy", "chunked+inplace", 16, 257, "float32", "cpu", rotate=1)
+    (grad,) = case.fwdbwd(0)
+    assert grad.data_ptr() == case.sets[0][0].data_ptr(), "not written over the logits"
+    assert writes_inputs("chunked+inplace") and not writes_inputs("chunked")
+    assert not case.separate_bwd
+    ce = TorchCase("ce", "chunked+inplace", 16, 257, "float32", "cpu", rotate=1)
+    with pytest.raises(ValueError, match="policy objective only; got objective 'ce'"):
+        ce.fwd(0)
 
 
 def test_upstream_baselines_time_our_loss(monkeypatch):
@@ -979,9 +999,9 @@ def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
 
 
 def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
-    """--cpu-target (issue 30's CPU target): ce, sft, policy and opd at N 4096, K 32768 and 131072,
-    float32 and bf16; torch chunked, upstream and upstream+compile, then JAX chunked and
-    upstream; with --busy-core the torch CE K 32768 float32 cases once more, the busy loop
+    """--cpu-target (the CPU target grid): ce, sft, policy and opd at N 4096, K 32768 and 131072,
+    float32 and bf16; torch chunked, upstream and upstream+compile (and for policy the
+    chunked loss with its gradient written in place), then JAX chunked and upstream; with --busy-core the torch CE K 32768 float32 cases once more, the busy loop
     started for them only; files of their own; an estimate first; the summary per objective,
     shape and dtype. Cases are stubs (no timing)."""
     monkeypatch.syspath_prepend(ROOT)
@@ -1003,7 +1023,8 @@ def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
         rows = []
         for variant in names:
             timed.append((fw, objective, variant, label, n, k, dtype, rotate))
-            ms = {"chunked": 10.0, "upstream": 40.0, "upstream+compile": 20.0}[variant]
+            ms = {"chunked": 10.0, "chunked+inplace": 10.0, "upstream": 40.0,
+                  "upstream+compile": 20.0}[variant]
             rows += [dict(framework=fw, objective=objective, backend=variant, shape=label, n=n,
                           k=k, dtype=dtype, mode=m, ms=ms, p20=ms, p80=ms, gbps=1.0,
                           pct_copy=5.0, peak_bytes=2**20 * ms, rotate=rotate)
@@ -1021,10 +1042,11 @@ def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
     grid = {(n, k, dtype) for *_, n, k, dtype, _ in quiet}
     assert grid == {(4096, k, d) for k in (32768, 131072) for d in ("float32", "bfloat16")}
     assert {(fw, v) for fw, _, v, *_ in quiet} == {
-        ("torch", "chunked"), ("torch", "upstream"), ("torch", "upstream+compile"),
-        ("jax", "chunked"), ("jax", "upstream")}
+        ("torch", "chunked"), ("torch", "chunked+inplace"), ("torch", "upstream"),
+        ("torch", "upstream+compile"), ("jax", "chunked"), ("jax", "upstream")}
     assert {o for _, o, *_ in quiet} == {"ce", "sft", "policy", "opd"}
-    assert len(quiet) == 4 * 4 * 5 and len(set(quiet)) == len(quiet)
+    assert {o for _, o, v, *_ in quiet if v == "chunked+inplace"} == {"policy"}
+    assert len(quiet) == 4 * (4 * 5 + 1) and len(set(quiet)) == len(quiet)
     busy = timed[len(quiet):]  # last, beside the loop started after the quiet grid
     assert [(fw, o, v, label, k, d) for fw, o, v, label, _, k, d, _ in busy] == [
         ("torch", "ce", v, "cpu-N4096-K32k-busy", 32768, "float32")

@@ -1,4 +1,4 @@
-"""The package's internal host layer type-checks (issue 41): basedpyright, where installed,
+"""The package's internal host layer type-checks: basedpyright, where installed,
 reports no error in the framework-neutral code (the objectives, the checks, the
 configuration, the dispatch, the ops protocol and its two adapters, the token-statistics op
 with its lowering, math and VJPs, the sampler, the linear head) nor in the two front ends,
@@ -20,7 +20,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "python" / "dlm_kernels"
 
-#: the internals of issue 41, as paths under the package
+#: the internals checked, as paths under the package
 FILES = (
     "_objectives.py",
     "_policy.py",

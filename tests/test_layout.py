@@ -387,7 +387,7 @@ LAYERS = (
     ("root", ("dlm_kernels",)),
     ("benchmark", ("dlm_kernels.bench",)),
 )
-#: arrows back up the layers (issue 41 allows 3): none
+#: arrows back up the layers: none
 MAX_ARROWS_UP = 0
 
 

@@ -1,4 +1,4 @@
-"""Upstream's error wording and classes (issue 29 §3): each phrase that Tunix's diffusion
+"""Upstream's error wording and classes: each phrase that Tunix's diffusion
 batch, logits validation, distillation loss, policy scorer and rollout merge and
 Megatron-Bridge's DiffusionGemma losses put in their messages is contained in ours, raised
 with upstream's class, while ours keeps its details (the argument, the value, the index).
