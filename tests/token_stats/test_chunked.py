@@ -299,6 +299,50 @@ def test_compiled_forward_falls_back_when_it_cannot_compile(rng, monkeypatch):
     assert not tc._Compiled.failed and tc.use_compiled(1 << 20)
 
 
+def test_inplace_backward_that_fails_after_a_block_raises(rng, monkeypatch, compiled_loops):
+    """The compiled backward writing over the logits (``inplace_grad``): a failure at its
+    first block leaves the logits untouched and the eager tiles answer (the gradient within
+    float32's rounding);
+    a failure at a later block cannot be undone (the blocks before hold gradients, not
+    logits), so it raises rather than let the eager tiles read gradients as logits."""
+    import torch
+
+    import dlm_kernels.torch as dk
+
+    tc = compiled_loops
+    monkeypatch.setattr(tc, "BLOCK_BYTES", 5 * 4 * 1271)  # 12 rows: blocks 0-5, 5-10, 10-12
+    z0 = torch.tensor(rng.normal(size=(12, 1271)) * 3, dtype=torch.float32)
+    y = torch.tensor(rng.integers(0, 1271, 12))
+
+    def grad(inplace):
+        z = z0.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(dk.token_stats(z, y, inplace_grad=inplace).logp.sum(), z)
+        return g.detach().clone()
+
+    expected = grad(False)
+    real, calls = tc._Compiled.grads_over, []
+
+    def failing_at(block):
+        def run(z, *rest):
+            calls.append(z.shape[0])
+            if len(calls) == block:
+                raise RuntimeError("recompile limit")
+            return real(z, *rest)
+        return run
+
+    monkeypatch.setattr(tc._Compiled, "warned", True)  # (the warning has its own test)
+    monkeypatch.setattr(tc._Compiled, "grads_over", failing_at(1))
+    # the eager tiles' gradient: the same values, summed in their own order (a compile that
+    # fails changes the path, and says so once: ``_fell_back``)
+    assert_close(grad(True).numpy(), expected.numpy(), "float32", "d logits")
+    calls.clear()
+    monkeypatch.setattr(tc._Compiled, "grads_over", failing_at(2))
+    with pytest.raises(RuntimeError, match=r"failed at rows 5-10 of 12 after writing the rows "
+                                           r"before them over the logits"):
+        grad(True)
+    assert tc._Compiled.worked and not tc._Compiled.failed
+
+
 def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compiled_loops,
                                                         torch_config):
     """Inductor fixes a loop nest's threads from the sizes of the call that compiled it, and

@@ -89,8 +89,7 @@ class ChunkedTorch(BackendBase):
         if not use_row_blocks(z):
             _grads_into(dz, du, rows, stats, grads, cfg, offset)
             return dz, du
-        if (not inplace and use_compiled(k)
-                and compiled_grads(dz, du, rows, stats, grads, cfg, offset)):  # one loop nest
+        if use_compiled(k) and compiled_grads(dz, du, rows, stats, grads, cfg, offset):
             return dz, du
 
         def block(r0, r1):

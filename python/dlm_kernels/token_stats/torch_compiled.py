@@ -11,7 +11,9 @@ Eager, each cached tile takes a few ATen calls, each a pass over the tile
 one C++ loop nest: the forward reads each [R, C] tile twice (its row max, then its sums) and
 writes only the [R] state, which tiles merge as the chunk loop merges chunks; the backward
 reads the logits (and the teacher) once and writes the gradient in its dtype, into the
-buffer the backend allocated. No [R, K] temporary (bench/NOTES.md, "Compiled loops and huge
+buffer the backend allocated or, with ``inplace_grad``, over the logits themselves (the same
+code, so the same bits; each element's gradient reads the logits at its own position alone).
+No [R, K] temporary (bench/NOTES.md, "Compiled loops and huge
 pages").
 
 The compile takes seconds, once per configuration and dtype in a process (with a LOO shift,
@@ -72,12 +74,21 @@ def _block_grads(dz, du, z, u, targets, active, shift_ids, shift, cols, stats, g
         du.copy_(gu)
 
 
+def _block_grads_over(z, du, u, targets, active, shift_ids, shift, cols, stats, grads,
+                      cfg: Lowered) -> None:
+    # ``_block_grads`` with the gradient written over z itself (``inplace_grad``): each
+    # element of the gradient reads z at its own position alone, so one loop may read an
+    # element and write its gradient there
+    _block_grads(z, du, z, u, targets, active, shift_ids, shift, cols, stats, grads, cfg)
+
+
 class _Compiled:
     """The compiled ``_block_state`` (made at its first use) and what its compiles did."""
 
     lock = threading.Lock()
     fn: Optional[Callable[..., stats_math.State]] = None
     grads: Optional[Callable[..., None]] = None
+    grads_over: Optional[Callable[..., None]] = None  # the gradient over the logits
     failed = False  # no compile has worked and one failed: no compiler on this machine
     worked = False
     warned = False
@@ -89,6 +100,7 @@ def _compiled() -> Optional[Callable[..., stats_math.State]]:
             compile_ = lambda f: torch.compile(f, dynamic=True, fullgraph=True,  # noqa: E731
                                                options=_OPTIONS)
             _Compiled.fn, _Compiled.grads = compile_(_tile_state), compile_(_block_grads)
+            _Compiled.grads_over = compile_(_block_grads_over)
             logger.warning(
                 "dlm_kernels: compiling the chunked backend's CPU loops with Inductor for this "
                 "first call of %d or more columns (several seconds, once per process and "
@@ -219,11 +231,11 @@ def _shifted_rows(local_ids, col_spans) -> list:
 
 
 def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int = 0) -> bool:
-    """Writes d(logits) (and d(teacher)) of ``rows`` into dz, du [N, K] (CPU, neither the
-    logits themselves) with the compiled block loop: one pass that reads the logits (and
-    the teacher) and writes the gradient. False, nothing written, when the compile is
-    unavailable."""
-    if _compiled() is None or _Compiled.grads is None:
+    """Writes d(logits) (and d(teacher)) of ``rows`` into dz, du [N, K] (CPU; dz may be the
+    logits themselves, ``inplace_grad``) with the compiled block loop: one pass that reads
+    the logits (and the teacher) and writes the gradient, the same code and so the same
+    bits either way. False, nothing written, when the compile is unavailable."""
+    if _compiled() is None or _Compiled.grads is None or _Compiled.grads_over is None:
         return False
     if rows.logits.shape[0] == 1:  # two copies of the row, the first one kept
         dz2 = torch.empty((2, *dz.shape[1:]), dtype=dz.dtype)
@@ -244,10 +256,19 @@ def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int =
     for r0, r1 in row_blocks(n, k):
         sl = slice(r0, r1)
         part = lambda v: None if v is None else v[sl]  # noqa: E731
+        block = (*(part(f) for f in ids[2:]), cols, type(stats)(*(f[sl] for f in stats)),
+                 tuple(g[sl] for g in grads), cfg)
         try:
-            _Compiled.grads(dz[sl], part(du), z[sl], part(u), *(part(f) for f in ids[2:]), cols,
-                            type(stats)(*(f[sl] for f in stats)), tuple(g[sl] for g in grads), cfg)
+            if dz is z:  # one tensor passed once: the loop reads and writes it
+                _Compiled.grads_over(z[sl], part(du), part(u), *block)
+            else:
+                _Compiled.grads(dz[sl], part(du), z[sl], part(u), *block)
         except Exception as err:  # noqa: BLE001 - as in compiled_partial
-            _fell_back(err)  # at any block: the eager loop writes every block again
+            if dz is z and r0 > 0:  # the rows before r0 hold their gradient, not logits
+                raise RuntimeError(
+                    f"dlm_kernels: the compiled CPU backward failed at rows {r0}-{r1} of {n} "
+                    f"after writing the rows before them over the logits (inplace_grad=True), "
+                    f"so they cannot be computed again: {type(err).__name__}: {err}") from err
+            _fell_back(err)  # the eager loop writes every block again
             return False
     return True
