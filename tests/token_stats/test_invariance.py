@@ -34,13 +34,13 @@ def test_one_row_one_answer_compiled_loops(compiled_loops):
     check_one_row_one_answer("torch", "chunked", 4500, "teacher")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_inplace_grad_writes_the_same_bits(compiled_loops, dtype):
+def test_inplace_grad_writes_the_same_bits(compiled_loops):
     """``inplace_grad=True`` writes bitwise the gradient of the default call, on the compiled
     loops as on the eager paths: at K 4500 (compiled loops at every K, ``compiled_loops``)
     and at K 12000 on the eager tiles (the compiled loops' threshold past K). The in-place
     backward took the eager tiles wherever the default took the compiled loops: 1.1 M of
-    2^24 elements an ulp or so apart at N 512, K 32768 (policy_loss), and 1.7x slower."""
+    2^24 elements an ulp or so apart at N 512, K 32768 (policy_loss), and 1.7x slower.
+    float32 logits: a bfloat16 gradient's rounding hid the difference."""
     import numpy as np
     import torch
 
@@ -49,7 +49,7 @@ def test_inplace_grad_writes_the_same_bits(compiled_loops, dtype):
     rng = np.random.default_rng(7)
     for k, threshold in ((4500, 0), (12000, 1 << 30)):
         compiled_loops.COMPILE_MIN_VOCAB = threshold
-        z0 = torch.tensor(rng.normal(size=(5, k)) * 3, dtype=getattr(torch, dtype))
+        z0 = torch.tensor(rng.normal(size=(5, k)) * 3, dtype=torch.float32)
         y = torch.tensor(rng.integers(0, k, 5))
         w = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.5])
         cot = [torch.tensor(rng.normal(size=5), dtype=torch.float32) for _ in range(3)]
