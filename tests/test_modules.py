@@ -147,6 +147,11 @@ def policy_inputs(rng):
                        ref_logps=logps(), num_items_in_batch=torch.tensor(11.0))
 
 
+#: (keyword, module) pairs a module leaves out: a fused module has no logits tensor to write
+#: its gradient over (``inplace_grad`` with a LinearHead is a ValueError in the function)
+NO_LOGITS_TENSOR = {("inplace_grad", dn.FusedLinearPolicyLoss)}
+
+
 def test_policy_modules_take_every_keyword_of_the_function():
     """Every keyword of policy_loss is a constructor option or a forward argument of both
     modules (with the function's default)."""
@@ -157,7 +162,7 @@ def test_policy_modules_take_every_keyword_of_the_function():
         taken = {**inspect.signature(module.__init__).parameters,
                  **inspect.signature(module.forward).parameters}
         for name, param in function.items():
-            if name in ("logits", "batch"):
+            if name in ("logits", "batch") or (name, module) in NO_LOGITS_TENSOR:
                 continue
             assert name in taken, (module.__name__, name)
             assert taken[name].default == param.default, (module.__name__, name)
@@ -173,6 +178,21 @@ def test_policy_module_matches_the_function():
                 "policy")
     assert module(z, batch, **kw) == dk.policy_loss(z, batch, **POLICY, **kw)
     assert list(module.parameters()) == [] and module.state_dict() == {}
+
+
+def test_policy_module_writes_its_gradient_in_place():
+    """PolicyLoss(inplace_grad=True): the function's loss, and its gradient written over the
+    logits (bitwise the default's); a non-bool option is a TypeError at construction."""
+    rng = np.random.default_rng(new_seed())
+    batch, kw = policy_inputs(rng)
+    z = torch.as_tensor(rng.normal(size=(B, L, K))).float()
+    (_, (expected,)) = run(lambda z: dk.policy_loss(z, batch, **POLICY, **kw).loss, [z], 1.0)
+    module = dn.PolicyLoss(**POLICY, inplace_grad=True, backend="chunked")
+    z1 = z.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(module(z1, batch, **kw).loss, z1)
+    assert grad.data_ptr() == z1.data_ptr() and torch.equal(grad, expected)
+    with pytest.raises(TypeError, match="inplace_grad must be True or False; got 'yes'"):
+        dn.PolicyLoss(**POLICY, inplace_grad="yes")
 
 
 def test_fused_linear_policy_module_matches_the_function():
@@ -247,6 +267,8 @@ def test_modules_take_every_keyword_of_their_function(module):
     wrong = []
     for i, p in enumerate(inspect.signature(fn).parameters.values()):
         if p.kind is p.KEYWORD_ONLY and p.name in forward:  # per-batch tensors (policy)
+            continue
+        if (p.name, module) in NO_LOGITS_TENSOR:
             continue
         if p.kind is p.KEYWORD_ONLY:
             q = init.get(p.name)

@@ -28,6 +28,7 @@ import torch
 from .._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
                        check_positive_float, check_positive_int, check_vocab_size)
 from ..linear_head.head import LAYOUTS, VOCAB_MAJOR
+from .._checks import flag as check_flag
 from .._policy import check_policy_options
 from .._schedule import normalize_variant
 from . import (DiffusionDistillationBatch, DiffusionTokenBatch, LinearHead, Logits,
@@ -270,7 +271,8 @@ class _PolicyLossBase(torch.nn.Module):
                  epsilon_high: float | None = None, delta: float | None = None,
                  beta: float = 0.0, use_bias_correction_kl: bool = False,
                  importance_sampling_level: str = "token", temperature: float = 1.0,
-                 max_completion_length: int | None = None, backend: str | None = None) -> None:
+                 max_completion_length: int | None = None, inplace_grad: bool = False,
+                 backend: str | None = None) -> None:
         super().__init__()
         options = check_policy_options(
             loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta,
@@ -286,6 +288,7 @@ class _PolicyLossBase(torch.nn.Module):
         self.importance_sampling_level: str = options.importance_sampling_level
         self.temperature: float = options.temperature
         self.max_completion_length: int | None = options.max_completion_length
+        self.inplace_grad: bool = check_flag("inplace_grad", inplace_grad)
         self.backend: str | None = _check_backend(backend)
 
     def _loss(self, logits: Logits, batch: DiffusionTokenBatch, old_logps: torch.Tensor | None,
@@ -298,7 +301,8 @@ class _PolicyLossBase(torch.nn.Module):
             use_bias_correction_kl=self.use_bias_correction_kl,
             importance_sampling_level=self.importance_sampling_level,
             temperature=self.temperature, max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items_in_batch, backend=self.backend)
+            num_items_in_batch=num_items_in_batch, inplace_grad=self.inplace_grad,
+            backend=self.backend)
 
     def extra_repr(self) -> str:
         optional = "".join(f", {name}={value!r}" for name, value in (
@@ -317,7 +321,7 @@ class PolicyLoss(_PolicyLossBase):
 
     Args (at construction, checked there): loss_type ("grpo", "bnpo", "dr_grpo", "dapo",
     "cispo"), epsilon, epsilon_high, delta, beta, use_bias_correction_kl,
-    importance_sampling_level, temperature, max_completion_length, backend: as
+    importance_sampling_level, temperature, max_completion_length, inplace_grad, backend: as
     ``policy_loss``.
 
     ``forward(logits, batch, *, old_logps, advantages, ref_logps=None,
