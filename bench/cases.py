@@ -47,13 +47,15 @@ def policy_inputs(batch, logps, noise, advantages):
     return PolicyInputs(batch=batch, old_logps=logps + noise, advantages=advantages)
 
 
-def case_bytes(objective, n, k, dtype, rotate):
+def case_bytes(objective, n, k, dtype, rotate, own_sets=0):
     """Estimated peak bytes of one case with ``rotate`` input sets: each set's logits (and
     teacher), the gradient, and per set the graph the separate backward timing holds, at the
-    upstream loss's peak (``UPSTREAM_PEAK_TENSORS``)."""
+    upstream loss's peak (``UPSTREAM_PEAK_TENSORS``); ``own_sets``: how many variants draw
+    input sets of their own (``writes_inputs``), each ``rotate`` more sets of inputs."""
     logits = n * k * (2 if dtype in ("bfloat16", "float16") else 4)
     inputs = logits * (2 if objective == "opd" else 1)
-    return rotate * (inputs + UPSTREAM_PEAK_TENSORS[objective] * n * k * 4) + logits
+    return (rotate * (inputs * (1 + own_sets) + UPSTREAM_PEAK_TENSORS[objective] * n * k * 4)
+            + logits)
 
 
 #: float32 [N, K] tensors alive at once in the eager / jitted upstream losses' forward and
@@ -69,11 +71,12 @@ def upstream_bytes(objective, n, k, dtype):
     return inputs + UPSTREAM_EAGER_TENSORS[objective] * n * k * 4
 
 
-def rotate_sets(objective, n, k, dtype, budget_bytes):
+def rotate_sets(objective, n, k, dtype, budget_bytes, own_sets=0):
     """``ROTATE`` input sets, or 1 where that many would not fit in ``budget_bytes``
     (``case_bytes``). One set loses nothing at such sizes: its logits are far past any
     cache, so each call reads them from memory again."""
-    return ROTATE if case_bytes(objective, n, k, dtype, ROTATE) <= budget_bytes else 1
+    fits = case_bytes(objective, n, k, dtype, ROTATE, own_sets) <= budget_bytes
+    return ROTATE if fits else 1
 
 
 #: the suffix of a variant of ours that writes the logits' gradient over the logits

@@ -802,14 +802,17 @@ def cpu_target_memory(cases, share=0.85):
         print("memory available unknown (no /proc/meminfo): one input set per case", flush=True)
         return {key: 1 for key in keys}
     budget = share * available
-    rotate = {key: rotate_sets(*key, budget) for key in keys}
+    # variants that write into their inputs draw sets of their own (``writes_inputs``)
+    own = {key: len({v for _, _, (_, n, k, dtype), obj, v, _ in cases
+                     if (obj, n, k, dtype) == key and writes_inputs(v)}) for key in keys}
+    rotate = {key: rotate_sets(*key, budget, own[key]) for key in keys}
     single = [f"{obj} K {k} {dtype}" for (obj, n, k, dtype), r in rotate.items() if r == 1]
     print(f"memory: {available / 2**30:.1f} GiB available; {ROTATE} input sets per case, "
           f"1 where {ROTATE} would not fit in {share:.0%} of it (estimated peak, "
           "bench/cases.py case_bytes)" + (f": {', '.join(single)}" if single else ""),
           flush=True)
     for (obj, n, k, dtype), r in rotate.items():
-        need = case_bytes(obj, n, k, dtype, 1)
+        need = case_bytes(obj, n, k, dtype, 1, own[(obj, n, k, dtype)])
         if r == 1 and need > budget:
             print(f"warning: {obj} N {n} K {k} {dtype} needs about {need / 2**30:.1f} GiB "
                   "with one input set: it may not fit", flush=True)

@@ -584,7 +584,7 @@ def _data_axes(fig):
 
 
 def test_plot_series_have_their_own_colour_and_marker(monkeypatch, tmp_path):
-    """Issue 30: a series is one backend and dtype; in a panel no two series share a colour or
+    """A series is one backend and dtype; in a panel no two series share a colour or
     a marker, and a series keeps its colour and marker in every panel (the peers too); ours
     is named so in the labels."""
     from matplotlib.colors import to_hex
@@ -735,7 +735,7 @@ def _timed_row(fw, obj, backend, shape, ms, mib, spread=0.05, mode="fwd+bwd"):
 
 
 def test_summary_leads_with_the_strongest_peer(monkeypatch):
-    """Issue 30: the closing summary leads, per objective, with ours against the fastest peer
+    """The closing summary leads, per objective, with ours against the fastest peer
     a user would run instead (never our own reference), ratios in words."""
     monkeypatch.syspath_prepend(ROOT)
     from bench.progress import summary
@@ -1094,6 +1094,24 @@ def test_cpu_target_memory_keeps_one_set_where_two_would_not_fit(monkeypatch, ca
     out = capsys.readouterr().out
     assert "1 where 2 would not fit" in out and "ce K 131072 float32" in out
     assert "warning: opd N 4096 K 131072 float32" in out and "warning: ce" not in out
+
+
+def test_cpu_target_memory_counts_the_input_sets_of_an_in_place_variant(monkeypatch):
+    """A variant that writes into its inputs (policy's chunked+inplace) draws input sets of
+    its own: they count in the estimate (on a machine where two sets of the policy case fit
+    without them and not with them, one set)."""
+    monkeypatch.syspath_prepend(ROOT)
+    import bench.runner as R
+    from bench.cases import case_bytes
+
+    monkeypatch.setattr(R, "meminfo_bytes", lambda field: int(7.1 * 2**30))
+    budget = 0.85 * 7.1 * 2**30
+    assert case_bytes("policy", 4096, 32768, "float32", 2) < budget
+    assert case_bytes("policy", 4096, 32768, "float32", 2, own_sets=1) > budget
+    case = lambda v: ("torch", 0, ("s", 4096, 32768, "float32"), "policy", v, False)
+    assert R.cpu_target_memory([case("chunked")]) == {("policy", 4096, 32768, "float32"): 2}
+    assert R.cpu_target_memory([case("chunked"), case("chunked+inplace")]) == {
+        ("policy", 4096, 32768, "float32"): 1}
 
 
 def test_cpu_target_skips_a_materialised_loss_that_would_not_fit():

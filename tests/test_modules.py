@@ -191,6 +191,8 @@ def test_policy_module_writes_its_gradient_in_place():
     z1 = z.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(module(z1, batch, **kw).loss, z1)
     assert grad.data_ptr() == z1.data_ptr() and torch.equal(grad, expected)
+    assert "inplace_grad=True" in repr(module) and "inplace_grad" not in repr(
+        dn.PolicyLoss(**POLICY))
     with pytest.raises(TypeError, match="inplace_grad must be True or False; got 'yes'"):
         dn.PolicyLoss(**POLICY, inplace_grad="yes")
 

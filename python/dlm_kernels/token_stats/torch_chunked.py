@@ -89,22 +89,36 @@ class ChunkedTorch(BackendBase):
         if not use_row_blocks(z):
             _grads_into(dz, du, rows, stats, grads, cfg, offset)
             return dz, du
-        if use_compiled(k) and compiled_grads(dz, du, rows, stats, grads, cfg, offset):
+        done = compiled_grads(dz, du, rows, stats, grads, cfg, offset) if use_compiled(k) else 0
+        if done == n:
             return dz, du
-
-        def block(r0, r1):
-            sl = slice(r0, r1)
-            part = ((rows, stats, grads) if (r0, r1) == (0, n) else
-                    (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
-                     tuple(g[sl] for g in grads)))
-            if _fast_grads(cfg):
-                _tile_grads_into(dz[sl], *part, cfg, offset)
-            else:
-                _grads_into(dz[sl], None if du is None else du[sl], *part, cfg, offset,
-                            TILE_BYTES)
-
-        run_blocks(block, n, k)
+        if done == 0:
+            _eager_grads_into(dz, du, rows, stats, grads, cfg, offset)
+            return dz, du
+        # written over the logits up to a block whose compile failed: the rest, still logits
+        sl = slice(done, n)
+        _eager_grads_into(dz[sl], None if du is None else du[sl], _row_slice(rows, done, n),
+                          stats_math.Stats(*(s[sl] for s in stats)),
+                          tuple(g[sl] for g in grads), cfg, offset)
         return dz, du
+
+
+def _eager_grads_into(dz, du, rows, stats, grads, cfg, offset):
+    """The row-block tiles' backward: d(logits) of ``rows`` into dz (and du) [N, K], the
+    blocks shared out over the workers."""
+    n, k = rows.logits.shape
+
+    def block(r0, r1):
+        sl = slice(r0, r1)
+        part = ((rows, stats, grads) if (r0, r1) == (0, n) else
+                (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
+                 tuple(g[sl] for g in grads)))
+        if _fast_grads(cfg):
+            _tile_grads_into(dz[sl], *part, cfg, offset)
+        else:
+            _grads_into(dz[sl], None if du is None else du[sl], *part, cfg, offset, TILE_BYTES)
+
+    run_blocks(block, n, k)
 
 
 def _row_slice(rows, r0, r1):

@@ -12,7 +12,8 @@ one C++ loop nest: the forward reads each [R, C] tile twice (its row max, then i
 writes only the [R] state, which tiles merge as the chunk loop merges chunks; the backward
 reads the logits (and the teacher) once and writes the gradient in its dtype, into the
 buffer the backend allocated or, with ``inplace_grad``, over the logits themselves (the same
-code, so the same bits; each element's gradient reads the logits at its own position alone).
+formulas in a graph of their own, with the same bits in the tests; each element's gradient
+reads the logits at its own position alone).
 No [R, K] temporary (bench/NOTES.md, "Compiled loops and huge
 pages").
 
@@ -230,24 +231,28 @@ def _shifted_rows(local_ids, col_spans) -> list:
     return out
 
 
-def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int = 0) -> bool:
+def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int = 0) -> int:
     """Writes d(logits) (and d(teacher)) of ``rows`` into dz, du [N, K] (CPU; dz may be the
     logits themselves, ``inplace_grad``) with the compiled block loop: one pass that reads
-    the logits (and the teacher) and writes the gradient, the same code and so the same
-    bits either way. False, nothing written, when the compile is unavailable."""
+    the logits (and the teacher) and writes the gradient (over the logits: a graph of its
+    own, the same formulas, bitwise the same in the tests). Returns the rows written from
+    row 0: N, or 0 when the compile is unavailable or fails (the eager tiles then write
+    every row again), or, written over the logits, the first row of the block whose compile
+    failed (the rows before it hold their gradient already; those from it on still hold
+    logits, for the eager tiles)."""
     if _compiled() is None or _Compiled.grads is None or _Compiled.grads_over is None:
-        return False
+        return 0
     if rows.logits.shape[0] == 1:  # two copies of the row, the first one kept
         dz2 = torch.empty((2, *dz.shape[1:]), dtype=dz.dtype)
         du2 = None if du is None else torch.empty((2, *du.shape[1:]), dtype=du.dtype)
         two = lambda v: torch.cat([v, v])  # noqa: E731
-        if not compiled_grads(dz2, du2, _two_rows(rows), type(stats)(*(two(f) for f in stats)),
-                              tuple(two(g) for g in grads), cfg, offset):
-            return False
+        if compiled_grads(dz2, du2, _two_rows(rows), type(stats)(*(two(f) for f in stats)),
+                          tuple(two(g) for g in grads), cfg, offset) < 2:
+            return 0
         dz.copy_(dz2[:1])
         if du is not None:
             du.copy_(du2[:1])
-        return True
+        return 1
     z, u = rows.logits, rows.teacher
     n, k = z.shape
     cols = torch.arange(offset, offset + k, dtype=torch.int32)  # [K] global column ids
@@ -264,11 +269,6 @@ def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int =
             else:
                 _Compiled.grads(dz[sl], part(du), z[sl], part(u), *block)
         except Exception as err:  # noqa: BLE001 - as in compiled_partial
-            if dz is z and r0 > 0:  # the rows before r0 hold their gradient, not logits
-                raise RuntimeError(
-                    f"dlm_kernels: the compiled CPU backward failed at rows {r0}-{r1} of {n} "
-                    f"after writing the rows before them over the logits (inplace_grad=True), "
-                    f"so they cannot be computed again: {type(err).__name__}: {err}") from err
-            _fell_back(err)  # the eager loop writes every block again
-            return False
-    return True
+            _fell_back(err)  # a failed block writes nothing
+            return r0 if dz is z else 0
+    return n

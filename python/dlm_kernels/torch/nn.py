@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import flag as check_flag
 from .._config import (check_distillation_scalars, check_label_smoothing, check_loss_weight,
                        check_positive_float, check_positive_int, check_vocab_size)
 from ..linear_head.head import LAYOUTS, VOCAB_MAJOR
-from .._checks import flag as check_flag
 from .._policy import check_policy_options
 from .._schedule import normalize_variant
 from . import (DiffusionDistillationBatch, DiffusionTokenBatch, LinearHead, Logits,
@@ -313,7 +313,8 @@ class _PolicyLossBase(torch.nn.Module):
         return (f"loss_type={self.loss_type!r}, epsilon={self.epsilon}, "
                 f"epsilon_high={self.epsilon_high}{optional}{kl}, "
                 f"importance_sampling_level={self.importance_sampling_level!r}, "
-                f"temperature={self.temperature}")
+                f"temperature={self.temperature}"
+                + (", inplace_grad=True" if self.inplace_grad else ""))
 
 
 class PolicyLoss(_PolicyLossBase):
