@@ -344,6 +344,34 @@ def test_inplace_backward_whose_compile_fails_midway_finishes_on_the_tiles(rng, 
     assert tc._Compiled.worked and not tc._Compiled.failed
 
 
+@pytest.mark.parametrize("loops", ["compiled", "eager"])
+def test_inplace_backward_is_seen_by_autograd(rng, monkeypatch, compiled_loops, loops):
+    """Logits that another operation saved for its own backward: the gradient written over
+    them (``inplace_grad``, by the compiled loop or the eager tiles) bumps their version, so
+    where that backward runs after ours (an operation recorded before the statistics) autograd
+    refuses it instead of letting it read gradients as logits; where it runs before (recorded
+    after), it read the logits and the sum of the two gradients is right."""
+    import torch
+
+    import dlm_kernels.torch as dk
+
+    if loops == "eager":
+        monkeypatch.setattr(compiled_loops, "COMPILE_MIN_VOCAB", 1 << 30)
+    z0 = torch.tensor(rng.normal(size=(12, 1271)) * 3, dtype=torch.float32)
+    y = torch.tensor(rng.integers(0, 1271, 12))
+    z = z0.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(dk.token_stats(z, y).logp.sum(), z)
+    z = z0.clone().requires_grad_(True)
+    square = (z ** 2).sum()  # pow saves z; recorded first, its backward runs after ours
+    loss = dk.token_stats(z, y, inplace_grad=True).logp.sum() + square
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    z = z0.clone().requires_grad_(True)
+    loss = dk.token_stats(z, y, inplace_grad=True).logp.sum() + (z ** 2).sum()
+    loss.backward()
+    assert_close(z.grad.detach().numpy(), (expected + 2 * z0).numpy(), "float32", "d logits")
+
+
 def test_compiled_loops_take_their_threads_at_run_time(rng, monkeypatch, compiled_loops,
                                                         torch_config):
     """Inductor fixes a loop nest's threads from the sizes of the call that compiled it, and
