@@ -309,7 +309,9 @@ _INPLACE_GRAD = {
               "    tensor (saves one [..., K] allocation); after backward the logits tensor\n"
               "    holds the gradient, so nothing else may read those logits afterwards.\n"
               "    Supported by the chunked and triton backends, for logits given as a tensor\n"
-              "    (with a LinearHead, student or teacher, it is a ValueError)."),
+              "    (with a LinearHead, student or teacher, it is a ValueError). The same bits\n"
+              "    as without it; under ``torch.compile`` the graph's functionalization\n"
+              "    returns the gradient in a buffer of its own (no saving there)."),
     "jax": ("torch only (JAX arrays are immutable): True raises a ValueError; donate\n"
             "    the logits buffer to ``jit`` to let XLA reuse it instead."),
 }

@@ -615,3 +615,25 @@ def test_inplace_grad_rejections(rng):
     z, batch, kw, _ = _valid(jx, rng)
     with pytest.raises(ValueError, match="inplace_grad=True is torch-only"):
         jx.api.policy_loss(z, batch, inplace_grad=True, **kw)
+
+
+def test_inplace_grad_under_torch_compile(rng):
+    """Under ``torch.compile`` (fullgraph) ``inplace_grad=True`` gives the compiled default
+    call's gradient bit for bit (the graph's functionalization returns it in a buffer of its
+    own: documented, no memory saved there)."""
+    import torch
+
+    fw = framework("torch")
+    z, batch, kw, _ = _valid(fw, rng)
+
+    def loss(z_, inplace):
+        return fw.api.policy_loss(z_, batch, inplace_grad=inplace, backend="chunked", **kw).loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    grads = []
+    for inplace in (False, True):
+        z1 = z.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(compiled(z1, inplace), z1)
+        grads.append(g.detach())
+    assert torch.equal(grads[0], grads[1])

@@ -228,7 +228,9 @@ def token_stats(
         tensor (saves one [..., K] allocation); after backward the logits tensor
         holds the gradient, so nothing else may read those logits afterwards.
         Supported by the chunked and triton backends, for logits given as a tensor
-        (with a LinearHead, student or teacher, it is a ValueError).
+        (with a LinearHead, student or teacher, it is a ValueError). The same bits
+        as without it; under ``torch.compile`` the graph's functionalization
+        returns the gradient in a buffer of its own (no saving there).
       vocab_size: the true vocabulary when the last axis is padded: columns >= vocab_size
         are excluded and get a zero gradient (with a ``process_group``: the global size).
       label_smoothing: ε in [0, 1] (default 0). ``logp`` becomes minus the smoothed CE,
@@ -539,7 +541,9 @@ def policy_loss(
         tensor (saves one [..., K] allocation); after backward the logits tensor
         holds the gradient, so nothing else may read those logits afterwards.
         Supported by the chunked and triton backends, for logits given as a tensor
-        (with a LinearHead, student or teacher, it is a ValueError).
+        (with a LinearHead, student or teacher, it is a ValueError). The same bits
+        as without it; under ``torch.compile`` the graph's functionalization
+        returns the gradient in a buffer of its own (no saving there).
       backend: None (auto), or one of "reference", "chunked", "triton".
 
     Returns:
