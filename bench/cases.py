@@ -135,10 +135,11 @@ class TorchCase:
     backend with "+inplace" (ours with ``inplace_grad=True``; policy only). Liger writes its
     gradient into the logits during the forward pass, ours in place during the backward, so
     after the first call their inputs hold gradients: the pass structure (and so the timing)
-    is the same, the values are not meaningful. ``rotate``: how many input sets the calls cycle through (``ROTATE``; 1
-    where two would not fit in memory, ``rotate_sets``). ``sets``: another case's input sets
-    to use instead of drawing new ones (the variants of one shape timed side by side read
-    the same tensors; never those of a variant that writes into them, ``writes_inputs``)."""
+    is the same, the values are not meaningful. ``rotate``: how many input sets the calls
+    cycle through (``ROTATE``; 1 where two would not fit in memory, ``rotate_sets``).
+    ``sets``: another case's input sets to use instead of drawing new ones (the variants of
+    one shape timed side by side read the same tensors; never those of a variant that writes
+    into them, ``writes_inputs``)."""
 
     framework = "torch"
 

@@ -23,8 +23,9 @@ default ``./bench-results``).
 
 ``--cpu-target`` times the CPU target grid instead: ce, sft, policy and opd at N 4096,
 K 32768 and 131072, float32 and bf16; torch chunked (for policy also with its gradient
-written over the logits, ``inplace_grad``) beside eager and torch.compile of the upstream loss, JAX chunked beside jitted upstream; with ``--busy-core`` the torch CE
-K 32768 float32 cases once more beside a busy loop. No linear head or denoising step; files
+written over the logits, ``inplace_grad``) beside eager and torch.compile of the upstream
+loss, JAX chunked beside jitted upstream; with ``--busy-core`` the torch CE K 32768 float32
+cases once more beside a busy loop. No linear head or denoising step; files
 ``<device>-<date>-cpu-target.*``, a summary per objective, shape and dtype.
 """
 
@@ -453,8 +454,9 @@ def main(argv=None):
                    help="the CPU target grid in place of the quick one: "
                         f"{', '.join(shapes.CPU_TARGET_OBJECTIVES)} at N 4096, K 32768 and "
                         "131072, float32 and bf16; torch chunked (policy: also in place), "
-                        "upstream and upstream+compile, JAX chunked and upstream (jit); with --busy-core "
-                        "the torch CE K 32768 float32 cases once more beside a busy loop. "
+                        "upstream and upstream+compile, JAX chunked and upstream (jit); with "
+                        "--busy-core the torch CE K 32768 float32 cases once more beside a busy "
+                        "loop. "
                         "An hour or more on 2 cores (it prints its estimate at start)")
     p.add_argument("--objectives", default=None,
                    help="comma-separated objectives to time (default: "

@@ -1001,8 +1001,9 @@ def test_quick_grid_has_a_trend_per_dtype(monkeypatch):
 def test_cpu_target_times_the_issues_grid(monkeypatch, tmp_path, capsys):
     """--cpu-target (the CPU target grid): ce, sft, policy and opd at N 4096, K 32768 and 131072,
     float32 and bf16; torch chunked, upstream and upstream+compile (and for policy the
-    chunked loss with its gradient written in place), then JAX chunked and upstream; with --busy-core the torch CE K 32768 float32 cases once more, the busy loop
-    started for them only; files of their own; an estimate first; the summary per objective,
+    chunked loss with its gradient written in place), then JAX chunked and upstream; with
+    --busy-core the torch CE K 32768 float32 cases once more, the busy loop started for them
+    only; files of their own; an estimate first; the summary per objective,
     shape and dtype. Cases are stubs (no timing)."""
     monkeypatch.syspath_prepend(ROOT)
     import bench.runner as R

@@ -77,14 +77,16 @@ def _policy(lp, lp_frozen, ent, w, old, adv, ref, o):
     return loss[o["loss_type"]](), metrics
 
 
-def _loss_grad(lp, ent, w, old, adv, ref, o, h=1e-6):
-    """d loss / d logp [B, L]: central differences of the oracle (the detached values held)."""
+def _loss_grad(lp, ent, w, old, adv, ref, o, h=1e-6, frozen_moves=False):
+    """d loss / d logp [B, L]: central differences of the oracle, the detached values held
+    (``frozen_moves``: moved with logp, the derivative of the loss's value itself)."""
     g = np.zeros_like(lp)
     for i in zip(*np.nonzero(w)):
         e = np.zeros_like(lp)
         e[i] = h
-        g[i] = (_policy(lp + e, lp, ent, w, old, adv, ref, o)[0]
-                - _policy(lp - e, lp, ent, w, old, adv, ref, o)[0]) / (2 * h)
+        up, down = (lp + e, lp - e) if frozen_moves else (lp, lp)
+        g[i] = (_policy(lp + e, up, ent, w, old, adv, ref, o)[0]
+                - _policy(lp - e, down, ent, w, old, adv, ref, o)[0]) / (2 * h)
     return g
 
 
@@ -117,10 +119,14 @@ class Problem:
         self.ref = np.where(act, self.lp + noise(0.3), np.nan).astype(np.float32)
         self.adv = np.array([1.3, -0.7, 0.4], np.float32)
 
-    def expected(self, options, on_policy=False):
+    def _oracle_args(self, options, on_policy):
+        """The oracle's arguments after logp: (ent, w, old, adv, ref, options) in float64."""
         old = None if on_policy else self.old.astype(np.float64)
-        args = (self.ent, self.w, old, self.adv.astype(np.float64), self.ref.astype(np.float64),
+        return (self.ent, self.w, old, self.adv.astype(np.float64), self.ref.astype(np.float64),
                 options)
+
+    def expected(self, options, on_policy=False):
+        args = self._oracle_args(options, on_policy)
         loss, metrics = _policy(self.lp, self.lp, *args)
         return loss, metrics, _loss_grad(self.lp, *args)
 
@@ -130,21 +136,12 @@ class Problem:
         the size of its two terms, and the loss moves with it through every place it enters
         (the ratio included, so the frozen copy moves too): with |logp| near 18 and ratios
         near 1, an error of 1 ulp of |lse| reaches the loss amplified by |logp|."""
-        old = None if on_policy else self.old.astype(np.float64)
-        args = (self.ent, self.w, old, self.adv.astype(np.float64), self.ref.astype(np.float64),
-                options)
         z = self.z if self.softcap is None else self.softcap * np.tanh(self.z / self.softcap)
         y = np.maximum(self.y.reshape(-1), 0)
         zy = np.where(self.w != 0, np.take_along_axis(z, y[:, None], 1).reshape(B, L) / T, 0.0)
         size = np.abs(zy) + np.abs(zy - self.lp)  # |z_y / T| + |lse|, 0 where inactive
-        h, scale = 1e-6, 0.0
-        for i in zip(*np.nonzero(self.w)):
-            e = np.zeros_like(self.lp)
-            e[i] = h
-            d = (_policy(self.lp + e, self.lp + e, *args)[0]
-                 - _policy(self.lp - e, self.lp - e, *args)[0]) / (2 * h)
-            scale += abs(d) * size[i]
-        return scale
+        d = _loss_grad(self.lp, *self._oracle_args(options, on_policy), frozen_moves=True)
+        return float(np.sum(np.abs(d) * size))
 
     def d_logits(self, g):
         """(d logits [N, K], its slack) for d loss / d logp = g [B, L]."""

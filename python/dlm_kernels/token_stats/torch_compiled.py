@@ -13,9 +13,8 @@ writes only the [R] state, which tiles merge as the chunk loop merges chunks; th
 reads the logits (and the teacher) once and writes the gradient in its dtype, into the
 buffer the backend allocated or, with ``inplace_grad``, over the logits themselves (the same
 formulas in a graph of their own, with the same bits in the tests; each element's gradient
-reads the logits at its own position alone).
-No [R, K] temporary (bench/NOTES.md, "Compiled loops and huge
-pages").
+reads the logits at its own position alone). No [R, K] temporary (bench/NOTES.md, "Compiled
+loops and huge pages").
 
 The compile takes seconds, once per configuration and dtype in a process (with a LOO shift,
 a second forward graph for the shifted rows), so only large calls use it; the first one in a
