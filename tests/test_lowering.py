@@ -16,24 +16,24 @@ from dlm_kernels.kernels.layout import NO_VOCAB_LIMIT
 from harness import assert_close, framework
 
 FLAGS = ("HAS_TEACHER", "HAS_SHIFT", "HAS_SOFTCAP", "SEPARATE_CE", "HAS_ENTROPY", "SMOOTH",
-         "Z_LOSS", "CE_TERMS", "TEACHER_GRAD", "PADDED")
+         "Z_LOSS", "CE_TERMS", "TEACHER_GRAD", "PADDED", "ROUND_TILES")
 
-# (config keywords, has_shift) -> the lowered fields expected (flags not named are False)
+# (config keywords, has_shift, heads) -> the lowered fields expected (flags not named are False)
 CASES = {
-    "plain": (dict(), False, dict(
+    "plain": (dict(), False, False, dict(
         inv_t=1.0, inv_t_ce=1.0, inv_t_kl=1.0, softcap=0.0, vocab_limit=NO_VOCAB_LIMIT,
         chunk_size=None, smooth_mean=0.0, smooth_weight=0.0, HAS_ENTROPY=True)),
     "every feature": (dict(temperature=0.5, ce_temperature=2.0, teacher_temperature=4.0,
                            softcap=30.0, has_teacher=True, teacher_grad=True, entropy=False,
                            chunk_size=130, vocab_size=37,
                            ce=CeTerm(label_smoothing=0.1, z_loss_weight=0.01),
-                           smoothing_vocab=40), True, dict(
+                           smoothing_vocab=40), True, False, dict(
         inv_t=2.0, inv_t_ce=0.5, inv_t_kl=0.25, softcap=30.0, vocab_limit=37, chunk_size=130,
         label_smoothing=0.1, z_loss_weight=0.01, smooth_mean=1.0 / 40, smooth_weight=0.1 / 40,
         HAS_TEACHER=True, HAS_SHIFT=True, HAS_SOFTCAP=True, SEPARATE_CE=True, SMOOTH=True,
         Z_LOSS=True, CE_TERMS=True, TEACHER_GRAD=True, PADDED=True)),
     "z-loss, T_ce given equal to T": (dict(temperature=3.0, ce_temperature=3.0,
-                                           ce=CeTerm(z_loss_weight=1e-4)), False, dict(
+                                           ce=CeTerm(z_loss_weight=1e-4)), False, False, dict(
         inv_t=1.0 / 3.0, inv_t_ce=1.0 / 3.0, inv_t_kl=1.0 / 3.0, z_loss_weight=1e-4,
         HAS_ENTROPY=True, Z_LOSS=True, CE_TERMS=True)),
 }
@@ -41,8 +41,8 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_lower_gives_the_kernels_flags_and_constants(name):
-    keywords, has_shift, expected = CASES[name]
-    low = lower(make_config(**keywords), has_shift=has_shift)
+    keywords, has_shift, heads, expected = CASES[name]
+    low = lower(make_config(**keywords), has_shift=has_shift, heads=heads)
     want = dict({flag: False for flag in FLAGS}, label_smoothing=0.0, z_loss_weight=0.0)
     want.update(expected)
     got = {field: getattr(low, field) for field in want}

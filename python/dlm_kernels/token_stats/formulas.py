@@ -157,9 +157,11 @@ def _scaled(xp: Ops[A], x: A, inv_t: float, summed: bool = True) -> A:
     loop XLA contracts a product and its sum into one multiply-add, in some programs and not
     in others, docs/design.md §2). Every product in these formulas that a sum takes is
     rounded so, a tile's or a row's, but for the steps of a polynomial by Horner's rule
-    (one fused loop always holds such a chain whole, so each step is always contracted).
-    A select in between (``where``) rounds a product as well. ``summed=False``: for a
-    product that no sum takes (an exponent), which the select would only slow down."""
+    (one fused loop always holds such a chain whole, so each step is always contracted)
+    and the backward's tiles of logits given as arrays (``chunk_grads``). A select in
+    between (``where``) rounds a product as well. ``summed=False``: for a product that no
+    sum takes (an exponent), or one that need not be rounded, which the select would only
+    slow down."""
     if inv_t == 1.0:
         return x
     return xp.rounded(x * inv_t) if summed else x * inv_t
@@ -555,40 +557,50 @@ def chunk_grads(xp: Ops[A], rows: Rows, cols: A, stats: Stats[A], grads: Sequenc
     one [N, 1] coefficient, and the target's g_lp / T_ce is added at one column per row.
     ``pointwise``: the shift and the target's term by a compare and a select instead (as in
     ``chunk_partial``: for a compiler).
+    Every per-row factor a product takes is rounded on its own (``_scaled``); the [N, C]
+    products a sum takes (the scaled logits, p times its factor, the entropy's and the KL's
+    terms) only where ``cfg.ROUND_TILES``: a LinearHead's token chunks put this tile code in
+    other fused loops by their row count, and XLA contracted a product into its sum in some
+    and not in others (a row's d hidden an ulp apart alone and in a batch). Logits given as
+    arrays run it as one [R, C] block of a fixed shape in loops whose trip count XLA cannot
+    see, the same code at every N, where the select would cost the gradient's loop half its
+    speed on a CPU (docs/design.md §2).
     """
     z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
     if pointwise:
         r = shifted_logits(xp, z, cols[None, :], rows.shift_ids, rows.shift, cfg)
     else:
         r = chunk_logits(xp, z, cols[0], rows.shift_ids, rows.shift, cfg)
+    tiles = cfg.ROUND_TILES  # the [N, C] products a sum takes rounded on their own, or not
+    tile = xp.rounded if tiles else _unrounded
     d = r - stats.m[:, None]  # [N, C] logit differences
-    x = _scaled(xp, d, cfg.inv_t)
+    x = _scaled(xp, d, cfg.inv_t, summed=tiles)
     logp_k = x - stats.la[:, None]
     p = xp.exp(logp_k)
     g_lse, g_lp, g_h, g_kl = grads
     inv_t = cfg.inv_t
     g_y, g_u, g_p = ce_coefficients(xp, g_lp, stats, cfg)  # [N] each (g_u None: 0)
-    # every product a sum takes, a row's factor or a tile's term, rounded on its own (_scaled)
+    # every product a sum takes: a row's factor rounded on its own (_scaled), a tile's by tile
     coef = _scaled(xp, g_lse, inv_t)  # [N]: the factor of p_k in dr
     if not cfg.SEPARATE_CE:
         coef = coef - g_p  # p' = p
     coef = coef[:, None]
     if cfg.HAS_ENTROPY:  # (without it g_h is the cotangent of nothing)
-        coef = coef - xp.rounded(_scaled(xp, g_h, inv_t)[:, None] * xp.where(
+        coef = coef - tile(_scaled(xp, g_h, inv_t)[:, None] * xp.where(
             p > 0, logp_k + stats.entropy[:, None], 0.0))
-    dr = xp.rounded(p * coef)
+    dr = tile(p * coef)
     du = None
     if cfg.HAS_TEACHER:
-        xu = _scaled(xp, xp.f32(u) - stats.mu[:, None], cfg.inv_t_kl)
+        xu = _scaled(xp, xp.f32(u) - stats.mu[:, None], cfg.inv_t_kl, summed=tiles)
         q = xp.exp(xu - stats.la_u[:, None])
-        dr = dr + xp.rounded(_scaled(xp, g_kl, inv_t)[:, None] * (p - q))  # float32 p - q
+        dr = dr + tile(_scaled(xp, g_kl, inv_t)[:, None] * (p - q))  # float32 p - q
         if cfg.TEACHER_GRAD:
             # log q - log p - kl = (x_u - x) - E_q[x_u - x]: no cancellation of log-normalisers
             du = g_kl[:, None] * xp.where(q > 0, q * ((xu - x) - stats.kl_shift[:, None]), 0.0)
             du = xp.where(active[:, None], du * cfg.inv_t_kl, 0.0)
     if cfg.SEPARATE_CE:
-        dr = dr - xp.rounded(g_p[:, None] * xp.exp(_scaled(xp, d, cfg.inv_t_ce)
-                                                   - stats.la_ce[:, None]))
+        dr = dr - tile(g_p[:, None] * xp.exp(_scaled(xp, d, cfg.inv_t_ce, summed=tiles)
+                                             - stats.la_ce[:, None]))
     if g_u is not None:  # label smoothing's uniform term (padding columns are zeroed below)
         dr = dr + g_u[:, None]
     if pointwise:
@@ -603,6 +615,10 @@ def chunk_grads(xp: Ops[A], rows: Rows, cols: A, stats: Stats[A], grads: Sequenc
         dz = xp.where(keep, dz, 0.0)
         du = None if du is None else xp.where(keep, du, 0.0)
     return dz, du
+
+
+def _unrounded(x: A) -> A:
+    return x
 
 
 def shift_grad(xp: Ops[A], columns: tuple[A, A | None, A], rows: Rows, stats: Stats[A],

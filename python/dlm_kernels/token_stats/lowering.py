@@ -36,8 +36,9 @@ class Lowered(NamedTuple):
     the CE term keeps its own sums), HAS_ENTROPY, SMOOTH (ε > 0: the forward keeps Σ r),
     CE_TERMS (ε > 0 or λ > 0: the backward's CE gradient takes three per-row coefficients),
     TEACHER_GRAD, PADDED (columns >= vocab_limit are padding: the Pallas kernels mask them;
-    the Triton ones clamp their spans to vocab_limit, which needs no flag); and one the host
-    reads: Z_LOSS (λ > 0).
+    the Triton ones clamp their spans to vocab_limit, which needs no flag); and two the host
+    reads: Z_LOSS (λ > 0) and ROUND_TILES (the rows are a LinearHead's token chunks: the
+    JAX backward rounds each [N, C] product a sum takes on its own, ``formulas.chunk_grads``).
     """
 
     inv_t: float
@@ -60,6 +61,7 @@ class Lowered(NamedTuple):
     CE_TERMS: bool
     TEACHER_GRAD: bool
     PADDED: bool
+    ROUND_TILES: bool
 
     def triton_flags(self) -> dict[str, bool]:
         """The constexpr flags every Triton statistics kernel takes
@@ -91,8 +93,9 @@ class Lowered(NamedTuple):
 _SCHEMA_TYPES = {float: "float", int: "int", Optional[int]: "int?", bool: "bool"}
 
 
-def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
-    """The call ``cfg`` (with a LOO shift column per row when ``has_shift``) as the kernels
+def lower(cfg: StatsConfig, *, has_shift: bool, heads: bool = False) -> Lowered:
+    """The call ``cfg`` (with a LOO shift column per row when ``has_shift``; its logits, or
+    its teacher's, formed from a ``LinearHead`` chunk by chunk when ``heads``) as the kernels
     take it. The only place a kernel flag, a scaled constant or a stand-in is derived."""
     ce = cfg.ce
     smoothing = ce.smooths
@@ -123,4 +126,5 @@ def lower(cfg: StatsConfig, *, has_shift: bool) -> Lowered:
         CE_TERMS=smoothing or z_loss,
         TEACHER_GRAD=cfg.teacher_grad,
         PADDED=cfg.vocab_size is not None,
+        ROUND_TILES=bool(heads),
     )

@@ -327,7 +327,7 @@ class TokenStatsFrontEnd:
             teacher_logits=teacher_logits, teacher_temperature=teacher_temperature,
             teacher_grad=teacher_grad, entropy=entropy, chunk_size=chunk_size,
             vocab_size=vocab_size, ce=ce, smoothing_vocab=smoothing_vocab)
-        low = lower(cfg, has_shift=rows.shift_ids is not None)  # what every backend reads
+        low = lower(cfg, has_shift=rows.shift_ids is not None, heads=heads)  # every backend's
         n = rows.targets.shape[0]
         weighting = None  # the coefficients as given: differentiable (loss weights, times)
         if coefficients is not None:
