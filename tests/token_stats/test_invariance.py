@@ -169,6 +169,8 @@ ROWS_ALONE_OPTIONS = {
     "CE terms": dict(temperature=0.7, ce_temperature=1.3, label_smoothing=0.1,
                      z_loss_weight=1e-3),
     "softcap": dict(temperature=1.6, teacher_temperature=0.5, softcap=20.0),
+    # 16 chunks in the loop of chunks, each tile's products unrounded (logits given as arrays)
+    "teacher T 0.7, chunks of 256": dict(temperature=0.7, chunk_size=256),
 }
 
 
