@@ -117,6 +117,44 @@ def test_jax_small_vocabulary_one_row_one_answer(backend, feature):
     check_one_row_one_answer("jax", backend, 37, feature)
 
 
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+def test_jax_ce_terms_rows_alone_small_vocabulary(backend):
+    """K 37, the CE term's z-loss and label smoothing at T 0.7: the logp and d logits of 448
+    rows (the first, then the last) alone against the same rows among 899, bitwise, under
+    jit(value_and_grad). The reference backend's per-row products (lse_ce = m / T_ce + la_ce,
+    λ·lse_ce², the smoothing's weights) were left to XLA to fuse into the sums that take
+    them: 5 to 9 rows' logp an ulp apart between the two batches (seeds 37, 38, 40)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import dlm_kernels.jax as D
+    from harness import new_seed
+
+    k, n, part = 37, 899, 448
+    options = dict(temperature=0.7, ce_temperature=1.3, z_loss_weight=1e-3,
+                   label_smoothing=0.1, backend=backend)
+
+    def loss(z, y, g):
+        logp = D.token_stats(z, y, **options).logp
+        return jnp.sum(g * logp), logp
+
+    program = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    for seed in (37, new_seed()):
+        rng = np.random.default_rng(seed)
+        z = (rng.normal(size=(n, k)) * 3).astype(np.float32)
+        y, g = rng.integers(0, k, n), rng.normal(size=n).astype(np.float32)
+        (_, logp), dz = program(z, y, g)
+        for rows in (np.arange(part), np.arange(n - part, n)):
+            (_, logp_part), dz_part = program(z[rows], y[rows], g[rows])
+            for name, a, b in (("logp", logp_part, logp[rows]), ("d logits", dz_part, dz[rows])):
+                a, b = np.asarray(a).reshape(part, -1), np.asarray(b).reshape(part, -1)
+                bad = np.flatnonzero(~(a == b).all(1))  # rows with an element apart
+                assert bad.size == 0, (
+                    f"{backend} seed {seed}: {name} of rows {rows[bad][:8]} alone differ from "
+                    f"the batch's (first: {a[bad[0]]!r} vs {b[bad[0]]!r})")
+
+
 @pytest.mark.parametrize("mode", sorted(SAMPLER_MODES))
 @pytest.mark.parametrize("backend", ["chunked", "reference"])
 def test_jax_small_vocabulary_sampler_one_row_one_answer(backend, mode):

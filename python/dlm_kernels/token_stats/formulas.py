@@ -562,9 +562,10 @@ def chunk_grads(xp: Ops[A], rows: Rows, cols: A, stats: Stats[A], grads: Sequenc
     terms) only where ``cfg.ROUND_TILES``: a LinearHead's token chunks put this tile code in
     other fused loops by their row count, and XLA contracted a product into its sum in some
     and not in others (a row's d hidden an ulp apart alone and in a batch). Logits given as
-    arrays run it as one [R, C] block of a fixed shape in loops whose trip count XLA cannot
-    see, the same code at every N, where the select would cost the gradient's loop half its
-    speed on a CPU (docs/design.md §2).
+    arrays run it in row blocks inside loops whose trip count XLA cannot see: the blocks'
+    heights vary with N, but one fused loop holds a tile's whole chain of products and sums
+    at every height, contracted alike (the invariance tests hold this), and the select
+    would cost that loop half its speed on a CPU (docs/design.md §2).
     """
     z, u, targets, active = rows.logits, rows.teacher, rows.targets, rows.active
     if pointwise:
@@ -718,7 +719,10 @@ def reference_stats(xp: Ops[A], rows: Rows, cfg: Lowered) -> tuple[A, ...]:
     x = d * cfg.inv_t
     no_inf = lambda v: xp.where(v == float("inf"), float("nan"), v)  # noqa: E731
     la = no_inf(xp.logsumexp(x))
-    lse = xp.where(no_dist, float("nan"), m * cfg.inv_t + la)
+    # every per-row product a sum takes rounded on its own (``_scaled``), as the streaming
+    # backends' ``finalize`` and ``ce_term_logp`` do: XLA fused them into the sums otherwise,
+    # in some batch sizes and not in others (tests/token_stats/test_invariance.py)
+    lse = xp.where(no_dist, float("nan"), _scaled(xp, m, cfg.inv_t) + la)
     logp_all = x - la[:, None]
     p = xp.exp(logp_all)
     pos = p > 0
@@ -732,10 +736,11 @@ def reference_stats(xp: Ops[A], rows: Rows, cfg: Lowered) -> tuple[A, ...]:
     logp = xp.where(in_range, xp.gather_cols(x_ce, y) - la_ce, float("nan"))
     if cfg.SMOOTH:  # Σ_k log p'_k / K over the row's K columns (the oracle's form)
         eps = cfg.label_smoothing
-        logp = (1.0 - eps) * logp + eps * (xp.rowsum(x_ce) * (1.0 / k) - la_ce)
+        mean = xp.rounded(xp.rowsum(x_ce) * (1.0 / k)) - la_ce
+        logp = xp.rounded((1.0 - eps) * logp) + xp.rounded(eps * mean)
     if cfg.Z_LOSS:
-        lse_ce = m * cfg.inv_t_ce + la_ce
-        logp = logp - cfg.z_loss_weight * (lse_ce * lse_ce)
+        lse_ce = _scaled(xp, m, cfg.inv_t_ce) + la_ce
+        logp = logp - xp.rounded(cfg.z_loss_weight * (lse_ce * lse_ce))
     kl = xp.zeros_like(lse)
     if cfg.HAS_TEACHER:
         u = xp.where(active[:, None], xp.f32(u), 0.0)
