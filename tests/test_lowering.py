@@ -260,3 +260,30 @@ def test_torch_triton_makes_logp(monkeypatch, rng):
     seen = _host_gathers(monkeypatch)
     fw.api.token_stats(z, fw.array(rng.integers(0, k, n)), backend="triton")
     assert not seen, seen
+
+
+@pytest.mark.parametrize("fw_name", ["torch", "jax"])
+def test_the_front_end_flags_a_heads_rows(monkeypatch, fw_name):
+    """``ROUND_TILES`` is set where the student's or the teacher's logits come from a
+    LinearHead (its token chunks put the backward's tile code in other fused loops), and
+    not for logits given as arrays."""
+    fw = framework(fw_name)
+    api = fw.api
+    rng = np.random.default_rng(0)
+    n, d, k = 5, 8, 40
+    h = fw.array(rng.normal(size=(n, d)).astype(np.float32))
+    w = fw.array(rng.normal(size=(k, d)).astype(np.float32))
+    z = fw.array(rng.normal(size=(n, k)).astype(np.float32))
+    y = fw.array(rng.integers(0, k, n))
+    made = _lowered_once(monkeypatch)
+    calls = {
+        "arrays": dict(logits=z, teacher_logits=z),
+        "a student head": dict(logits=api.LinearHead(h, w, weight_layout="KD"), teacher_logits=z),
+        "a teacher head": dict(logits=z, teacher_logits=api.LinearHead(h, w, weight_layout="KD")),
+    }
+    flags = {}
+    for name, given in calls.items():
+        api.token_stats(given["logits"], y, teacher_logits=given["teacher_logits"],
+                        backend="chunked")
+        flags[name] = made[-1].ROUND_TILES
+    assert flags == {"arrays": False, "a student head": True, "a teacher head": True}

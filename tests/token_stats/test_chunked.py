@@ -483,3 +483,34 @@ class TestJaxChunked(ChunkedSuite):
     # the full tier, tests/full_tier.txt).
     CHUNK_SIZES = (100,)
     SHAPE_CHUNK_SIZES = (None, 100)
+
+
+def test_compiled_loops_compile_one_graph_whatever_the_tile_flag(compiled_loops, monkeypatch):
+    """torch never rounds a product on its own (``TorchOps.rounded`` is the identity), so a
+    call lowered with ``ROUND_TILES`` (a LinearHead's rows) and one without share the
+    compiled backward: before, the flag the formulas read was one more guard of Dynamo's, a
+    second graph of the same loop (and one more towards its recompile limit)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    import dlm_kernels.torch as D
+    from dlm_kernels.token_stats import op
+    from dlm_kernels.token_stats.lowering import lower
+
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 97, generator=gen, requires_grad=True)
+    y = torch.randint(0, 97, (6,), generator=gen)
+
+    def backward():
+        s = D.token_stats(z, y, temperature=0.7, backend="chunked")
+        (s.logp.sum() + s.entropy.sum()).backward()
+        return z.grad.clone()
+
+    plain = backward()
+    graphs = counters["stats"]["unique_graphs"]
+    monkeypatch.setattr(op, "lower", lambda cfg, *, has_shift, heads=False: lower(
+        cfg, has_shift=has_shift, heads=True))
+    z.grad = None
+    flagged = backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(plain, flagged)

@@ -207,8 +207,6 @@ ROWS_ALONE_OPTIONS = {
     "CE terms": dict(temperature=0.7, ce_temperature=1.3, label_smoothing=0.1,
                      z_loss_weight=1e-3),
     "softcap": dict(temperature=1.6, teacher_temperature=0.5, softcap=20.0),
-    # 16 chunks in the loop of chunks, each tile's products unrounded (logits given as arrays)
-    "teacher T 0.7, chunks of 256": dict(temperature=0.7, chunk_size=256),
 }
 
 
@@ -227,6 +225,20 @@ def test_jax_gradient_rows_alone(backend, options):
     def stats(z, u, y, x, d):
         return D.token_stats(z, y, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d,
                              backend=backend, **ROWS_ALONE_OPTIONS[options])
+
+    _check_rows_alone(stats, 20, 4096, ([1], [11], [13], [18]))
+
+
+def test_jax_chunked_gradient_rows_alone_over_chunks():
+    """As ``test_jax_gradient_rows_alone`` at T 0.7 with a teacher, in two chunks of 2048
+    columns (min_block_rows(2048) = 8: the batch in blocks of 16 and 8 rows, a row alone in
+    one of 8): the tiles' products, unrounded for logits given as arrays, are contracted
+    alike in each chunk of the loop at every block height."""
+    import dlm_kernels.jax as D
+
+    def stats(z, u, y, x, d):
+        return D.token_stats(z, y, teacher_logits=u, teacher_grad=True, shift_ids=x, shift=d,
+                             temperature=0.7, chunk_size=2048, backend="chunked")
 
     _check_rows_alone(stats, 20, 4096, ([1], [11], [13], [18]))
 

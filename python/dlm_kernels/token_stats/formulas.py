@@ -157,11 +157,12 @@ def _scaled(xp: Ops[A], x: A, inv_t: float, summed: bool = True) -> A:
     loop XLA contracts a product and its sum into one multiply-add, in some programs and not
     in others, docs/design.md §2). Every product in these formulas that a sum takes is
     rounded so, a tile's or a row's, but for the steps of a polynomial by Horner's rule
-    (one fused loop always holds such a chain whole, so each step is always contracted)
-    and the backward's tiles of logits given as arrays (``chunk_grads``). A select in
-    between (``where``) rounds a product as well. ``summed=False``: for a product that no
-    sum takes (an exponent), or one that need not be rounded, which the select would only
-    slow down."""
+    (one fused loop always holds such a chain whole, so each step is always contracted),
+    the backward's tiles of logits given as arrays (``chunk_grads``) and the reference's
+    whole-row [N, K] products (``reference_stats``: rows in blocks of a height fixed by
+    K). A select in between (``where``) rounds a product as well. ``summed=False``: for a
+    product that no sum takes (an exponent), or one that need not be rounded, which the
+    select would only slow down."""
     if inv_t == 1.0:
         return x
     return xp.rounded(x * inv_t) if summed else x * inv_t
@@ -720,7 +721,7 @@ def reference_stats(xp: Ops[A], rows: Rows, cfg: Lowered) -> tuple[A, ...]:
     no_inf = lambda v: xp.where(v == float("inf"), float("nan"), v)  # noqa: E731
     la = no_inf(xp.logsumexp(x))
     # every per-row product a sum takes rounded on its own (``_scaled``), as the streaming
-    # backends' ``finalize`` and ``ce_term_logp`` do: XLA fused them into the sums otherwise,
+    # backends' ``finalize`` and ``ce_objective`` do: XLA fused them into the sums otherwise,
     # in some batch sizes and not in others (tests/token_stats/test_invariance.py)
     lse = xp.where(no_dist, float("nan"), _scaled(xp, m, cfg.inv_t) + la)
     logp_all = x - la[:, None]

@@ -84,7 +84,7 @@ class Lowered(NamedTuple):
 
     @classmethod
     def schema(cls) -> str:
-        """The fields as torch.library schema arguments ("float inv_t, ..., bool PADDED"):
+        """The fields as torch.library schema arguments ("float inv_t, ..., bool ROUND_TILES"):
         the one place the custom ops' scalar signature is written."""
         return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}"
                          for name, kind in typing.get_type_hints(cls).items())

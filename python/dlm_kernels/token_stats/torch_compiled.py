@@ -241,6 +241,9 @@ def compiled_grads(dz, du, rows: Rows, stats, grads, cfg: Lowered, offset: int =
     logits, for the eager tiles)."""
     if _compiled() is None or _Compiled.grads is None or _Compiled.grads_over is None:
         return 0
+    # torch rounds no product on its own (TorchOps.rounded is x): one graph for a head's rows
+    # and an array's, not a second one by Dynamo's guard on the flag
+    cfg = cfg._replace(ROUND_TILES=False)
     if rows.logits.shape[0] == 1:  # two copies of the row, the first one kept
         dz2 = torch.empty((2, *dz.shape[1:]), dtype=dz.dtype)
         du2 = None if du is None else torch.empty((2, *du.shape[1:]), dtype=du.dtype)
