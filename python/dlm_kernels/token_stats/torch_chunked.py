@@ -97,9 +97,8 @@ class ChunkedTorch(BackendBase):
             return dz, du
         # written over the logits up to a block whose compile failed: the rest, still logits
         sl = slice(done, n)
-        _eager_grads_into(dz[sl], None if du is None else du[sl], _row_slice(rows, done, n),
-                          stats_math.Stats(*(s[sl] for s in stats)),
-                          tuple(g[sl] for g in grads), cfg, offset)
+        _eager_grads_into(dz[sl], None if du is None else du[sl],
+                          *_rows_part(rows, stats, grads, done, n), cfg, offset)
         return dz, du
 
 
@@ -110,15 +109,23 @@ def _eager_grads_into(dz, du, rows, stats, grads, cfg, offset):
 
     def block(r0, r1):
         sl = slice(r0, r1)
-        part = ((rows, stats, grads) if (r0, r1) == (0, n) else
-                (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
-                 tuple(g[sl] for g in grads)))
+        part = _rows_part(rows, stats, grads, r0, r1)
         if _fast_grads(cfg):
             _tile_grads_into(dz[sl], *part, cfg, offset)
         else:
             _grads_into(dz[sl], None if du is None else du[sl], *part, cfg, offset, TILE_BYTES)
 
     run_blocks(block, n, k)
+
+
+def _rows_part(rows, stats, grads, r0, r1):
+    """(rows, stats, grads) of the rows [r0, r1): the arguments themselves when that is all
+    of their rows."""
+    if (r0, r1) == (0, rows.logits.shape[0]):
+        return rows, stats, grads
+    sl = slice(r0, r1)
+    return (_row_slice(rows, r0, r1), stats_math.Stats(*(s[sl] for s in stats)),
+            tuple(g[sl] for g in grads))
 
 
 def _row_slice(rows, r0, r1):
