@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import (DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion,  # noqa: E402
                           LogitsProcessorList)
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_generation  # noqa: E402
+from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf_modeling  # noqa: E402
 
 import dlm_kernels.torch as dk  # noqa: E402
 import oracle  # noqa: E402
@@ -44,10 +45,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def unpatched_class(monkeypatch):
     """The reference is transformers' class as it ships, whatever patched the class earlier
     in the process (the README's block patches it); restored after each test."""
-    cls = DiffusionGemmaForBlockDiffusion
-    for name in ("forward", "_denoising_step"):
-        monkeypatch.setattr(cls, name, getattr(cls, integration._ORIGINAL + name,
-                                               getattr(cls, name)))
+    embedding = hf_modeling.DiffusionGemmaTextScaledWordEmbedding
+    for cls, names in ((DiffusionGemmaForBlockDiffusion, ("forward", "_denoising_step")),
+                       (embedding, ("forward",))):
+        for name in names:
+            monkeypatch.setattr(cls, name, getattr(cls, integration._ORIGINAL + name,
+                                                   getattr(cls, name)))
 
 
 def tiny_config() -> DiffusionGemmaConfig:
@@ -188,6 +191,7 @@ class _Shapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.shapes.add(tuple(t.shape))
@@ -302,12 +306,32 @@ def test_sft_variants(rng, variant):
     check_gradients(model, ref_grads, truth_grads, "float32")
 
 
-def test_encoder_labels(rng):
+def _repeats_and_padding(rng, inputs: dict) -> None:
+    """Tokens as a diffusion batch has them: the canvas a few ids, each many times (as a mask
+    token is), the padding id (0, the table's ``padding_idx``) in the prompt and the canvas,
+    and ids the prompt and the canvas share."""
+    prompt, canvas = inputs["input_ids"], inputs["decoder_input_ids"]
+    canvas.copy_(torch.from_numpy(rng.integers(1, 4, canvas.shape)))
+    prompt[:, :2] = 0
+    canvas[:, -3:] = 0
+    prompt[:, 3] = canvas[:, 0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", ["random", "repeats and padding"])
+def test_encoder_labels(rng, tokens, dtype):
     """encoder_labels adds the encoder's next-token CE (position s predicts label s + 1)
-    through the same capped tied head to the canvas loss; every gradient as above."""
-    model = build(rng)
+    through the same capped tied head to the canvas loss; every gradient as above. The tied
+    table's gradient is formed once: the only buffer of the table's shape and dtype that the
+    forward and backward make is the head's dW, which becomes the table's ``.grad`` (the
+    lookups hand their rows to it, ``tied_table``; both terms are read in one pass over the
+    head). (At this size a bfloat16 head sums dW in float32 before rounding it: README,
+    "Two gradient schedules".)"""
+    model = build(rng, dtype)
     ref = copy.deepcopy(model)
     inputs, labels, encoder_labels = make_inputs(rng)
+    if tokens != "random":
+        _repeats_and_padding(rng, inputs)
 
     def terms(zc, ze):
         canvas, dzc = token_ce(zc, labels.numpy())
@@ -319,9 +343,34 @@ def test_encoder_labels(rng):
     want, ref_grads = reference(ref, inputs, terms)
     _, truth_grads = reference(ref, inputs, terms, float64=True)
     apply_dlm_kernels_to_diffusion_gemma(model)
-    out = run_patched(model, inputs, labels=labels, encoder_labels=encoder_labels)
+    model.zero_grad(set_to_none=True)
+    table = model.lm_head.weight
+    with _Tables(tuple(table.shape), table.dtype) as tables:
+        out = model(**inputs, labels=labels, encoder_labels=encoder_labels)
+        out.loss.backward()
+    assert tables.storages == {model.lm_head.weight.grad.untyped_storage().data_ptr()}, \
+        tables.ops
     assert_close(_np(out.loss), want, "float32", name="canvas + encoder loss")
-    check_gradients(model, ref_grads, truth_grads, "float32")
+    check_gradients(model, ref_grads, truth_grads, dtype)
+
+
+class _Tables(TorchDispatchMode):
+    """The new storages of the tensors of one shape and dtype that operations return (not
+    an argument's: in-place operations and views make none), and the operations."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        super().__init__()
+        self.shape, self.dtype, self.storages, self.ops = shape, dtype, set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and \
+                    t.dtype == self.dtype and t.untyped_storage().data_ptr() not in given:
+                self.storages.add(t.untyped_storage().data_ptr())
+                self.ops.append(str(func))
+        return out
 
 
 def test_class_patch_and_registry(rng, monkeypatch):

@@ -42,6 +42,7 @@ import torch
 
 from ... import torch as dk
 from ..self_conditioning import soft_embedding
+from .tied_table import TableGradTape, relay_table, tied_lookup
 
 IGNORE_INDEX = -100
 """The label of an unsupervised position (transformers' and torch's ``ignore_index``)."""
@@ -65,23 +66,41 @@ def _capped_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return dk.LinearHead(hidden, weight, bias, softcap=cap, row_chunk=HEAD_ROW_CHUNK), dk
 
 
-def _token_mean_ce(objectives: Any, head: dk.LinearHead, labels: torch.Tensor,
-                   weights: torch.Tensor | None,
-                   num_items_in_batch: torch.Tensor | int | float | None) -> torch.Tensor:
-    """Σ w·CE / Σ w over the positions whose label is not IGNORE_INDEX (w = 1, or
-    ``weights``), or Σ w·CE / ``num_items_in_batch`` when given; 0 (and a zero gradient)
-    where nothing is supervised."""
-    active = labels != IGNORE_INDEX
-    w = active.to(torch.float32) if weights is None else torch.where(
-        active, weights.to(torch.float32), 0.0)
-    targets = torch.where(active, labels, 0)
-    batch = dk.DiffusionTokenBatch(model_inputs=targets, target_ids=targets, loss_weights=w)
-    total = objectives.weighted_cross_entropy(head, batch)
-    if num_items_in_batch is not None:
-        den = torch.as_tensor(num_items_in_batch, dtype=torch.float32,
-                              device=total.unreduced_sum.device)
-        total = total.replace(denominator=den)
-    return total.compute()
+@dataclasses.dataclass(frozen=True)
+class _TokenMean:
+    """One token-mean cross-entropy term: Σ w·CE / Σ w over the rows of ``hidden`` [B, n, D]
+    whose label is not IGNORE_INDEX (w = 1, or ``weights`` [B, n]), or Σ w·CE /
+    ``denominator`` when given; 0 (and a zero gradient) where nothing is supervised."""
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor | None = None
+    denominator: torch.Tensor | int | float | None = None
+
+
+def _token_means(self: Any, weight: torch.Tensor, terms: list[_TokenMean]) -> torch.Tensor:
+    """The sum of the terms, their rows read through one capped head: one
+    ``weighted_cross_entropy`` over all of them (so the table's gradient is formed once),
+    each row weighted w / its term's denominator."""
+    rows = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in terms])  # [N, D]
+    head, objectives = _capped_head(rows[None], weight, self.lm_head.bias,
+                                    self.final_logit_softcapping)
+    scaled = []
+    for t in terms:
+        active = t.labels.reshape(-1) != IGNORE_INDEX
+        w = active.to(torch.float32) if t.weights is None else torch.where(
+            active, t.weights.reshape(-1).to(torch.float32), 0.0)
+        den = w.sum() if t.denominator is None else torch.as_tensor(
+            t.denominator, dtype=torch.float32, device=w.device)
+        # 1 / den by the contract: 0 for a 0 denominator, NaN for a NaN or negative one
+        scaled.append(w * dk.WeightedSum(torch.ones_like(den), den).compute())
+    v = torch.cat(scaled)  # [N]
+    labels = torch.cat([t.labels.reshape(-1) for t in terms])
+    targets = torch.where(labels != IGNORE_INDEX, labels, 0)[None]
+    batch = dk.DiffusionTokenBatch(model_inputs=targets, target_ids=targets,
+                                   loss_weights=v[None])
+    # Σ v·CE: the mean over the weights v (exactly 0 where all are 0) times their sum
+    return objectives.weighted_cross_entropy(head, batch).compute() * v.sum()
 
 
 def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -94,19 +113,19 @@ def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, ...]) -> No
                          f"got {list(labels.shape)}")
 
 
-def _diffusion_loss(self: Any, hidden: torch.Tensor, labels: torch.Tensor,
-                    decoder_input_ids: torch.Tensor | None, num_items_in_batch: Any,
-                    variant: str | None, diffusion_t: Any, loss_mask: torch.Tensor | None,
-                    diffusion_weight_clip: float | None) -> torch.Tensor:
-    """The canvas loss from the decoder's final hidden states (see ``_forward``)."""
+def _canvas_loss(self: Any, weight: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
+                 decoder_input_ids: torch.Tensor | None, num_items_in_batch: Any,
+                 variant: str | None, diffusion_t: Any, loss_mask: torch.Tensor | None,
+                 diffusion_weight_clip: float | None) -> _TokenMean | torch.Tensor:
+    """The canvas loss from the decoder's final hidden states (see ``_forward``): its
+    token-mean term (variant None; read with the encoder's through one head), or the SFT
+    variant's batch mean through the head's ``weight``."""
     _check_labels("labels", labels, tuple(hidden.shape[:2]))
-    head, objectives = _capped_head(hidden, self.lm_head.weight, self.lm_head.bias,
-                                    self.final_logit_softcapping)
     if variant is None:
         if diffusion_t is not None:
             raise ValueError("diffusion_t is given but variant is None: name the SFT variant "
                              f"(one of {dk.VARIANTS})")
-        return _token_mean_ce(objectives, head, labels, loss_mask, num_items_in_batch)
+        return _TokenMean(hidden, labels, loss_mask, num_items_in_batch)
     if diffusion_t is None:
         raise ValueError(f"variant={variant!r} needs diffusion_t (the diffusion time t, [B] "
                          "or one number in [0, 1])")
@@ -115,6 +134,8 @@ def _diffusion_loss(self: Any, hidden: torch.Tensor, labels: torch.Tensor,
                          "the SFT variants normalise each sequence by its own loss mask")
     if decoder_input_ids is None:
         raise ValueError(f"variant={variant!r} needs decoder_input_ids (the noisy canvas xt)")
+    head, objectives = _capped_head(hidden, weight, self.lm_head.bias,
+                                    self.final_logit_softcapping)
     active = labels != IGNORE_INDEX
     mask = active.to(torch.float32) if loss_mask is None else torch.where(
         active, loss_mask.to(torch.float32), 0.0)
@@ -125,17 +146,40 @@ def _diffusion_loss(self: Any, hidden: torch.Tensor, labels: torch.Tensor,
     return per_sequence.mean()
 
 
-def _encoder_loss(self: Any, hidden: torch.Tensor | None,
-                  encoder_labels: torch.Tensor) -> torch.Tensor:
+def _encoder_term(hidden: torch.Tensor | None, encoder_labels: torch.Tensor) -> _TokenMean:
     """Next-token CE of the encoder: position s predicts ``encoder_labels[:, s + 1]``, the
-    token mean over the supervised ones, through the same capped tied head."""
+    token mean over the supervised ones (read through the same capped tied head)."""
     if hidden is None:
         raise ValueError("encoder_labels needs the encoder's hidden states: pass input_ids "
                          "(the prompt), not only past_key_values")
     _check_labels("encoder_labels", encoder_labels, tuple(hidden.shape[:2]))
-    head, objectives = _capped_head(hidden[:, :-1], self.lm_head.weight, self.lm_head.bias,
-                                    self.final_logit_softcapping)
-    return _token_mean_ce(objectives, head, encoder_labels[:, 1:], None, None)
+    return _TokenMean(hidden[:, :-1], encoder_labels[:, 1:])
+
+
+def _tied_lookups(self: Any, wants_loss: bool) -> list[Any]:
+    """The token embeddings whose gradients this forward's head takes as rows
+    (``tied_table``): in an eager training forward with a loss, the encoder's and the
+    decoder's lookups of the head's own table (tied, one Parameter), where they are plain
+    lookups (no ``max_norm``, no frequency scaling, no sparse gradients); else none."""
+    weight = self.lm_head.weight
+    if not (wants_loss and torch.is_grad_enabled() and weight.requires_grad) or \
+            torch.compiler.is_compiling():
+        return []
+    embeddings = (self.model.encoder.language_model.embed_tokens,
+                  self.model.decoder.embed_tokens)
+    return [e for e in embeddings if e.weight is weight and e.max_norm is None
+            and not e.scale_grad_by_freq and not e.sparse]
+
+
+def _embedding_forward(self: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' scaled token embedding, E[ids]·scale; while a patched training forward
+    runs (``_dlm_kernels_lookup``: its tape and the head's relay), the lookup's gradient for
+    E goes to the head's dW as rows (``tied_lookup``)."""
+    route = self._dlm_kernels_lookup
+    if route is None:
+        return getattr(type(self), _ORIGINAL + "forward")(self, input_ids)
+    rows = tied_lookup(input_ids, self.weight, self.padding_idx, *route)
+    return rows * self.embed_scale.to(self.weight.dtype)
 
 
 def _forward(
@@ -195,30 +239,47 @@ def _forward(
     if skip_logits and not wants_loss and not return_last_hidden_state:
         raise ValueError("skip_logits=True needs labels or encoder_labels: without a loss "
                          "nothing would be returned")
-    model_outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        past_key_values=past_key_values,
-        position_ids=position_ids,
-        decoder_input_ids=decoder_input_ids,
-        self_conditioning_logits=self_conditioning_logits,
-        self_conditioning_mask=self_conditioning_mask,
-        decoder_attention_mask=decoder_attention_mask,
-        decoder_position_ids=decoder_position_ids,
-        mm_encoder_outputs=mm_encoder_outputs,
-        **kwargs,
-    )
+    weight, lookups = self.lm_head.weight, _tied_lookups(self, wants_loss)
+    if lookups:  # the lookups' gradients go to the head's dW as rows, not [V, D] tables
+        tape = TableGradTape()
+        weight = relay_table(weight, tape)  # made first: autograd reaches it after them
+        for lookup in lookups:
+            lookup._dlm_kernels_lookup = (tape, weight)
+    try:
+        model_outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+            decoder_input_ids=decoder_input_ids,
+            self_conditioning_logits=self_conditioning_logits,
+            self_conditioning_mask=self_conditioning_mask,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_position_ids=decoder_position_ids,
+            mm_encoder_outputs=mm_encoder_outputs,
+            **kwargs,
+        )
+    finally:
+        for lookup in lookups:
+            lookup._dlm_kernels_lookup = None
     hidden = model_outputs.last_hidden_state
-    loss = None
+    loss, terms = None, []
     if labels is not None:
-        loss = _diffusion_loss(self, hidden, labels, decoder_input_ids, num_items_in_batch,
-                               variant, diffusion_t, loss_mask, diffusion_weight_clip)
+        canvas = _canvas_loss(self, weight, hidden, labels, decoder_input_ids,
+                              num_items_in_batch, variant, diffusion_t, loss_mask,
+                              diffusion_weight_clip)
+        if isinstance(canvas, _TokenMean):
+            terms.append(canvas)
+        else:
+            loss = canvas
     elif any(v is not None for v in (variant, diffusion_t, loss_mask, num_items_in_batch)):
         raise ValueError("variant, diffusion_t, loss_mask and num_items_in_batch shape the "
                          "canvas loss: they need labels")
     if encoder_labels is not None:
-        enc = _encoder_loss(self, model_outputs.encoder_last_hidden_state, encoder_labels)
-        loss = enc if loss is None else loss + enc
+        terms.append(_encoder_term(model_outputs.encoder_last_hidden_state, encoder_labels))
+    if terms:  # the token means: one pass over the head
+        means = _token_means(self, weight, terms)
+        loss = means if loss is None else loss + means
     logits = None
     if not skip_logits:  # transformers' own logits, as its forward forms them
         logits = self.lm_head(hidden).to(torch.float32)
@@ -522,6 +583,12 @@ def apply_dlm_kernels_to_diffusion_gemma(
     cls._dlm_kernels_generation_module = generation
     if fused_linear_loss:
         _replace(cls, model, "forward", _forward)
+        embedding = modeling.DiffusionGemmaTextScaledWordEmbedding
+        embedding._dlm_kernels_lookup = None
+        for lookup in ([None] if model is None else
+                       [model.model.encoder.language_model.embed_tokens,
+                        model.model.decoder.embed_tokens]):
+            _replace(embedding, lookup, "forward", _embedding_forward)
     if fused_sampling:
         _replace(cls, model, "_denoising_step", _denoising_step)
     if fused_self_conditioning:

@@ -1,0 +1,146 @@
+"""A tied table's gradient with the lookups' rows handed to the head (``tied_table``): the same
+gradient as ``torch.nn.functional.embedding`` gives, in every order autograd may run, with one
+table-sized buffer.
+
+The models here are exact in float64 (small integers: every sum of their gradients is exact
+whatever its order), so the routed gradient must equal autograd's own bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from dlm_kernels.torch.integrations.tied_table import (TableGradTape, relay_table,  # noqa: E402
+                                                       tied_lookup)
+
+V, D, PAD = 37, 6, 3
+
+
+def _ints(rng, shape, lo=-4, hi=5):
+    return torch.from_numpy(rng.integers(lo, hi, shape)).to(torch.float64)
+
+
+class Toy:
+    """A prompt's and a canvas's lookups of a table E [V, D] and a head reading E (the loss
+    ``head``: Σ C ⊙ (h · Eᵀ), h from both lookups), plus ``aux``, a loss on the lookups alone.
+    Tokens repeat, the padding id and tokens shared by both lookups included."""
+
+    def __init__(self, rng):
+        self.table = torch.nn.Parameter(_ints(rng, (V, D)))
+        self.prompt = torch.from_numpy(rng.integers(0, V, (2, 9)))
+        self.canvas = torch.from_numpy(rng.integers(0, 8, (2, 12)))  # many repeats
+        self.prompt[0, :3] = PAD
+        self.canvas[1, :2] = PAD
+        self.canvas[0, 5] = self.prompt[1, 4]
+        self.c = _ints(rng, (2, V))
+        self.a = _ints(rng, (2, 9, D))
+        self.b = _ints(rng, (2, 12, D))
+
+    def losses(self, routed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head, aux)."""
+        E = self.table
+        if routed:
+            tape = TableGradTape()
+            head_table = relay_table(E, tape)
+            x = tied_lookup(self.prompt, E, PAD, tape, head_table)
+            y = tied_lookup(self.canvas, E, PAD, tape, head_table)
+        else:
+            head_table = E
+            x = torch.nn.functional.embedding(self.prompt, E, PAD)
+            y = torch.nn.functional.embedding(self.canvas, E, PAD)
+        h = x.sum(1) + 2 * y.sum(1)  # [2, D]
+        head = (self.c.T * (head_table @ h.T)).sum()  # dW: one contiguous [V, D] product
+        aux = (self.a * x).sum() + (self.b * y).sum()
+        return head, aux
+
+
+def _grads(toy: Toy, routed: bool, how: str) -> torch.Tensor:
+    toy.table.grad = None
+    head, aux = toy.losses(routed)
+    if how == "head":
+        head.backward()
+    elif how == "head + aux":
+        (head + aux).backward()
+    elif how == "aux alone":  # the head's relay never runs: the lookups keep their tables
+        aux.backward()
+    elif how == "aux, then head":  # two backward passes over one graph
+        aux.backward(retain_graph=True)
+        head.backward()
+    elif how == "head twice":  # a retained graph's second pass starts with an empty tape
+        head.backward(retain_graph=True)
+        head.backward()
+    elif how == "autograd.grad":
+        (g,) = torch.autograd.grad(head + aux, toy.table)
+        assert toy.table.grad is None
+        return g
+    else:
+        raise AssertionError(how)
+    return toy.table.grad
+
+
+@pytest.mark.parametrize("how", ["head", "head + aux", "aux alone", "aux, then head",
+                                 "head twice", "autograd.grad"])
+def test_the_table_gradient_is_autograd_s_own(rng, how):
+    toy = Toy(rng)
+    want = _grads(toy, False, how).clone()
+    got = _grads(toy, True, how)
+    assert torch.equal(got, want), (got - want).abs().max()
+    if how == "aux alone":  # the lookups alone: the padding row gets nothing
+        assert torch.count_nonzero(got[PAD]) == 0 and torch.count_nonzero(got) > 0
+
+
+def test_rows_go_to_the_relay_and_one_table_is_made(rng, monkeypatch):
+    """In one backward of head + aux both lookups hand their rows over and the only
+    table-sized buffer made is the head's dW, which becomes ``.grad`` itself."""
+    given = []
+    give = TableGradTape.give
+    monkeypatch.setattr(TableGradTape, "give", lambda self, *a: given.append(a[1].shape[0])
+                        or give(self, *a))
+    toy = Toy(rng)
+    head, aux = toy.losses(True)
+    with _Tables() as seen:
+        (head + aux).backward()
+    assert given == [toy.canvas.numel(), toy.prompt.numel()] or \
+        given == [toy.prompt.numel(), toy.canvas.numel()], given
+    assert seen.storages == {toy.table.grad.untyped_storage().data_ptr()}, seen.ops
+    toy.table.grad = None
+    head, aux = toy.losses(False)
+    with _Tables() as seen:
+        (head + aux).backward()
+    assert len(seen.storages) >= 2, seen.ops  # autograd's lookups: tables of their own
+
+
+def test_a_relay_that_has_run_refuses_rows():
+    """A lookup whose backward comes after the relay's in the same pass keeps its gradient
+    (the tape refuses it), so no row is lost whatever order autograd takes."""
+    tape = TableGradTape()
+    ids, rows = torch.tensor([1, 2]), torch.ones(2, D)
+    assert tape.give(7, ids, rows)
+    assert [i.tolist() for i, _ in tape.take(7)] == [[1, 2]]
+    assert not tape.give(7, ids, rows)
+    assert tape.take(7) == []
+    assert tape.give(8, ids, rows)  # another pass
+
+
+class _Tables(TorchDispatchMode):
+    """The new storages of the [V, D] tensors operations return (not an argument's: in-place
+    operations and views make none), and the operations."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages, self.ops = set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == (V, D) and \
+                    t.untyped_storage().data_ptr() not in given:
+                self.storages.add(t.untyped_storage().data_ptr())
+                self.ops.append(str(func))
+        return out
+
