@@ -9,12 +9,14 @@ reduced hidden size D and 1 tiny decoder layer: only the head matters to the pea
 terms either do not depend on D (the [B, L, V] buffers) or grow linearly with it (the table
 and its gradient). Two cases, each dense and patched:
 
-  loss  one training forward+backward of the canvas loss (token-mean cross-entropy of the
-        capped logits over all B·L canvas positions):
-          dense    the unpatched model's capped float32 [B, L, V] logits, then
-                   ``F.cross_entropy`` on them
-          patched  ``apply_dlm_kernels_to_diffusion_gemma(model)``, ``model(..., labels=x0)``
-                   (the fused capped-head loss, logits never formed)
+  loss  one training forward+backward of the public recipe's loss: the token-mean
+        cross-entropy of the capped logits over all B·L canvas positions plus the prompt's
+        next-token cross-entropy (the encoder's hidden states through the same head):
+          dense    the unpatched model's capped float32 [B, L, V] logits (and the prompt's,
+                   capped alike), then ``F.cross_entropy`` on each
+          patched  ``apply_dlm_kernels_to_diffusion_gemma(model)``, ``model(...,
+                   labels=x0, encoder_labels=prompt)`` (the fused capped-head loss, logits
+                   never formed)
   step  one denoising step inside ``model.generate`` (its second step: the previous step's
         self-conditioning logits are an input, as in every step after the first):
           dense    transformers' step (softmax, multinomial, argmax, Categorical entropies)
@@ -115,16 +117,22 @@ class Case:
         return prompt.to(self.device), canvas.to(self.device), x0.to(self.device)
 
     def loss(self, i: int):
-        """One forward+backward of the canvas loss; the parameter gradients are new."""
+        """One forward+backward of the recipe's loss (the canvas's token-mean CE plus the
+        prompt's next-token CE); the parameter gradients are new."""
         torch, model = self.torch, self.model
         model.zero_grad(set_to_none=True)
         prompt, canvas, x0 = self._inputs(i)
         if self.case == "loss-patched":
-            loss = model(input_ids=prompt, decoder_input_ids=canvas, labels=x0).loss
+            loss = model(input_ids=prompt, decoder_input_ids=canvas, labels=x0,
+                         encoder_labels=prompt).loss
         else:
-            logits = model(input_ids=prompt, decoder_input_ids=canvas).logits
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, self.v), x0.view(-1))
-            del logits
+            out = model(input_ids=prompt, decoder_input_ids=canvas)
+            ce = torch.nn.functional.cross_entropy
+            z = model.lm_head(out.encoder_last_hidden_state[:, :-1]).float()
+            z = torch.tanh(z / CAP) * CAP  # the encoder's capped logits, as the canvas's
+            loss = (ce(out.logits.view(-1, self.v), x0.view(-1))
+                    + ce(z.reshape(-1, self.v), prompt[:, 1:].reshape(-1)))
+            del out, z
         loss.backward()
         return loss.detach()
 
