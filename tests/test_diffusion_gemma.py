@@ -191,7 +191,6 @@ class _Shapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.shapes.add(tuple(t.shape))
@@ -257,10 +256,10 @@ def test_eval_and_the_tuple_form(rng):
 def test_num_items_in_batch_and_nothing_supervised(rng):
     """num_items_in_batch replaces the count of supervised positions (Σ CE / n); loss_mask
     without a variant weights the token mean (Σ w·CE / Σ w); a batch with no supervised
-    position has loss 0 and zero gradients."""
+    position has loss 0 and zero gradients; a NaN or negative num_items_in_batch gives NaN."""
     model = build(rng)
     apply_dlm_kernels_to_diffusion_gemma(model)
-    inputs, labels, _ = make_inputs(rng)
+    inputs, labels, encoder_labels = make_inputs(rng)
     count = int((labels != -100).sum())
     mean = run_patched(model, inputs, labels=labels).loss
     summed = run_patched(model, inputs, labels=labels,
@@ -276,6 +275,14 @@ def test_num_items_in_batch_and_nothing_supervised(rng):
     out = run_patched(model, inputs, labels=torch.full_like(labels, -100))
     assert out.loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    # a NaN or negative denominator: the loss and every gradient NaN (WeightedSum's
+    # contract), with the encoder's term beside it too; never an error about weights the
+    # caller did not pass
+    for den in (float("nan"), -5.0):
+        out = run_patched(model, inputs, labels=labels, encoder_labels=encoder_labels,
+                          num_items_in_batch=torch.tensor(den))
+        assert torch.isnan(out.loss), (den, out.loss)
+        assert torch.isnan(model.lm_head.weight.grad).all(), den
 
 
 @pytest.mark.parametrize("variant", dk.VARIANTS)
@@ -371,6 +378,26 @@ class _Tables(TorchDispatchMode):
                 self.storages.add(t.untyped_storage().data_ptr())
                 self.ops.append(str(func))
         return out
+
+
+def test_a_lookup_with_max_norm_keeps_autograd_s_gradient(rng, monkeypatch):
+    """A tied lookup with max_norm renormalises the table's rows in place during the forward:
+    then no lookup hands its rows to the head (a view of the table made before it would be
+    invalidated; before, the forward raised), and the gradients are those of the patched
+    model without the route, bit for bit."""
+    model = build(rng)
+    apply_dlm_kernels_to_diffusion_gemma(model)
+    model.model.decoder.embed_tokens.max_norm = 1e9  # renormalises nothing, but runs in place
+    inputs, labels, encoder_labels = make_inputs(rng)
+    grads = []
+    for route in (True, False):
+        if not route:
+            monkeypatch.setattr(integration, "_tied_lookups", lambda self, wants_loss: [])
+        run_patched(model, inputs, labels=labels, encoder_labels=encoder_labels)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
 def test_class_patch_and_registry(rng, monkeypatch):

@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dlm_kernels.torch.integrations.tied_table import (TableGradTape, relay_table,  # noqa: E402
-                                                       tied_lookup)
+from dlm_kernels.torch.integrations.tied_table import (TableGradTape,  # noqa: E402
+                                                       relay_table, tied_lookup)
+from dlm_kernels.torch.integrations.tied_table import add_rows_ as tied_table_add_rows  # noqa: E402
 
 V, D, PAD = 37, 6, 3
 
@@ -144,3 +145,39 @@ class _Tables(TorchDispatchMode):
                 self.ops.append(str(func))
         return out
 
+
+
+def test_compiled_autograd_keeps_the_lookups_gradients(rng):
+    """Under compiled autograd (the backward traced by Dynamo) the lookups return their dense
+    gradients and the relay passes dW through: the same gradient (before, the trace raised
+    on the relay's tape)."""
+    from torch._dynamo import compiled_autograd
+
+    toy = Toy(rng)
+    want = _grads(toy, False, "head + aux").clone()
+    toy.table.grad = None
+    head, aux = toy.losses(True)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        (head + aux).backward()
+    assert torch.equal(toy.table.grad, want), (toy.table.grad - want).abs().max()
+
+
+def test_rows_are_summed_in_float32_then_added_once(rng):
+    """bfloat16 on a CPU: each id's rows are summed in float32 and added to its table row in
+    one rounding, so every element lies within half an ulp of the exact sum (one row drawn
+    1000 times, another 3 times, the rest once). Adding them one at a time (each add rounded
+    to bfloat16, ``index_put_`` with accumulate on a CPU) strays tens of ulps."""
+    table64 = torch.from_numpy(rng.normal(size=(V, D))) * 4
+    ids = torch.from_numpy(rng.integers(0, V, 40))
+    ids = torch.cat([ids, torch.full((1000,), 5), torch.full((3,), 9)])
+    rows64 = torch.from_numpy(rng.normal(size=(ids.numel(), D)))
+    table, rows = table64.bfloat16(), rows64.bfloat16()
+    exact = table.double().index_add(0, ids, rows.double())
+    got = tied_table_add_rows(table.clone(), ids, rows).double()
+    # eps·|x| bounds bfloat16's spacing at x; rounding to nearest errs by at most half of
+    # it (the float32 sums' own error is below 2^-10 of that)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(2.0 ** -126)
+    assert ((got - exact).abs() <= 0.5 * ulp * (1 + 2.0 ** -10)).all(), \
+        ((got - exact).abs() / ulp).max()
+    one_at_a_time = table.clone().index_put_((ids,), rows, accumulate=True).double()
+    assert ((one_at_a_time - exact).abs() / ulp).max() > 4  # the control sees the difference

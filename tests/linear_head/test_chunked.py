@@ -111,6 +111,36 @@ def test_torch_total_backward_twice(rng):
                                     "float32") + 2e-6)
 
 
+@pytest.mark.parametrize("reads", ["total", "per row"])
+def test_torch_head_under_non_reentrant_checkpointing(rng, reads):
+    """A head inside ``torch.utils.checkpoint(use_reentrant=False)`` (a whole model call
+    checkpointed): its backward reads its saved tensors once (each read recomputes under
+    checkpointing, and a second raised CheckpointError), with the gradients of the call
+    unchecked, bit for bit."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    fw, p = framework("torch"), HeadProblem(rng, rows=(3, 7), teacher=False)
+    api = fw.api
+    y = fw.array(p.y)
+    batch = api.DiffusionTokenBatch.create(model_inputs={"input_tokens": y}, target_ids=y,
+                                           loss_weights=fw.array(p.active.astype(np.float32)))
+
+    def loss(h, w, b):
+        head = api.LinearHead(h, w, b, row_chunk=8)
+        if reads == "total":
+            return api.weighted_cross_entropy(head, batch, backend="chunked").compute()
+        return api.per_token_logps(head, batch, stop_gradient=False, backend="chunked").sum()
+
+    grads = []
+    for checkpointed in (False, True):
+        h, w, b = (fw.array(a, "float32").requires_grad_(True) for a in (p.h, p.w, p.b))
+        out = checkpoint(loss, h, w, b, use_reentrant=False) if checkpointed else loss(h, w, b)
+        grads.append(torch.autograd.grad(out, (h, w, b)))
+    for name, g1, g2 in zip(("hidden", "weight", "bias"), *grads):
+        assert torch.equal(g1, g2), name
+
+
 @pytest.mark.parametrize("fw_name", ["torch", "jax"])
 def test_planned_gradient_of_a_float16_head_keeps_its_digits_at_any_weight_scale(rng, fw_name):
     """opd_loss's gradient is formed in the forward in the head's dtype, its scale taken out

@@ -441,15 +441,16 @@ class _LinearHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cotangents):  # one per returned statistic (PUBLIC_STATS), then the total's
+        # read once: under non-reentrant checkpointing each read unpacks (recomputes) again
+        saved = ctx.saved_tensors
         with torch.no_grad():  # first derivatives, never recorded (see ``_first_order``)
-            grads = _LinearHeadFunction._backward(ctx, cotangents[:-1], cotangents[-1])
-        inputs = (*ctx.saved_tensors, *cotangents)
+            grads = _LinearHeadFunction._backward(ctx, saved, cotangents[:-1], cotangents[-1])
+        inputs = (*saved, *cotangents)
         return first_order_only(ctx.impl.name, grads, inputs)
 
     @staticmethod
-    def _backward(ctx, given, g_total):
+    def _backward(ctx, saved, given, g_total):
         row_cts = given  # the returned statistics' cotangents (the total's share folded below)
-        saved = ctx.saved_tensors
         n_in = len(saved) - len(Stats._fields)
         tensors, stats = saved[:n_in], Stats(*saved[n_in:])
         planned = ctx.planned if g_total is not None else None

@@ -85,22 +85,25 @@ def _token_means(self: Any, weight: torch.Tensor, terms: list[_TokenMean]) -> to
     rows = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in terms])  # [N, D]
     head, objectives = _capped_head(rows[None], weight, self.lm_head.bias,
                                     self.final_logit_softcapping)
-    scaled = []
+    scaled, bad = [], torch.zeros(())
     for t in terms:
         active = t.labels.reshape(-1) != IGNORE_INDEX
         w = active.to(torch.float32) if t.weights is None else torch.where(
             active, t.weights.reshape(-1).to(torch.float32), 0.0)
         den = w.sum() if t.denominator is None else torch.as_tensor(
             t.denominator, dtype=torch.float32, device=w.device)
-        # 1 / den by the contract: 0 for a 0 denominator, NaN for a NaN or negative one
-        scaled.append(w * dk.WeightedSum(torch.ones_like(den), den).compute())
+        # 1 / den by the contract: 0 for a 0 denominator, NaN for a NaN or negative one,
+        # which makes the loss and every gradient NaN below (the weights stay finite: 1)
+        inv = dk.WeightedSum(torch.ones_like(den), den).compute()
+        scaled.append(w * torch.where(torch.isfinite(inv), inv, 1.0))
+        bad = bad.to(inv.device) + inv * 0.0  # NaN where inv is not finite, else 0
     v = torch.cat(scaled)  # [N]
     labels = torch.cat([t.labels.reshape(-1) for t in terms])
     targets = torch.where(labels != IGNORE_INDEX, labels, 0)[None]
     batch = dk.DiffusionTokenBatch(model_inputs=targets, target_ids=targets,
                                    loss_weights=v[None])
     # Σ v·CE: the mean over the weights v (exactly 0 where all are 0) times their sum
-    return objectives.weighted_cross_entropy(head, batch).compute() * v.sum()
+    return objectives.weighted_cross_entropy(head, batch).compute() * v.sum() * (1.0 + bad)
 
 
 def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -159,16 +162,18 @@ def _encoder_term(hidden: torch.Tensor | None, encoder_labels: torch.Tensor) -> 
 def _tied_lookups(self: Any, wants_loss: bool) -> list[Any]:
     """The token embeddings whose gradients this forward's head takes as rows
     (``tied_table``): in an eager training forward with a loss, the encoder's and the
-    decoder's lookups of the head's own table (tied, one Parameter), where they are plain
-    lookups (no ``max_norm``, no frequency scaling, no sparse gradients); else none."""
+    decoder's lookups of the head's own table (tied, one Parameter), where every one is a
+    plain lookup (no ``max_norm``, no frequency scaling, no sparse gradients); else none."""
     weight = self.lm_head.weight
     if not (wants_loss and torch.is_grad_enabled() and weight.requires_grad) or \
             torch.compiler.is_compiling():
         return []
-    embeddings = (self.model.encoder.language_model.embed_tokens,
-                  self.model.decoder.embed_tokens)
-    return [e for e in embeddings if e.weight is weight and e.max_norm is None
-            and not e.scale_grad_by_freq and not e.sparse]
+    tied = [e for e in (self.model.encoder.language_model.embed_tokens,
+                        self.model.decoder.embed_tokens) if e.weight is weight]
+    # all or none: a lookup with max_norm renormalises rows of the table in place, which the
+    # relay (a view of it made before) may not outlive
+    plain = all(e.max_norm is None and not e.scale_grad_by_freq and not e.sparse for e in tied)
+    return tied if plain else []
 
 
 def _embedding_forward(self: Any, input_ids: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ as E's gradient: E's ``.grad`` is the same sum, and the peak holds one table.
 
 A lookup hands its rows over only while the relay will still run in the same backward
 (``torch._C._will_engine_execute_node``, the test ``torch.autograd.graph``'s multi-grad hook
-uses); otherwise (a backward that does not reach the head, a second backward of a retained
-graph after the relay ran, the relay already run) it returns its dense gradient, as
+uses); otherwise (a backward that does not reach the head, the relay already run in this
+pass, a backward traced by compiled autograd) it returns its dense gradient, as
 ``torch.nn.functional.embedding`` would: the gradient is always complete; only the memory
 saving depends on the order.
 """
@@ -61,16 +61,34 @@ class _Relay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (d_table,) = grads  # [V, D]
+        (d_table,) = grads  # [V, D]: the heads' dW (summed by autograd where several read it)
+        if torch.compiler.is_compiling():  # compiled autograd: the lookups kept their gradients
+            return d_table, None
         rows = ctx.tape.take(torch._C._current_graph_task_id())
         if not rows:
             return d_table, None
         ids = torch.cat([i for i, _ in rows])  # [N]
-        d_rows = torch.cat([g for _, g in rows]).to(d_table.dtype)  # [N, D]
-        if d_table.is_contiguous() and not d_table._is_view():
-            # dW is the head's own new buffer (nothing else reads the relay's output)
-            return d_table.index_put_((ids,), d_rows, accumulate=True), None
-        return d_table.index_put((ids,), d_rows, accumulate=True), None
+        d_rows = torch.cat([g for _, g in rows])  # [N, D]
+        if not d_table.is_contiguous() or d_table._is_view():
+            d_table = d_table.clone()  # a head's own new buffer is written in place; a view not
+        return add_rows_(d_table, ids, d_rows), None
+
+
+def add_rows_(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table[i] += Σ rows[ids == i]`` in place ([V, D], [N], [N, D]), each id's rows summed in
+    float32 (float64 for a float64 table) and added to its table row in one rounding, as
+    autograd's ``embedding_dense_backward`` then its sum into dW would round them. On a GPU,
+    torch's ``index_put_`` with accumulate does that itself (it sorts the ids and reduces each
+    one's rows before one add: deterministic); on a CPU it would round at every addend, so the
+    sums are formed here first."""
+    if table.device.type != "cpu":
+        return table.index_put_((ids,), rows.to(table.dtype), accumulate=True)
+    acc = torch.float64 if table.dtype == torch.float64 else torch.float32
+    unique, inverse = torch.unique(ids, return_inverse=True)  # [U], [N]
+    sums = torch.zeros(unique.shape[0], rows.shape[1], dtype=acc)  # [U, D]
+    sums.index_add_(0, inverse, rows.to(acc))
+    return table.index_copy_(0, unique, (table.index_select(0, unique).to(acc) + sums)
+                             .to(table.dtype))
 
 
 class _Lookup(torch.autograd.Function):
@@ -90,7 +108,7 @@ class _Lookup(torch.autograd.Function):
                                                           None, None]:
         (d_out,) = grads  # [*ids.shape, D]
         (ids,) = ctx.saved_tensors
-        if torch._C._will_engine_execute_node(ctx.relay):
+        if not torch.compiler.is_compiling() and torch._C._will_engine_execute_node(ctx.relay):
             flat = ids.reshape(-1)  # [N]
             d_rows = d_out.reshape(flat.shape[0], -1)  # [N, D]
             if ctx.padding_idx is not None:  # the padding row gets no gradient
