@@ -9,9 +9,10 @@ reduced hidden size D and 1 tiny decoder layer: only the head matters to the pea
 terms either do not depend on D (the [B, L, V] buffers) or grow linearly with it (the table
 and its gradient). Two cases, each dense and patched:
 
-  loss  one training forward+backward of the public recipe's loss: the token-mean
-        cross-entropy of the capped logits over all B·L canvas positions plus the prompt's
-        next-token cross-entropy (the encoder's hidden states through the same head):
+  loss  one training forward+backward of the loss of NeMo Automodel's DiffusionGemma
+        recipe: the token-mean cross-entropy of the capped logits over all B·L canvas
+        positions plus the prompt's next-token cross-entropy (the encoder's hidden states
+        through the same head):
           dense    the unpatched model's capped float32 [B, L, V] logits (and the prompt's,
                    capped alike), then ``F.cross_entropy`` on each
           patched  ``apply_dlm_kernels_to_diffusion_gemma(model)``, ``model(...,
@@ -367,12 +368,15 @@ def ratios(results):
 def markdown(report):
     res = report["results"]
     blv = report["blv_float32_bytes"]
-    lines = [f"### DiffusionGemma head: dense vs patched (device: {report['device']}, a shared "
-             f"machine; {report['date']})", "",
+    load = report.get("load_after")
+    lines = [f"### DiffusionGemma head: dense vs patched (device: {report['device']}; "
+             f"{report['date']})", "",
              f"One float32 [B, L, V] buffer: {blv / 2**20:.0f} MiB. Peak: beyond the weights "
-             "and inputs (loss: the parameter gradients included, their size beside it).", "",
+             "and inputs (loss: the parameter gradients are allocated inside the measured "
+             "call, so they count wherever they are alive at its peak; their size beside it)."
+             + (f" Load average after the run: {load[0]:.2f} (1 min)." if load else ""), "",
              "| case | D | V | L | dtype | peak MiB | of which param. grads MiB | peak / [B,L,V] f32 "
-             "| ms median (p20-p80), shared machine |",
+             "| ms median (p20-p80) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res:
         head = f"| {r['case']} | {r['d']} | {r['v']} | {r['canvas']} | {r['dtype']} |"

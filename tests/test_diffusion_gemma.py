@@ -256,7 +256,8 @@ def test_eval_and_the_tuple_form(rng):
 def test_num_items_in_batch_and_nothing_supervised(rng):
     """num_items_in_batch replaces the count of supervised positions (Σ CE / n); loss_mask
     without a variant weights the token mean (Σ w·CE / Σ w); a batch with no supervised
-    position has loss 0 and zero gradients; a NaN or negative num_items_in_batch gives NaN."""
+    position has loss 0 and zero gradients; a NaN or negative num_items_in_batch gives NaN;
+    a denominator or weights far from 1 give Σ w·CE / den."""
     model = build(rng)
     apply_dlm_kernels_to_diffusion_gemma(model)
     inputs, labels, encoder_labels = make_inputs(rng)
@@ -282,17 +283,32 @@ def test_num_items_in_batch_and_nothing_supervised(rng):
         out = run_patched(model, inputs, labels=labels, encoder_labels=encoder_labels,
                           num_items_in_batch=torch.tensor(den))
         assert torch.isnan(out.loss), (den, out.loss)
-        assert torch.isnan(model.lm_head.weight.grad).all(), den
+        assert all(torch.isnan(p.grad).all() for p in model.parameters()
+                   if p.grad is not None), den
+    # denominators far from the weights' scale: Σ w·CE / den as it is, no error about weights
+    one = torch.full_like(labels, -100)
+    one[0, 0] = 5
+    ce_one = run_patched(model, inputs, labels=one).loss
+    huge = run_patched(model, inputs, labels=one, num_items_in_batch=torch.tensor(3e38)).loss
+    assert_close(_np(huge) * 3e38, _np(ce_one), "float32", name="one token over 3e38")
+    tiny_w = torch.full(labels.shape, 1e-30)
+    small = run_patched(model, inputs, labels=labels, loss_mask=tiny_w,
+                        num_items_in_batch=torch.tensor(1e10)).loss
+    assert_close(_np(small) * 1e40, _np(mean) * count, "float32",
+                 name="weights 1e-30 over 1e10")
 
 
-@pytest.mark.parametrize("variant", dk.VARIANTS)
-def test_sft_variants(rng, variant):
+@pytest.mark.parametrize("variant, encoder", [(v, False) for v in dk.VARIANTS]
+                         + [(dk.VARIANTS[0], True)])
+def test_sft_variants(rng, variant, encoder):
     """variant / diffusion_t / loss_mask: the batch mean of Megatron-Bridge's SFT loss
     (``diffusion_sft_loss``: x0 = labels, xt = decoder_input_ids) on the capped logits, against
-    the oracle's, and every parameter's gradient."""
+    the oracle's, and every parameter's gradient; with encoder_labels too (the SFT loss and
+    the encoder's token mean then read the head in two passes, their dWs summed before the
+    tied table's lookups add their rows)."""
     model = build(rng)
     ref = copy.deepcopy(model)
-    inputs, labels, _ = make_inputs(rng)
+    inputs, labels, encoder_labels = make_inputs(rng)
     t = rng.uniform(0.05, 0.95, B)
     mask = (rng.uniform(size=(B, L)) < 0.8) * (labels.numpy() != -100) * 1.0
     x0, xt = np.where(labels.numpy() != -100, labels.numpy(), 0), inputs["decoder_input_ids"].numpy()
@@ -300,14 +316,20 @@ def test_sft_variants(rng, variant):
     def terms(zc, ze):
         loss = oracle.sft_loss(zc, x0, xt, t, mask, variant, V).mean()
         dz = oracle.sft_loss_grad(zc, x0, xt, t, mask, variant, V, np.full(B, 1.0 / B))
-        return loss, dz, None
+        if not encoder:
+            return loss, dz, None
+        enc, dze_head = token_ce(ze[:, :-1], encoder_labels.numpy()[:, 1:])
+        dze = np.zeros_like(ze)
+        dze[:, :-1] = dze_head
+        return loss + enc, dz, dze
 
     want, ref_grads = reference(ref, inputs, terms)
     _, truth_grads = reference(ref, inputs, terms, float64=True)
     apply_dlm_kernels_to_diffusion_gemma(model)
+    extra = dict(encoder_labels=encoder_labels) if encoder else {}
     out = run_patched(model, inputs, labels=labels, variant=variant,
                       diffusion_t=torch.from_numpy(t).float(),
-                      loss_mask=torch.from_numpy(mask).float())
+                      loss_mask=torch.from_numpy(mask).float(), **extra)
     assert out.logits is None
     assert_close(_np(out.loss), want, "float32", name=f"{variant} loss")
     check_gradients(model, ref_grads, truth_grads, "float32")
@@ -387,7 +409,9 @@ def test_a_lookup_with_max_norm_keeps_autograd_s_gradient(rng, monkeypatch):
     model without the route, bit for bit."""
     model = build(rng)
     apply_dlm_kernels_to_diffusion_gemma(model)
+    assert len(integration._tied_lookups(model, True)) == 2  # plain lookups: routed
     model.model.decoder.embed_tokens.max_norm = 1e9  # renormalises nothing, but runs in place
+    assert integration._tied_lookups(model, True) == []
     inputs, labels, encoder_labels = make_inputs(rng)
     grads = []
     for route in (True, False):

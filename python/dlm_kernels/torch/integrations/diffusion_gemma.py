@@ -81,29 +81,36 @@ class _TokenMean:
 def _token_means(self: Any, weight: torch.Tensor, terms: list[_TokenMean]) -> torch.Tensor:
     """The sum of the terms, their rows read through one capped head: one
     ``weighted_cross_entropy`` over all of them (so the table's gradient is formed once),
-    each row weighted w / its term's denominator."""
+    each row weighted w · f / F, f = 1 / its term's denominator, F the largest f (so the
+    weights are the caller's own for that term, whatever the denominators' scale), and the
+    weighted mean scaled back by Σ (w · f / F) · F."""
     rows = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in terms])  # [N, D]
     head, objectives = _capped_head(rows[None], weight, self.lm_head.bias,
                                     self.final_logit_softcapping)
-    scaled, bad = [], torch.zeros(())
+    weights, factors, bad = [], [], []
     for t in terms:
         active = t.labels.reshape(-1) != IGNORE_INDEX
         w = active.to(torch.float32) if t.weights is None else torch.where(
             active, t.weights.reshape(-1).to(torch.float32), 0.0)
         den = w.sum() if t.denominator is None else torch.as_tensor(
             t.denominator, dtype=torch.float32, device=w.device)
-        # 1 / den by the contract: 0 for a 0 denominator, NaN for a NaN or negative one,
-        # which makes the loss and every gradient NaN below (the weights stay finite: 1)
+        # 1 / den by the contract: 0 for a 0 denominator, NaN for a NaN or negative one (and
+        # for one whose reciprocal overflows float32), which makes the loss and every
+        # gradient NaN below; the weights stay finite
         inv = dk.WeightedSum(torch.ones_like(den), den).compute()
-        scaled.append(w * torch.where(torch.isfinite(inv), inv, 1.0))
-        bad = bad.to(inv.device) + inv * 0.0  # NaN where inv is not finite, else 0
-    v = torch.cat(scaled)  # [N]
+        weights.append(w)
+        factors.append(torch.where(torch.isfinite(inv), inv, 1.0))
+        bad.append(inv * 0.0)  # NaN where inv is not finite, else 0
+    top = torch.stack(factors).max()
+    top = torch.where(top > 0, top, 1.0)  # every factor 0: nothing to normalise
+    v = torch.cat([w * (f / top) for w, f in zip(weights, factors)])  # [N]
     labels = torch.cat([t.labels.reshape(-1) for t in terms])
     targets = torch.where(labels != IGNORE_INDEX, labels, 0)[None]
     batch = dk.DiffusionTokenBatch(model_inputs=targets, target_ids=targets,
                                    loss_weights=v[None])
-    # Σ v·CE: the mean over the weights v (exactly 0 where all are 0) times their sum
-    return objectives.weighted_cross_entropy(head, batch).compute() * v.sum() * (1.0 + bad)
+    # Σ v·CE · F: the mean over the weights v (exactly 0 where all are 0) times their sum
+    mean = objectives.weighted_cross_entropy(head, batch).compute()
+    return mean * v.sum() * top * (1.0 + torch.stack(bad).sum())
 
 
 def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -228,7 +235,9 @@ def _forward(
         labels or encoder_labels are given; True without either is a ValueError.
       num_items_in_batch: the token-mean loss's denominator instead of this batch's count of
         supervised canvas positions (transformers' Trainer passes it under gradient
-        accumulation); it normalises the canvas term only.
+        accumulation); it normalises the canvas term only. 0 gives 0 (and zero gradients);
+        a NaN or negative one, or one below about 3e-39 (its reciprocal overflows float32),
+        a NaN loss and NaN gradients.
       return_last_hidden_state: the output also holds the decoder's final hidden states
         [B, L, D] as ``last_hidden_state`` (what the head reads; the denoising step's head path
         takes them); skip_logits then defaults to True.

@@ -76,11 +76,11 @@ class _Relay(torch.autograd.Function):
 
 def add_rows_(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``table[i] += Σ rows[ids == i]`` in place ([V, D], [N], [N, D]), each id's rows summed in
-    float32 (float64 for a float64 table) and added to its table row in one rounding, as
-    autograd's ``embedding_dense_backward`` then its sum into dW would round them. On a GPU,
-    torch's ``index_put_`` with accumulate does that itself (it sorts the ids and reduces each
-    one's rows before one add: deterministic); on a CPU it would round at every addend, so the
-    sums are formed here first."""
+    float32 (float64 for a float64 table) and added to its table row in one rounding. On a
+    GPU, torch's ``index_put_`` with accumulate sorts the ids and reduces each one's rows
+    before adding them (its implementation; this path has not run on a GPU in this
+    repository's tests yet, which cover it where one is present); on a CPU it would round at
+    every addend, so the sums are formed here first."""
     if table.device.type != "cpu":
         return table.index_put_((ids,), rows.to(table.dtype), accumulate=True)
     acc = torch.float64 if table.dtype == torch.float64 else torch.float32
