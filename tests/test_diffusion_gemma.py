@@ -35,6 +35,7 @@ from dlm_kernels.torch.integrations import (MODEL_TYPE_TO_APPLY_FN, apply_dlm_ke
                                             apply_dlm_kernels_to_diffusion_gemma)
 from dlm_kernels.torch.integrations import diffusion_gemma as integration  # noqa: E402
 from harness import assert_close  # noqa: E402
+from storage_probe import NewStorages  # noqa: E402
 
 B, S, L, D, V = 2, 5, 16, 64, 1024  # batch, prompt, canvas, width, vocabulary
 CAP = 30.0
@@ -374,32 +375,13 @@ def test_encoder_labels(rng, tokens, dtype):
     apply_dlm_kernels_to_diffusion_gemma(model)
     model.zero_grad(set_to_none=True)
     table = model.lm_head.weight
-    with _Tables(tuple(table.shape), table.dtype) as tables:
+    with NewStorages(tuple(table.shape), table.dtype) as tables:
         out = model(**inputs, labels=labels, encoder_labels=encoder_labels)
         out.loss.backward()
     assert tables.storages == {model.lm_head.weight.grad.untyped_storage().data_ptr()}, \
         tables.ops
     assert_close(_np(out.loss), want, "float32", name="canvas + encoder loss")
     check_gradients(model, ref_grads, truth_grads, dtype)
-
-
-class _Tables(TorchDispatchMode):
-    """The new storages of the tensors of one shape and dtype that operations return (not
-    an argument's: in-place operations and views make none), and the operations."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
-        super().__init__()
-        self.shape, self.dtype, self.storages, self.ops = shape, dtype, set(), []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and \
-                    t.dtype == self.dtype and t.untyped_storage().data_ptr() not in given:
-                self.storages.add(t.untyped_storage().data_ptr())
-                self.ops.append(str(func))
-        return out
 
 
 def test_a_lookup_with_max_norm_keeps_autograd_s_gradient(rng, monkeypatch):

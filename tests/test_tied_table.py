@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from dlm_kernels.torch.integrations.tied_table import (TableGradTape,  # noqa: E402
                                                        relay_table, tied_lookup)
 from dlm_kernels.torch.integrations.tied_table import add_rows_ as tied_table_add_rows  # noqa: E402
+from storage_probe import NewStorages  # noqa: E402
 
 V, D, PAD = 37, 6, 3
 
@@ -110,14 +110,14 @@ def test_rows_go_to_the_relay_and_one_table_is_made(rng, monkeypatch):
                         or give(self, *a))
     toy = Toy(rng)
     head, aux = toy.losses(True)
-    with _Tables() as seen:
+    with NewStorages((V, D)) as seen:
         (head + aux).backward()
     assert given == [toy.canvas.numel(), toy.prompt.numel()] or \
         given == [toy.prompt.numel(), toy.canvas.numel()], given
     assert seen.storages == {toy.table.grad.untyped_storage().data_ptr()}, seen.ops
     toy.table.grad = None
     head, aux = toy.losses(False)
-    with _Tables() as seen:
+    with NewStorages((V, D)) as seen:
         (head + aux).backward()
     assert len(seen.storages) >= 2, seen.ops  # autograd's lookups: tables of their own
 
@@ -132,26 +132,6 @@ def test_a_relay_that_has_run_refuses_rows():
     assert not tape.give(7, ids, rows)
     assert tape.take(7) == []
     assert tape.give(8, ids, rows)  # another pass
-
-
-class _Tables(TorchDispatchMode):
-    """The new storages of the [V, D] tensors operations return (not an argument's: in-place
-    operations and views make none), and the operations."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages, self.ops = set(), []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and tuple(t.shape) == (V, D) and \
-                    t.untyped_storage().data_ptr() not in given:
-                self.storages.add(t.untyped_storage().data_ptr())
-                self.ops.append(str(func))
-        return out
-
 
 
 def test_compiled_autograd_keeps_the_lookups_gradients(rng):

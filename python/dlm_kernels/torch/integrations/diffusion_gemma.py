@@ -87,9 +87,11 @@ def _token_means(self: Any, weight: torch.Tensor, terms: list[_TokenMean]) -> to
     rows = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in terms])  # [N, D]
     head, objectives = _capped_head(rows[None], weight, self.lm_head.bias,
                                     self.final_logit_softcapping)
-    weights, factors, bad = [], [], []
+    targets, weights, factors, bad = [], [], [], []
     for t in terms:
-        active = t.labels.reshape(-1) != IGNORE_INDEX
+        labels = t.labels.reshape(-1)
+        active = labels != IGNORE_INDEX
+        targets.append(torch.where(active, labels, 0))
         w = active.to(torch.float32) if t.weights is None else torch.where(
             active, t.weights.reshape(-1).to(torch.float32), 0.0)
         den = w.sum() if t.denominator is None else torch.as_tensor(
@@ -104,10 +106,8 @@ def _token_means(self: Any, weight: torch.Tensor, terms: list[_TokenMean]) -> to
     top = torch.stack(factors).max()
     top = torch.where(top > 0, top, 1.0)  # every factor 0: nothing to normalise
     v = torch.cat([w * (f / top) for w, f in zip(weights, factors)])  # [N]
-    labels = torch.cat([t.labels.reshape(-1) for t in terms])
-    targets = torch.where(labels != IGNORE_INDEX, labels, 0)[None]
-    batch = dk.DiffusionTokenBatch(model_inputs=targets, target_ids=targets,
-                                   loss_weights=v[None])
+    y = torch.cat(targets)[None]  # [1, N]
+    batch = dk.DiffusionTokenBatch(model_inputs=y, target_ids=y, loss_weights=v[None])
     # Σ v·CE · F: the mean over the weights v (exactly 0 where all are 0) times their sum
     mean = objectives.weighted_cross_entropy(head, batch).compute()
     return mean * v.sum() * top * (1.0 + torch.stack(bad).sum())
@@ -166,6 +166,11 @@ def _encoder_term(hidden: torch.Tensor | None, encoder_labels: torch.Tensor) -> 
     return _TokenMean(hidden[:, :-1], encoder_labels[:, 1:])
 
 
+def _token_embeddings(model: Any) -> tuple[Any, Any]:
+    """The model's token embeddings: the encoder's and the decoder's."""
+    return model.model.encoder.language_model.embed_tokens, model.model.decoder.embed_tokens
+
+
 def _tied_lookups(self: Any, wants_loss: bool) -> list[Any]:
     """The token embeddings whose gradients this forward's head takes as rows
     (``tied_table``): in an eager training forward with a loss, the encoder's and the
@@ -175,8 +180,7 @@ def _tied_lookups(self: Any, wants_loss: bool) -> list[Any]:
     if not (wants_loss and torch.is_grad_enabled() and weight.requires_grad) or \
             torch.compiler.is_compiling():
         return []
-    tied = [e for e in (self.model.encoder.language_model.embed_tokens,
-                        self.model.decoder.embed_tokens) if e.weight is weight]
+    tied = [e for e in _token_embeddings(self) if e.weight is weight]
     # all or none: a lookup with max_norm renormalises rows of the table in place, which the
     # relay (a view of it made before) may not outlive
     plain = all(e.max_norm is None and not e.scale_grad_by_freq and not e.sparse for e in tied)
@@ -599,9 +603,7 @@ def apply_dlm_kernels_to_diffusion_gemma(
         _replace(cls, model, "forward", _forward)
         embedding = modeling.DiffusionGemmaTextScaledWordEmbedding
         embedding._dlm_kernels_lookup = None
-        for lookup in ([None] if model is None else
-                       [model.model.encoder.language_model.embed_tokens,
-                        model.model.decoder.embed_tokens]):
+        for lookup in [None] if model is None else _token_embeddings(model):
             _replace(embedding, lookup, "forward", _embedding_forward)
     if fused_sampling:
         _replace(cls, model, "_denoising_step", _denoising_step)
